@@ -1,0 +1,132 @@
+"""Typed run configuration (the schema behind the Hydra configs) and its validation.
+
+`validate()` checks the values alone; `validate_for_model()` checks them against the checkpoint's config.json.
+Both run on every rank before any collective, so a bad config ends every rank with the same message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF model dir; None = the embedded tiny default (written on first use)
+    max_seq_len: Optional[int] = None  # KV cache length; None = prompt + max_new_tokens of the longest request
+
+
+@dataclass
+class ParallelConfig:
+    tp_size: int = 1
+    # Ranks beyond tp_size form data-parallel replicas (each serves its share of the requests).
+    timeout_s: float = 300.0  # a collective that does not complete in this time fails the run
+
+
+@dataclass
+class LoRAConfig:
+    adapter_dir: Optional[str] = None  # every subdirectory with adapter_config.json is an adapter
+    max_loras: int = 4  # device slots
+    max_rank: int = 16
+    fully_sharded: bool = False
+    backend: str = "auto"  # auto | torch | triton
+    kernel: str = "sorted"  # sorted | chunked (triton scheduling scheme)
+    segment_size: int = 64  # tokens per segment for kernel=chunked
+    dtype: str = "auto"  # auto (the model's) | fp8 (B stored as float8_e4m3 with per-channel scales)
+    lora_embeddings: bool = True  # also wrap embed_tokens / lm_head (only when an adapter targets them)
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 16  # for requests that do not say
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 32  # sequences per step
+    max_tokens_per_step: int = 4096  # prompt tokens admitted per step
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    requests: Optional[str] = None  # JSONL; None = the embedded default requests
+    output: str = "outputs.jsonl"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | float16 | bfloat16
+    cuda_graphs: bool = True
+    progress: bool = True
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: RunConfig, world_size: int = 1) -> None:
+    """Value checks that need no checkpoint."""
+    p, lo = cfg.parallel, cfg.lora
+    _check(p.tp_size >= 1, f"parallel.tp_size={p.tp_size}: expected >= 1")
+    _check(world_size % p.tp_size == 0,
+           f"parallel.tp_size={p.tp_size} does not divide the {world_size} launched processes")
+    _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s}: expected > 0")
+    _check(lo.max_loras >= 1, f"lora.max_loras={lo.max_loras}: expected >= 1")
+    _check(lo.max_rank >= 1, f"lora.max_rank={lo.max_rank}: expected >= 1")
+    _check(lo.backend in ("auto", "torch", "triton"), f"lora.backend={lo.backend!r}: expected auto, torch or triton")
+    _check(lo.kernel in ("sorted", "chunked"), f"lora.kernel={lo.kernel!r}: expected sorted or chunked")
+    _check(lo.segment_size >= 1, f"lora.segment_size={lo.segment_size}: expected >= 1")
+    _check(lo.dtype in ("auto", "fp8"), f"lora.dtype={lo.dtype!r}: expected auto or fp8")
+    if lo.fully_sharded:
+        _check(lo.max_rank % p.tp_size == 0,
+               f"lora.fully_sharded=true splits the rank dim: lora.max_rank={lo.max_rank} must be divisible by "
+               f"parallel.tp_size={p.tp_size}")
+    _check(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r}: expected auto, cpu or cuda")
+    _check(cfg.dtype in ("auto", "float32", "float16", "bfloat16"),
+           f"dtype={cfg.dtype!r}: expected auto, float32, float16 or bfloat16")
+    g = cfg.generation
+    _check(g.max_new_tokens >= 1, f"generation.max_new_tokens={g.max_new_tokens}: expected >= 1")
+    _check(g.temperature >= 0, f"generation.temperature={g.temperature}: expected >= 0")
+    _check(0 < g.top_p <= 1, f"generation.top_p={g.top_p}: expected in (0, 1]")
+    s = cfg.scheduler
+    _check(s.max_batch_size >= 1, f"scheduler.max_batch_size={s.max_batch_size}: expected >= 1")
+    _check(s.max_tokens_per_step >= 1, f"scheduler.max_tokens_per_step={s.max_tokens_per_step}: expected >= 1")
+
+
+def validate_for_model(hf: dict, tp_size: int) -> None:
+    """Checks of the parallel layout against a HF config.json (dict)."""
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    checks = [("num_attention_heads", heads), ("intermediate_size", hf["intermediate_size"]),
+              ("vocab_size", hf["vocab_size"])]
+    for name, value in checks:
+        _check(value % tp_size == 0, f"parallel.tp_size={tp_size} does not divide the model's {name}={value}")
+    _check(kv % tp_size == 0 or tp_size % kv == 0,
+           f"parallel.tp_size={tp_size} and the model's num_key_value_heads={kv}: one must divide the other "
+           f"(KV heads are split, or replicated when tp_size > num_key_value_heads)")
+
+
+def resolve_device(name: str) -> str:
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but torch sees no CUDA device (device=cpu runs on the CPU)")
+    return name
+
+
+def resolve_dtype(name: str, device: str):
+    import torch
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)

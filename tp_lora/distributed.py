@@ -1,0 +1,173 @@
+"""Process groups and every collective the runtime performs.
+
+Nothing else in tp_lora calls torch.distributed collectives: layers name the primitive they need, and the counters
+here let tests and benchmarks read the communication of a forward pass in one place.
+
+The mesh is (dp, tp): `tp` groups split layers; `dp` groups hold disjoint requests (and, for MoE, are the expert-
+parallel groups). With one process nothing is initialised and every collective is the identity.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Group:
+    """A process group seen from one rank. `pg` is None for a group of one."""
+    name: str
+    rank: int = 0
+    size: int = 1
+    ranks: tuple[int, ...] = (0,)
+    pg: object | None = None
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes per (primitive, group name); reset() between the steps a test wants to count."""
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def record(self, op: str, group: Group, t: torch.Tensor) -> None:
+        key = f"{op}:{group.name}"
+        self.calls[key] += 1
+        self.bytes[key] += t.numel() * t.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def total(self, op: str | None = None) -> int:
+        return sum(n for k, n in self.calls.items() if op is None or k.startswith(op + ":"))
+
+
+STATS = CommStats()
+
+
+def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over the group, in place; returns t."""
+    if group.size == 1:
+        return t
+    STATS.record("all_reduce", group, t)
+    dist.all_reduce(t, group=group.pg)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's t along dim (rank order)."""
+    if group.size == 1:
+        return t
+    STATS.record("all_gather", group, t)
+    dim = dim % t.dim()
+    out = torch.empty((group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group.pg)
+    if dim == 0:
+        return out
+    return torch.cat(out.chunk(group.size, 0), dim)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over the group, then rank i keeps the i-th equal chunk of dim 0."""
+    if group.size == 1:
+        return t
+    STATS.record("reduce_scatter", group, t)
+    out = torch.empty((t.shape[0] // group.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, t.contiguous(), group=group.pg)
+    return out
+
+
+def broadcast_object(obj, group: Group, src_rank: int = 0):
+    """Rank src_rank's Python object on every rank of the group (host-side control, not counted)."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=group.ranks[src_rank], group=group.pg)
+    return box[0]
+
+
+def all_gather_object(obj, group: Group) -> list:
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+@dataclass
+class ParallelState:
+    """This rank's place in the (dp, tp) mesh. `world` spans all ranks."""
+    world: Group
+    tp: Group
+    dp: Group
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def is_driver(self) -> bool:
+        return self.world.rank == 0
+
+
+def single_process(device: str | torch.device = "cpu") -> ParallelState:
+    return ParallelState(world=Group("world"), tp=Group("tp"), dp=Group("dp"), device=torch.device(device))
+
+
+def mesh_groups(world_size: int, tp_size: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Rank lists of every tp group (consecutive ranks, so TP stays inside a node) and every dp group."""
+    if world_size % tp_size:
+        raise ValueError(f"world size {world_size} is not divisible by parallel.tp_size={tp_size}")
+    dp_size = world_size // tp_size
+    tp_groups = [tuple(range(d * tp_size, (d + 1) * tp_size)) for d in range(dp_size)]
+    dp_groups = [tuple(range(t, world_size, tp_size)) for t in range(tp_size)]
+    return tp_groups, dp_groups
+
+
+def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0) -> ParallelState:
+    """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    NCCL on CUDA, gloo on CPU. A collective that does not complete within timeout_s raises instead of hanging.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world_size == 1:
+        if tp_size != 1:
+            raise ValueError(f"parallel.tp_size={tp_size} needs {tp_size} processes, but this run has 1: "
+                             f"launch with torchrun --nproc_per_node={tp_size}")
+        return single_process(dev)
+    tp_groups, dp_groups = mesh_groups(world_size, tp_size)
+    if not dist.is_initialized():
+        # Async error handling makes a stuck NCCL collective abort the process after the timeout.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    world = Group("world", rank, world_size, tuple(range(world_size)), dist.group.WORLD)
+    return ParallelState(world=world, tp=_my_group("tp", tp_groups, rank, timeout_s),
+                         dp=_my_group("dp", dp_groups, rank, timeout_s), device=dev)
+
+
+def _my_group(name: str, groups: list[tuple[int, ...]], rank: int, timeout_s: float) -> Group:
+    mine = None
+    for ranks in groups:  # every rank must create every group, in the same order
+        pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s)) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = Group(name, ranks.index(rank), len(ranks), ranks, pg)
+    return mine
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,168 @@
+"""LoRA wrappers over the base parallel layers: one class per layer *family*, parameterised by the layer's
+LinearSpec (how it is sharded) and the sharding mode; all slicing lives in tp_lora.sharding.
+
+For a token of adapter a: y = x W^T + s_a (x A_a^T) B_a^T. Where the LoRA math sits relative to the base layer's
+communication (see ARCHITECTURE.md):
+  column, default        A whole, B split on out           shrink -> expand                    no collective
+  column, fully sharded  A split on rank, B split on out   shrink -> all_gather(u) -> expand   1 all-gather per layer
+  row, default           A split on in, B whole            shrink -> expand into partial sum   none (base all-reduce)
+  row, fully sharded     A split on in, B split on out     shrink -> all_reduce(u) -> expand into own columns
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from tp_lora import distributed as comm
+from tp_lora.layers.embedding import VocabParallelEmbedding
+from tp_lora.lora.batch import LoRABatch
+from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
+
+
+@dataclass
+class LoRARuntime:
+    """State every LoRA layer of a model shares: sizes, backend, and the current step's batch metadata
+    (set once per step by the model, read by every layer)."""
+    max_loras: int
+    max_rank: int
+    fully_sharded: bool
+    ops: ModuleType
+    batch: LoRABatch | None = None
+    # module path -> (layer, slice index): where a PEFT target module lands in this model
+    targets: dict = field(default_factory=dict)
+
+    def active(self) -> bool:
+        return self.batch is not None and self.batch.any_lora
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad t's rank dim to max_rank: a smaller adapter then contributes exact zeros in the padding."""
+    if t.shape[dim] > size:
+        raise ValueError(f"LoRA rank {t.shape[dim]} exceeds lora.max_rank={size}")
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]]
+    return torch.nn.functional.pad(t, pad)
+
+
+class LoRALinear(nn.Module):
+    """Multi-LoRA over a ParallelLinear (column / merged / qkv / row / replicated) or the LM head.
+
+    Buffers per packed slice s: lora_a[s] [L, r_local, in_local], lora_b[s] [L, out_local_s, r], scales [S, L].
+    """
+
+    def __init__(self, base: nn.Module, rt: LoRARuntime):
+        super().__init__()
+        self.base, self.rt = base, rt
+        spec, tp = base.spec, base.tp
+        self.spec, self.tp = spec, tp
+        # With one rank "fully sharded" and default coincide; keep the collective-free path.
+        self.fully_sharded = rt.fully_sharded and tp.size > 1 and spec.kind != "replicated"
+        if self.fully_sharded and rt.max_rank % tp.size:
+            raise ValueError(f"lora.fully_sharded needs lora.max_rank ({rt.max_rank}) divisible by tp_size "
+                             f"({tp.size})")
+        r_a = rt.max_rank // tp.size if (self.fully_sharded and spec.kind == "column") else rt.max_rank
+        in_local = base.weight.shape[1]
+        if spec.kind == "column":
+            b_rows = spec.local_out_widths(tp.rank, tp.size)
+        elif spec.kind == "row" and self.fully_sharded:
+            b_rows = (spec.out_features // tp.size,)
+        else:
+            b_rows = spec.out_widths
+        dtype, device = base.weight.dtype, base.weight.device
+        self.lora_a = nn.ParameterList(
+            [nn.Parameter(torch.zeros(rt.max_loras, r_a, in_local, dtype=dtype, device=device), requires_grad=False)
+             for _ in spec.slices])
+        self.lora_b = nn.ParameterList(
+            [nn.Parameter(torch.zeros(rt.max_loras, rows, rt.max_rank, dtype=dtype, device=device),
+                          requires_grad=False) for rows in b_rows])
+        self.register_buffer("scales", torch.zeros(len(spec.slices), rt.max_loras, dtype=torch.float32,
+                                                   device=device))
+        self.out_offset = row_lora_out_offset(spec, tp.rank, tp.size) if (
+            spec.kind == "row" and self.fully_sharded) else 0
+
+    def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """Load one slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard."""
+        a = _pad(a, 0, self.rt.max_rank)
+        b = _pad(b, 1, self.rt.max_rank)
+        size = (self.tp.rank, self.tp.size)
+        self.lora_a[slice_idx].data[slot].copy_(shard_lora_a(self.spec, a, *size, self.fully_sharded))
+        self.lora_b[slice_idx].data[slot].copy_(shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded))
+        self.scales[slice_idx, slot] = scale
+
+    def reset_slot(self, slot: int) -> None:
+        for a, b in zip(self.lora_a, self.lora_b):
+            a.data[slot].zero_()
+            b.data[slot].zero_()
+        self.scales[:, slot] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.base.partial(x)
+        if self.rt.active():
+            self.add_lora(x, z)
+        return self.base.finish(z)
+
+    def add_lora(self, x: torch.Tensor, z: torch.Tensor) -> None:
+        ops, batch = self.rt.ops, self.rt.batch
+        u = ops.shrink(x, self.lora_a, self.scales, batch)  # [S, T, r_local] float32
+        if self.fully_sharded:
+            # One collective for every slice of a packed layer: the slices travel together in u.
+            u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)
+        ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
+
+
+class LoRAEmbedding(nn.Module):
+    """Multi-LoRA over the vocab-parallel embedding. A^T [L, V/p, r] is split by vocab like the base table and
+    B [L, H, r] kept whole, so each rank adds its partial delta before the base all-reduce: no extra collective in
+    either sharding mode."""
+
+    def __init__(self, base: VocabParallelEmbedding, rt: LoRARuntime):
+        super().__init__()
+        self.base, self.rt = base, rt
+        dtype, device = base.weight.dtype, base.weight.device
+        self.lora_a_t = nn.Parameter(torch.zeros(rt.max_loras, base.weight.shape[0], rt.max_rank, dtype=dtype,
+                                                 device=device), requires_grad=False)
+        self.lora_b = nn.Parameter(torch.zeros(rt.max_loras, base.hidden, rt.max_rank, dtype=dtype,
+                                               device=device), requires_grad=False)
+        self.register_buffer("scales", torch.zeros(1, rt.max_loras, dtype=torch.float32, device=device))
+
+    def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """a: PEFT's lora_embedding_A [r, vocab]; b: lora_embedding_B [hidden, r]."""
+        a_t = _pad(a.t(), 1, self.rt.max_rank)
+        self.lora_a_t.data[slot].copy_(take(a_t, (self.base.vocab_start, self.base.vocab_end), 0))
+        self.lora_b.data[slot].copy_(_pad(b, 1, self.rt.max_rank))
+        self.scales[0, slot] = scale
+
+    def reset_slot(self, slot: int) -> None:
+        self.lora_a_t.data[slot].zero_()
+        self.lora_b.data[slot].zero_()
+        self.scales[:, slot] = 0.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        z = self.base.partial(ids)
+        if self.rt.active():
+            ops, batch = self.rt.ops, self.rt.batch
+            u = ops.embedding_shrink(ids, self.lora_a_t, self.scales, batch, self.base.vocab_start)
+            ops.expand(u, [self.lora_b], batch, z)
+        return self.base.finish(z)
+
+
+def wrap(base: nn.Module, rt: LoRARuntime, module_paths: list[str]) -> nn.Module:
+    """Wrap a base layer and register the PEFT module paths its slices answer to (q/k/v -> slices 0/1/2)."""
+    layer = LoRAEmbedding(base, rt) if isinstance(base, VocabParallelEmbedding) else LoRALinear(base, rt)
+    for slice_idx, path in enumerate(module_paths):
+        rt.targets[path] = (layer, slice_idx)
+    return layer
+
+
+def module_shapes(rt: LoRARuntime) -> dict[str, tuple[int, int]]:
+    """module path -> (in_features, out_features) of the full (unsharded) module, for adapter validation."""
+    shapes = {}
+    for path, (layer, s) in rt.targets.items():
+        if isinstance(layer, LoRAEmbedding):
+            shapes[path] = (layer.base.vocab, layer.base.hidden)
+        else:
+            shapes[path] = (layer.spec.in_features, layer.spec.slices[s].width)
+    return shapes
+

@@ -1,0 +1,58 @@
+"""Plain-torch LoRA ops: the reference every other backend must match, and the CPU path.
+
+Shapes: T tokens, S slices of a packed layer, L adapter slots, r rank (the local r/p in fully sharded column
+layers), out_s the width of slice s. Tokens with no adapter (slot -1) are skipped: their shrink rows are 0 and
+expand never touches their output rows.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tp_lora.lora.batch import LoRABatch
+
+
+def _groups(batch: LoRABatch):
+    for slot, start, count in zip(batch.host_slot_ids, batch.host_starts, batch.host_counts):
+        yield slot, batch.order[start:start + count].long()
+
+
+def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """x [T, in], lora_a S x [L, r, in], scales [S, L] float32 -> [S, T, r] float32 = scale * x @ A[slot]^T."""
+    rank = lora_a[0].shape[1]
+    out = torch.zeros(len(lora_a), x.shape[0], rank, dtype=torch.float32, device=x.device)
+    for slot, idx in _groups(batch):
+        xs = x[idx].float()
+        for s, a in enumerate(lora_a):
+            out[s, idx] = (xs @ a[slot].float().t()) * scales[s, slot]
+    return out
+
+
+def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, out: torch.Tensor,
+           offset: int = 0, add: bool = True) -> None:
+    """buf [S, T, r], lora_b S x [L, out_s, r], out [T, O]:
+    out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T, for tokens with an adapter."""
+    for slot, idx in _groups(batch):
+        col = offset
+        for s, b in enumerate(lora_b):
+            width = b.shape[1]
+            delta = buf[s, idx].float() @ b[slot].float().t()
+            if add:
+                delta = delta + out[idx, col:col + width].float()
+            out[idx, col:col + width] = delta.to(out.dtype)
+            col += width
+
+
+def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Tensor, batch: LoRABatch,
+                     vocab_start: int = 0) -> torch.Tensor:
+    """ids [T], lora_a_t [L, V_local, r] (this rank's vocab rows of A^T), scales [1, L] -> [1, T, r] float32.
+    Ids outside [vocab_start, vocab_start + V_local) give 0 rows (another rank holds them)."""
+    vocab_local, rank = lora_a_t.shape[1], lora_a_t.shape[2]
+    out = torch.zeros(1, ids.shape[0], rank, dtype=torch.float32, device=ids.device)
+    for slot, idx in _groups(batch):
+        local = ids[idx].long() - vocab_start
+        inside = (local >= 0) & (local < vocab_local)
+        rows = lora_a_t[slot][local.clamp(0, vocab_local - 1)].float() * scales[0, slot]
+        out[0, idx] = rows * inside.unsqueeze(-1)
+    return out
