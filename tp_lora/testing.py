@@ -1,0 +1,58 @@
+"""Run a function on N real processes (gloo on CPU) and get rank 0's result: the harness of the distributed tests."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, tp_size, timeout_s, fn, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # several ranks share two cores in CI
+    from tp_lora import distributed
+    try:
+        ps = distributed.init_parallel(tp_size, "cpu", timeout_s)
+        result = fn(ps, *args)
+        queue.put((rank, "ok", result if rank == 0 else None))
+    except BaseException:  # report every failure to the parent, which re-raises it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        distributed.shutdown()
+
+
+def run_ranks(fn, world_size: int, *args, tp_size: int | None = None, timeout_s: float = 120.0):
+    """fn(parallel_state, *args) on world_size spawned ranks; returns rank 0's return value.
+    Raises RuntimeError with the failing ranks' tracebacks. fn must be importable (module level)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, tp_size or world_size, timeout_s, fn, args,
+                                                queue), daemon=False) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = None, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout_s + 60)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{payload}")
+            elif rank == 0:
+                results = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results
