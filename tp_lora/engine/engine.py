@@ -14,12 +14,11 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.config import RunConfig, resolve_device, resolve_dtype, validate_for_model
 from tp_lora.engine.requests import Request, Result
+from tp_lora.engine.runner import ModelRunner, StepBatch
 from tp_lora.engine.sampler import sample
 from tp_lora.lora.adapter import AdapterError, LoRAAdapter, discover_adapters, load_adapter, validate_adapter
-from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.lora.slots import SlotTable
-from tp_lora.models.attention import build_attn_meta
 from tp_lora.models.checkpoint import CheckpointReader, load_hf_config
 from tp_lora.models.llama import CausalLM
 from tp_lora.models.loader import load_weights
@@ -84,6 +83,7 @@ class Engine:
         eos = self.hf.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_positions = self.hf.get("max_position_embeddings", 4096)
+        self.runner = ModelRunner(self.model, self.rt, ps.device)
         self.generator = torch.Generator().manual_seed(cfg.generation.seed)
         self.stats = StepStats()
 
@@ -124,28 +124,36 @@ class Engine:
                     f"exceeds the context of {max_len} tokens")
         return None
 
-    # ---- one model step ---------------------------------------------------------------------------------------
     def _step(self, work: list[tuple[Sequence, int]], cache) -> torch.Tensor:
         """work: (sequence, number of its new tokens). Returns logits [N, V] of each sequence's last new token."""
-        ids, rows, starts, lens, token_slot, seq_slot = [], [], [], [], [], []
+        step = StepBatch()
         for seq, n in work:
-            ids.extend(seq.tokens[seq.computed:seq.computed + n])
-            rows.append(seq.row)
-            starts.append(seq.computed)
-            lens.append(n)
-            token_slot.extend([seq.slot] * n)
-            seq_slot.append(seq.slot)
-        meta = build_attn_meta(rows, starts, lens, self.ps.device, self.model.sliding_window)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.ps.device)
-        if self.rt is not None:
-            self.rt.batch = build_lora_batch(token_slot, self.rt.max_loras, self.ps.device)
-        hidden = self.model(input_ids, cache, meta)
-        if self.rt is not None:
-            self.rt.batch = build_lora_batch(seq_slot, self.rt.max_loras, self.ps.device)
-        logits = self.model.logits(hidden[meta.last_token])
+            step.add(seq.tokens[seq.computed:seq.computed + n], seq.row, seq.computed, seq.slot)
+        logits = self.runner.execute(step, cache)
         for seq, n in work:
             seq.computed += n
         return logits
+
+    @torch.no_grad()
+    def prompt_logits(self, requests: list[Request]) -> list[torch.Tensor]:
+        """Logits [len(prompt), V] at every prompt position of each request, each with its adapter, in one step
+        (evaluation and scoring; all requests must fit in the slots at once)."""
+        for req in requests:
+            err = self.check_request(req, self.max_positions)
+            if err:
+                raise ValueError(err)
+        seqs = []
+        for row, req in enumerate(requests):
+            slot = self._slot_for(req.adapter, seqs)
+            if slot is None:
+                raise ValueError(f"{len({r.adapter for r in requests})} adapters do not fit in "
+                                 f"lora.max_loras={self.cfg.lora.max_loras} slots")
+            seqs.append(Sequence(req, row, slot, list(req.prompt_token_ids), len(req.prompt_token_ids)))
+        cache = self.model.new_cache(len(seqs), max(s.prompt_len for s in seqs))
+        step = StepBatch(all_logits=True)
+        for s in seqs:
+            step.add(s.tokens, s.row, 0, s.slot)
+        return list(self.runner.execute(step, cache).split([s.prompt_len for s in seqs]))
 
     # ---- scheduling ---------------------------------------------------------------------------------------
     def _slot_for(self, name: Optional[str], running: list[Sequence]) -> Optional[int]:
