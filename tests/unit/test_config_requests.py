@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from tp_lora.config import ConfigError, RunConfig, validate, validate_for_model
+from tp_lora.engine.requests import OutputWriter, Request, Result, parse_request
+
+
+def _cfg(**kw):
+    cfg = RunConfig()
+    for key, value in kw.items():
+        obj = cfg
+        *path, last = key.split("__")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return cfg
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(parallel__tp_size=3), "tp_size=3 does not divide the 4 launched"),
+    (dict(lora__fully_sharded=True, lora__max_rank=6, parallel__tp_size=4), "max_rank=6 must be divisible"),
+    (dict(lora__backend="cuda"), "lora.backend='cuda'"),
+    (dict(dtype="fp16"), "dtype='fp16'"),
+    (dict(lora__max_loras=0), "lora.max_loras=0"),
+])
+def test_bad_values_are_named(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        validate(_cfg(**kw), world_size=4)
+
+
+@pytest.mark.parametrize("key, value", [("num_attention_heads", 6), ("intermediate_size", 30), ("vocab_size", 250)])
+def test_model_shapes_must_split(key, value):
+    hf = dict(num_attention_heads=8, num_key_value_heads=2, intermediate_size=32, vocab_size=256)
+    hf[key] = value
+    with pytest.raises(ConfigError, match=f"{key}={value}"):
+        validate_for_model(hf, 4)
+
+
+def test_kv_heads_may_be_replicated():
+    validate_for_model(dict(num_attention_heads=8, num_key_value_heads=2, intermediate_size=32, vocab_size=256), 4)
+    with pytest.raises(ConfigError, match="num_key_value_heads=3"):
+        validate_for_model(dict(num_attention_heads=12, num_key_value_heads=3, intermediate_size=32, vocab_size=256), 4)
+
+
+@pytest.mark.parametrize("line, msg", [
+    ("{not json", "malformed JSON"),
+    ('{"id": 1, "prompt_token_ids": []}', "empty prompt"),
+    ('{"id": 1, "prompt_token_ids": [1, "a"]}', "list of integers"),
+    ('{"id": 1, "prompt_token_ids": [1], "max_new_tokens": 0}', "positive integer"),
+    ('{"id": 1, "prompt": "hello"}', "needs a tokenizer"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_bad_request_lines_become_errors(line, msg):
+    req = parse_request(0, line, 8)
+    assert req.error and msg in req.error
+
+
+def test_writer_flushes_each_line_and_ends_in_request_order(tmp_path):
+    path = tmp_path / "out.jsonl"
+    w = OutputWriter(str(path))
+    reqs = [Request(i, id=f"r{i}", prompt_token_ids=[1]) for i in range(3)]
+    for i in (2, 0, 1):
+        w.write(Result(reqs[i], output_token_ids=[i]))
+        assert len(path.read_text().splitlines()) == [2, 0, 1].index(i) + 1  # on disk before close
+    w.close()
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["r0", "r1", "r2"]
