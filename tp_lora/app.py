@@ -77,7 +77,10 @@ def _generate(cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_di
             f"{n_ad} adapters{f', {len(engine.bad_adapters)} unusable' if engine.bad_adapters else ''}, "
             f"tp={ps.tp.size} dp={ps.dp.size} lora={'fully_sharded' if cfg.lora.fully_sharded else 'default'}, "
             f"device={ps.device} dtype={str(engine.dtype).replace('torch.', '')}, load {time.perf_counter() - t0:.1f}s")
-    results = engine.generate(mine, on_result=writer.write, progress=progress)
+    try:
+        results = engine.generate(mine, on_result=writer.write, progress=progress)
+    finally:
+        engine.close()
     if ps.dp.size > 1:  # replicas send their results to the driver, which writes the file in request order
         gathered = comm.all_gather_object([r.to_json() | {"_index": r.request.index} for r in results], ps.dp)
         if driver:

@@ -83,7 +83,7 @@ class Engine:
         eos = self.hf.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_positions = self.hf.get("max_position_embeddings", 4096)
-        self.runner = ModelRunner(self.model, self.rt, ps.device)
+        self.runner = ModelRunner(self.model, self.rt, ps.device, cfg.cuda_graphs)
         self.generator = torch.Generator().manual_seed(cfg.generation.seed)
         self.stats = StepStats()
 
@@ -193,7 +193,7 @@ class Engine:
             return [results[r.index] for r in requests]
         cache_len = min(max_len, max(len(r.prompt_token_ids) + r.max_new_tokens for r in waiting))
         rows_total = min(cfg.scheduler.max_batch_size, len(waiting))
-        cache = self.model.new_cache(rows_total, cache_len)
+        cache = self.runner.kv_cache(rows_total, cache_len)
         free_rows = list(range(rows_total))
         running: list[Sequence] = []
         t0 = time.perf_counter()
@@ -237,6 +237,10 @@ class Engine:
             self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return [results[r.index] for r in requests]
+
+    def close(self) -> None:
+        """Release CUDA graphs; call before the process group is destroyed."""
+        self.runner.release_graphs()
 
     def _temperature(self, req: Request) -> float:
         return req.temperature if req.temperature is not None else self.cfg.generation.temperature

@@ -1,13 +1,20 @@
 """Executes one model step from a host-side description: builds the step's metadata once (attention layout, LoRA
-batches for the tokens and for the sampled rows) and runs the forward pass and the LM head."""
+batches for the tokens and for the sampled rows) and runs the forward pass and the LM head.
+
+Decode steps on CUDA can replay a captured CUDA graph: one per padded batch size and per "any LoRA" flag. The
+step's inputs and metadata are copied into the graph's static buffers, so a new batch of the same padded size, with
+any mix of adapters, replays without capture or host syncs.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from tp_lora.lora.batch import build_lora_batch
-from tp_lora.models.attention import KVCache, build_attn_meta
+from tp_lora.lora.batch import LoRABatch, build_lora_batch
+from tp_lora.models.attention import AttnMeta, KVCache, build_attn_meta
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass
@@ -33,9 +40,35 @@ class StepBatch:
         return not self.all_logits and all(n == 1 for n in self.lens)
 
 
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [B] static inputs, refreshed before each replay
+    positions: torch.Tensor
+    rows: torch.Tensor
+    lora: LoRABatch | None
+    logits: torch.Tensor  # [B, V] static output
+
+
 class ModelRunner:
-    def __init__(self, model, rt, device):
+    def __init__(self, model, rt, device, cuda_graphs: bool = False):
         self.model, self.rt, self.device = model, rt, torch.device(device)
+        # Graphs need device-side metadata end to end: the torch reference backend loops on the host.
+        self.use_graphs = (cuda_graphs and self.device.type == "cuda" and
+                           (rt is None or hasattr(rt.ops, "refresh_static_batch")))
+        self.graphs: dict[tuple, _Graph] = {}
+        self.cache: KVCache | None = None
+        self.pool = None
+
+    def kv_cache(self, rows: int, max_len: int) -> KVCache:
+        """A cache with at least `rows` rows of `max_len` tokens, plus one scratch row that padded graph slots write
+        to. Kept across calls so captured graphs stay valid; grown (and graphs dropped) only when too small."""
+        c = self.cache
+        if c is None or c.max_seqs < rows + 1 or c.max_len < max_len:
+            self.release_graphs()
+            self.cache = None  # free the old one before allocating the new
+            self.cache = self.model.new_cache(rows + 1, max_len)
+        return self.cache
 
     def _set_lora(self, slots: list[int]) -> None:
         if self.rt is not None:
@@ -44,6 +77,8 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, step: StepBatch, cache: KVCache) -> torch.Tensor:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
+        if self.use_graphs and step.is_decode and len(step.lens) <= GRAPH_BATCH_SIZES[-1] and cache is self.cache:
+            return self._replay(step)
         meta = build_attn_meta(step.rows, step.starts, step.lens, self.device, self.model.sliding_window)
         token_slots = [s for s, n in zip(step.slots, step.lens) for _ in range(n)]
         self._set_lora(token_slots)
@@ -52,3 +87,73 @@ class ModelRunner:
             return self.model.logits(hidden)
         self._set_lora(step.slots)
         return self.model.logits(hidden[meta.last_token])
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------------------
+    def _decode_meta(self, g_rows: torch.Tensor, g_pos: torch.Tensor) -> AttnMeta:
+        """Decode layout computed on the device from the static inputs (inside the graph)."""
+        b, max_kv = g_rows.shape[0], self.cache.max_len
+        k_pos = torch.arange(max_kv, device=self.device)
+        mask = k_pos[None, :] <= g_pos[:, None]
+        if self.model.sliding_window:
+            mask &= k_pos[None, :] > g_pos[:, None] - self.model.sliding_window
+        ar = torch.arange(b, device=self.device)
+        return AttnMeta(cache_rows=g_rows, token_rows=g_rows, positions=g_pos, pad_index=ar[:, None], flat_index=ar,
+                        mask=mask[:, None, None, :], max_kv=max_kv, last_token=ar)
+
+    def _replay(self, step: StepBatch) -> torch.Tensor:
+        n = len(step.lens)
+        size = next(s for s in GRAPH_BATCH_SIZES if s >= n)
+        pad = size - n
+        scratch = self.cache.max_seqs - 1
+        slots = step.slots + [-1] * pad
+        lora = self.rt is not None and any(s >= 0 for s in step.slots)
+        key = (size, lora)
+        g = self.graphs.get(key) or self._capture(size, slots, lora)
+        host = torch.tensor([step.ids + [0] * pad, [s for s in step.starts] + [0] * pad, step.rows + [scratch] * pad],
+                            dtype=torch.long)
+        dev = host.to(self.device, non_blocking=True)
+        g.ids.copy_(dev[0])
+        g.positions.copy_(dev[1])
+        g.rows.copy_(dev[2])
+        if g.lora is not None:
+            self.rt.ops.refresh_static_batch(g.lora, build_lora_batch(slots, self.rt.max_loras, self.device))
+        g.graph.replay()
+        return g.logits[:n]
+
+    def _capture(self, size: int, slots: list[int], lora: bool) -> _Graph:
+        dev = self.device
+        ids = torch.zeros(size, dtype=torch.long, device=dev)
+        positions = torch.zeros(size, dtype=torch.long, device=dev)
+        rows = torch.full((size,), self.cache.max_seqs - 1, dtype=torch.long, device=dev)
+        static_lora = None
+        if self.rt is not None:
+            static_lora = build_lora_batch(slots if lora else [-1] * size, self.rt.max_loras, dev)
+            if lora:
+                self.rt.ops.refresh_static_batch(static_lora, static_lora)  # builds the per-step tables once
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+
+        def forward():
+            if self.rt is not None:
+                self.rt.batch = static_lora
+            meta = self._decode_meta(rows, positions)
+            return self.model.logits(self.model(ids, self.cache, meta))
+
+        # Warm up on a side stream (allocator and Triton autotuning settle before capture), then capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = forward()
+        g = _Graph(graph, ids, positions, rows, static_lora if lora else None, logits)
+        self.graphs[(size, lora)] = g
+        return g
+
+    def release_graphs(self) -> None:
+        """Drop captured graphs (before the process group goes away: a live captured NCCL graph can hang teardown)."""
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
