@@ -1,4 +1,7 @@
-"""Run a function on N real processes (gloo on CPU) and get rank 0's result: the harness of the distributed tests."""
+"""Run a function on N real processes and get rank 0's result: the harness of the distributed tests.
+
+CPU and gloo by default; TP_LORA_TEST_DEVICE=cuda runs the same tests over NCCL, one GPU per rank, and
+TP_LORA_TEST_BACKEND=triton switches the LoRA kernels (tests read both through device_under_test() / backend_under_test())."""
 from __future__ import annotations
 
 import os
@@ -15,13 +18,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_under_test() -> str:
+    return os.environ.get("TP_LORA_TEST_DEVICE", "cpu")
+
+
+def backend_under_test() -> str:
+    return os.environ.get("TP_LORA_TEST_BACKEND", "torch")
+
+
+def enough_devices(world_size: int) -> bool:
+    return device_under_test() == "cpu" or torch.cuda.device_count() >= world_size
+
+
 def _worker(rank, world_size, port, tp_size, timeout_s, fn, args, queue):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share two cores in CI
     from tp_lora import distributed
     try:
-        ps = distributed.init_parallel(tp_size, "cpu", timeout_s)
+        ps = distributed.init_parallel(tp_size, device_under_test(), timeout_s)
         result = fn(ps, *args)
         queue.put((rank, "ok", result if rank == 0 else None))
     except BaseException:  # report every failure to the parent, which re-raises it

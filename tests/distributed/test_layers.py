@@ -8,8 +8,8 @@ from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, replicated_spec, row_spec
 from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime, wrap
-from tp_lora.ops import torch_ref
-from tp_lora.testing import run_ranks
+from tp_lora.ops import get_backend
+from tp_lora.testing import enough_devices, run_ranks, backend_under_test, device_under_test
 
 H, L, R = 16, 4, 8  # hidden, slots, max_rank
 
@@ -27,17 +27,18 @@ def _layer_kinds(tp_size: int):
     """(name, spec, factory(tp) -> base layer, input kind)"""
     kv = 2 if tp_size <= 2 else 1  # tp=4 with one KV head exercises replication
     return [
-        ("column", column_spec(H, 24), lambda tp: ParallelLinear(column_spec(H, 24), tp, bias=True)),
-        ("merged", column_spec(H, 12, 20), lambda tp: ParallelLinear(column_spec(H, 12, 20), tp)),
-        ("qkv", qkv_spec(H, 4, kv, 4), lambda tp: ParallelLinear(qkv_spec(H, 4, kv, 4), tp, bias=True)),
-        ("row", row_spec(32, H), lambda tp: ParallelLinear(row_spec(32, H), tp, bias=True)),
-        ("replicated", replicated_spec(H, 12), lambda tp: ParallelLinear(replicated_spec(H, 12), tp)),
-        ("lm_head", column_spec(H, 32), lambda tp: ParallelLMHead(32, H, tp)),
+        ("column", column_spec(H, 24), lambda tp, d: ParallelLinear(column_spec(H, 24), tp, True, device=d)),
+        ("merged", column_spec(H, 12, 20), lambda tp, d: ParallelLinear(column_spec(H, 12, 20), tp, device=d)),
+        ("qkv", qkv_spec(H, 4, kv, 4), lambda tp, d: ParallelLinear(qkv_spec(H, 4, kv, 4), tp, True, device=d)),
+        ("row", row_spec(32, H), lambda tp, d: ParallelLinear(row_spec(32, H), tp, True, device=d)),
+        ("replicated", replicated_spec(H, 12), lambda tp, d: ParallelLinear(replicated_spec(H, 12), tp, device=d)),
+        ("lm_head", column_spec(H, 32), lambda tp, d: ParallelLMHead(32, H, tp, device=d)),
     ]
 
 
 def _check_layers(ps: comm.ParallelState, fully_sharded: bool, seed: int) -> int:
-    tp = ps.tp
+    tp, dev = ps.tp, ps.device
+    ops = get_backend(backend_under_test(), str(dev))
     gen = torch.Generator().manual_seed(seed)  # same stream on every rank: every rank knows the full tensors
     checked = 0
     for name, spec, make in _layer_kinds(tp.size):
@@ -49,13 +50,13 @@ def _check_layers(ps: comm.ParallelState, fully_sharded: bool, seed: int) -> int
         a = [[torch.randn(ranks[j], spec.in_features, generator=gen) for _ in widths] for j in range(L)]
         b = [[torch.randn(o, ranks[j], generator=gen) for o in widths] for j in range(L)]
         scale = [0.5, 2.0, 1.0 / 3, 1.5]
-        base = make(tp)
+        base = make(tp, dev)
         if isinstance(base, ParallelLMHead):
             base.load(w[0])
         else:
             for s in range(len(widths)):
                 base.load_slice(s, w[s], bias[s] if base.bias is not None else None)
-        rt = LoRARuntime(L, R, fully_sharded, torch_ref)
+        rt = LoRARuntime(L, R, fully_sharded, ops)
         layer = wrap(base, rt, [f"m{s}" for s in range(len(widths))])
         for j in range(L):
             for s in range(len(widths)):
@@ -73,14 +74,14 @@ def _check_layers(ps: comm.ParallelState, fully_sharded: bool, seed: int) -> int
                     if slot >= 0 and not (slot == 3 and s == 1):
                         y[t] += scale[slot] * (x[t] @ a[slot][s].t()) @ b[slot][s].t()
                 ref.append(y)
-            rt.batch = build_lora_batch(slots, L, "cpu")
+            rt.batch = build_lora_batch(slots, L, dev)
             comm.STATS.reset()
             if spec.kind == "row":
                 i0, i1 = spec.in_range(tp.rank, tp.size)
-                out = layer(x[:, i0:i1])
+                out = layer(x[:, i0:i1].to(dev)).cpu()
                 expected = ref[0]
             else:
-                out = layer(x)
+                out = layer(x.to(dev)).cpu()
                 if isinstance(base, ParallelLMHead):
                     expected = ref[0]
                 else:
@@ -97,9 +98,9 @@ def _check_layers(ps: comm.ParallelState, fully_sharded: bool, seed: int) -> int
     # Vocab-parallel embedding with LoRA: A^T split by vocab, B whole, no extra collective.
     vocab = 32
     emb_w = torch.randn(vocab, H, generator=gen)
-    emb = VocabParallelEmbedding(vocab, H, tp)
+    emb = VocabParallelEmbedding(vocab, H, tp, device=dev)
     emb.load(emb_w)
-    rt = LoRARuntime(L, R, fully_sharded, torch_ref)
+    rt = LoRARuntime(L, R, fully_sharded, ops)
     layer = wrap(emb, rt, ["embed"])
     ea = [torch.randn(4, vocab, generator=gen) for _ in range(L)]
     eb = [torch.randn(H, 4, generator=gen) for _ in range(L)]
@@ -111,9 +112,9 @@ def _check_layers(ps: comm.ParallelState, fully_sharded: bool, seed: int) -> int
         for t, slot in enumerate(slots):
             if slot >= 0:
                 ref[t] += 0.25 * (slot + 1) * ea[slot][:, ids[t]] @ eb[slot].t()
-        rt.batch = build_lora_batch(slots, L, "cpu")
+        rt.batch = build_lora_batch(slots, L, dev)
         comm.STATS.reset()
-        torch.testing.assert_close(layer(ids), ref, rtol=1e-5, atol=1e-4, msg=lambda m: f"embedding/{mix}: {m}")
+        torch.testing.assert_close(layer(ids.to(dev)).cpu(), ref, rtol=1e-5, atol=1e-4, msg=lambda m: f"embedding/{mix}: {m}")
         assert comm.STATS.total() == (1 if tp.size > 1 else 0)
         checked += 1
     return checked
@@ -125,6 +126,8 @@ def _all_modes(ps, seed):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_layers_match_unsharded_math(world):
+    if not enough_devices(world):
+        pytest.skip(f"{world} ranks need {world} GPUs")
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
     counts = run_ranks(_all_modes, world, seed)
     assert counts == [4 * 6 + 4] * 2
@@ -132,4 +135,4 @@ def test_layers_match_unsharded_math(world):
 
 def test_layers_single_process():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    assert _all_modes(comm.single_process(), seed) == [4 * 6 + 4] * 2
+    assert _all_modes(comm.single_process(device_under_test()), seed) == [4 * 6 + 4] * 2
