@@ -18,26 +18,35 @@ def _groups(batch: LoRABatch):
         yield slot, batch.order[start:start + count].long()
 
 
-def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-    """x [T, in], lora_a S x [L, r, in], scales [S, L] float32 -> [S, T, r] float32 = scale * x @ A[slot]^T."""
+def _weight(w: torch.Tensor, slot: int, w_scales: Sequence[torch.Tensor] | None, s: int) -> torch.Tensor:
+    """Slot's weight [C, K] in float32; fp8 weights carry per-row (channel) scales w_scales[s] [L, C]."""
+    out = w[slot].float()
+    return out if w_scales is None else out * w_scales[s][slot].float().unsqueeze(-1)
+
+
+def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor, batch: LoRABatch, *,
+           a_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, in], lora_a S x [L, r, in], scales [S, L] float32 -> [S, T, r] float32 = scale * x @ A[slot]^T.
+    a_scales: S x [L, r] float32 when lora_a is stored as fp8 (A = A_fp8 * a_scales[..., None])."""
     rank = lora_a[0].shape[1]
     out = torch.zeros(len(lora_a), x.shape[0], rank, dtype=torch.float32, device=x.device)
     for slot, idx in _groups(batch):
         xs = x[idx].float()
         for s, a in enumerate(lora_a):
-            out[s, idx] = (xs @ a[slot].float().t()) * scales[s, slot]
+            out[s, idx] = (xs @ _weight(a, slot, a_scales, s).t()) * scales[s, slot]
     return out
 
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, out: torch.Tensor,
-           offset: int = 0, add: bool = True) -> None:
+           offset: int = 0, add: bool = True, *, b_scales: Sequence[torch.Tensor] | None = None) -> None:
     """buf [S, T, r], lora_b S x [L, out_s, r], out [T, O]:
-    out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T, for tokens with an adapter."""
+    out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T, for tokens with an adapter.
+    b_scales: S x [L, out_s] float32 when lora_b is stored as fp8 (B = B_fp8 * b_scales[..., None])."""
     for slot, idx in _groups(batch):
         col = offset
         for s, b in enumerate(lora_b):
             width = b.shape[1]
-            delta = buf[s, idx].float() @ b[slot].float().t()
+            delta = buf[s, idx].float() @ _weight(b, slot, b_scales, s).t()
             if add:
                 delta = delta + out[idx, col:col + width].float()
             out[idx, col:col + width] = delta.to(out.dtype)

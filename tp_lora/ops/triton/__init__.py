@@ -1,0 +1,179 @@
+"""Triton LoRA backend: shrink, expand, embedding_shrink with the signatures and semantics of tp_lora.ops.torch_ref.
+
+Scheme selection (the project's ``lora.kernel=sorted|chunked``): ``set_scheme("sorted")`` or
+``set_scheme("chunked", segment_size=None)`` for the process, or ``scheme=`` on a single call. schedule.py explains
+both. Default: "chunked" (its grid is bounded by the tokens, not by max_loras x tokens; see BENCHMARKS.md).
+
+No call here reads a device value on the host: launch grids come from T, max_loras, the weight shapes and the
+batch's host-side tuples, so a decode step can be captured in a CUDA graph (call ``prepare(batch)`` right after
+building the batch, so that its one host->device copy of the work table happens outside the captured region).
+
+FP8 weights: A and/or B may be torch.float8_e4m3fn with per-channel float32 scales (``a_scales`` S x [L, r],
+``b_scales`` S x [L, out_s]; see tp_lora.ops.fp8.quantize_fp8_per_channel); the kernels dequantise on the fly.
+
+Under TRITON_INTERPRET=1 (CPU) the same kernels run in the interpreter, with one difference: the interpreter's
+bf16 dot is wrong, so bf16 operands are rounded to bf16 and then multiplied in float32 (same values).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from tp_lora.lora.batch import LoRABatch
+from tp_lora.ops.triton import configs
+from tp_lora.ops.triton.kernels import embedding_shrink_kernel, expand_kernel, shrink_kernel
+from tp_lora.ops.triton.schedule import SCHEMES, Schedule, get_scheme, prepare, set_scheme
+
+__all__ = ["shrink", "expand", "embedding_shrink", "set_scheme", "get_scheme", "prepare", "SCHEMES", "Schedule"]
+
+MAX_SLICES_PER_LAUNCH = 3
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_FP8 = (torch.float8_e4m3fn,)
+
+
+def _interpreting() -> bool:
+    # Decided when the kernels were decorated (triton.jit reads TRITON_INTERPRET then), not by today's environment.
+    return type(shrink_kernel).__name__ == "InterpretedFunction"
+
+
+def _compute_types(act: torch.dtype, weight: torch.dtype):
+    """(operand rounding type, dot operand type, dot precision) for activations `act` times weights `weight`."""
+    if weight in _FP8:
+        weight = act  # fp8 is widened to the activations' type before the dot (exact for e4m3 into bf16/fp16)
+    if act == weight and act in (torch.float16, torch.bfloat16):
+        cdt = _TL[act]
+        dot = tl.float32 if (act == torch.bfloat16 and _interpreting()) else cdt
+        return cdt, dot, "tf32"  # precision flag only matters for fp32 operands
+    return tl.float32, tl.float32, "ieee"  # fp32 layers ask for fp32 accuracy: no tf32 rounding
+
+
+def _launch_groups(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None):
+    """Split slices into launches of <= 3 consecutive slices that share dtype and inner strides (the kernel takes
+    one of each); the L-dim stride may differ. Yields (first slice index, slice indices)."""
+    def key(i):
+        w = weights[i]
+        k = (w.dtype, w.shape[1:] if scales is None else None, w.stride(1), w.stride(2))
+        return k if scales is None else k + (scales[i].stride(1),)
+    i, n = 0, len(weights)
+    while i < n:
+        j = i + 1
+        while j < n and j - i < MAX_SLICES_PER_LAUNCH and key(j) == key(i):
+            j += 1
+        yield i, list(range(i, j))
+        i = j
+
+
+def _three(seq, idx, attr=None):
+    vals = [seq[i] if attr is None else attr(seq[i]) for i in idx]
+    return vals + [vals[0]] * (MAX_SLICES_PER_LAUNCH - len(vals))
+
+
+def _m_programs(sched: Schedule, t: int, block_m: int, other_programs: int, device: torch.device) -> int:
+    """Programs per table entry along the token axis. chunked: 1 (a segment fits one block). sorted: enough that a
+    single busy adapter fills the chip, never more than the token blocks of the whole step."""
+    if sched.scheme == "chunked":
+        return 1
+    sms = configs.num_sms((device.index or 0) if device.type == "cuda" else None)
+    want = -(-configs.SORTED_PROGRAMS_PER_SM * sms // max(1, other_programs))
+    return max(1, min(-(-t // block_m), want))
+
+
+def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor, batch: LoRABatch, *,
+           a_scales: Sequence[torch.Tensor] | None = None, scheme: str | None = None) -> torch.Tensor:
+    """x [T, in], lora_a S x [L, r, in], scales [S, L] float32 -> [S, T, r] float32 = scale * x @ A[slot]^T,
+    zero rows for tokens without an adapter. a_scales: S x [L, r] float32 when lora_a is fp8 (per-row scales).
+    scheme: "sorted" | "chunked" | None (the module setting)."""
+    n_slices = len(lora_a)
+    _, rank, k = lora_a[0].shape
+    t = x.shape[0]
+    # Rows of tokens without an adapter stay zero; split-K accumulates into the zeros too.
+    out = torch.zeros(n_slices, t, rank, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    sched = prepare(batch, scheme)
+    cfg = configs.shrink_config(t, rank, k)
+    block_m = sched.segment_size or cfg["BLOCK_M"]
+    n_blocks_r = triton.cdiv(rank, cfg["BLOCK_N"])
+    for base, idx in _launch_groups(lora_a, a_scales):
+        a3 = _three(lora_a, idx)
+        as3 = _three(a_scales, idx) if a_scales is not None else [scales] * 3  # unused placeholders
+        cdt, dot, prec = _compute_types(x.dtype, lora_a[idx[0]].dtype)
+        other = len(idx) * n_blocks_r * cfg["SPLIT_K"]
+        grid = (sched.entries, other, _m_programs(sched, t, block_m, other, x.device))
+        shrink_kernel[grid](
+            x, *a3, *as3, scales, out, batch.order, sched.table,
+            k, rank, sched.entries, base, n_blocks_r,
+            x.stride(0), x.stride(1),
+            *(a.stride(0) for a in a3), a3[0].stride(1), a3[0].stride(2),
+            as3[0].stride(0) if a_scales is not None else 0, as3[0].stride(1) if a_scales is not None else 0,
+            scales.stride(0), scales.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            grid[2],
+            NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            SPLIT_K=cfg["SPLIT_K"], HAS_A_SCALES=a_scales is not None, CDT=cdt, DOT=dot, PREC=prec,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out
+
+
+def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, out: torch.Tensor,
+           offset: int = 0, add: bool = True, *, b_scales: Sequence[torch.Tensor] | None = None,
+           scheme: str | None = None) -> None:
+    """buf [S, T, r], lora_b S x [L, out_s, r], out [T, O]:
+    out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T for tokens with an adapter;
+    other rows are not touched. Computed in float32, stored in out.dtype. b_scales: S x [L, out_s] float32 when
+    lora_b is fp8 (per output channel). scheme: "sorted" | "chunked" | None (the module setting)."""
+    t = out.shape[0]
+    if t == 0 or not len(lora_b):
+        return
+    rank = buf.shape[2]
+    widths = [b.shape[1] for b in lora_b]
+    sched = prepare(batch, scheme)
+    cfg = configs.expand_config(t, rank, max(widths))
+    block_m, block_n = sched.segment_size or cfg["BLOCK_M"], cfg["BLOCK_N"]
+    for base, idx in _launch_groups(lora_b, b_scales):
+        b3 = _three(lora_b, idx)
+        bs3 = _three(b_scales, idx) if b_scales is not None else [buf] * 3  # unused placeholders
+        w3 = _three(widths, idx)
+        nb_ends = list(itertools.accumulate(triton.cdiv(w, block_n) for w in w3[:len(idx)]))
+        nb_ends += [nb_ends[-1]] * (MAX_SLICES_PER_LAUNCH - len(nb_ends))
+        # buf (f32) is rounded to B's type for the dot; fp8 B is widened to the output's type instead.
+        b_dtype = lora_b[idx[0]].dtype
+        cdt, dot, prec = _compute_types(out.dtype if b_dtype in _FP8 else b_dtype, b_dtype)
+        grid = (sched.entries, nb_ends[len(idx) - 1], _m_programs(sched, t, block_m, nb_ends[len(idx) - 1],
+                                                                    out.device))
+        has_bs = b_scales is not None
+        expand_kernel[grid](
+            buf, *b3, *bs3, out, batch.order, sched.table,
+            rank, sched.entries, base, offset + sum(widths[:base]), *w3, nb_ends[0], nb_ends[1],
+            buf.stride(0), buf.stride(1), buf.stride(2),
+            *(b.stride(0) for b in b3), b3[0].stride(1), b3[0].stride(2),
+            *((s.stride(0) for s in bs3) if has_bs else (0, 0, 0)), bs3[0].stride(1) if has_bs else 0,
+            out.stride(0), out.stride(1),
+            grid[2],
+            NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+            ADD=bool(add), HAS_B_SCALES=has_bs, CDT=cdt, DOT=dot, PREC=prec,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+
+def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Tensor, batch: LoRABatch,
+                     vocab_start: int = 0) -> torch.Tensor:
+    """ids [T], lora_a_t [L, V_local, r] (this rank's vocab rows of A^T), scales [1, L] -> [1, T, r] float32.
+    Ids outside [vocab_start, vocab_start + V_local) and tokens without an adapter give 0 rows."""
+    t, (_, vocab_local, rank) = ids.shape[0], lora_a_t.shape
+    out = torch.empty(1, t, rank, dtype=torch.float32, device=ids.device)  # the kernel writes every row
+    if t == 0:
+        return out
+    cfg = configs.embedding_config(t, rank)
+    embedding_shrink_kernel[(triton.cdiv(t, cfg["BLOCK_M"]),)](
+        ids, batch.token_slot, lora_a_t, scales, out,
+        t, rank, vocab_start, vocab_local,
+        lora_a_t.stride(0), lora_a_t.stride(1), lora_a_t.stride(2), scales.stride(1), out.stride(1), out.stride(2),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    )
+    return out

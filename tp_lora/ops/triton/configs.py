@@ -1,0 +1,119 @@
+"""Launch configurations for the LoRA kernels, looked up per shape from small tables.
+
+A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width bucket); the value holds block sizes,
+split-K and warps. Bucket edges are upper bounds: a shape falls into the first edge >= its size, the last edge is
+open-ended. The numbers come from the sweep in scripts/bench_lora_ops.py on an H100 (hidden 4096, bf16); shapes
+outside the sweep take the nearest bucket, which is safe (every config is correct for every shape) if not optimal.
+
+Why these shapes (both ops are memory-bound at every LoRA rank we serve):
+- shrink [T, in] x [in, r]: N = r is tiny, so parallelism comes from token blocks and split-K. At decode (few tokens)
+  one program per adapter would leave most SMs idle while it streams A (r x in), hence split-K 8-16.
+- expand [T, r] x [r, out]: K = r is tiny (one K tile), N = out is wide; parallelism comes from N blocks. The bytes
+  that matter are the output rows read and written, so blocks are wide in N for long coalesced rows.
+"""
+from __future__ import annotations
+
+import functools
+
+T_EDGES = (16, 64, 256, 2048, 1 << 62)
+R_EDGES = (16, 64, 1 << 62)
+W_EDGES = (2048, 8192, 1 << 62)  # in (shrink) / out (expand) features of one slice
+
+# (t_bucket, r_bucket, w_bucket) -> config; missing keys fall back to the same T bucket with any r / w.
+# BLOCK_M is used by the "sorted" scheme; "chunked" uses its segment size (segment_size() below) as BLOCK_M.
+_SHRINK: dict[tuple[int, int, int], dict] = {
+    # decode: a handful of tokens per adapter; stream A through many programs
+    (16, 16, 2048): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+    (16, 16, 8192): dict(BLOCK_M=16, BLOCK_K=256, SPLIT_K=16, num_warps=4, num_stages=3),
+    (16, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
+    (64, 16, 2048): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+    (64, 16, 8192): dict(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
+    (64, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+    (256, 16, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+    (256, 64, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+    # prefill: enough token blocks to fill the chip, split-K only to top up
+    (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+    (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
+    (1 << 62, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
+    (1 << 62, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=3),
+}
+_EXPAND: dict[tuple[int, int, int], dict] = {
+    (16, 16, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    (16, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    (64, 16, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    (64, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    (256, 16, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
+    (256, 64, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
+    (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+    (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+    (1 << 62, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+    (1 << 62, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+}
+# chunked scheme: tokens per segment by T bucket (one segment = one program's token block, so also its BLOCK_M)
+_SEGMENT = {16: 16, 64: 16, 256: 32, 2048: 64, 1 << 62: 64}
+
+# Sorted scheme: programs per adapter group along the token axis are capped so that the whole grid stays near this
+# many programs per SM *for one busy adapter*; the other groups' copies exit at once.
+SORTED_PROGRAMS_PER_SM = 4
+# Used when no CUDA device is there to ask (interpreter); only shapes the sorted grid.
+DEFAULT_NUM_SMS = 132
+
+
+def _bucket(value: int, edges: tuple[int, ...]) -> int:
+    for edge in edges:
+        if value <= edge:
+            return edge
+    return edges[-1]
+
+
+def _lookup(table: dict, t: int, r: int, w: int) -> dict:
+    key = (_bucket(t, T_EDGES), _bucket(r, R_EDGES), _bucket(w, W_EDGES))
+    if key in table:
+        return dict(table[key])
+    # nearest entry: same T bucket first (T decides the parallelism), then rank, then width
+    best = min(table, key=lambda k: (abs(T_EDGES.index(k[0]) - T_EDGES.index(key[0])),
+                                     abs(R_EDGES.index(k[1]) - R_EDGES.index(key[1])),
+                                     abs(W_EDGES.index(k[2]) - W_EDGES.index(key[2]))))
+    return dict(table[best])
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def shrink_config(t: int, r: int, k: int) -> dict:
+    """x [t, k] x A^T [k, r]: BLOCK_M, BLOCK_N (covers r), BLOCK_K, SPLIT_K, num_warps, num_stages."""
+    cfg = _lookup(_SHRINK, t, r, k)
+    cfg["BLOCK_N"] = min(_pow2(r), 128)
+    # Split-K beyond the number of K blocks only adds programs with nothing to reduce.
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], _pow2(k))
+    cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], -(-k // cfg["BLOCK_K"])))
+    return cfg
+
+
+def expand_config(t: int, r: int, n: int) -> dict:
+    """buf [t, r] x B^T [r, n]: BLOCK_M, BLOCK_N, BLOCK_K (covers r up to 64, else loops), num_warps, num_stages."""
+    cfg = _lookup(_EXPAND, t, r, n)
+    cfg["BLOCK_K"] = min(_pow2(r), 64)
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], _pow2(n))
+    return cfg
+
+
+def embedding_config(t: int, r: int) -> dict:
+    return dict(BLOCK_M=16 if t <= 64 else 64, BLOCK_N=_pow2(r), num_warps=4)
+
+
+def segment_size(t: int) -> int:
+    """Default chunk length of the chunked scheme for a step of t tokens (a power of two >= 16)."""
+    return _SEGMENT[_bucket(t, tuple(_SEGMENT))]
+
+
+def num_sms(device_index: int | None) -> int:
+    """Multiprocessors of a CUDA device (None: no device, e.g. the interpreter)."""
+    return DEFAULT_NUM_SMS if device_index is None else _cuda_sms(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(device_index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

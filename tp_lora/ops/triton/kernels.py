@@ -1,0 +1,209 @@
+"""Triton kernels of the LoRA ops. Launch wrappers live in tp_lora/ops/triton/__init__.py.
+
+Notation: T tokens, L adapter slots, r rank, S slices of a packed layer (at most 3 per launch: q/k/v).
+Every program reads one row of a work table (slot, start, count) built by schedule.py, and walks the token ids
+``order[start : start + count]`` in blocks of BLOCK_M: tokens of one adapter, so it reads that adapter's
+weights only. Per-slice weight pointers are passed as separate arguments (w0, w1, w2) and picked by a scalar
+branch on the program's slice index: no pointer tables to build, cache or copy per call.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pick(s, v0, v1, v2, NUM_SLICES: tl.constexpr):
+    """v_s for a scalar slice index s (pointers or ints)."""
+    v = v0
+    if NUM_SLICES > 1:
+        if s == 1:
+            v = v1
+    if NUM_SLICES > 2:
+        if s == 2:
+            v = v2
+    return v
+
+
+@triton.jit
+def _mm(a, b, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    # Operands are rounded to CDT, then fed to the dot as DOT (= CDT, except float32 under the interpreter, whose
+    # bf16 dot is wrong). PREC matters for float32 operands only: "ieee" where the caller wants fp32 accuracy.
+    return tl.dot(a.to(CDT).to(DOT), b.to(CDT).to(DOT), input_precision=PREC)
+
+
+# Integer arguments equal to 1 are specialised into constants by Triton; the ones a branch may replace by another
+# slice's value must stay runtime values, or the branch's types would not match.
+@triton.jit(do_not_specialize=["stride_al0", "stride_al1", "stride_al2"])
+def shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, as0_ptr, as1_ptr, as2_ptr, scale_ptr, out_ptr, order_ptr, table_ptr,
+    K, R, table_stride, slice_base, n_blocks_r,
+    stride_xt, stride_xk,
+    stride_al0, stride_al1, stride_al2, stride_ar, stride_ak,
+    stride_asl, stride_asr,
+    stride_ss, stride_sl,
+    stride_os, stride_ot, stride_or,
+    M_PROGRAMS,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_A_SCALES: tl.constexpr,
+    CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """out[slice_base + s, t, :] (+)= scale[s, slot] * x[t] @ A_s[slot]^T for the tokens t of one table entry.
+
+    x [T, K], A_s [L, R, K] (fp8 with a_scales [L, R] per row, or x's dtype), scale [S, L] f32, out [S, T, R] f32
+    zero-filled by the caller. Grid: (table entries, S x n_blocks_r x SPLIT_K, M_PROGRAMS). With SPLIT_K > 1 each
+    program reduces every SPLIT_K-th K block and atomically adds its partial sum.
+    """
+    pid_g = tl.program_id(0)
+    pid_x = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    pid_k = pid_x % SPLIT_K
+    pid_n = (pid_x // SPLIT_K) % n_blocks_r
+    s = pid_x // (SPLIT_K * n_blocks_r)
+
+    slot = tl.load(table_ptr + pid_g)
+    start = tl.load(table_ptr + table_stride + pid_g)
+    count = tl.load(table_ptr + 2 * table_stride + pid_g)
+    # Padding entries (slot -1) have count 0: the loop below does not run; clamp so no address is formed from -1.
+    slot = tl.maximum(slot, 0).to(tl.int64)
+
+    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
+    stride_al = _pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
+    scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < R
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    if HAS_A_SCALES:
+        as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
+        row_scale = tl.load(as_ptr + slot * stride_asl + offs_n * stride_asr, mask=n_mask, other=0.0)
+
+    for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        x_blk = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+        a_blk = a_ptr + slot * stride_al + offs_n[None, :] * stride_ar + offs_k[:, None] * stride_ak
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
+            k_left = K - kb * BLOCK_K * SPLIT_K
+            xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
+            acc += _mm(xv, av, CDT, DOT, PREC)
+            x_blk += BLOCK_K * SPLIT_K * stride_xk
+            a_blk += BLOCK_K * SPLIT_K * stride_ak
+        if HAS_A_SCALES:
+            acc = acc * row_scale[None, :]
+        acc = acc * scale
+        o_ptr = out_ptr + (slice_base + s) * stride_os + tok[:, None] * stride_ot + offs_n[None, :] * stride_or
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(o_ptr, acc, mask=o_mask)
+        else:
+            tl.atomic_add(o_ptr, acc, mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["col0", "width0", "width1", "width2", "stride_bl0", "stride_bl1", "stride_bl2",
+                               "stride_bsl0", "stride_bsl1", "stride_bsl2"])
+def expand_kernel(
+    buf_ptr, b0_ptr, b1_ptr, b2_ptr, bs0_ptr, bs1_ptr, bs2_ptr, out_ptr, order_ptr, table_ptr,
+    R, table_stride, slice_base, col0, width0, width1, width2, nb_end0, nb_end1,
+    stride_us, stride_ut, stride_ur,
+    stride_bl0, stride_bl1, stride_bl2, stride_bn, stride_bk,
+    stride_bsl0, stride_bsl1, stride_bsl2, stride_bsn,
+    stride_ot, stride_on,
+    M_PROGRAMS,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ADD: tl.constexpr, HAS_B_SCALES: tl.constexpr,
+    CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """out[t, col_s + n] (+)= buf[slice_base + s, t] @ B_s[slot]^T for the tokens t of one table entry.
+
+    buf [S, T, R] (f32), B_s [L, width_s, R] (fp8 with b_scales [L, width_s] per output channel, or 16/32-bit),
+    out [T, O]; col_s = col0 + sum of earlier widths. Grid: (table entries, n blocks of all slices, M_PROGRAMS);
+    the n-block axis is the concatenation of each slice's cdiv(width_s, BLOCK_N) blocks (nb_end_s: cumulative
+    ends), so narrow k/v slices of a GQA layer get only the programs they need.
+    """
+    pid_g = tl.program_id(0)
+    pid_x = tl.program_id(1)
+    pid_m = tl.program_id(2)
+
+    s = pid_x * 0  # a runtime int32, like the values the branches below assign
+    nb = pid_x
+    col = col0
+    width = width0
+    if NUM_SLICES > 1:
+        if pid_x >= nb_end0:
+            s = 1
+            nb = pid_x - nb_end0
+            col = col0 + width0
+            width = width1
+    if NUM_SLICES > 2:
+        if pid_x >= nb_end1:
+            s = 2
+            nb = pid_x - nb_end1
+            col = col0 + width0 + width1
+            width = width2
+
+    slot = tl.load(table_ptr + pid_g)
+    start = tl.load(table_ptr + table_stride + pid_g)
+    count = tl.load(table_ptr + 2 * table_stride + pid_g)
+    slot = tl.maximum(slot, 0).to(tl.int64)
+
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
+    stride_bl = _pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    offs_k = tl.arange(0, BLOCK_K)
+    if HAS_B_SCALES:
+        bs_ptr = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
+        stride_bsl = _pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
+        ch_scale = tl.load(bs_ptr + slot * stride_bsl + offs_n * stride_bsn, mask=n_mask, other=0.0)
+
+    for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        u_blk = buf_ptr + (slice_base + s) * stride_us + tok[:, None] * stride_ut + offs_k[None, :] * stride_ur
+        b_blk = b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(R, BLOCK_K)):
+            k_left = R - kb * BLOCK_K
+            uv = tl.load(u_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            bv = tl.load(b_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
+            acc += _mm(uv, bv, CDT, DOT, PREC)
+            u_blk += BLOCK_K * stride_ur
+            b_blk += BLOCK_K * stride_bk
+        if HAS_B_SCALES:
+            acc = acc * ch_scale[None, :]
+        o_ptr = out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        if ADD:
+            acc += tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def embedding_shrink_kernel(
+    ids_ptr, slot_ptr, a_ptr, scale_ptr, out_ptr,
+    T, R, vocab_start, vocab_local,
+    stride_al, stride_av, stride_ar, stride_sl, stride_ot, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[t] = scale[slot_t] * A^T[slot_t, ids[t] - vocab_start] for tokens with an adapter whose id is in this
+    rank's vocab range, else 0. ids [T], A^T [L, V_local, R], scale [L] f32 (row 0 of [1, L]), out [T, R] f32,
+    every row written. A plain gather: token order does not matter, so no work table. Grid: (cdiv(T, BLOCK_M),)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < T
+    offs_n = tl.arange(0, BLOCK_N)
+    n_mask = offs_n < R
+    slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)
+    local = tl.load(ids_ptr + offs_m, mask=m_mask, other=0).to(tl.int64) - vocab_start
+    hit = m_mask & (slot >= 0) & (local >= 0) & (local < vocab_local)
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    local = tl.where(hit, local, 0)
+    scale = tl.load(scale_ptr + slot * stride_sl, mask=hit, other=0.0)
+    rows = tl.load(a_ptr + slot[:, None] * stride_al + local[:, None] * stride_av + offs_n[None, :] * stride_ar,
+                   mask=hit[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_ot + offs_n[None, :] * stride_or, rows * scale[:, None],
+             mask=m_mask[:, None] & n_mask[None, :])
