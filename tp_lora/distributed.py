@@ -48,6 +48,10 @@ class CommStats:
 
 STATS = CommStats()
 
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases (the GPU image has 2.11) have the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over the group, in place; returns t."""
@@ -65,7 +69,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     STATS.record("all_gather", group, t)
     dim = dim % t.dim()
     out = torch.empty((group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group.pg)
+    _all_gather_tensor(out, t.contiguous(), group=group.pg)
     if dim == 0:
         return out
     return torch.cat(out.chunk(group.size, 0), dim)
@@ -77,7 +81,7 @@ def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
         return t
     STATS.record("reduce_scatter", group, t)
     out = torch.empty((t.shape[0] // group.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, t.contiguous(), group=group.pg)
+    _reduce_scatter_tensor(out, t.contiguous(), group=group.pg)
     return out
 
 
