@@ -1,0 +1,398 @@
+"""PEFT LoRA adapters on disk -> per-module tensors and scalings, with PEFT's own rules.
+
+On disk (PEFT `save_pretrained`): adapter_config.json + adapter_model.safetensors with keys
+    base_model.model.<module>.lora_A.weight            [r, in]
+    base_model.model.<module>.lora_B.weight            [out, r]
+    base_model.model.<module>.lora_embedding_A         [r, vocab]     (embeddings: parameters, no ".weight")
+    base_model.model.<module>.lora_embedding_B         [hidden, r]
+(the adapter name, e.g. ".default", may appear before ".weight" / at the end in files written by other tools).
+
+Per module PEFT takes (tuners/lora/model.py `_create_and_replace`, utils/other.py `get_pattern_key`):
+    r     = rank_pattern[first key k in order with re.match(rf"(.*\\.)?({k})$", module)]  else config r
+    alpha = alpha_pattern[same rule]                                                        else lora_alpha
+    scale = alpha / sqrt(r) if use_rslora else alpha / r
+and the forward is y += scale * (x A^T) B^T (embeddings: scale * B[:, A[:, ids]]^T).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from safetensors import safe_open
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# PEFT's name for all linear layers but the output head; saved configs usually hold the expanded list instead.
+ALL_LINEAR = "all-linear"
+EMBEDDING_MODULES = ("embed_tokens",)
+_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+                  r"(?:\.(?P<adapter>[^.]+))??(?P<weight>\.weight)?$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be used; the engine fails only the requests that name it."""
+
+
+class AdapterFileNotFoundError(AdapterError, FileNotFoundError):
+    """A missing adapter file: both an AdapterError and a FileNotFoundError."""
+
+
+@dataclass
+class ModuleLoRA:
+    """LoRA of one target module of one adapter: delta = scale * (x a^T) b^T.
+
+    a: [r, in]   (embeddings: lora_embedding_A as stored, [r, vocab])
+    b: [out, r]  (embeddings: lora_embedding_B as stored, [hidden, r])
+    """
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    embedding: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int  # max over modules
+    config: dict  # adapter_config.json as read
+    modules: dict[str, ModuleLoRA] = field(default_factory=dict)  # base-model module path -> LoRA
+    # Base-layer copies PEFT saves next to embedding LoRAs (name -> shape); unused, but their shape tells a vocab
+    # resized during training apart from this model's.
+    saved_base_weights: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"LoRAAdapter({self.name!r}, rank={self.rank}, {len(self.modules)} modules, path={self.path!r})"
+
+
+# ---- PEFT's matching rules ----------------------------------------------------------------------------------
+def pattern_key(pattern_keys: Iterable[str], module: str) -> str:
+    """The rank_pattern / alpha_pattern key that applies to `module`: the first key k (in the dict's order) with
+    re.match(rf"(.*\\.)?({k})$", module), else `module` itself (PEFT's get_pattern_key)."""
+    for k in pattern_keys:
+        if re.match(rf"(.*\.)?({k})$", module):
+            return k
+    return module
+
+
+def module_rank_alpha(config: dict, module: str) -> tuple[int, float]:
+    """(r, alpha) PEFT gives `module` (a base-model path such as "model.layers.0.self_attn.q_proj")."""
+    rp, ap = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    r = rp.get(pattern_key(rp.keys(), module), config.get("r", 8))
+    alpha = ap.get(pattern_key(ap.keys(), module), config.get("lora_alpha", 8))
+    return r, alpha
+
+
+def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def is_targeted(config: dict, module: str) -> bool:
+    """Whether PEFT's target_modules / exclude_modules / layers_to_transform select `module`
+    (tuners_utils.check_target_module_exists)."""
+    ex = config.get("exclude_modules")
+    if ex:
+        if isinstance(ex, str):
+            if re.fullmatch(ex, module):
+                return False
+        elif module in ex or any(module.endswith(f".{e}") for e in ex):
+            return False
+    tm = config.get("target_modules")
+    if tm is None:
+        return True  # PEFT fills in per-architecture defaults; the tensors say what was trained
+    if isinstance(tm, str):
+        if tm == ALL_LINEAR:
+            return module.rsplit(".", 1)[-1] not in ("lm_head",) + EMBEDDING_MODULES
+        return re.fullmatch(tm, module) is not None
+    if module in tm:
+        return True
+    if not any(module.endswith(f".{t}") for t in tm):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    pattern = config.get("layers_pattern")
+    m = None
+    if not pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        for p in [pattern] if isinstance(pattern, str) else pattern:
+            m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module)
+            if m:
+                break
+    if m is None:
+        return False
+    idx = int(m.group("idx"))
+    return idx == layers if isinstance(layers, int) else idx in layers
+
+
+# ---- config -------------------------------------------------------------------------------------------------
+# Options that change the forward (or add weights) beyond y += s x A^T B^T; name -> why they are refused.
+_TRUTHY_REJECT = {
+    "use_dora": "DoRA (weight-decomposed LoRA) needs the magnitude vector and base-weight norms",
+    "fan_in_fan_out": "fan_in_fan_out=true is for Conv1D (GPT-2 style) layers, not Llama-family linears",
+    "lora_bias": "lora_bias=true adds a bias to lora_B",
+    "modules_to_save": "modules_to_save stores whole trained copies of base modules",
+    "layer_replication": "layer_replication changes the model's layer stack",
+    "trainable_token_indices": "trainable_token_indices stores trained embedding rows",
+    "target_parameters": "target_parameters (LoRA on nn.Parameter experts) is not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA) applies only after invocation tokens",
+    "use_qalora": "QALoRA pools the input before lora_A",
+    "use_bdlora": "BD-LoRA (block-diagonal factors) is not supported",
+    "kasa_config": "KaSA adds singular-value weights between A and B",
+    "monteclora_config": "MonteCLoRA samples the adapter",
+    "arrow_config": "Arrow routing mixes adapters per token",
+}
+
+
+def _err(name: str, msg: str) -> AdapterError:
+    return AdapterError(f"adapter {name!r}: {msg}")
+
+
+def read_adapter_config(path: str, name: Optional[str] = None) -> dict:
+    """adapter_config.json of adapter dir `path`, validated (LoRA only, no option that changes the math).
+    Returns the dict as read."""
+    path = os.fspath(path)
+    name = name or os.path.basename(os.path.normpath(path))
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path):
+        raise AdapterFileNotFoundError(f"adapter {name!r}: directory {path} does not exist")
+    if not os.path.isfile(cfg_path):
+        raise AdapterFileNotFoundError(f"adapter {name!r}: {cfg_path} not found (a PEFT adapter dir holds "
+                                       f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _err(name, f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise _err(name, f"{cfg_path} holds a JSON {type(cfg).__name__}, expected an object")
+
+    def bad(option: str, value: Any, expected: str) -> AdapterError:
+        return _err(name, f"{cfg_path}: {option}={value!r}, expected {expected}")
+
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise bad("peft_type", peft_type, "'LORA' (only LoRA adapters are supported)")
+    for option, why in _TRUTHY_REJECT.items():
+        if cfg.get(option):
+            raise bad(option, cfg[option], f"false/empty: {why}")
+    if cfg.get("bias", "none") != "none":
+        raise bad("bias", cfg["bias"], "'none' (trained biases of the base layers are not supported)")
+    r = cfg.get("r", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise bad("r", r, "a positive integer")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise bad("lora_alpha", alpha, "a number")
+    for option in ("rank_pattern", "alpha_pattern"):
+        pat = cfg.get(option)
+        if pat is None:
+            continue
+        if not isinstance(pat, dict):
+            raise bad(option, pat, "an object {module pattern: value}")
+        for k, v in pat.items():
+            ok = isinstance(v, int) and v > 0 if option == "rank_pattern" else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok:
+                raise bad(f"{option}[{k!r}]", v, "a positive integer" if option == "rank_pattern" else "a number")
+            try:
+                re.compile(k)
+            except re.error as e:
+                raise bad(f"{option} key", k, f"a valid regular expression ({e})") from e
+    for option in ("target_modules", "exclude_modules", "layers_pattern"):
+        v = cfg.get(option)
+        if v is None:
+            continue
+        if isinstance(v, list):
+            if not all(isinstance(x, str) for x in v):
+                raise bad(option, v, "a list of module names (strings) or a regex string")
+            regexes = v if option == "layers_pattern" else []
+        elif isinstance(v, str):
+            regexes = [] if v == ALL_LINEAR else [v]
+        else:
+            raise bad(option, v, "a list of module names or a regex string")
+        for rx in regexes:
+            try:
+                re.compile(rx)
+            except re.error as e:
+                raise bad(option, rx, f"a valid regular expression ({e})") from e
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and not (isinstance(layers, int) or (
+            isinstance(layers, list) and all(isinstance(i, int) for i in layers))):
+        raise bad("layers_to_transform", layers, "a layer index or a list of them")
+    return cfg
+
+
+# ---- weights ------------------------------------------------------------------------------------------------
+def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        alt = [f for f in ("adapter_model.bin", "adapter_model.pt") if os.path.exists(os.path.join(path, f))]
+        extra = (f"; {alt[0]} is present but pickled weights are not supported (convert: load with PEFT and "
+                 f"save_pretrained(dir, safe_serialization=True))" if alt else "")
+        raise AdapterFileNotFoundError(f"adapter {name!r}: {weights} not found{extra}")
+    try:
+        with safe_open(weights, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # SafetensorError is no stdlib error: say which file is bad
+        raise _err(name, f"{weights} ({os.path.getsize(weights)} bytes) is not a readable safetensors file "
+                         f"(corrupt or truncated?): {e}") from e
+
+
+def _parse_key(key: str) -> Optional[tuple[str, str]]:
+    """'base_model.model.model.layers.0.mlp.up_proj.lora_A[.default].weight' -> (module path, 'A' | 'B');
+    None for anything else (a linear LoRA without ".weight", an embedding LoRA with it, other tensors)."""
+    k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+    m = _KEY.match(k)
+    if m is None:
+        return None
+    kind = m.group("kind")
+    embedding = kind.startswith("lora_embedding")
+    if embedding == bool(m.group("weight")):
+        return None  # linear LoRAs are modules (".weight"), embedding LoRAs are bare parameters
+    return m.group("module"), {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B"}[kind]
+
+
+def _is_embedding_copy(k: str) -> bool:
+    """'model.embed_tokens[.base_layer].weight' / 'lm_head[.base_layer].weight': a base table PEFT's
+    save_embedding_layers wrote beside the LoRA (the model's own table, or a resized one)."""
+    if not k.endswith(".weight"):
+        return False
+    module = k[: -len(".weight")].removesuffix(".base_layer")
+    return module.rsplit(".", 1)[-1] in EMBEDDING_MODULES + ("lm_head",)
+
+
+def load_adapter(path: str, name: Optional[str] = None, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Read a PEFT LoRA adapter dir. Each module's scale follows PEFT (rank_pattern / alpha_pattern / use_rslora);
+    the rank the config implies must match the tensors (PEFT itself would fail to load them otherwise)."""
+    path = os.fspath(path)
+    name = name or os.path.basename(os.path.normpath(path))
+    try:
+        return _load(path, name, dtype)
+    except (AdapterError, FileNotFoundError):
+        raise
+    except Exception as e:  # anything else still fails only this adapter, with its name on it
+        raise _err(name, f"cannot be read from {path}: {type(e).__name__}: {e}") from e
+
+
+def _load(path: str, name: str, dtype: torch.dtype) -> LoRAAdapter:
+    cfg = read_adapter_config(path, name)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    tensors = _read_tensors(name, path)
+    if not tensors:
+        raise _err(name, f"{weights} holds no tensors")
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    kinds: dict[str, bool] = {}
+    base_copies: dict[str, tuple[int, ...]] = {}
+    for key, t in tensors.items():
+        parsed = _parse_key(key)
+        if parsed is None:
+            k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+            if _is_embedding_copy(k):
+                base_copies[k] = tuple(t.shape)  # PEFT saves whole embedding tables beside embedding LoRAs
+                continue
+            hint = (" (DoRA magnitude)" if "lora_magnitude_vector" in key else
+                    " (lora_bias)" if ".lora_B" in key and key.endswith(".bias") else "")
+            raise _err(name, f"{weights}: tensor {key!r}{hint} is not a LoRA weight this runtime understands "
+                             f"(expected <module>.lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B)")
+        module, which = parsed
+        if which in parts.setdefault(module, {}):
+            raise _err(name, f"{weights}: module {module!r} has two lora_{which} tensors (several adapter names "
+                             f"in one file?)")
+        if t.dim() != 2:
+            raise _err(name, f"{weights}: tensor {key!r} has shape {tuple(t.shape)}, expected 2 dims")
+        if not (t.is_floating_point()):
+            raise _err(name, f"{weights}: tensor {key!r} has dtype {t.dtype}, expected a floating type")
+        parts[module][which] = t
+        kinds[module] = "embedding" in key
+
+    use_rslora = bool(cfg.get("use_rslora", False))
+    modules: dict[str, ModuleLoRA] = {}
+    for module in sorted(parts):
+        ab = parts[module]
+        if set(ab) != {"A", "B"}:
+            missing = ({"A", "B"} - set(ab)).pop()
+            raise _err(name, f"{weights}: module {module!r} has lora_{set(ab).pop()} but no lora_{missing}")
+        a, b = ab["A"], ab["B"]
+        if a.shape[0] != b.shape[1]:
+            raise _err(name, f"{weights}: module {module!r}: lora_A {tuple(a.shape)} has rank {a.shape[0]} but "
+                             f"lora_B {tuple(b.shape)} has rank {b.shape[1]} (expected A [r, in], B [out, r])")
+        if not is_targeted(cfg, module):
+            raise _err(name, f"{weights} has LoRA weights for {module!r}, which target_modules="
+                             f"{cfg.get('target_modules')!r} does not select (PEFT would not load them)")
+        r, alpha = module_rank_alpha(cfg, module)
+        if a.shape[0] != r:
+            raise _err(name, f"{weights}: module {module!r} has rank {a.shape[0]} but {CONFIG_FILE} gives it "
+                             f"r={r} (r / rank_pattern mismatch)")
+        modules[module] = ModuleLoRA(a.to(dtype).contiguous(), b.to(dtype).contiguous(),
+                                     lora_scale(r, alpha, use_rslora), embedding=kinds[module])
+    if not modules:
+        raise _err(name, f"{weights} holds no LoRA weights (keys: {sorted(tensors)[:4]}...)")
+    return LoRAAdapter(name=name, path=path, rank=max(m.rank for m in modules.values()), config=cfg,
+                       modules=modules, saved_base_weights=base_copies)
+
+
+def discover_adapters(adapter_dir: str) -> dict[str, str]:
+    """name -> path of every subdirectory of adapter_dir holding adapter_config.json, sorted by name.
+    adapter_dir itself counts too when it holds one (named after its basename; PEFT's save_pretrained of a
+    multi-adapter model writes the default adapter there and the others in subdirectories)."""
+    if not os.path.isdir(adapter_dir):
+        raise FileNotFoundError(f"adapter directory {adapter_dir} does not exist")
+    adapter_dir = os.fspath(adapter_dir)
+    found = {}
+    for entry in sorted(os.listdir(adapter_dir)):
+        sub = os.path.join(adapter_dir, entry)
+        if not entry.startswith(".") and os.path.isfile(os.path.join(sub, CONFIG_FILE)):
+            found[entry] = sub
+    if os.path.isfile(os.path.join(adapter_dir, CONFIG_FILE)):
+        found.setdefault(os.path.basename(os.path.normpath(adapter_dir)), adapter_dir)
+    return dict(sorted(found.items()))
+
+
+def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:
+    """Check an adapter against the model it will run on.
+
+    module_shapes: module path -> (in_features, out_features) of every module that can carry a LoRA
+    ("model.embed_tokens": (vocab, hidden)). Raises AdapterError naming the adapter and module.
+    """
+    n = adapter.name
+    for module, m in adapter.modules.items():
+        a, b = m.a, m.b
+        if m.rank > max_rank:
+            raise _err(n, f"module {module!r} has rank {m.rank} > lora.max_rank={max_rank} (raise lora.max_rank "
+                          f"to at least {adapter.rank})")
+        if module not in module_shapes:
+            near = sorted(k for k in module_shapes if k.rsplit(".", 1)[-1] == module.rsplit(".", 1)[-1])
+            hint = (f"; the model has e.g. {near[:2]}" if near else
+                    f"; the model's LoRA targets end in {sorted({k.rsplit('.', 1)[-1] for k in module_shapes})}")
+            raise _err(n, f"has weights for module {module!r}, which this model lacks (or has no LoRA on) — built "
+                          f"for another model?{hint}")
+        fin, fout = module_shapes[module]
+        if a.shape[0] != b.shape[1]:
+            raise _err(n, f"module {module!r}: A {tuple(a.shape)} and B {tuple(b.shape)} disagree on the rank")
+        want_a, want_b = (m.rank, fin), (fout, m.rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise _err(n, f"module {module!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
+                          f"A {want_a} / B {want_b} (in={fin}, out={fout}) — built for another model?")
+        for what, t in (("A", a), ("B", b)):
+            if not torch.isfinite(t).all():
+                bad = (~torch.isfinite(t)).sum().item()
+                raise _err(n, f"module {module!r}: lora_{what} has {bad} NaN/Inf values")
+        if not math.isfinite(m.scale):
+            raise _err(n, f"module {module!r}: scale {m.scale} is not finite")
+    vocab = (module_shapes["model.embed_tokens"][0] if "model.embed_tokens" in module_shapes else
+             module_shapes["lm_head"][1] if "lm_head" in module_shapes else None)
+    for key, shape in adapter.saved_base_weights.items():
+        if vocab is not None and len(shape) == 2 and shape[0] != vocab:
+            raise _err(n, f"saved {key!r} has {shape[0]} rows but the model's vocabulary has {vocab}: the adapter "
+                          f"was trained with a resized vocabulary — built for another model?")
