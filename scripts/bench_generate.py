@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--kernel", default="sorted", choices=["sorted", "chunked"])
+    p.add_argument("--kernel", default="chunked", choices=["sorted", "chunked"])
     p.add_argument("--fully-sharded", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-hf", action="store_true")

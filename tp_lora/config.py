@@ -24,6 +24,12 @@ class ParallelConfig:
     tp_size: int = 1
     # Ranks beyond tp_size form data-parallel replicas (each serves its share of the requests).
     timeout_s: float = 300.0  # a collective that does not complete in this time fails the run
+    # MoE models: experts split over ep_size ranks (1 = every rank holds every expert, intermediate split over tp).
+    ep_size: int = 1
+    # Where the expert-parallel group's tokens come from: dp = EP ranks are DP replicas, each with its own requests
+    # (with tp_size > 1 an ep x tp 2D mesh: experts over ep, each expert's intermediate over tp); tp = the EP group
+    # is the attention TP group (ep_size == tp_size) and each rank routes a 1/tp chunk of the replicated tokens.
+    ep_attention: str = "dp"
 
 
 @dataclass
@@ -33,8 +39,8 @@ class LoRAConfig:
     max_rank: int = 16
     fully_sharded: bool = False
     backend: str = "auto"  # auto | torch | triton
-    kernel: str = "sorted"  # sorted | chunked (triton scheduling scheme)
-    segment_size: int = 64  # tokens per segment for kernel=chunked
+    kernel: str = "chunked"  # chunked | sorted (triton scheduling scheme)
+    segment_size: Optional[int] = None  # tokens per segment for kernel=chunked; None = chosen per step
     dtype: str = "auto"  # auto (the model's) | fp8 (B stored as float8_e4m3 with per-channel scales)
     lora_embeddings: bool = True  # also wrap embed_tokens / lm_head (only when an adapter targets them)
 
@@ -81,11 +87,22 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(world_size % p.tp_size == 0,
            f"parallel.tp_size={p.tp_size} does not divide the {world_size} launched processes")
     _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s}: expected > 0")
+    _check(p.ep_size >= 1, f"parallel.ep_size={p.ep_size}: expected >= 1")
+    _check(p.ep_attention in ("dp", "tp"), f"parallel.ep_attention={p.ep_attention!r}: expected dp or tp")
+    if p.ep_size > 1 and p.ep_attention == "tp":
+        _check(p.ep_size == p.tp_size, f"parallel.ep_attention=tp splits the experts over the attention TP group: "
+                                       f"parallel.ep_size={p.ep_size} must equal parallel.tp_size={p.tp_size}")
+    if p.ep_size > 1 and p.ep_attention == "dp" and world_size % p.tp_size == 0:
+        replicas = world_size // p.tp_size
+        _check(replicas % p.ep_size == 0,
+               f"parallel.ep_size={p.ep_size} must divide the {replicas} data-parallel replicas ({world_size} "
+               f"processes / parallel.tp_size={p.tp_size}) when parallel.ep_attention=dp")
     _check(lo.max_loras >= 1, f"lora.max_loras={lo.max_loras}: expected >= 1")
     _check(lo.max_rank >= 1, f"lora.max_rank={lo.max_rank}: expected >= 1")
     _check(lo.backend in ("auto", "torch", "triton"), f"lora.backend={lo.backend!r}: expected auto, torch or triton")
     _check(lo.kernel in ("sorted", "chunked"), f"lora.kernel={lo.kernel!r}: expected sorted or chunked")
-    _check(lo.segment_size >= 1, f"lora.segment_size={lo.segment_size}: expected >= 1")
+    _check(lo.segment_size is None or (lo.segment_size >= 16 and lo.segment_size & (lo.segment_size - 1) == 0),
+           f"lora.segment_size={lo.segment_size}: expected null or a power of two >= 16")
     _check(lo.dtype in ("auto", "fp8"), f"lora.dtype={lo.dtype!r}: expected auto or fp8")
     if lo.fully_sharded:
         _check(lo.max_rank % p.tp_size == 0,

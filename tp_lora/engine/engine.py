@@ -71,7 +71,10 @@ class Engine:
         lo = cfg.lora
         self.rt = None
         if self.adapters:
-            self.rt = LoRARuntime(lo.max_loras, lo.max_rank, lo.fully_sharded, get_backend(lo.backend, self.device))
+            ops = get_backend(lo.backend, self.device)
+            if hasattr(ops, "set_scheme"):
+                ops.set_scheme(lo.kernel, lo.segment_size)
+            self.rt = LoRARuntime(lo.max_loras, lo.max_rank, lo.fully_sharded, ops, fp8=lo.dtype == "fp8")
         targets = {p.rsplit(".", 1)[-1] for a in self.adapters.values() for p in a.modules}
         if not lo.lora_embeddings:
             targets -= {"embed_tokens", "lm_head"}

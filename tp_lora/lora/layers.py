@@ -19,6 +19,7 @@ from torch import nn
 from tp_lora import distributed as comm
 from tp_lora.layers.embedding import VocabParallelEmbedding
 from tp_lora.lora.batch import LoRABatch
+from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 
 
@@ -30,6 +31,7 @@ class LoRARuntime:
     max_rank: int
     fully_sharded: bool
     ops: ModuleType
+    fp8: bool = False  # store B as float8_e4m3 with per-output-channel scales (lora.dtype=fp8)
     batch: LoRABatch | None = None
     # module path -> (layer, slice index): where a PEFT target module lands in this model
     targets: dict = field(default_factory=dict)
@@ -74,9 +76,13 @@ class LoRALinear(nn.Module):
         self.lora_a = nn.ParameterList(
             [nn.Parameter(torch.zeros(rt.max_loras, r_a, in_local, dtype=dtype, device=device), requires_grad=False)
              for _ in spec.slices])
+        b_dtype = FP8_DTYPE if rt.fp8 else dtype
         self.lora_b = nn.ParameterList(
-            [nn.Parameter(torch.zeros(rt.max_loras, rows, rt.max_rank, dtype=dtype, device=device),
+            [nn.Parameter(torch.zeros(rt.max_loras, rows, rt.max_rank, dtype=b_dtype, device=device),
                           requires_grad=False) for rows in b_rows])
+        # Per output channel of B; 1 for empty slots so their zeros stay exact zeros.
+        self.b_scales = [torch.ones(rt.max_loras, rows, dtype=torch.float32, device=device) for rows in b_rows] \
+            if rt.fp8 else None
         self.register_buffer("scales", torch.zeros(len(spec.slices), rt.max_loras, dtype=torch.float32,
                                                    device=device))
         self.out_offset = row_lora_out_offset(spec, tp.rank, tp.size) if (
@@ -88,13 +94,19 @@ class LoRALinear(nn.Module):
         b = _pad(b, 1, self.rt.max_rank)
         size = (self.tp.rank, self.tp.size)
         self.lora_a[slice_idx].data[slot].copy_(shard_lora_a(self.spec, a, *size, self.fully_sharded))
-        self.lora_b[slice_idx].data[slot].copy_(shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded))
+        b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
+        if self.b_scales is not None:
+            b, b_scale = quantize_fp8_per_channel(b.to(self.b_scales[slice_idx].device))
+            self.b_scales[slice_idx][slot].copy_(b_scale)
+        self.lora_b[slice_idx].data[slot].copy_(b)
         self.scales[slice_idx, slot] = scale
 
     def reset_slot(self, slot: int) -> None:
         for a, b in zip(self.lora_a, self.lora_b):
             a.data[slot].zero_()
             b.data[slot].zero_()
+        for bs in self.b_scales or ():
+            bs[slot] = 1.0
         self.scales[:, slot] = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +121,10 @@ class LoRALinear(nn.Module):
         if self.fully_sharded:
             # One collective for every slice of a packed layer: the slices travel together in u.
             u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)
-        ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
+        if self.b_scales is None:
+            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
+        else:
+            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
 
 
 class LoRAEmbedding(nn.Module):
@@ -162,6 +177,8 @@ def module_shapes(rt: LoRARuntime) -> dict[str, tuple[int, int]]:
     for path, (layer, s) in rt.targets.items():
         if isinstance(layer, LoRAEmbedding):
             shapes[path] = (layer.base.vocab, layer.base.hidden)
+        elif hasattr(layer, "module_shape"):  # layers whose targets are not LinearSpec slices (MoE experts)
+            shapes[path] = layer.module_shape(s)
         else:
             shapes[path] = (layer.spec.in_features, layer.spec.slices[s].width)
     return shapes
