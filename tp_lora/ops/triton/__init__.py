@@ -177,3 +177,4 @@ def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Te
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
     return out
+from tp_lora.ops.triton.graphs import refresh_static_batch  # noqa: E402,F401  (CUDA-graph replay)
