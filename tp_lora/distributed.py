@@ -104,11 +104,25 @@ def all_gather_object(obj, group: Group) -> list:
 
 @dataclass
 class ParallelState:
-    """This rank's place in the (dp, tp) mesh. `world` spans all ranks."""
+    """This rank's place in the (dp, tp) mesh. `world` spans all ranks.
+
+    MoE layers add two groups (init_expert_parallel): `ep` splits the experts, `moe_tp` splits each expert's
+    intermediate dim. `ep_attention` says where the EP group's tokens come from: "dp" = each EP rank is another DP
+    replica with its own requests; "tp" = the EP group is the attention TP group and each rank routes a 1/tp chunk.
+    """
     world: Group
     tp: Group
     dp: Group
     device: torch.device
+    ep: Group | None = None  # None = no expert parallelism (a group of one)
+    moe_tp: Group | None = None  # None = the attention tp group
+    ep_attention: str = "dp"
+
+    def __post_init__(self):
+        if self.ep is None:
+            self.ep = Group("ep")
+        if self.moe_tp is None:
+            self.moe_tp = self.tp
 
     @property
     def rank(self) -> int:
@@ -170,6 +184,73 @@ def _my_group(name: str, groups: list[tuple[int, ...]], rank: int, timeout_s: fl
         if rank in ranks:
             mine = Group(name, ranks.index(rank), len(ranks), ranks, pg)
     return mine
+
+
+def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's integer n (rank order): the once-per-step token-count exchange of expert parallelism over DP
+    ranks. Counted as "counts" so per-layer collective counts stay readable."""
+    if group.size == 1:
+        return [n]
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    STATS.record("counts", group, t)
+    out = torch.empty(group.size, dtype=torch.int64, device=device)
+    _all_gather_tensor(out, t, group=group.pg)
+    return out.tolist()
+
+
+def expert_mesh_groups(world_size: int, tp_size: int, ep_size: int, ep_attention: str) -> list[tuple[int, ...]]:
+    """Rank lists of every expert-parallel group.
+
+    ep_attention="dp": runs of ep_size consecutive members of each dp group (ranks with the same tp rank, different
+    requests); the moe-tp group is then the tp group, so ep x tp is a 2D mesh. ep_attention="tp": the tp groups.
+    """
+    tp_groups, dp_groups = mesh_groups(world_size, tp_size)
+    if ep_size == 1:
+        return [(r,) for r in range(world_size)]
+    if ep_attention == "tp":
+        if ep_size != tp_size:
+            raise ValueError(f"parallel.ep_attention=tp splits the experts over the attention TP group: "
+                             f"parallel.ep_size={ep_size} must equal parallel.tp_size={tp_size}")
+        return tp_groups
+    if ep_attention != "dp":
+        raise ValueError(f"parallel.ep_attention={ep_attention!r}: expected dp or tp")
+    dp_size = world_size // tp_size
+    if dp_size % ep_size:
+        raise ValueError(f"parallel.ep_size={ep_size} must divide the {dp_size} data-parallel replicas "
+                         f"({world_size} ranks / tp_size {tp_size}) when parallel.ep_attention=dp")
+    return [g[i:i + ep_size] for g in dp_groups for i in range(0, dp_size, ep_size)]
+
+
+_EXPERT_LAYOUT: dict[int, ParallelState] = {}  # id(tp group) -> its state, for model builders that get only tp
+_GROUP_CACHE: dict[tuple, object] = {}
+
+
+def init_expert_parallel(ps: ParallelState, ep_size: int = 1, ep_attention: str = "dp",
+                         timeout_s: float = 300.0) -> ParallelState:
+    """Give ps its ep / moe_tp groups. Every rank must call this with the same arguments (group creation is
+    collective). Returns ps, also registered for `expert_layout(ps.tp)`."""
+    world = ps.world.size
+    ep_groups = expert_mesh_groups(world, ps.tp.size, ep_size, ep_attention)
+    if ep_size == 1:
+        ps.ep, ps.moe_tp = Group("ep"), ps.tp
+    else:
+        mine = None
+        for ranks in ep_groups:  # every rank creates every group, in the same order
+            key = ("ep", ranks)
+            if key not in _GROUP_CACHE:
+                _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+            if ps.rank in ranks:
+                mine = Group("ep", ranks.index(ps.rank), len(ranks), ranks, _GROUP_CACHE[key])
+        ps.ep = mine
+        ps.moe_tp = Group("moe_tp") if ep_attention == "tp" else ps.tp
+    ps.ep_attention = ep_attention
+    _EXPERT_LAYOUT[id(ps.tp)] = ps
+    return ps
+
+
+def expert_layout(tp: Group) -> ParallelState | None:
+    """The state init_expert_parallel registered for this tp group, or None (no expert parallelism set up)."""
+    return _EXPERT_LAYOUT.get(id(tp))
 
 
 def shutdown() -> None:

@@ -141,5 +141,18 @@ def expert_range(num_experts: int, rank: int, size: int) -> Range:
     return even_range(num_experts, rank, size, "num_experts")
 
 
+def take_nd(t: Any, ranges: Sequence[Range | None]) -> torch.Tensor:
+    """t[a0:b0, a1:b1, ...] (None = the whole dim) in one index, so a lazy safetensors slice reads only that block
+    (e.g. this rank's experts x intermediate rows of a fused [E, 2I, H] expert tensor)."""
+    return t[tuple(slice(None) if r is None else slice(*r) for r in ranges)]
+
+
+def token_chunk(num_tokens: int, rank: int, size: int) -> Range:
+    """[start, stop) of rank's contiguous share of num_tokens replicated tokens: ceil(num_tokens / size) each, the
+    last shares short or empty, so every rank pads to the same ceil(num_tokens / size) rows."""
+    step = -(-num_tokens // size)
+    return min(rank * step, num_tokens), min((rank + 1) * step, num_tokens)
+
+
 def concat_slices(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(list(parts), 0)

@@ -20,6 +20,7 @@ from tp_lora.sharding import unit_range
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on q and k
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         k0, k1 = unit_range(kv, tp.rank, tp.size, "num_key_value_heads")
         self.kv_heads = k1 - k0
         self.scale = self.head_dim ** -0.5
-        bias = hf.get("model_type") == "qwen2" or hf.get("attention_bias", False)
+        bias = hf.get("model_type") == "qwen2" or hf.get("attention_bias", False) or hf.get("qkv_bias", False)
         prefix = f"model.layers.{idx}.self_attn."
         self.qkv_proj = _maybe_wrap(
             ParallelLinear(qkv_spec(hidden, heads, kv, self.head_dim), tp, bias, dtype, device), rt,
@@ -82,13 +83,21 @@ class Attention(nn.Module):
                                                  hf.get("attention_bias", False) and hf.get("model_type") != "qwen2",
                                                  dtype, device), rt, [prefix + "o_proj"], targets)
         self.layer_idx = idx
+        # Qwen3(-MoE): RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing).
+        qk_norm = hf.get("model_type") in QK_NORM_TYPES
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta):
         qkv = self.qkv_proj(x)
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
-        q = rotate(q.view(-1, self.heads, d), cos, sin)
-        k = rotate(k.view(-1, self.kv_heads, d), cos, sin)
+        q, k = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotate(q, cos, sin)
+        k = rotate(k, cos, sin)
         out = attend(q, k, v.view(-1, self.kv_heads, d), cache, self.layer_idx, meta, self.scale)
         return self.o_proj(out)
 

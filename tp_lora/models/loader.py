@@ -34,6 +34,9 @@ def load_dense_layer(reader: CheckpointReader, layer: nn.Module, i: int) -> None
     attn = layer.self_attn
     _load_packed(reader, attn.qkv_proj, [p + f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")])
     _load_packed(reader, attn.o_proj, [p + "self_attn.o_proj"])
+    if getattr(attn, "q_norm", None) is not None:
+        _load_norm(reader, attn.q_norm, p + "self_attn.q_norm.weight")
+        _load_norm(reader, attn.k_norm, p + "self_attn.k_norm.weight")
     if hasattr(layer.mlp, "gate_up_proj"):
         _load_packed(reader, layer.mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"])
         _load_packed(reader, layer.mlp.down_proj, [p + "mlp.down_proj"])

@@ -1,0 +1,157 @@
+"""Base MoE pieces, no LoRA knowledge: the replicated router, the experts a rank holds, and the byte packing that lets
+one all-gather carry a rank's hidden states, top-k ids, top-k weights and per-token tags.
+
+Expert sharding: a rank holds experts [e0, e1) of the EP group's split and, of each, intermediate rows [i0, i1) of
+the moe-tp group's split: w1/w3 are column-parallel (rows of I), w2 row-parallel (columns of I), so a rank's
+expert output is a partial sum over the moe-tp group.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_lora import distributed as comm
+from tp_lora.layers.linear import column_spec, row_spec
+from tp_lora.ops.moe_ref import MoEPairs
+from tp_lora.sharding import even_range, expert_range, shard_weight, take_nd
+
+
+class Router(nn.Module):
+    """Replicated gate: logits in the model dtype, softmax in float32, top-k, optional renormalisation of the top-k
+    weights (Mixtral always, Qwen-MoE when norm_topk_prob). Qwen rounds the weights to the model dtype, Mixtral keeps
+    them in float32 (as transformers does)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+                 dtype=torch.float32, device: Any = "cpu"):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k}: expected 1..num_experts ({num_experts})")
+        self.top_k, self.renormalize, self.round_weights = top_k, renormalize, weights_in_model_dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            w = w / w.sum(-1, keepdim=True)
+        if self.round_weights:
+            w = w.to(x.dtype).float()
+        return ids, w
+
+
+class Experts(nn.Module):
+    """This rank's experts: w13 [E_local, S * I_local, H] (S = 2 gate|up slices when gated, 1 otherwise) and
+    w2 [E_local, H, I_local]. `forward(xp, pairs)` computes every pair's expert MLP in pair order, as a partial sum
+    over the moe-tp group."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, ep: comm.Group, moe_tp: comm.Group,
+                 gated: bool = True, dtype=torch.float32, device: Any = "cpu"):
+        super().__init__()
+        self.num_experts, self.hidden, self.inter, self.gated = num_experts, hidden, inter, gated
+        self.ep, self.tp = ep, moe_tp
+        self.e0, self.e1 = expert_range(num_experts, ep.rank, ep.size)
+        self.i0, self.i1 = even_range(inter, moe_tp.rank, moe_tp.size, "moe intermediate size")
+        # The per-expert slicing is that of a dense MLP's gate_up / down: weights and LoRA reuse sharding.py's rules.
+        self.up_spec = column_spec(hidden, *((inter, inter) if gated else (inter,)))
+        self.down_spec = row_spec(inter, hidden)
+        n, il = self.e1 - self.e0, self.i1 - self.i0
+        self.slices = 2 if gated else 1
+        self.w13 = nn.Parameter(torch.empty(n, self.slices * il, hidden, dtype=dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden, il, dtype=dtype, device=device), requires_grad=False)
+
+    @property
+    def num_local(self) -> int:
+        return self.e1 - self.e0
+
+    def holds(self, expert: int) -> bool:
+        return self.e0 <= expert < self.e1
+
+    def load_expert(self, expert: int, up: list[Any], down: Any) -> None:
+        """One expert from per-expert tensors: up = [w1 [I, H], w3 [I, H]] (or [w1] when not gated), down = w2 [H, I]
+        (tensors or lazy safetensors slices: only this rank's rows / columns are read)."""
+        e = expert - self.e0
+        il = self.i1 - self.i0
+        size = (self.tp.rank, self.tp.size)
+        for s, w in enumerate(up):
+            _copy(self.w13.data[e, s * il:(s + 1) * il], shard_weight(self.up_spec, s, w, *size),
+                  f"expert {expert} up slice {s}")
+        _copy(self.w2.data[e], shard_weight(self.down_spec, 0, down, *size), f"expert {expert} down")
+
+    def load_fused(self, gate_up: Any, down: Any) -> None:
+        """All local experts from fused 3D tensors: gate_up [E, S*I, H] (gate rows, then up rows), down [E, H, I]."""
+        il, inter = self.i1 - self.i0, self.inter
+        experts = (self.e0, self.e1)
+        for s in range(self.slices):
+            part = take_nd(gate_up, [experts, (s * inter + self.i0, s * inter + self.i1), None])
+            _copy(self.w13.data[:, s * il:(s + 1) * il], part, f"fused gate_up_proj slice {s}")
+        _copy(self.w2.data, take_nd(down, [experts, None, (self.i0, self.i1)]), "fused down_proj")
+
+    def up(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
+        """xp [P, H] in pair order -> [P, S * I_local]."""
+        out = xp.new_empty(xp.shape[0], self.w13.shape[1])
+        start = 0
+        for e, count in enumerate(pairs.host_expert_counts):
+            if count:
+                out[start:start + count] = xp[start:start + count] @ self.w13[e].t()
+            start += count
+        return out
+
+    def act(self, z: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return F.silu(z)
+        gate, up = z.chunk(2, -1)
+        return F.silu(gate) * up
+
+    def down(self, h: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
+        """h [P, I_local] in pair order -> [P, H] (partial over moe-tp)."""
+        out = h.new_empty(h.shape[0], self.hidden)
+        start = 0
+        for e, count in enumerate(pairs.host_expert_counts):
+            if count:
+                out[start:start + count] = h[start:start + count] @ self.w2[e].t()
+            start += count
+        return out
+
+    def forward(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
+        return self.down(self.act(self.up(xp, pairs)), pairs)
+
+
+def pack_tokens(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,
+                rows: int) -> torch.Tensor:
+    """One uint8 row per token: hidden bytes | k int32 ids | k float32 weights | int32 tag (if tags), padded with
+    rows whose ids are -1 (routed nowhere) up to `rows`. Bytes, not a float cast: ids and weights cross exactly."""
+    n = x.shape[0]
+    parts = [x.contiguous().view(torch.uint8), ids.to(torch.int32).contiguous().view(torch.uint8),
+             weights.float().contiguous().view(torch.uint8)]
+    if tags is not None:
+        parts.append(tags.to(torch.int32).reshape(n, 1).contiguous().view(torch.uint8))
+    packed = torch.cat(parts, 1)
+    if rows > n:
+        pad = torch.zeros(rows - n, packed.shape[1], dtype=torch.uint8, device=x.device)
+        k = ids.shape[1]
+        off = x.shape[1] * x.element_size()
+        pad[:, off:off + 4 * k] = 255  # int32 -1
+        packed = torch.cat([packed, pad], 0)
+    return packed
+
+
+def unpack_tokens(packed: torch.Tensor, hidden: int, dtype: torch.dtype, k: int, tags: bool):
+    """Inverse of pack_tokens over the gathered rows: -> x [N, H], ids [N, k] int32, weights [N, k] f32, tags [N]."""
+    hb = hidden * torch.empty(0, dtype=dtype).element_size()
+    x = packed[:, :hb].contiguous().view(dtype)
+    ids = packed[:, hb:hb + 4 * k].contiguous().view(torch.int32)
+    w = packed[:, hb + 4 * k:hb + 8 * k].contiguous().view(torch.float32)
+    t = packed[:, hb + 8 * k:hb + 8 * k + 4].contiguous().view(torch.int32).reshape(-1) if tags else None
+    return x, ids, w, t
+
+
+def _copy(dst: torch.Tensor, src: Any, what: str) -> None:
+    src = src if isinstance(src, torch.Tensor) else torch.as_tensor(src)
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"{what}: checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

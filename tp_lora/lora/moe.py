@@ -1,0 +1,122 @@
+"""Multi-LoRA over a rank's experts: per slot, per local expert A/B stacks for w1, w3 (gate, up) and w2 (down),
+cut per rank exactly like the expert weights (sharding.py's column / row rules applied to each expert).
+
+For a pair (token t, expert e) of adapter a: gate_up += s (x A13_{a,e}^T) B13_{a,e}^T, down += s (h A2_{a,e}^T) B2_{a,e}^T.
+Where the LoRA math sits relative to the moe-tp group's final all-reduce (see ARCHITECTURE.md; experts partitioned
+over the EP group need no LoRA collective of their own):
+  w1/w3 default         A whole, B split on I                shrink -> expand                      none
+  w1/w3 fully sharded   A split on rank, B split on I        shrink -> all_gather(u) -> expand     1 all-gather (both slices)
+  w2 default            A split on I, B whole                shrink -> expand into the partial sum none
+  w2 fully sharded      A split on I, B split on H           shrink -> all_reduce(u) -> expand     1 all-reduce
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tp_lora import distributed as comm
+from tp_lora.layers.moe import Experts
+from tp_lora.lora.layers import LoRARuntime, _pad
+from tp_lora.ops.moe_ref import MoEPairs
+from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
+
+# Target kinds: one expert's w1 (gate) / w3 (up) / w2 (down), or PEFT's fused gate_up (one A for both, B [2I, r]).
+KINDS = ("w1", "w3", "w2", "w13")
+
+
+class LoRAExperts(nn.Module):
+    """Buffers: lora_a13[s] [L, E, r_a, H], lora_b13[s] [L, E, I_local, r] for s in (w1, w3),
+    lora_a2 [L, E, r, I_local], lora_b2 [L, E, H_b, r] (H_b = H, or H / moe_tp when fully sharded),
+    scales [S + 1, L, E] (row S is w2). E = this rank's experts; r_a = r / moe_tp when fully sharded."""
+
+    def __init__(self, base: Experts, rt: LoRARuntime):
+        super().__init__()
+        self.base, self.rt = base, rt
+        tp = base.tp
+        self.tp = tp
+        self.fully_sharded = rt.fully_sharded and tp.size > 1
+        if self.fully_sharded and rt.max_rank % tp.size:
+            raise ValueError(f"lora.fully_sharded needs lora.max_rank ({rt.max_rank}) divisible by the moe-tp size "
+                             f"({tp.size})")
+        L, R, E, H = rt.max_loras, rt.max_rank, base.num_local, base.hidden
+        il = base.i1 - base.i0
+        r_a = R // tp.size if self.fully_sharded else R
+        h_b = H // tp.size if self.fully_sharded else H
+        dtype, device = base.w13.dtype, base.w13.device
+
+        def zeros(*shape):
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.lora_a13 = nn.ParameterList([zeros(L, E, r_a, H) for _ in range(base.slices)])
+        self.lora_b13 = nn.ParameterList([zeros(L, E, il, R) for _ in range(base.slices)])
+        self.lora_a2 = zeros(L, E, R, il)
+        self.lora_b2 = zeros(L, E, h_b, R)
+        self.register_buffer("scales", torch.zeros(base.slices + 1, L, E, dtype=torch.float32, device=device))
+        self.out_offset = row_lora_out_offset(base.down_spec, tp.rank, tp.size) if self.fully_sharded else 0
+
+    def module_shape(self, key: tuple[str, int]) -> tuple[int, int]:
+        """(in_features, out_features) of the full module a target key names."""
+        kind, _ = key
+        h, i = self.base.hidden, self.base.inter
+        return {"w1": (h, i), "w3": (h, i), "w2": (i, h), "w13": (h, self.base.slices * i)}[kind]
+
+    def set_slot(self, slot: int, key: tuple[str, int], a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """One expert's LoRA, given whole: a [r, in], b [out, r]; key = (kind, global expert id). Experts other
+        ranks hold are skipped: each rank keeps only its experts' slices."""
+        kind, expert = key
+        if kind not in KINDS:
+            raise ValueError(f"MoE LoRA target kind {kind!r}: expected one of {KINDS}")
+        if not self.base.holds(expert):
+            return
+        e = expert - self.base.e0
+        a, b = _pad(a, 0, self.rt.max_rank), _pad(b, 1, self.rt.max_rank)
+        size = (self.tp.rank, self.tp.size, self.fully_sharded)
+        if kind == "w2":
+            spec = self.base.down_spec
+            self.lora_a2.data[slot, e].copy_(shard_lora_a(spec, a, *size))
+            self.lora_b2.data[slot, e].copy_(shard_lora_b(spec, 0, b, *size))
+            self.scales[self.base.slices, slot, e] = scale
+            return
+        spec = self.base.up_spec
+        if kind == "w13":
+            parts = list(enumerate(b.chunk(self.base.slices, 0)))
+        else:
+            s = 0 if kind == "w1" else 1
+            if s >= self.base.slices:
+                raise ValueError(f"{kind} targets the up projection of a non-gated expert")
+            parts = [(s, b)]
+        for s, bs in parts:
+            self.lora_a13[s].data[slot, e].copy_(shard_lora_a(spec, a, *size))
+            self.lora_b13[s].data[slot, e].copy_(shard_lora_b(spec, s, bs, *size))
+            self.scales[s, slot, e] = scale
+
+    def reset_slot(self, slot: int) -> None:
+        for t in list(self.lora_a13) + list(self.lora_b13) + [self.lora_a2, self.lora_b2]:
+            t.data[slot].zero_()
+        self.scales[:, slot] = 0.0
+
+    def forward(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
+        """xp [P, H] in pair order -> [P, H] partial over moe-tp, with each pair's adapter."""
+        base, ops = self.base, self.rt.ops
+        z = base.up(xp, pairs)
+        if pairs.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
+            u = ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], pairs)
+            if self.fully_sharded:
+                u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
+            ops.moe_lora_expand(u, list(self.lora_b13), pairs, z)
+        h = base.act(z)
+        y = base.down(h, pairs)
+        if pairs.any_lora:
+            u = ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], pairs)
+            if self.fully_sharded:
+                u = comm.all_reduce(u, self.tp)
+            ops.moe_lora_expand(u, [self.lora_b2], pairs, y, offset=self.out_offset)
+        return y
+
+
+def wrap_experts(base: Experts, rt: LoRARuntime, paths: dict[str, tuple[str, int]]) -> LoRAExperts:
+    """Wrap and register PEFT module paths -> (kind, global expert) for the slot table and adapter validation."""
+    layer = LoRAExperts(base, rt)
+    for path, key in paths.items():
+        rt.targets[path] = (layer, key)
+    return layer

@@ -1,0 +1,339 @@
+"""Mixtral and Qwen2-MoE / Qwen3-MoE: the Llama-family decoder with a sparse MoE block in place of the MLP, in every
+parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
+
+  TP       ep=1: every rank holds every expert, each expert's intermediate split over tp; one all-reduce.
+  EP/DP    ep over DP replicas (parallel.ep_attention=dp, tp=1): each rank routes its own requests' tokens;
+           all_gather(hidden | topk ids | topk weights | adapter slot, one packed call) over ep -> the pairs routed to
+           local experts -> reduce_scatter returns each rank its own tokens' sums. Ranks have different token
+           counts: they exchange counts once per step and pad to the max; `lockstep` keeps idle ranks stepping.
+  EP/TP    ep over the attention TP group (ep_attention=tp): tokens are replicated after attention, each rank routes a
+           1/tp chunk (no token is routed twice); all_gather -> experts -> reduce_scatter, then an all_gather of the
+           chunks restores the replicated hidden states.
+  EP x TP  ep over DP replicas and each expert's intermediate over the tp group (2D mesh): the EP collectives run over
+           ep, the expert partial sums (and fully sharded LoRA collectives) over tp.
+
+Module paths mirror transformers so PEFT adapters land: per-expert `...block_sparse_moe.experts.N.w1` (Mixtral) /
+`...mlp.experts.N.gate_proj` (Qwen), PEFT target_parameters experts as `...mlp.experts.N.gate_up_proj` /
+`...mlp.experts.N.down_proj` (tp_lora.lora.adapter splits them per expert), shared expert `...mlp.shared_expert.*`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_lora import distributed as comm
+from tp_lora.config import ConfigError
+from tp_lora.layers.linear import ParallelLinear, column_spec, replicated_spec, row_spec
+from tp_lora.layers.moe import Experts, Router, pack_tokens, unpack_tokens
+from tp_lora.lora.batch import LoRABatch, build_lora_batch
+from tp_lora.lora.layers import LoRALinear, LoRARuntime
+from tp_lora.lora.moe import wrap_experts
+from tp_lora.models.llama import CausalLM, _maybe_wrap
+from tp_lora.ops.moe_ref import build_pairs
+from tp_lora.sharding import token_chunk
+
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Per-expert module names on disk (transformers 4.x layout, also what transformers 5.x saves): (gate, up, down).
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+FUSED_NAMES = ("gate_up_proj", "down_proj")  # transformers 5.x fused 3D expert parameters / PEFT target_parameters
+
+
+@dataclass
+class MoEShape:
+    """What a config.json says about the MoE blocks."""
+    model_type: str
+    num_experts: int
+    top_k: int
+    inter: int  # per-expert intermediate size
+    renormalize: bool
+    shared_inter: int  # 0 = no shared expert
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "MoEShape":
+        kind = hf.get("model_type")
+        if kind not in MOE_TYPES:
+            raise ConfigError(f"model_type={kind!r} is not an MoE model (expected one of {MOE_TYPES})")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act={hf.get('hidden_act')!r} is not supported (expected silu)")
+        n = hf["num_hidden_layers"]
+        if kind == "mixtral":
+            return cls(kind, hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"], True, 0,
+                       tuple(range(n)))
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if not experts:
+            raise ConfigError(f"{kind}: config.json has num_experts={experts!r}; dense layers only are not an MoE")
+        only_mlp = set(hf.get("mlp_only_layers") or [])
+        step = hf.get("decoder_sparse_step", 1) or 1
+        layers = tuple(i for i in range(n) if i not in only_mlp and (i + 1) % step == 0)
+        shared = hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
+        return cls(kind, experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+                   bool(hf.get("norm_topk_prob", False)), shared or 0, layers)
+
+
+def validate_moe(hf: dict, ps: comm.ParallelState) -> MoEShape:
+    """Layout checks against config.json; raised on every rank before the model's first collective."""
+    shape = MoEShape.from_hf(hf)
+    ep, mtp = ps.ep.size, ps.moe_tp.size
+    if shape.num_experts % ep:
+        raise ConfigError(f"parallel.ep_size={ep} does not divide the model's {shape.num_experts} experts")
+    if shape.inter % mtp:
+        raise ConfigError(f"the model's expert intermediate size {shape.inter} is not divisible by the {mtp} ranks "
+                          f"each expert is split over (parallel.tp_size)")
+    if shape.shared_inter % mtp:
+        raise ConfigError(f"the model's shared_expert_intermediate_size={shape.shared_inter} is not divisible by "
+                          f"the {mtp} ranks each expert is split over (parallel.tp_size)")
+    if hf.get("model_type") == "qwen2_moe" and hf.get("use_sliding_window"):
+        raise ConfigError("qwen2_moe with use_sliding_window=true (per-layer windows) is not supported")
+    return shape
+
+
+@dataclass
+class MoEStep:
+    """Per-step facts every MoE block of a model reads (set once per forward, like LoRARuntime.batch)."""
+    owned: tuple[int, int] = (0, 0)  # tokens [c0, c1) of the step this rank routes
+    rows: int = 0  # rows each EP rank contributes to the dispatch all-gather (max owned tokens over the EP group)
+    slots: torch.Tensor | None = None  # [c1 - c0] int32 adapter slot per owned token (None: no LoRA runtime)
+    batch: LoRABatch | None = None  # LoRA metadata of the owned tokens (shared expert)
+    counts: list[int] | None = field(default=None)  # token counts of the EP group, stashed by lockstep()
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (+ Qwen2-MoE's gated shared expert) over the layout in `ps`. forward(x [T, H]) -> [T, H]."""
+
+    def __init__(self, hf: dict, shape: MoEShape, idx: int, ps: comm.ParallelState, step: MoEStep, dtype, device,
+                 rt: LoRARuntime | None, targets: set[str] | None):
+        super().__init__()
+        hidden = hf["hidden_size"]
+        self.shape, self.hidden, self.step, self.rt = shape, hidden, step, rt
+        self.ep, self.moe_tp = ps.ep, ps.moe_tp
+        self.chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
+        self.gate = Router(hidden, shape.num_experts, shape.top_k, shape.renormalize,
+                           weights_in_model_dtype=shape.model_type != "mixtral", dtype=dtype, device=device)
+        experts = Experts(shape.num_experts, hidden, shape.inter, ps.ep, ps.moe_tp, True, dtype, device)
+        self.experts = experts
+        names = EXPERT_NAMES[shape.model_type]
+        per_expert = f"model.layers.{idx}.{'block_sparse_moe' if shape.model_type == 'mixtral' else 'mlp'}.experts."
+        fused = f"model.layers.{idx}.mlp.experts."
+        if rt is not None and (targets is None or targets & set(names + FUSED_NAMES)):
+            paths = {}
+            for e in range(shape.num_experts):
+                for kind, n in zip(("w1", "w3", "w2"), names):
+                    paths[f"{per_expert}{e}.{n}"] = (kind, e)
+                paths[f"{fused}{e}.gate_up_proj"] = ("w13", e)
+                paths[f"{fused}{e}.down_proj"] = ("w2", e)
+            self.experts = wrap_experts(experts, rt, paths)
+        self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
+        if shape.shared_inter:
+            p = f"model.layers.{idx}.mlp."
+            si = shape.shared_inter
+            self.shared_gate_up = _maybe_wrap(ParallelLinear(column_spec(hidden, si, si), ps.moe_tp, False, dtype,
+                                                             device), rt,
+                                              [p + "shared_expert.gate_proj", p + "shared_expert.up_proj"], targets)
+            self.shared_down = _maybe_wrap(ParallelLinear(row_spec(si, hidden), ps.moe_tp, False, dtype, device), rt,
+                                           [p + "shared_expert.down_proj"], targets)
+            self.shared_expert_gate = _maybe_wrap(ParallelLinear(replicated_spec(hidden, 1), ps.moe_tp, False, dtype,
+                                                                 device), rt, [p + "shared_expert_gate"], targets)
+
+    @property
+    def base_experts(self) -> Experts:
+        return getattr(self.experts, "base", self.experts)
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step, ex = self.step, self.base_experts
+        c0, c1 = step.owned
+        xs = x[c0:c1]
+        ids, w = self.gate(xs)
+        shared = self._shared(xs) if self.shared_gate_up is not None else None
+        tags = step.slots
+        if self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
+            packed = comm.all_gather(pack_tokens(xs, ids, w, tags, step.rows), self.ep, dim=0)
+            xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
+        else:
+            xg = xs
+        max_loras = self.rt.max_loras if self.rt is not None else 0
+        pairs = build_pairs(ids, w, tags, ex.e0, ex.num_local, max_loras)
+        y = xg.new_zeros(xg.shape[0], self.hidden)
+        if pairs.num_pairs:
+            yp = self.experts(xg[pairs.token], pairs)
+            y.index_add_(0, pairs.token, (yp.float() * pairs.weight[:, None]).to(y.dtype))
+        if self.ep.size > 1:
+            y = comm.reduce_scatter(y, self.ep)[:c1 - c0]
+        if shared is not None:
+            y = y + shared
+        if self.moe_tp.size > 1 and c1 > c0:  # the moe-tp ranks own the same tokens: all skip or none
+            y = comm.all_reduce(y, self.moe_tp)
+        if self.chunked:  # every TP rank needs every token again for the next attention
+            y = comm.all_gather(F.pad(y, (0, 0, 0, step.rows - y.shape[0])), self.ep, dim=0)[:x.shape[0]]
+        return y
+
+    def _shared(self, xs: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x g^T) * shared_expert(x), as a partial sum over moe-tp (reduced with the experts' sum)."""
+        with self._lora_batch(self.step.batch):
+            gate, up = self.shared_gate_up(xs).chunk(2, -1)
+            h = F.silu(gate) * up
+            down = self.shared_down
+            if isinstance(down, LoRALinear):
+                z = down.base.partial(h)
+                if self.rt.active():
+                    down.add_lora(h, z)
+            else:
+                z = down.partial(h)
+            return torch.sigmoid(self.shared_expert_gate(xs)) * z
+
+    @contextmanager
+    def _lora_batch(self, batch: LoRABatch | None):
+        """The shared expert's LoRA layers read rt.batch: point it at the owned tokens (a chunk in EP/TP)."""
+        rt = self.rt
+        if rt is None or batch is None or batch is rt.batch:
+            yield
+            return
+        saved, rt.batch = rt.batch, batch
+        try:
+            yield
+        finally:
+            rt.batch = saved
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, reader, prefix: str) -> None:
+        """prefix: "model.layers.{i}.mlp." (Mixtral checkpoints use "block_sparse_moe." instead of "mlp.")."""
+        layer = prefix[:-len("mlp.")]
+        candidates = [prefix] + ([layer + "block_sparse_moe."] if self.shape.model_type == "mixtral" else [])
+        p = next((c for c in candidates if reader.has(c + "gate.weight")), None)
+        if p is None:
+            raise ValueError(f"MoE router weight not found: expected one of {[c + 'gate.weight' for c in candidates]}")
+        E, H, inter = self.shape.num_experts, self.hidden, self.shape.inter
+        _check_shape(reader, p + "gate.weight", (E, H))
+        self.gate.weight.data.copy_(reader.get(p + "gate.weight"))
+        ex = self.base_experts
+        if reader.has(p + "experts.gate_up_proj"):
+            _check_shape(reader, p + "experts.gate_up_proj", (E, 2 * inter, H))
+            _check_shape(reader, p + "experts.down_proj", (E, H, inter))
+            ex.load_fused(reader.get_slice(p + "experts.gate_up_proj"), reader.get_slice(p + "experts.down_proj"))
+        else:
+            g, u, d = EXPERT_NAMES[self.shape.model_type]
+            if not reader.has(f"{p}experts.{ex.e0}.{g}.weight"):
+                raise ValueError(f"experts of {p[:-1]} not found: expected {p}experts.gate_up_proj (fused) or "
+                                 f"{p}experts.N.{g}.weight (per expert)")
+            for e in range(ex.e0, ex.e1):  # only the experts this rank holds are read
+                q = f"{p}experts.{e}."
+                ex.load_expert(e, [reader.get_slice(q + g + ".weight"), reader.get_slice(q + u + ".weight")],
+                               reader.get_slice(q + d + ".weight"))
+        if self.shared_gate_up is not None:
+            s = p + "shared_expert."
+            base = getattr(self.shared_gate_up, "base", self.shared_gate_up)
+            base.load_slice(0, reader.get_slice(s + "gate_proj.weight"))
+            base.load_slice(1, reader.get_slice(s + "up_proj.weight"))
+            getattr(self.shared_down, "base", self.shared_down).load_slice(0, reader.get_slice(s + "down_proj.weight"))
+            getattr(self.shared_expert_gate, "base", self.shared_expert_gate).load_slice(
+                0, reader.get_slice(p + "shared_expert_gate.weight"))
+
+
+def _check_shape(reader, name: str, want: tuple[int, ...]) -> None:
+    got = reader.shape(name)
+    if tuple(got) != tuple(want):
+        raise ValueError(f"{name}: checkpoint shape {tuple(got)}, expected {tuple(want)} from config.json")
+
+
+class MoECausalLM(CausalLM):
+    """CausalLM whose MLPs are SparseMoE blocks (dense MLPs where Qwen's mlp_only_layers / decoder_sparse_step say)."""
+
+    def __init__(self, hf: dict, ps: comm.ParallelState, dtype=torch.float32, device: Any = "cpu",
+                 rt: LoRARuntime | None = None, targets: set[str] | None = None):
+        shape = validate_moe(hf, ps)
+        step = MoEStep()
+
+        def mlp(i: int):
+            if i not in shape.moe_layers:
+                return None
+            return SparseMoE(hf, shape, i, ps, step, dtype, device, rt, targets)
+
+        super().__init__(hf, ps.tp, dtype, device, rt, targets, mlp_factory=mlp)
+        self.moe_shape, self.ps, self.step = shape, ps, step
+        if hf.get("model_type") == "mixtral":  # Mixtral applies sliding_window whenever it is set
+            self.sliding_window = hf.get("sliding_window") or None
+        # EP over DP replicas: every rank of the EP group takes part in every step's dispatch collectives.
+        self.needs_lockstep = ps.ep.size > 1 and ps.ep_attention == "dp"
+
+    def _begin_step(self, num_tokens: int, counts: list[int] | None = None) -> None:
+        ps, step, rt = self.ps, self.step, self.rt
+        if ps.ep.size > 1 and ps.ep_attention == "tp":
+            step.owned = token_chunk(num_tokens, ps.ep.rank, ps.ep.size)
+            step.rows = -(-num_tokens // ps.ep.size)
+        elif ps.ep.size > 1:
+            if counts is None:
+                counts = step.counts if step.counts is not None else comm.all_gather_counts(
+                    num_tokens, ps.ep, self.device)
+            if counts[ps.ep.rank] != num_tokens:
+                raise RuntimeError(f"lockstep announced {counts[ps.ep.rank]} tokens for this rank's step, but the "
+                                   f"forward has {num_tokens}")
+            step.owned, step.rows = (0, num_tokens), max(counts)
+        else:
+            step.owned, step.rows = (0, num_tokens), num_tokens
+        step.counts = None
+        c0, c1 = step.owned
+        if rt is None:
+            step.slots = step.batch = None
+        elif rt.batch is None or rt.batch.num_tokens != num_tokens:
+            step.slots = torch.full((c1 - c0,), -1, dtype=torch.int32, device=self.device)
+            step.batch = build_lora_batch([-1] * (c1 - c0), rt.max_loras, self.device)
+        else:
+            step.slots = rt.batch.token_slot[c0:c1]
+            whole = (c0, c1) == (0, num_tokens)
+            step.batch = rt.batch if whole else build_lora_batch(rt.batch.token_slot[c0:c1].cpu(), rt.max_loras,
+                                                                 self.device)
+
+    def forward(self, input_ids: torch.Tensor, cache, meta) -> torch.Tensor:
+        self._begin_step(input_ids.shape[0])
+        return super().forward(input_ids, cache, meta)
+
+    # ---- data-parallel lockstep (EP over DP replicas) ----------------------------------------------------------
+    def lockstep(self, num_tokens: int) -> bool:
+        """Called by the engine once per step with this rank's token count (0 = no work). Exchanges the counts over
+        the EP group (the step's only extra collective) and returns False when every rank is idle. An idle rank runs
+        the MoE blocks on no tokens of its own (its experts still serve the others); a busy rank keeps the counts
+        for its forward."""
+        if not self.needs_lockstep:
+            return num_tokens > 0
+        counts = comm.all_gather_counts(num_tokens, self.ps.ep, self.device)
+        if max(counts) == 0:
+            return False
+        if num_tokens == 0:
+            self.idle_step(counts)
+        else:
+            self.step.counts = counts
+        return True
+
+    @torch.no_grad()
+    def idle_step(self, counts: list[int]) -> None:
+        """This rank has no tokens this step but peers of its EP group do: attention is skipped (its collectives
+        stay inside this rank's own replica, idle as a whole), the MoE blocks serve the peers' tokens."""
+        saved = self.rt.batch if self.rt is not None else None
+        if self.rt is not None:
+            self.rt.batch = build_lora_batch([], self.rt.max_loras, self.device)
+        try:
+            self._begin_step(0, counts)
+            x = torch.zeros(0, self.hf["hidden_size"], dtype=self.dtype, device=self.device)
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    layer.mlp(x)
+        finally:
+            if self.rt is not None:
+                self.rt.batch = saved
+
+
+def build(hf: dict, tp: comm.Group, dtype, device, rt: LoRARuntime | None, targets: set[str] | None) -> MoECausalLM:
+    """Registry entry: the expert layout registered for this tp group by distributed.init_expert_parallel, or the
+    TP layout (every expert on every rank of tp) when none was set up."""
+    ps = comm.expert_layout(tp)
+    if ps is None:
+        ps = comm.ParallelState(world=tp, tp=tp, dp=comm.Group("dp"), device=torch.device(device))
+    return MoECausalLM(hf, ps, dtype, device, rt, targets)
