@@ -1,0 +1,40 @@
+"""The collectives module: results on real ranks, counting, and a peer that never joins ends in an error, not a hang."""
+import time
+
+import pytest
+import torch
+
+from tp_lora import distributed as comm
+from tp_lora.testing import run_ranks
+
+
+def _collectives(ps: comm.ParallelState):
+    tp, r = ps.tp, ps.tp.rank
+    comm.STATS.reset()
+    summed = comm.all_reduce(torch.full((3,), float(r + 1)), tp)
+    gathered = comm.all_gather(torch.full((2, 1), float(r)), tp, dim=-1)
+    scattered = comm.reduce_scatter(torch.arange(4 * tp.size, dtype=torch.float32).reshape(2 * tp.size, 2), tp)
+    return summed, gathered, scattered, dict(comm.STATS.calls), dict(comm.STATS.bytes)
+
+
+def test_collectives_on_real_ranks():
+    summed, gathered, scattered, calls, nbytes = run_ranks(_collectives, 2)
+    assert summed.tolist() == [3.0] * 3
+    assert gathered.tolist() == [[0.0, 1.0], [0.0, 1.0]]
+    assert scattered.tolist() == [[0.0, 2.0], [4.0, 6.0]]  # rank 0's half of the doubled tensor
+    assert calls == {"all_reduce:tp": 1, "all_gather:tp": 1, "reduce_scatter:tp": 1}
+    assert nbytes == {"all_reduce:tp": 12, "all_gather:tp": 8, "reduce_scatter:tp": 32}
+
+
+def _rank1_never_joins(ps: comm.ParallelState):
+    if ps.rank == 0:
+        comm.all_reduce(torch.ones(1), ps.tp)
+    else:
+        time.sleep(8)
+
+
+def test_missing_peer_times_out_with_an_error():
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match="rank 0"):
+        run_ranks(_rank1_never_joins, 2, timeout_s=3)
+    assert time.time() - t0 < 60
