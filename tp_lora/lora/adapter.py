@@ -396,3 +396,133 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
         if vocab is not None and len(shape) == 2 and shape[0] != vocab:
             raise _err(n, f"saved {key!r} has {shape[0]} rows but the model's vocabulary has {vocab}: the adapter "
                           f"was trained with a resized vocabulary — built for another model?")
+
+
+# ---- PEFT target_parameters (fused 3D MoE experts) ----------------------------------------------------------
+# PEFT's ParamWrapper puts one LoRA on a whole [E, out, in] expert parameter (tuners/lora/layer.py): lora_A [E*r, in]
+# with the expert as the slow axis (A.reshape(E, r, in)), lora_B [out, E*r] with the expert as the fast axis
+# (B.reshape(out, r, E)), delta_e = scale * B[:, :, e] @ A[e]. Several targeted parameters of one module nest: the
+# first in the module's parameter order is the innermost wrapper, so its keys carry the most ".base_layer" parts.
+EXPERT_PARAM_ORDER = ("gate_up_proj", "down_proj")  # registration order of transformers' fused experts
+
+
+def _targeted_params(cfg: dict, container: str) -> list[str]:
+    """The parameters of module `container` that target_parameters selects, in PEFT's wrapping order."""
+    found = []
+    for t in cfg.get("target_parameters") or []:
+        mod, _, param = t.rpartition(".")
+        if not mod or container == mod or container.endswith("." + mod):
+            found.append(param)
+    unknown = [p for p in found if p not in EXPERT_PARAM_ORDER]
+    if unknown:
+        raise ValueError(f"target_parameters selects {unknown} of {container!r}; only fused expert parameters "
+                         f"{EXPERT_PARAM_ORDER} are supported")
+    return [p for p in EXPERT_PARAM_ORDER if p in found]
+
+
+def expert_param_modules(name: str, cfg: dict, container: str, depth_ab: dict[int, dict[str, torch.Tensor]],
+                         dtype: torch.dtype = torch.float32) -> dict[str, ModuleLoRA]:
+    """One module's target_parameters LoRAs -> per-expert modules "{container}.{e}.{param}" with a [r, in],
+    b [out, r]. depth_ab: number of ".base_layer" parts in the key -> {"A": lora_A, "B": lora_B}."""
+    params = _targeted_params(cfg, container)
+    if len(params) != len(depth_ab):
+        raise _err(name, f"{container!r} has LoRA weights at {len(depth_ab)} nesting depths but target_parameters="
+                         f"{cfg.get('target_parameters')!r} selects {params or 'none'} of it")
+    use_rslora = bool(cfg.get("use_rslora", False))
+    out: dict[str, ModuleLoRA] = {}
+    for i, param in enumerate(params):
+        depth = len(params) - 1 - i  # the first wrapped parameter is the innermost
+        ab = depth_ab.get(depth)
+        if ab is None or set(ab) != {"A", "B"}:
+            raise _err(name, f"{container}: no complete lora_A / lora_B pair for parameter {param!r} (expected at "
+                             f"nesting depth {depth}, i.e. {'.base_layer' * depth or 'no .base_layer'})")
+        a, b = ab["A"], ab["B"]
+        r, alpha = module_rank_alpha(cfg, f"{container}.{param}")
+        if a.shape[0] % r or b.shape[1] != a.shape[0]:
+            raise _err(name, f"{container}.{param}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have "
+                             f"the [E*r, in] / [out, E*r] shapes of r={r} per expert")
+        experts = a.shape[0] // r
+        a_e = a.reshape(experts, r, a.shape[1])
+        b_e = b.reshape(b.shape[0], r, experts).permute(2, 0, 1)
+        scale = lora_scale(r, alpha, use_rslora)
+        for e in range(experts):
+            out[f"{container}.{e}.{param}"] = ModuleLoRA(a_e[e].to(dtype).contiguous(), b_e[e].to(dtype).contiguous(),
+                                                         scale)
+    return out
+
+
+def load_peft_adapter(path: str, name: Optional[str] = None, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """load_adapter, plus PEFT's target_parameters format for fused MoE experts: each targeted [E, out, in] parameter
+    becomes E per-expert modules "<experts module>.<e>.<param>" (e.g. model.layers.0.mlp.experts.3.gate_up_proj with
+    a [r, H], b [2I, r]), so the model and validate_adapter see ordinary per-module LoRAs."""
+    path = os.fspath(path)
+    name = name or os.path.basename(os.path.normpath(path))
+    # read_adapter_config refuses target_parameters because load_adapter cannot map them; this loader can, so that
+    # one refusal is lifted while every other config check still runs.
+    refusal = _TRUTHY_REJECT.pop("target_parameters", None)
+    try:
+        cfg = read_adapter_config(path, name)
+    finally:
+        if refusal is not None:
+            _TRUTHY_REJECT["target_parameters"] = refusal
+    if not cfg.get("target_parameters"):
+        return load_adapter(path, name, dtype)
+    if not isinstance(cfg["target_parameters"], list) or not all(isinstance(t, str) for t in cfg["target_parameters"]):
+        raise _err(name, f"target_parameters={cfg['target_parameters']!r}: expected a list of parameter names")
+    try:
+        return _load_with_params(path, name, cfg, dtype)
+    except (AdapterError, FileNotFoundError):
+        raise
+    except Exception as e:
+        raise _err(name, f"cannot be read from {path}: {type(e).__name__}: {e}") from e
+
+
+def _load_with_params(path: str, name: str, cfg: dict, dtype: torch.dtype) -> LoRAAdapter:
+    weights = os.path.join(path, WEIGHTS_FILE)
+    tensors = _read_tensors(name, path)
+    module_parts: dict[str, dict[str, torch.Tensor]] = {}
+    param_parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    embedding: set[str] = set()
+    base_copies: dict[str, tuple[int, ...]] = {}
+    for key, t in tensors.items():
+        parsed = _parse_key(key)
+        if parsed is None:
+            k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+            if _is_embedding_copy(k):
+                base_copies[k] = tuple(t.shape)
+                continue
+            raise _err(name, f"{weights}: tensor {key!r} is not a LoRA weight this runtime understands")
+        module, which = parsed
+        if "lora_embedding" in key:
+            embedding.add(module)
+        if t.dim() != 2 or not t.is_floating_point():
+            raise _err(name, f"{weights}: tensor {key!r} has shape {tuple(t.shape)} / dtype {t.dtype}, expected a "
+                             f"2-dim floating tensor")
+        depth = module.count(".base_layer")
+        container = module.replace(".base_layer", "")
+        if _targeted_params(cfg, container):
+            param_parts.setdefault(container, {}).setdefault(depth, {})[which] = t
+        else:
+            module_parts.setdefault(module, {})[which] = t
+    modules: dict[str, ModuleLoRA] = {}
+    use_rslora = bool(cfg.get("use_rslora", False))
+    for module in sorted(module_parts):
+        ab = module_parts[module]
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != ab["B"].shape[1]:
+            raise _err(name, f"{weights}: module {module!r} needs lora_A [r, in] and lora_B [out, r] of one rank, "
+                             f"got {({k: tuple(v.shape) for k, v in ab.items()})}")
+        if not is_targeted(cfg, module):
+            raise _err(name, f"{weights} has LoRA weights for {module!r}, which target_modules="
+                             f"{cfg.get('target_modules')!r} does not select (PEFT would not load them)")
+        r, alpha = module_rank_alpha(cfg, module)
+        if ab["A"].shape[0] != r:
+            raise _err(name, f"{weights}: module {module!r} has rank {ab['A'].shape[0]} but {CONFIG_FILE} gives it "
+                             f"r={r} (r / rank_pattern mismatch)")
+        modules[module] = ModuleLoRA(ab["A"].to(dtype).contiguous(), ab["B"].to(dtype).contiguous(),
+                                     lora_scale(r, alpha, use_rslora), embedding=module in embedding)
+    for container in sorted(param_parts):
+        modules.update(expert_param_modules(name, cfg, container, param_parts[container], dtype))
+    if not modules:
+        raise _err(name, f"{weights} holds no LoRA weights")
+    return LoRAAdapter(name=name, path=path, rank=max(m.rank for m in modules.values()), config=cfg, modules=modules,
+                       saved_base_weights=base_copies)
