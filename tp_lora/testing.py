@@ -5,6 +5,7 @@ TP_LORA_TEST_BACKEND=triton switches the LoRA kernels (tests read both through d
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -38,7 +39,9 @@ def _worker(rank, world_size, port, tp_size, timeout_s, fn, args, queue):
     try:
         ps = distributed.init_parallel(tp_size, device_under_test(), timeout_s)
         result = fn(ps, *args)
-        queue.put((rank, "ok", result if rank == 0 else None))
+        # Pickled by value: torch's queue would share tensors through file descriptors that vanish when this
+        # process exits, before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result) if rank == 0 else None))
     except BaseException:  # report every failure to the parent, which re-raises it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -62,7 +65,7 @@ def run_ranks(fn, world_size: int, *args, tp_size: int | None = None, timeout_s:
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
             elif rank == 0:
-                results = payload
+                results = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=30)
