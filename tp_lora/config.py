@@ -36,6 +36,9 @@ class ParallelConfig:
 class LoRAConfig:
     adapter_dir: Optional[str] = None  # every subdirectory with adapter_config.json is an adapter
     max_loras: int = 4  # device slots
+    # Host tier of the adapter cache: adapters read from disk and kept in (pinned) host memory, least recently used
+    # evicted. Every adapter under adapter_dir is registered at start from its config and safetensors header only.
+    max_cpu_loras: int = 64
     max_rank: int = 16
     fully_sharded: bool = False
     backend: str = "auto"  # auto | torch | triton
@@ -57,7 +60,18 @@ class GenerationConfig:
 @dataclass
 class SchedulerConfig:
     max_batch_size: int = 32  # sequences per step
-    max_tokens_per_step: int = 4096  # prompt tokens admitted per step
+    max_tokens_per_step: int = 4096  # tokens per step: one per decoding sequence + prefill chunks
+    # KV cache (one row per running sequence) sized from the memory left after weights and adapter slots: on CUDA
+    # this fraction of torch.cuda.mem_get_info's free bytes; kv_cache_mb caps it (and is the size on CPU).
+    kv_memory_fraction: float = 0.8
+    kv_cache_mb: Optional[float] = None  # None: no cap on CUDA, 1024 MiB on CPU
+    # A request blocked on adapter slots may be overtaken by later requests whose adapter is resident at most this
+    # many times; then nothing passes it until it is admitted (no starvation).
+    max_overtakes: int = 16
+    # Ctrl-C / SIGTERM: stop admitting, finish in-flight sequences for up to this long, then abandon them
+    # (a second signal abandons at once). The ranks agree on stopping every stop_check_steps steps.
+    stop_grace_s: float = 20.0
+    stop_check_steps: int = 8
 
 
 @dataclass
@@ -69,6 +83,7 @@ class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     requests: Optional[str] = None  # JSONL; None = the embedded default requests
     output: str = "outputs.jsonl"
+    resume: bool = False  # keep the lines already in `output` and run only the requests they do not answer
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | float16 | bfloat16
     cuda_graphs: bool = True
@@ -99,6 +114,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
                f"processes / parallel.tp_size={p.tp_size}) when parallel.ep_attention=dp")
     _check(lo.max_loras >= 1, f"lora.max_loras={lo.max_loras}: expected >= 1")
     _check(lo.max_rank >= 1, f"lora.max_rank={lo.max_rank}: expected >= 1")
+    _check(lo.max_cpu_loras >= 1, f"lora.max_cpu_loras={lo.max_cpu_loras}: expected >= 1")
     _check(lo.backend in ("auto", "torch", "triton"), f"lora.backend={lo.backend!r}: expected auto, torch or triton")
     _check(lo.kernel in ("sorted", "chunked"), f"lora.kernel={lo.kernel!r}: expected sorted or chunked")
     _check(lo.segment_size is None or (lo.segment_size >= 16 and lo.segment_size & (lo.segment_size - 1) == 0),
@@ -117,7 +133,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(0 < g.top_p <= 1, f"generation.top_p={g.top_p}: expected in (0, 1]")
     s = cfg.scheduler
     _check(s.max_batch_size >= 1, f"scheduler.max_batch_size={s.max_batch_size}: expected >= 1")
-    _check(s.max_tokens_per_step >= 1, f"scheduler.max_tokens_per_step={s.max_tokens_per_step}: expected >= 1")
+    _check(s.max_tokens_per_step >= s.max_batch_size,
+           f"scheduler.max_tokens_per_step={s.max_tokens_per_step}: expected >= scheduler.max_batch_size="
+           f"{s.max_batch_size} (every running sequence decodes one token per step)")
+    _check(0 < s.kv_memory_fraction <= 1, f"scheduler.kv_memory_fraction={s.kv_memory_fraction}: expected in (0, 1]")
+    _check(s.kv_cache_mb is None or s.kv_cache_mb > 0, f"scheduler.kv_cache_mb={s.kv_cache_mb}: expected null or > 0")
+    _check(s.max_overtakes >= 0, f"scheduler.max_overtakes={s.max_overtakes}: expected >= 0")
+    _check(s.stop_grace_s >= 0, f"scheduler.stop_grace_s={s.stop_grace_s}: expected >= 0")
+    _check(s.stop_check_steps >= 1, f"scheduler.stop_check_steps={s.stop_check_steps}: expected >= 1")
 
 
 def validate_for_model(hf: dict, tp_size: int) -> None:
