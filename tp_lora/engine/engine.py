@@ -12,16 +12,17 @@ from typing import Callable, Optional
 import torch
 
 from tp_lora import distributed as comm
-from tp_lora.config import RunConfig, resolve_device, resolve_dtype, validate_for_model
+from tp_lora.config import ConfigError, RunConfig, resolve_device, resolve_dtype, validate_for_model
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.runner import ModelRunner, StepBatch
 from tp_lora.engine.sampler import sample
-from tp_lora.lora.adapter import AdapterError, LoRAAdapter, discover_adapters, load_adapter, validate_adapter
+from tp_lora.lora.adapter import AdapterError, LoRAAdapter, discover_adapters, load_peft_adapter, validate_adapter
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.lora.slots import SlotTable
 from tp_lora.models.checkpoint import CheckpointReader, load_hf_config
 from tp_lora.models.llama import CausalLM
 from tp_lora.models.loader import load_weights
+from tp_lora.models.registry import MOE_TYPES
 from tp_lora.ops import get_backend
 
 
@@ -78,15 +79,24 @@ class Engine:
         targets = {p.rsplit(".", 1)[-1] for a in self.adapters.values() for p in a.modules}
         if not lo.lora_embeddings:
             targets -= {"embed_tokens", "lm_head"}
+        p = cfg.parallel
+        if p.ep_size > 1 and self.hf.get("model_type") not in MOE_TYPES:
+            raise ConfigError(f"parallel.ep_size={p.ep_size} splits experts, but model_type="
+                              f"{self.hf.get('model_type')!r} has none (MoE types: {MOE_TYPES})")
+        comm.init_expert_parallel(ps, p.ep_size, p.ep_attention, p.timeout_s)  # before the MoE blocks are built
         self.model = build_model(self.hf, ps.tp, self.dtype, ps.device, self.rt, targets)
         load_weights(self.model, CheckpointReader(model_dir))
         if self.rt is not None:
             self._validate_adapters()
             self.slots = SlotTable(self.rt)
+            if getattr(self.model, "needs_lockstep", False):
+                self._pin_adapters()
         eos = self.hf.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_positions = self.hf.get("max_position_embeddings", 4096)
-        self.runner = ModelRunner(self.model, self.rt, ps.device, cfg.cuda_graphs)
+        # MoE routing reads expert counts on the host every layer: not capturable in a CUDA graph.
+        moe = self.hf.get("model_type") in MOE_TYPES
+        self.runner = ModelRunner(self.model, self.rt, ps.device, cfg.cuda_graphs and not moe)
         self.generator = torch.Generator().manual_seed(cfg.generation.seed)
         self.stats = StepStats()
 
@@ -94,9 +104,20 @@ class Engine:
     def _read_adapters(self) -> None:
         for name, path in self.adapter_paths.items():
             try:
-                self.adapters[name] = load_adapter(path, name=name)
+                self.adapters[name] = load_peft_adapter(path, name=name)  # + PEFT target_parameters (MoE)
             except (AdapterError, ValueError, OSError) as e:
                 self.bad_adapters[name] = str(e)
+
+    def _pin_adapters(self) -> None:
+        """Expert parallelism over DP replicas sends a token's adapter slot to the rank owning its expert, so every
+        rank must hold every adapter in the same slot: load them all once, in name order."""
+        names = sorted(self.adapters)
+        if len(names) > self.cfg.lora.max_loras:
+            raise ConfigError(f"parallel.ep_attention=dp with ep_size={self.cfg.parallel.ep_size} pins every adapter "
+                              f"in a slot, but there are {len(names)} adapters for lora.max_loras="
+                              f"{self.cfg.lora.max_loras}: raise lora.max_loras")
+        for slot, name in enumerate(names):
+            self.slots.load(slot, self.adapters[name])
 
     def _validate_adapters(self) -> None:
         shapes = module_shapes(self.rt)
@@ -192,7 +213,12 @@ class Engine:
                 on_result(results[req.index])
             else:
                 waiting.append(req)
+        # EP over DP replicas: every rank of the EP group steps until all are idle (a rank out of work still serves
+        # the others' tokens routed to its experts).
+        lockstep = self.model.lockstep if getattr(self.model, "needs_lockstep", False) else None
         if not waiting:
+            while lockstep is not None and lockstep(0):
+                pass
             return [results[r.index] for r in requests]
         cache_len = min(max_len, max(len(r.prompt_token_ids) + r.max_new_tokens for r in waiting))
         rows_total = min(cfg.scheduler.max_batch_size, len(waiting))
@@ -221,6 +247,8 @@ class Engine:
                 work.append((seq, n))
                 budget -= n
                 self.stats.prompt_tokens += seq.prompt_len
+            if lockstep is not None:
+                lockstep(sum(n for _, n in work))
             logits = self._step(work, cache)
             sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
             if sampled:
@@ -238,6 +266,8 @@ class Engine:
                         on_result(seq.result)
                         progress(len(results), len(requests))
             self.stats.steps += 1
+        while lockstep is not None and lockstep(0):
+            pass
         self.stats.seconds += time.perf_counter() - t0
         return [results[r.index] for r in requests]
 

@@ -104,6 +104,35 @@ class MoEStep:
     counts: list[int] | None = field(default=None)  # token counts of the EP group, stashed by lockstep()
 
 
+def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, num_tokens: int, device,
+                 counts: list[int] | None = None) -> None:
+    """Fill `step` for a forward over num_tokens tokens (rt.batch, if any, describes them). EP over DP replicas needs
+    the EP group's token counts: `counts`, else those stashed by lockstep, else exchanged here (one collective)."""
+    if ps.ep.size > 1 and ps.ep_attention == "tp":
+        step.owned = token_chunk(num_tokens, ps.ep.rank, ps.ep.size)
+        step.rows = -(-num_tokens // ps.ep.size)
+    elif ps.ep.size > 1:
+        if counts is None:
+            counts = step.counts if step.counts is not None else comm.all_gather_counts(num_tokens, ps.ep, device)
+        if counts[ps.ep.rank] != num_tokens:
+            raise RuntimeError(f"lockstep announced {counts[ps.ep.rank]} tokens for this rank's step, but the forward "
+                               f"has {num_tokens}")
+        step.owned, step.rows = (0, num_tokens), max(counts)
+    else:
+        step.owned, step.rows = (0, num_tokens), num_tokens
+    step.counts = None
+    c0, c1 = step.owned
+    if rt is None:
+        step.slots = step.batch = None
+    elif rt.batch is None or rt.batch.num_tokens != num_tokens:
+        raise RuntimeError(f"the LoRA batch describes {None if rt.batch is None else rt.batch.num_tokens} tokens, "
+                           f"the MoE step {num_tokens}")
+    else:
+        step.slots = rt.batch.token_slot[c0:c1]
+        whole = (c0, c1) == (0, num_tokens)
+        step.batch = rt.batch if whole else build_lora_batch(rt.batch.token_slot[c0:c1].cpu(), rt.max_loras, device)
+
+
 class SparseMoE(nn.Module):
     """Router + experts (+ Qwen2-MoE's gated shared expert) over the layout in `ps`. forward(x [T, H]) -> [T, H]."""
 
@@ -264,32 +293,7 @@ class MoECausalLM(CausalLM):
         self.needs_lockstep = ps.ep.size > 1 and ps.ep_attention == "dp"
 
     def _begin_step(self, num_tokens: int, counts: list[int] | None = None) -> None:
-        ps, step, rt = self.ps, self.step, self.rt
-        if ps.ep.size > 1 and ps.ep_attention == "tp":
-            step.owned = token_chunk(num_tokens, ps.ep.rank, ps.ep.size)
-            step.rows = -(-num_tokens // ps.ep.size)
-        elif ps.ep.size > 1:
-            if counts is None:
-                counts = step.counts if step.counts is not None else comm.all_gather_counts(
-                    num_tokens, ps.ep, self.device)
-            if counts[ps.ep.rank] != num_tokens:
-                raise RuntimeError(f"lockstep announced {counts[ps.ep.rank]} tokens for this rank's step, but the "
-                                   f"forward has {num_tokens}")
-            step.owned, step.rows = (0, num_tokens), max(counts)
-        else:
-            step.owned, step.rows = (0, num_tokens), num_tokens
-        step.counts = None
-        c0, c1 = step.owned
-        if rt is None:
-            step.slots = step.batch = None
-        elif rt.batch is None or rt.batch.num_tokens != num_tokens:
-            step.slots = torch.full((c1 - c0,), -1, dtype=torch.int32, device=self.device)
-            step.batch = build_lora_batch([-1] * (c1 - c0), rt.max_loras, self.device)
-        else:
-            step.slots = rt.batch.token_slot[c0:c1]
-            whole = (c0, c1) == (0, num_tokens)
-            step.batch = rt.batch if whole else build_lora_batch(rt.batch.token_slot[c0:c1].cpu(), rt.max_loras,
-                                                                 self.device)
+        prepare_step(self.step, self.ps, self.rt, num_tokens, self.device, counts)
 
     def forward(self, input_ids: torch.Tensor, cache, meta) -> torch.Tensor:
         self._begin_step(input_ids.shape[0])
