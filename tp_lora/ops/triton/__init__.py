@@ -178,3 +178,4 @@ def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Te
     )
     return out
 from tp_lora.ops.triton.graphs import refresh_static_batch  # noqa: E402,F401  (CUDA-graph replay)
+from tp_lora.ops.triton.moe_lora import moe_lora_expand, moe_lora_shrink  # noqa: E402,F401  (fused MoE LoRA)

@@ -1,0 +1,220 @@
+"""Triton fused MoE LoRA ops: moe_lora_shrink / moe_lora_expand with the signatures and semantics of
+tp_lora.ops.moe_ref (read its docstring for the pair order and shapes).
+
+One launch per call covers every (local expert, adapter slot) group and every slice (w1 and w3 together). The grid is
+(groups, token blocks of the largest group, slices x output blocks); a program reads its group's row of the
+[G, 4] (expert, slot, start, count) table and walks rows start .. start + count of the pair-ordered input, so it reads
+one expert's weights of one adapter only. Pairs of tokens without an adapter belong to no group: shrink leaves their
+rows 0 and expand never touches them.
+
+Grids come from host-side sizes (the group count and largest group MoEPairs keeps on the host): no device value is
+read here. Runs natively on CUDA and, under TRITON_INTERPRET=1, on the CPU.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from tp_lora.ops.moe_ref import MoEPairs
+
+__all__ = ["moe_lora_shrink", "moe_lora_expand"]
+
+MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _mm(a, b, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    # Round operands to CDT (the layer's dtype), feed the dot as DOT (float32 under the interpreter, whose bf16 dot is
+    # wrong); PREC="ieee" keeps float32 layers at float32 accuracy (no tf32).
+    return tl.dot(a.to(CDT).to(DOT), b.to(CDT).to(DOT), input_precision=PREC)
+
+
+@triton.jit
+def moe_shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, scale_ptr, out_ptr, groups_ptr,
+    K, R, n_blocks_r,
+    stride_xp, stride_xk,
+    stride_al, stride_ae, stride_ar, stride_ak,
+    stride_ss, stride_sl, stride_se,
+    stride_os, stride_op, stride_or,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """out[s, p, :] = scale[s, slot, e] * x[p] @ A_s[slot, e]^T for the pairs p of one (expert e, slot) group.
+    x [P, K], A_s [L, E, R, K], scale [S, L, E] f32, out [S, P, R] f32."""
+    pid_g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_x = tl.program_id(2)
+    s = pid_x // n_blocks_r
+    pid_n = pid_x % n_blocks_r
+    e = tl.load(groups_ptr + pid_g * 4).to(tl.int64)
+    slot = tl.load(groups_ptr + pid_g * 4 + 1).to(tl.int64)
+    start = tl.load(groups_ptr + pid_g * 4 + 2)
+    count = tl.load(groups_ptr + pid_g * 4 + 3)
+    if pid_m * BLOCK_M < count:
+        a_ptr = a0_ptr
+        if NUM_SLICES > 1:
+            if s == 1:
+                a_ptr = a1_ptr
+        scale = tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = (start + offs_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < R
+        offs_k = tl.arange(0, BLOCK_K)
+        x_blk = x_ptr + rows[:, None] * stride_xp + offs_k[None, :] * stride_xk
+        a_blk = a_ptr + slot * stride_al + e * stride_ae + offs_n[None, :] * stride_ar + offs_k[:, None] * stride_ak
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - kb * BLOCK_K
+            xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
+            acc += _mm(xv, av, CDT, DOT, PREC)
+            x_blk += BLOCK_K * stride_xk
+            a_blk += BLOCK_K * stride_ak
+        o_ptr = out_ptr + s * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_or
+        tl.store(o_ptr, acc * scale, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_expand_kernel(
+    buf_ptr, b0_ptr, b1_ptr, out_ptr, groups_ptr,
+    R, N, col0, n_blocks_n,
+    stride_us, stride_up, stride_ur,
+    stride_bl, stride_be, stride_bn, stride_br,
+    stride_op, stride_oc,
+    NUM_SLICES: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """out[p, col0 + s*N + n] (+)= buf[s, p] @ B_s[slot, e, n]^T for the pairs p of one (expert e, slot) group.
+    buf [S, P, R] f32, B_s [L, E, N, R], out [P, O] (any float dtype; accumulated in float32)."""
+    pid_g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_x = tl.program_id(2)
+    s = pid_x // n_blocks_n
+    pid_n = pid_x % n_blocks_n
+    e = tl.load(groups_ptr + pid_g * 4).to(tl.int64)
+    slot = tl.load(groups_ptr + pid_g * 4 + 1).to(tl.int64)
+    start = tl.load(groups_ptr + pid_g * 4 + 2)
+    count = tl.load(groups_ptr + pid_g * 4 + 3)
+    if pid_m * BLOCK_M < count:
+        b_ptr = b0_ptr
+        if NUM_SLICES > 1:
+            if s == 1:
+                b_ptr = b1_ptr
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = (start + offs_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_r = tl.arange(0, BLOCK_R)
+        u_blk = buf_ptr + s * stride_us + rows[:, None] * stride_up + offs_r[None, :] * stride_ur
+        b_blk = b_ptr + slot * stride_bl + e * stride_be + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for rb in range(0, tl.cdiv(R, BLOCK_R)):
+            r_left = R - rb * BLOCK_R
+            uv = tl.load(u_blk, mask=m_mask[:, None] & (offs_r[None, :] < r_left), other=0.0)
+            bv = tl.load(b_blk, mask=(offs_r[:, None] < r_left) & n_mask[None, :], other=0.0)
+            acc += _mm(uv, bv, CDT, DOT, PREC)
+            u_blk += BLOCK_R * stride_ur
+            b_blk += BLOCK_R * stride_br
+        o_ptr = out_ptr + rows[:, None] * stride_op + (col0 + s * N + offs_n[None, :]) * stride_oc
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        if ADD:
+            acc += tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def _interpreting() -> bool:
+    # Decided when the kernel was decorated (triton.jit reads TRITON_INTERPRET then).
+    return type(moe_shrink_kernel).__name__ == "InterpretedFunction"
+
+
+def _compute_types(dtype: torch.dtype):
+    """(operand rounding type, dot operand type, dot precision) for weights of `dtype`."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return _TL[dtype], (tl.float32 if dtype == torch.bfloat16 and _interpreting() else _TL[dtype]), "tf32"
+    return tl.float32, tl.float32, "ieee"
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
+
+
+def _launches(weights: Sequence[torch.Tensor]):
+    """Consecutive slices that share a shape and strides go in one launch (at most MAX_SLICES)."""
+    i = 0
+    while i < len(weights):
+        j = i + 1
+        while (j < len(weights) and j - i < MAX_SLICES and weights[j].shape == weights[i].shape
+               and weights[j].stride() == weights[i].stride()):
+            j += 1
+        yield list(range(i, j))
+        i = j
+
+
+def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,
+                    pairs: MoEPairs) -> torch.Tensor:
+    """x [P, in] in pair order, lora_a S x [L, E, r, in], scales [S, L, E] float32 -> [S, P, r] float32;
+    rows of pairs without an adapter are 0."""
+    rank = lora_a[0].shape[2]
+    k = x.shape[1]
+    out = torch.zeros(len(lora_a), x.shape[0], rank, dtype=torch.float32, device=x.device)
+    groups = pairs.groups.shape[0]
+    if groups == 0 or x.shape[0] == 0:
+        return out
+    block_m, block_n, block_k = 16, _pow2(rank, 16, 64), _pow2(k, 16, 64)
+    n_blocks_r = triton.cdiv(rank, block_n)
+    cdt, dot, prec = _compute_types(lora_a[0].dtype)
+    for idx in _launches(lora_a):
+        a = [lora_a[i] for i in idx]
+        a1 = a[1] if len(a) > 1 else a[0]
+        sc, o = scales[idx[0]:idx[-1] + 1], out[idx[0]:idx[-1] + 1]
+        grid = (groups, triton.cdiv(pairs.max_group, block_m), len(idx) * n_blocks_r)
+        moe_shrink_kernel[grid](
+            x, a[0], a1, sc, o, pairs.groups,
+            k, rank, n_blocks_r,
+            x.stride(0), x.stride(1),
+            a[0].stride(0), a[0].stride(1), a[0].stride(2), a[0].stride(3),
+            sc.stride(0), sc.stride(1), sc.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, CDT=cdt, DOT=dot, PREC=prec,
+        )
+    return out
+
+
+def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: MoEPairs, out: torch.Tensor,
+                    offset: int = 0, add: bool = True) -> None:
+    """buf [S, P, r], lora_b S x [L, E, out_s, r], out [P, O] in pair order:
+    out[p, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s, p] @ B_s[slot_p, e_p]^T for pairs with an
+    adapter; other rows are not touched. Computed in float32, stored in out.dtype."""
+    groups = pairs.groups.shape[0]
+    if groups == 0 or out.shape[0] == 0:
+        return
+    rank = buf.shape[2]
+    block_m, block_r = 16, _pow2(rank, 16, 64)
+    cdt, dot, prec = _compute_types(lora_b[0].dtype)
+    col = offset
+    for idx in _launches(lora_b):
+        b = [lora_b[i] for i in idx]
+        b1 = b[1] if len(b) > 1 else b[0]
+        width = b[0].shape[2]
+        block_n = _pow2(width, 16, 64)
+        n_blocks_n = triton.cdiv(width, block_n)
+        u = buf[idx[0]:idx[-1] + 1]
+        grid = (groups, triton.cdiv(pairs.max_group, block_m), len(idx) * n_blocks_n)
+        moe_expand_kernel[grid](
+            u, b[0], b1, out, pairs.groups,
+            rank, width, col, n_blocks_n,
+            u.stride(0), u.stride(1), u.stride(2),
+            b[0].stride(0), b[0].stride(1), b[0].stride(2), b[0].stride(3),
+            out.stride(0), out.stride(1),
+            NUM_SLICES=len(idx), ADD=bool(add), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+            CDT=cdt, DOT=dot, PREC=prec,
+        )
+        col += width * len(idx)
