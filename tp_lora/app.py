@@ -1,12 +1,26 @@
-"""The main job behind launch/generate.py, callable without Hydra: run(RunConfig) -> exit code."""
+"""The main job behind launch/generate.py, callable without Hydra: run(RunConfig) -> exit code.
+
+Exit codes: 0 done; 2 bad config or inputs (every rank says why before any collective); 3 lost the other ranks (a
+rank died or a collective did not complete within parallel.timeout_s); 130 stopped by a signal before every request
+finished (the output file holds the finished ones; resume=true runs the rest).
+"""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, resolve_device, validate
+
+EXIT_BAD_INPUT, EXIT_LOST_RANKS, EXIT_STOPPED = 2, 3, 130
+# A rank's teardown after losing its peers may itself wait on them (NCCL): the process ends this long after, at most.
+LOST_RANKS_EXIT_S = 10.0
+# Ctrl-C under torchrun reaches every worker twice (the terminal's SIGINT, then torchrun's SIGTERM): signals this close
+# together count as one.
+SIGNAL_DEBOUNCE_S = 1.0
 
 
 def log(msg: str) -> None:
@@ -25,14 +39,43 @@ def run(cfg: RunConfig) -> int:
         ps = comm.init_parallel(cfg.parallel.tp_size, device, cfg.parallel.timeout_s)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"[tp_lora] rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
+    except Exception as e:
+        if world_size > 1 and is_comm_failure(e):
+            return _lost_ranks(rank, cfg, e)
+        raise
     try:
         return _generate(cfg, ps, model_dir, adapter_dir, requests_path)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"[tp_lora] rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
+    except Exception as e:
+        if world_size > 1 and is_comm_failure(e):
+            return _lost_ranks(rank, cfg, e)
+        raise
     finally:
         comm.shutdown()
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """An error raised by a collective or the rendezvous store: a peer is gone or too slow."""
+    import torch.distributed as dist
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(w in text for w in (
+        "gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe", "store"))
+
+
+def _lost_ranks(rank: int, cfg: RunConfig, e: BaseException) -> int:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"[tp_lora] rank {rank}: error: lost the other ranks: a rank died or a collective did not complete within "
+          f"parallel.timeout_s={cfg.parallel.timeout_s:g}s ({type(e).__name__}: {first[:300]}). Finished requests "
+          f"are in {cfg.output}; resume=true runs the rest.", file=sys.stderr, flush=True)
+    timer = threading.Timer(LOST_RANKS_EXIT_S, os._exit, args=(EXIT_LOST_RANKS,))
+    timer.daemon = True
+    timer.start()
+    return EXIT_LOST_RANKS
 
 
 def _resolve_inputs(cfg: RunConfig) -> tuple[str, str | None, str]:
@@ -53,18 +96,71 @@ def _resolve_inputs(cfg: RunConfig) -> tuple[str, str | None, str]:
     return model_dir, adapter_dir, requests_path
 
 
+class StopSignals:
+    """SIGINT / SIGTERM handlers for the generation loop, on every rank: the first asks the engine to drain (admit
+    nothing more, finish in-flight requests), a later one to abort. The engine's ranks agree on the level."""
+
+    def __init__(self, announce: bool):
+        self.level, self.announce, self.name = 0, announce, None
+        self._last = -1e9
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if now - self._last < SIGNAL_DEBOUNCE_S:
+            return
+        self._last = now
+        self.level = min(2, self.level + 1)
+        self.name = self.name or signal.Signals(signum).name
+        if self.announce:
+            print(f"[tp_lora] {signal.Signals(signum).name}: "
+                  + ("admitting no more requests, finishing those in flight (again to stop now)" if self.level == 1
+                     else "stopping now"), file=sys.stderr, flush=True)
+
+    def __call__(self) -> int:
+        return self.level
+
+
 def _generate(cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_dir: str | None,
               requests_path: str) -> int:
     from tp_lora.engine.engine import Engine
-    from tp_lora.engine.requests import OutputWriter, read_requests
+    from tp_lora.engine.requests import OutputWriter, read_output_lines, read_requests, split_answered
     from tp_lora.engine.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
     engine = Engine(cfg, ps, model_dir, adapter_dir)
     requests = read_requests(requests_path, cfg.generation.max_new_tokens, load_tokenizer(model_dir))
-    mine = [r for r in requests if r.index % ps.dp.size == ps.dp.rank]  # data-parallel replicas split the work
     driver = ps.is_driver
-    writer = OutputWriter(cfg.output, enabled=driver and ps.dp.size == 1)
+    parts = [_part_path(cfg.output, r) for r in range(ps.dp.size)] if ps.dp.size > 1 else []
+    kept = []
+    if cfg.resume:
+        # The driver's file decides, for every rank alike (other nodes may not see it).
+        answered = None
+        if driver:
+            lines = read_output_lines(cfg.output) + [ln for p in parts for ln in read_output_lines(p)]
+            _, kept = split_answered(requests, lines)
+            answered = sorted({int(i) for i, _ in kept if i != float("inf")})
+        answered = set(comm.broadcast_object(answered, ps.world))
+        requests_todo = [r for r in requests if r.index not in answered]
+        if driver:
+            log(f"resume: {len(answered)} of {len(requests)} requests already answered in {cfg.output}")
+    else:
+        requests_todo = requests
+    mine = [r for r in requests_todo if r.index % ps.dp.size == ps.dp.rank]  # data-parallel replicas split the work
+    if ps.dp.size == 1:
+        writer = OutputWriter(cfg.output, enabled=driver, keep=kept)
+    else:  # each replica's first rank appends to its own part file; the driver merges them at the end
+        writer = OutputWriter(parts[ps.dp.rank], enabled=ps.tp.rank == 0, ordered=False)
     every = max(1, len(mine) // 10)
 
     def progress(done: int, total: int) -> None:
@@ -78,27 +174,35 @@ def _generate(cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_di
             f"tp={ps.tp.size} dp={ps.dp.size} lora={'fully_sharded' if cfg.lora.fully_sharded else 'default'}, "
             f"device={ps.device} dtype={str(engine.dtype).replace('torch.', '')}, load {time.perf_counter() - t0:.1f}s")
     try:
-        results = engine.generate(mine, on_result=writer.write, progress=progress)
+        with StopSignals(announce=driver) as stop:
+            results = engine.generate(mine, on_result=writer.write, progress=progress, stop=stop)
     finally:
         engine.close()
+        writer.close()
+    done = [r for r in results if not r.interrupted]
     if ps.dp.size > 1:  # replicas send their results to the driver, which writes the file in request order
-        gathered = comm.all_gather_object([r.to_json() | {"_index": r.request.index} for r in results], ps.dp)
+        gathered = comm.all_gather_object([r.to_json() | {"_index": r.request.index} for r in done], ps.dp)
         if driver:
-            lines = sorted((ln for part in gathered for ln in part), key=lambda ln: ln.pop("_index"))
-            _write_lines(cfg.output, lines)
-    writer.close()
+            lines = [(ln.pop("_index"), ln) for part in gathered for ln in part]
+            OutputWriter(cfg.output, keep=kept + lines).close()
+            for p in parts:
+                if os.path.exists(p):
+                    os.remove(p)
+    s = engine.stats
+    interrupted = len(results) - len(done)
     if driver:
-        s = engine.stats
-        errors = sum(1 for r in results if r.error)
+        errors = sum(1 for r in done if r.error)
         tps = s.generated_tokens / s.seconds if s.seconds else 0.0
-        log(f"{len(requests)} requests ({errors} failed), {s.prompt_tokens} prompt + {s.generated_tokens} generated "
+        cs = engine.cache.stats
+        log(f"{len(done)} requests ({errors} failed), {s.prompt_tokens} prompt + {s.generated_tokens} generated "
             f"tokens in {s.seconds:.2f}s ({tps:.1f} generated tokens/s on this replica), {s.steps} steps, "
-            f"{s.adapter_loads} adapter loads -> {cfg.output}")
-    return 0
+            f"{s.adapter_loads} adapter loads (slot hit rate {s.slot_hit_rate:.0%}, {cs.host_misses} disk reads) "
+            f"-> {cfg.output}")
+        if interrupted:
+            log(f"stopped: {interrupted} requests not run or not finished; {cfg.output} holds the "
+                f"{len(done) + len(kept)} answered; rerun with resume=true to finish")
+    return EXIT_STOPPED if interrupted else 0
 
 
-def _write_lines(path: str, lines: list[dict]) -> None:
-    import json
-    with open(path, "w") as f:
-        for line in lines:
-            f.write(json.dumps(line) + "\n")
+def _part_path(output: str, replica: int) -> str:
+    return f"{output}.dp{replica}.part"

@@ -1,44 +1,40 @@
-"""The generation engine: a model with its LoRA slots and KV cache, a scheduler over the requests, the step loop.
+"""The generation engine: a model with its LoRA slots, adapter cache and KV cache, a scheduler over the requests,
+the step loop.
 
 Every rank of a TP group runs this same deterministic loop on the same requests, so they agree on every batch
-without exchanging control messages; only the model's collectives cross ranks.
+without exchanging control messages; only the model's collectives cross ranks, plus three small agreements where a
+rank's local view could differ: a lazy adapter read (the file may be corrupt on one read and not another), the KV
+rows that fit (free memory differs per GPU), and -- every few steps, or each step while requests are still arriving
+by wall clock -- how many requests have arrived and whether a stop signal came.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence as Seq
 
 import torch
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, resolve_device, resolve_dtype, validate_for_model
+from tp_lora.engine.kv_pool import (RowPool, kv_budget_bytes, kv_bytes_per_token, longest_fitting, plan_rows)
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.runner import ModelRunner, StepBatch
 from tp_lora.engine.sampler import sample
-from tp_lora.lora.adapter import AdapterError, LoRAAdapter, discover_adapters, load_peft_adapter, validate_adapter
+from tp_lora.engine.scheduler import Scheduler, Sequence, SlotState
+from tp_lora.lora.adapter import AdapterError, discover_adapters
+from tp_lora.lora.cache import AdapterCache, AdapterInfo
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.lora.slots import SlotTable
 from tp_lora.models.checkpoint import CheckpointReader, load_hf_config
-from tp_lora.models.llama import CausalLM
 from tp_lora.models.loader import load_weights
 from tp_lora.models.registry import MOE_TYPES
 from tp_lora.ops import get_backend
 
+RUN, DRAIN, ABORT = 0, 1, 2  # stop levels: keep going / admit nothing more, finish in-flight / drop in-flight too
+INTERRUPTED = "not run: the run was stopped before this request finished (resume=true runs it)"
 
-@dataclass
-class Sequence:
-    request: Request
-    row: int  # KV-cache row
-    slot: int  # adapter slot, -1 for none
-    tokens: list[int]
-    prompt_len: int
-    computed: int = 0  # tokens already in the KV cache
-    result: Result = None
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+__all__ = ["Engine", "Sequence", "StepStats", "RUN", "DRAIN", "ABORT"]
 
 
 @dataclass
@@ -47,8 +43,16 @@ class StepStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
-    adapter_loads: int = 0
+    adapter_loads: int = 0  # copies into device slots
+    slot_hits: int = 0  # admissions that found their adapter in a slot
+    slot_misses: int = 0
+    interrupted: int = 0  # requests a stop left unfinished
     extra: dict = field(default_factory=dict)
+
+    @property
+    def slot_hit_rate(self) -> float:
+        n = self.slot_hits + self.slot_misses
+        return self.slot_hits / n if n else 1.0
 
 
 def build_model(hf: dict, tp: comm.Group, dtype, device, rt: Optional[LoRARuntime], targets: Optional[set]):
@@ -65,18 +69,19 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, dev_kind)
         self.hf = load_hf_config(model_dir)
         validate_for_model(self.hf, ps.tp.size)
-        self.adapter_paths = discover_adapters(adapter_dir) if adapter_dir else {}
-        self.adapters: dict[str, LoRAAdapter] = {}
-        self.bad_adapters: dict[str, str] = {}
-        self._read_adapters()
         lo = cfg.lora
+        self.adapter_paths = discover_adapters(adapter_dir) if adapter_dir else {}
+        # fp8 quantizes B from the float32 original; otherwise the host copy is already in the slots' dtype.
+        host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
+        self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp,
+                                  pin=ps.device.type == "cuda")
         self.rt = None
-        if self.adapters:
+        if self.cache.infos:
             ops = get_backend(lo.backend, self.device)
             if hasattr(ops, "set_scheme"):
                 ops.set_scheme(lo.kernel, lo.segment_size)
             self.rt = LoRARuntime(lo.max_loras, lo.max_rank, lo.fully_sharded, ops, fp8=lo.dtype == "fp8")
-        targets = {p.rsplit(".", 1)[-1] for a in self.adapters.values() for p in a.modules}
+        targets = set().union(*(i.targets for i in self.cache.infos.values()))
         if not lo.lora_embeddings:
             targets -= {"embed_tokens", "lm_head"}
         p = cfg.parallel
@@ -86,8 +91,11 @@ class Engine:
         comm.init_expert_parallel(ps, p.ep_size, p.ep_attention, p.timeout_s)  # before the MoE blocks are built
         self.model = build_model(self.hf, ps.tp, self.dtype, ps.device, self.rt, targets)
         load_weights(self.model, CheckpointReader(model_dir))
+        self.slot_state = SlotState(lo.max_loras)
+        self.copy_stream = torch.cuda.Stream(ps.device) if ps.device.type == "cuda" else None
+        self._copies_pending = False
         if self.rt is not None:
-            self._validate_adapters()
+            self.cache.attach_model(module_shapes(self.rt), lo.max_rank)
             self.slots = SlotTable(self.rt)
             if getattr(self.model, "needs_lockstep", False):
                 self._pin_adapters()
@@ -101,32 +109,34 @@ class Engine:
         self.stats = StepStats()
 
     # ---- adapters -------------------------------------------------------------------------------------------
-    def _read_adapters(self) -> None:
-        for name, path in self.adapter_paths.items():
-            try:
-                self.adapters[name] = load_peft_adapter(path, name=name)  # + PEFT target_parameters (MoE)
-            except (AdapterError, ValueError, OSError) as e:
-                self.bad_adapters[name] = str(e)
+    @property
+    def adapters(self) -> dict[str, AdapterInfo]:
+        """Usable adapters as registered (names, shapes); weights are read on first use."""
+        return self.cache.infos
+
+    @property
+    def bad_adapters(self) -> dict[str, str]:
+        """name -> why it cannot be used (found at start, or at its first read)."""
+        return self.cache.bad
 
     def _pin_adapters(self) -> None:
         """Expert parallelism over DP replicas sends a token's adapter slot to the rank owning its expert, so every
         rank must hold every adapter in the same slot: load them all once, in name order."""
-        names = sorted(self.adapters)
+        names = sorted(self.cache.infos)
         if len(names) > self.cfg.lora.max_loras:
             raise ConfigError(f"parallel.ep_attention=dp with ep_size={self.cfg.parallel.ep_size} pins every adapter "
                               f"in a slot, but there are {len(names)} adapters for lora.max_loras="
                               f"{self.cfg.lora.max_loras}: raise lora.max_loras")
-        for slot, name in enumerate(names):
-            self.slots.load(slot, self.adapters[name])
-
-    def _validate_adapters(self) -> None:
-        shapes = module_shapes(self.rt)
-        for name in list(self.adapters):
+        slot = 0
+        for name in names:
             try:
-                validate_adapter(self.adapters[name], shapes, self.cfg.lora.max_rank)
-            except (AdapterError, ValueError) as e:
-                self.bad_adapters[name] = str(e)
-                del self.adapters[name]
+                adapter = self.cache.fetch(name)
+            except AdapterError:
+                continue  # now in bad_adapters, on every rank alike
+            self.cache.load_slot(self.slots, slot, adapter)
+            self.slot_state.names[slot] = name
+            slot += 1
+        self.slot_state.pinned = True
 
     def check_request(self, req: Request, max_len: int) -> Optional[str]:
         """Why this request cannot run, or None."""
@@ -136,8 +146,12 @@ class Engine:
             if req.adapter in self.bad_adapters:
                 return f"adapter {req.adapter!r} failed to load: {self.bad_adapters[req.adapter]}"
             if req.adapter not in self.adapters:
-                known = sorted(self.adapters) or "none (set lora.adapter_dir)"
-                return f"unknown adapter {req.adapter!r}; known adapters: {known}"
+                known = sorted(self.adapters)
+                shown = (f"{known[:10]} and {len(known) - 10} more" if len(known) > 10 else known) if known \
+                    else "none (set lora.adapter_dir)"
+                return f"unknown adapter {req.adapter!r}; known adapters: {shown}"
+        if not req.prompt_token_ids:
+            return "empty prompt"
         vocab = self.hf["vocab_size"]
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -148,11 +162,26 @@ class Engine:
                     f"exceeds the context of {max_len} tokens")
         return None
 
+    def _fetch(self, name: str) -> Optional[object]:
+        """Host copy of an adapter, or None when it cannot be used (the same verdict on every rank)."""
+        try:
+            return self.cache.fetch(name)
+        except AdapterError:
+            return None
+
+    def _copy_into_slot(self, slot: int, adapter) -> None:
+        self.cache.load_slot(self.slots, slot, adapter, self.copy_stream)
+        self._copies_pending = self.copy_stream is not None
+        self.stats.adapter_loads += 1
+
     def _step(self, work: list[tuple[Sequence, int]], cache) -> torch.Tensor:
         """work: (sequence, number of its new tokens). Returns logits [N, V] of each sequence's last new token."""
         step = StepBatch()
         for seq, n in work:
             step.add(seq.tokens[seq.computed:seq.computed + n], seq.row, seq.computed, seq.slot)
+        if self._copies_pending:  # adapter copies issued on the side stream land before any slot is read
+            torch.cuda.current_stream(self.ps.device).wait_stream(self.copy_stream)
+            self._copies_pending = False
         logits = self.runner.execute(step, cache)
         for seq, n in work:
             seq.computed += n
@@ -166,110 +195,219 @@ class Engine:
             err = self.check_request(req, self.max_positions)
             if err:
                 raise ValueError(err)
-        seqs = []
-        for row, req in enumerate(requests):
-            slot = self._slot_for(req.adapter, seqs)
+        names = list(dict.fromkeys(r.adapter for r in requests if r.adapter is not None))
+        st = self.slot_state
+        slot_of = {}
+        for name in names:
+            slot = st.slot_of(name)
             if slot is None:
-                raise ValueError(f"{len({r.adapter for r in requests})} adapters do not fit in "
-                                 f"lora.max_loras={self.cfg.lora.max_loras} slots")
-            seqs.append(Sequence(req, row, slot, list(req.prompt_token_ids), len(req.prompt_token_ids)))
+                slot = st.victim(set(names))
+                if slot is None:
+                    for s in slot_of.values():
+                        st.release(s)
+                    raise ValueError(f"{len(names)} adapters do not fit in lora.max_loras={self.cfg.lora.max_loras} "
+                                     f"slots")
+                adapter = self._fetch(name)
+                if adapter is None:
+                    for s in slot_of.values():
+                        st.release(s)
+                    raise ValueError(f"adapter {name!r} failed to load: {self.bad_adapters[name]}")
+                st.assign(slot, name)
+                self._copy_into_slot(slot, adapter)
+                st.loaded(slot)
+            st.acquire(slot)  # held until all are placed, so no later name evicts it
+            slot_of[name] = slot
+        for s in slot_of.values():
+            st.release(s)
+        seqs = [Sequence(req, row, slot_of.get(req.adapter, -1), list(req.prompt_token_ids),
+                         len(req.prompt_token_ids)) for row, req in enumerate(requests)]
         cache = self.model.new_cache(len(seqs), max(s.prompt_len for s in seqs))
         step = StepBatch(all_logits=True)
         for s in seqs:
             step.add(s.tokens, s.row, 0, s.slot)
+        if self._copies_pending:
+            torch.cuda.current_stream(self.ps.device).wait_stream(self.copy_stream)
+            self._copies_pending = False
         return list(self.runner.execute(step, cache).split([s.prompt_len for s in seqs]))
 
-    # ---- scheduling ---------------------------------------------------------------------------------------
-    def _slot_for(self, name: Optional[str], running: list[Sequence]) -> Optional[int]:
-        """The slot holding adapter `name`, loading it into a slot no running sequence uses; None if all busy."""
-        if name is None:
-            return -1
-        slot = self.slots.slot_of(name)
-        if slot is not None:
-            return slot
-        busy = {s.slot for s in running}
-        free = [i for i, n in enumerate(self.slots.names) if i not in busy]
-        if not free:
-            return None
-        empty = [i for i in free if self.slots.names[i] is None]
-        slot = empty[0] if empty else free[0]
-        self.slots.load(slot, self.adapters[name])
-        self.stats.adapter_loads += 1
-        return slot
+    # ---- KV rows ----------------------------------------------------------------------------------------------
+    def _kv_plan(self, needs: list[int]) -> tuple[int, int, int]:
+        """(row_len, rows, longest fitting need) for requests needing `needs` positions each, from the memory this
+        rank has left; the TP ranks take the smallest plan so they schedule alike."""
+        s = self.cfg.scheduler
+        m = self.model
+        bpt = kv_bytes_per_token(len(m.layers), m.kv_heads, m.head_dim, m.dtype)
+        old = self.runner.cache
+        reusable = 0 if old is None else old.max_seqs * old.max_len * bpt
+        budget = kv_budget_bytes(self.ps.device, s.kv_memory_fraction, s.kv_cache_mb, reusable)
+        fit = longest_fitting(budget, bpt)
+        row_len = max([n for n in needs if n <= fit], default=0)
+        rows = plan_rows(budget, row_len, bpt, min(s.max_batch_size, len(needs))) if row_len else 0
+        if self.ps.tp.size > 1:
+            plans = comm.all_gather_object((rows, fit), self.ps.tp)
+            rows, fit = min(p[0] for p in plans), min(p[1] for p in plans)
+            row_len = max([n for n in needs if n <= fit], default=0)
+        return row_len, rows, fit
 
+    # ---- the loop ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: list[Request], on_result: Callable[[Result], None] = lambda r: None,
-                 progress: Callable[[int, int], None] = lambda done, total: None) -> list[Result]:
-        """Continuous batching: admit waiting requests first-come-first-served as rows and slots free up, mix
-        prefill and decode in one step, retire finished sequences at once."""
-        cfg = self.cfg
+                 progress: Callable[[int, int], None] = lambda done, total: None, *,
+                 arrival_times: Optional[Seq[float]] = None,
+                 stop: Optional[Callable[[], int]] = None) -> list[Result]:
+        """Continuous batching over `requests` (see tp_lora.engine.scheduler for the policy). Results come back in
+        request order; on_result gets each one as it completes (finished or failed).
+
+        arrival_times: seconds after the call at which each request arrives; it is not admitted before (serving
+        benchmarks). stop: polled each step, returns RUN, DRAIN (admit nothing more, finish what runs, within
+        scheduler.stop_grace_s) or ABORT (drop what runs); requests a stop leaves unfinished come back with
+        `interrupted` set and are not passed to on_result.
+        """
+        cfg, sc = self.cfg, self.cfg.scheduler
+        t0 = time.perf_counter()
+        if arrival_times is not None and len(arrival_times) != len(requests):
+            raise ValueError(f"arrival_times has {len(arrival_times)} entries for {len(requests)} requests")
         results: dict[int, Result] = {}
-        max_len = self.cfg.model.max_seq_len or self.max_positions
-        waiting: list[Request] = []
+        total = len(requests)
+
+        def emit(res: Result) -> None:
+            res.metrics.setdefault("finished", time.perf_counter())
+            results[res.request.index] = res
+            on_result(res)
+            progress(len(results), total)
+
+        max_len = cfg.model.max_seq_len or self.max_positions
+        valid = []
         for req in requests:
             err = self.check_request(req, max_len)
             if err:
-                results[req.index] = Result(req, error=err)
-                on_result(results[req.index])
+                emit(Result(req, error=err))
             else:
-                waiting.append(req)
+                valid.append(req)
+        row_len, rows, fit = self._kv_plan([len(r.prompt_token_ids) + r.max_new_tokens for r in valid]) \
+            if valid else (0, 0, 0)
+        arrival = {r.index: float(t) for r, t in zip(requests, arrival_times)} if arrival_times is not None else {}
+        pending = []  # (arrival, request) not yet handed to the scheduler
+        for req in valid:
+            need = len(req.prompt_token_ids) + req.max_new_tokens
+            if need > fit:
+                emit(Result(req, error=f"prompt + max_new_tokens = {need} positions of KV cache do not fit the "
+                                       f"{fit} this rank can hold (scheduler.kv_memory_fraction="
+                                       f"{sc.kv_memory_fraction}, scheduler.kv_cache_mb={sc.kv_cache_mb})"))
+            else:
+                pending.append((arrival.get(req.index, 0.0), req))
+        pending.sort(key=lambda x: x[0])  # stable: equal times keep request order
+
         # EP over DP replicas: every rank of the EP group steps until all are idle (a rank out of work still serves
         # the others' tokens routed to its experts).
         lockstep = self.model.lockstep if getattr(self.model, "needs_lockstep", False) else None
-        if not waiting:
-            while lockstep is not None and lockstep(0):
-                pass
-            return [results[r.index] for r in requests]
-        cache_len = min(max_len, max(len(r.prompt_token_ids) + r.max_new_tokens for r in waiting))
-        rows_total = min(cfg.scheduler.max_batch_size, len(waiting))
-        cache = self.runner.kv_cache(rows_total, cache_len)
-        free_rows = list(range(rows_total))
-        running: list[Sequence] = []
-        t0 = time.perf_counter()
-        while waiting or running:
-            budget = cfg.scheduler.max_tokens_per_step
-            work = []
-            for seq in running:  # decode first: one token each, and the rest of chunked prompts
-                n = min(len(seq.tokens) - seq.computed, budget) if seq.computed < seq.prompt_len else 1
-                if n > 0:
-                    work.append((seq, n))
-                    budget -= n
-            while waiting and free_rows and budget > 0:
-                req = waiting[0]
-                slot = self._slot_for(req.adapter, running)
-                if slot is None:
-                    break  # FCFS: the head waits for a slot; nobody overtakes it, so it cannot starve
-                waiting.pop(0)
-                seq = Sequence(req, free_rows.pop(0), slot, list(req.prompt_token_ids), len(req.prompt_token_ids),
-                               result=Result(req))
-                running.append(seq)
-                n = min(seq.prompt_len, budget)
-                work.append((seq, n))
-                budget -= n
-                self.stats.prompt_tokens += seq.prompt_len
-            if lockstep is not None:
-                lockstep(sum(n for _, n in work))
-            logits = self._step(work, cache)
-            sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
-            if sampled:
-                temps = [self._temperature(s.request) for s, _ in sampled]
-                toks, lps = sample(logits[[i for _, i in sampled]], temps, cfg.generation.top_p, self.generator)
-                for (seq, _), tok, lp in zip(sampled, toks, lps):
-                    seq.tokens.append(tok)
-                    seq.result.output_token_ids.append(tok)
-                    seq.result.logprobs.append(lp)
-                    self.stats.generated_tokens += 1
-                    if self._finished(seq, tok):
-                        running.remove(seq)
-                        free_rows.append(seq.row)
-                        results[seq.request.index] = seq.result
-                        on_result(seq.result)
-                        progress(len(results), len(requests))
-            self.stats.steps += 1
+        interrupted: list[Request] = []
+        if pending:
+            cache = self.runner.kv_cache(rows, row_len)
+            sched = Scheduler(self.slot_state, RowPool(rows), sc.max_batch_size, sc.max_tokens_per_step,
+                              sc.max_overtakes)
+            self._loop(sched, cache, pending, t0, emit, interrupted, lockstep, stop)
         while lockstep is not None and lockstep(0):
             pass
         self.stats.seconds += time.perf_counter() - t0
-        return [results[r.index] for r in requests]
+        self.stats.interrupted += len(interrupted)
+        out = []
+        for r in requests:
+            res = results.get(r.index)
+            out.append(res if res is not None else Result(r, error=INTERRUPTED, interrupted=True))
+        return out
+
+    def _control(self, arrived: int, level: int) -> tuple[int, int]:
+        """Agree over the TP group: requests arrived on every rank's clock (min) and the stop level (max)."""
+        if self.ps.tp.size == 1:
+            return arrived, level
+        views = comm.all_gather_object((arrived, level), self.ps.tp)
+        return min(v[0] for v in views), max(v[1] for v in views)
+
+    def _loop(self, sched: Scheduler, cache, pending: list[tuple[float, Request]], t0: float, emit,
+              interrupted: list[Request], lockstep, stop) -> None:
+        cfg, sc = self.cfg, self.cfg.scheduler
+        timed = any(at > 0 for at, _ in pending)
+        fed = 0  # pending[:fed] handed to the scheduler
+        level, drain_deadline = RUN, None
+        hits0, misses0 = sched.slot_hits, sched.slot_misses
+        arrival = {req.index: t0 + at for at, req in pending}
+        it = 0
+        while True:
+            now = time.perf_counter()
+            # Agree on arrivals each iteration while some are due by the clock, and on stopping every few steps.
+            local = stop() if stop is not None else RUN
+            if drain_deadline is not None and now >= drain_deadline:
+                local = max(local, ABORT)
+            if (timed and fed < len(pending)) or it % sc.stop_check_steps == 0 or self.ps.tp.size == 1:
+                due = fed
+                while due < len(pending) and t0 + pending[due][0] <= now:
+                    due += 1
+                due, agreed = self._control(due if timed else len(pending), max(local, level))
+                for at, req in pending[fed:due]:
+                    sched.add(req)
+                fed = max(fed, due)
+                if agreed > level:
+                    level = agreed
+                    if level >= DRAIN and drain_deadline is None:
+                        drain_deadline = now + sc.stop_grace_s
+                        interrupted += sched.stop_admitting() + [r for _, r in pending[fed:]]
+                        fed = len(pending)
+                    if level >= ABORT:
+                        interrupted += [s.request for s in sched.abort()]
+            it += 1
+            if not sched.has_work:
+                if fed >= len(pending):
+                    break
+                if lockstep is not None:
+                    lockstep(0)
+                else:
+                    time.sleep(min(0.01, max(0.0, t0 + pending[fed][0] - time.perf_counter())))
+                continue
+            plan = sched.schedule()
+            for seq in plan.admitted:
+                seq.result.metrics.update(arrival=arrival[seq.request.index], admitted=now)
+                self.stats.prompt_tokens += seq.prompt_len
+            loads = []
+            for slot, name in plan.loads:
+                adapter = self._fetch(name)  # disk reads (and the ranks' verdict) before the step is enqueued
+                if adapter is None:
+                    for req in sched.fail_adapter(name):
+                        emit(Result(req, error=f"adapter {name!r} failed to load: {self.bad_adapters[name]}"))
+                else:
+                    loads.append((slot, adapter))
+            work = plan.work
+            if lockstep is not None:
+                lockstep(plan.num_tokens)
+            logits = self._step(work, cache) if work else None
+            for slot, adapter in loads:  # copies overlap the step just enqueued; the next step waits for them
+                self._copy_into_slot(slot, adapter)
+                sched.loaded(slot)
+            if not work:
+                if not loads and not plan.loads:
+                    raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
+                                       f"{len(sched.waiting)} waiting, slots {self.slot_state.names} users "
+                                       f"{self.slot_state.users}, {sched.rows.available} free KV rows")
+                continue
+            self.stats.steps += 1
+            sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
+            if not sampled:
+                continue
+            temps = [self._temperature(s.request) for s, _ in sampled]
+            toks, lps = sample(logits[[i for _, i in sampled]], temps, cfg.generation.top_p, self.generator)
+            now = time.perf_counter()
+            for (seq, _), tok, lp in zip(sampled, toks, lps):
+                seq.tokens.append(tok)
+                seq.result.output_token_ids.append(tok)
+                seq.result.logprobs.append(lp)
+                seq.result.metrics.setdefault("first_token", now)
+                self.stats.generated_tokens += 1
+                if self._finished(seq, tok):
+                    sched.finish(seq)
+                    seq.result.metrics["finished"] = now
+                    emit(seq.result)
+        self.stats.slot_hits += sched.slot_hits - hits0
+        self.stats.slot_misses += sched.slot_misses - misses0
 
     def close(self) -> None:
         """Release CUDA graphs; call before the process group is destroyed."""

@@ -32,6 +32,9 @@ class Result:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     error: Optional[str] = None
+    interrupted: bool = False  # a stop left it unfinished: no output line, so resume=true runs it again
+    # perf_counter() times: arrival, admitted, first_token, finished (serving metrics; not written)
+    metrics: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = {"id": self.request.id, "adapter": self.request.adapter}
@@ -93,20 +96,60 @@ def read_requests(path: str, default_max_new_tokens: int, tokenizer=None) -> lis
     return [parse_request(i, ln, default_max_new_tokens, tokenizer) for i, ln in enumerate(lines)]
 
 
+def read_output_lines(path: str) -> list[dict]:
+    """The answered lines of an output file (JSON objects with an "id"), in file order. A line cut short by a run
+    that died mid-write, or anything else unparsable, is skipped: its request simply runs again."""
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for ln in f:
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and "id" in obj:
+                out.append(obj)
+    return out
+
+
+def _id_key(rid: Any) -> str:
+    return json.dumps(rid, sort_keys=True)
+
+
+def split_answered(requests: list[Request], lines: list[dict]) -> tuple[list[Request], list[tuple[float, dict]]]:
+    """(requests still to run, kept lines as (request index, line)) for resume: a line answers the first request
+    with its id not answered yet (ids may repeat); lines answering no request are kept at the end (index inf)."""
+    by_id: dict[str, list[dict]] = {}
+    for line in lines:
+        by_id.setdefault(_id_key(line["id"]), []).append(line)
+    todo, kept = [], []
+    for req in requests:
+        queue = by_id.get(_id_key(req.id))
+        if queue:
+            kept.append((req.index, queue.pop(0)))
+        else:
+            todo.append(req)
+    kept += [(float("inf"), line) for queue in by_id.values() for line in queue]
+    return todo, kept
+
+
 class OutputWriter:
     """Appends and flushes a line as each request completes (nothing finished is lost if the run dies); close()
-    rewrites the file in request order."""
+    rewrites the file in request order, lines kept by resume included.
 
-    def __init__(self, path: str, enabled: bool = True, keep: list[dict] | None = None):
-        self.path, self.enabled = path, enabled
-        self.done: list[tuple[int, dict]] = []
+    keep: lines of an earlier run, as (request index, line) or bare lines (placed last). ordered=False only appends
+    (a data-parallel replica's part file: its lines are merged by the driver, and an earlier part must survive)."""
+
+    def __init__(self, path: str, enabled: bool = True, keep: list | None = None, ordered: bool = True):
+        self.path, self.enabled, self.ordered = path, enabled, ordered
+        self.done: list[tuple[float, dict]] = []
+        self.kept = [k if isinstance(k, tuple) else (float("inf"), k) for k in keep or []]
         if enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.f = open(path, "w")
-            for line in keep or []:  # lines of an earlier run kept by resume
-                self.f.write(json.dumps(line) + "\n")
-            self.f.flush()
-        self.kept = list(keep or [])
+            if ordered:
+                self._rewrite(self.kept)  # atomically: the kept lines are never absent from disk
+            self.f = open(path, "a", encoding="utf-8")
 
     def write(self, result: Result) -> None:
         if not self.enabled:
@@ -116,14 +159,16 @@ class OutputWriter:
         self.f.write(json.dumps(line) + "\n")
         self.f.flush()
 
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        self.f.close()
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for line in self.kept:
-                f.write(json.dumps(line) + "\n")
-            for _, line in sorted(self.done, key=lambda x: x[0]):
+    def _rewrite(self, lines: list[tuple[float, dict]]) -> None:
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for _, line in lines:
                 f.write(json.dumps(line) + "\n")
         os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        if not self.enabled or self.f.closed:
+            return
+        self.f.close()
+        if self.ordered:
+            self._rewrite(sorted(self.kept + self.done, key=lambda x: x[0]))

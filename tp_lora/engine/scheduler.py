@@ -1,0 +1,244 @@
+"""Continuous batching: which sequences run in the next step with how many tokens, and which adapters must be
+copied into device slots first. Pure bookkeeping over requests, slots and KV rows (no model, no tensors), so every
+rank of a TP group, given the same calls, makes the same plans.
+
+Each step (schedule()):
+1. Every running decoding sequence gets one token (max_tokens_per_step >= max_batch_size, so they always fit), then
+   sequences still in their prompt get chunks of what is left of the budget, oldest first (chunked prefill).
+2. Waiting requests are admitted first come, first served while the batch, the free KV rows and the budget last.
+   A request needs its adapter in a slot: if resident it joins that slot; otherwise a slot no running sequence uses is
+   reassigned (empty first, then the least recently used whose adapter none of the next waiting requests wants) and
+   returned in the plan's `loads`; sequences of a slot being loaded get no tokens until loaded(slot).
+3. No free slot for a request R: later requests whose adapter is resident may pass it (they batch with sequences
+   already running: adapter-aware grouping), and each admission that passes R charges R once. Once R has been
+   charged max_overtakes times nothing behind it is admitted until it is.
+
+No starvation: a charged-out request R stops admission behind it, so only requests ahead of R (finitely many, none
+added) can still enter. Every running sequence finishes in a bounded number of steps (decodes always get their token;
+the oldest prefill always gets >= 1 budget token, since at most max_batch_size - 1 others decode). So the slots'
+users drain, a slot frees, and it goes to the first blocked request in queue order; by induction R is admitted after
+at most max_overtakes passes plus the drain time of what runs ahead of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tp_lora.engine.kv_pool import RowPool
+from tp_lora.engine.requests import Request, Result
+
+LOOKAHEAD = 64  # waiting requests whose adapters a victim choice tries not to evict
+
+
+@dataclass
+class Sequence:
+    request: Request
+    row: int  # KV-cache row
+    slot: int  # adapter slot, -1 for none
+    tokens: list[int]
+    prompt_len: int
+    computed: int = 0  # tokens already in the KV cache
+    result: Optional[Result] = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len
+
+
+class SlotState:
+    """Which adapter each device slot holds, how many running sequences use it, whether its copy is done, and when
+    it was last used (LRU). Mirrors the engine's SlotTable; lives across generate() calls so residents are reused."""
+
+    def __init__(self, num_slots: int):
+        self.names: list[Optional[str]] = [None] * num_slots
+        self.users = [0] * num_slots
+        self.ready = [True] * num_slots
+        self.last_used = [0] * num_slots
+        self.pinned = False  # every adapter loaded once at start (EP over DP replicas): never reassign
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def slot_of(self, name: str) -> Optional[int]:
+        return self.names.index(name) if name in self.names else None
+
+    def victim(self, avoid: set) -> Optional[int]:
+        """A slot no running sequence uses: empty first, then least recently used not in `avoid`, then any."""
+        if self.pinned:
+            return None
+        free = [i for i in range(len(self.names)) if self.users[i] == 0 and self.ready[i]]
+        if not free:
+            return None
+        return min(free, key=lambda i: (self.names[i] is not None, self.names[i] in avoid, self.last_used[i], i))
+
+    def assign(self, slot: int, name: str) -> None:
+        """slot now holds `name`, once the engine has copied it in (loaded)."""
+        if self.users[slot]:
+            raise RuntimeError(f"slot {slot} holds {self.names[slot]!r} for {self.users[slot]} running sequences")
+        self.names[slot], self.ready[slot] = name, False
+
+    def loaded(self, slot: int) -> None:
+        self.ready[slot] = True
+
+    def clear(self, slot: int) -> None:
+        self.names[slot], self.ready[slot] = None, True
+
+    def acquire(self, slot: int) -> None:
+        self._clock += 1
+        self.users[slot] += 1
+        self.last_used[slot] = self._clock
+
+    def release(self, slot: int) -> None:
+        if self.users[slot] <= 0:
+            raise RuntimeError(f"slot {slot} released more often than acquired")
+        self.users[slot] -= 1
+
+
+@dataclass
+class StepPlan:
+    work: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, its new tokens this step)
+    loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter) the engine must copy in
+    admitted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.work)
+
+
+class Scheduler:
+    def __init__(self, slots: SlotState, rows: RowPool, max_batch_size: int, max_tokens_per_step: int,
+                 max_overtakes: int = 16, lookahead: int = LOOKAHEAD):
+        if max_tokens_per_step < max_batch_size:
+            raise ValueError(f"max_tokens_per_step={max_tokens_per_step} < max_batch_size={max_batch_size}: every "
+                             f"running sequence decodes one token per step")
+        self.slots, self.rows = slots, rows
+        self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
+        self.max_overtakes, self.lookahead = max_overtakes, lookahead
+        self.waiting: list[Request] = []
+        self.running: list[Sequence] = []
+        self.passed: dict[int, int] = {}  # request index -> times a later request was admitted before it
+        self.admitting = True
+        self.slot_hits = 0  # admissions whose adapter was resident
+        self.slot_misses = 0  # admissions that needed a copy into a slot
+
+    # ---- queue ----------------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or (self.admitting and bool(self.waiting))
+
+    # ---- planning -------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_tokens_per_step
+        decoding = [s for s in self.running if self._ready(s) and not s.prefilling]
+        for seq in decoding:
+            plan.work.append((seq, 1))
+        budget -= len(decoding)
+        for seq in self.running:
+            if budget > 0 and self._ready(seq) and seq.prefilling:
+                n = min(len(seq.tokens) - seq.computed, budget)
+                plan.work.append((seq, n))
+                budget -= n
+        if self.admitting:
+            self._admit(plan, budget)
+        return plan
+
+    def _ready(self, seq: Sequence) -> bool:
+        return seq.slot < 0 or self.slots.ready[seq.slot]
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        blocked: list[Request] = []
+        i = 0
+        while (i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size
+               and self.rows.available):
+            req = self.waiting[i]
+            slot = self._slot_for(req, i, plan)
+            if slot is None:
+                if self.passed.get(req.index, 0) >= self.max_overtakes:
+                    break  # a barrier: nothing behind it enters before it does
+                blocked.append(req)
+                i += 1
+                continue
+            del self.waiting[i]
+            self.passed.pop(req.index, None)
+            for b in blocked:
+                self.passed[b.index] = self.passed.get(b.index, 0) + 1
+            if slot >= 0:
+                self.slots.acquire(slot)
+            seq = Sequence(req, self.rows.alloc(), slot, list(req.prompt_token_ids), len(req.prompt_token_ids),
+                           result=Result(req))
+            self.running.append(seq)
+            plan.admitted.append(seq)
+            if self._ready(seq):
+                n = min(seq.prompt_len, budget)
+                plan.work.append((seq, n))
+                budget -= n
+
+    def _slot_for(self, req: Request, pos: int, plan: StepPlan) -> Optional[int]:
+        """-1 for no adapter, the slot holding req.adapter (reassigning a free one), or None: no slot free."""
+        name = req.adapter
+        if name is None:
+            return -1
+        slot = self.slots.slot_of(name)
+        if slot is not None:
+            self.slot_hits += 1
+            return slot
+        soon = {w.adapter for w in self.waiting[pos + 1:pos + 1 + self.lookahead]}
+        slot = self.slots.victim(soon)
+        if slot is None:
+            return None
+        self.slots.assign(slot, name)
+        plan.loads.append((slot, name))
+        self.slot_misses += 1
+        return slot
+
+    # ---- outcomes -------------------------------------------------------------------------------------------
+    def loaded(self, slot: int) -> None:
+        self.slots.loaded(slot)
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.rows.release(seq.row)
+        if seq.slot >= 0:
+            self.slots.release(seq.slot)
+
+    def fail_adapter(self, name: str) -> list[Request]:
+        """The adapter cannot be loaded: drop its running sequences and waiting requests (returned, running first)
+        and free its slot."""
+        out = []
+        for seq in [s for s in self.running if s.request.adapter == name]:
+            self.finish(seq)
+            out.append(seq.request)
+        slot = self.slots.slot_of(name)
+        if slot is not None and not self.slots.pinned:
+            self.slots.clear(slot)
+        out += [r for r in self.waiting if r.adapter == name]
+        self.waiting = [r for r in self.waiting if r.adapter != name]
+        for r in out:
+            self.passed.pop(r.index, None)
+        return out
+
+    def stop_admitting(self) -> list[Request]:
+        """Admit nothing more; returns the requests that were still waiting (they will not run)."""
+        self.admitting = False
+        out, self.waiting = self.waiting, []
+        self.passed.clear()
+        return out
+
+    def abort(self) -> list[Sequence]:
+        """Drop every running sequence (returned) and free its row and slot."""
+        out, self.running = self.running, []
+        for seq in out:
+            self._free(seq)
+        return out

@@ -1,0 +1,286 @@
+"""The adapter cache, three tiers:
+
+  registry  every adapter under lora.adapter_dir, registered at start from adapter_config.json and the safetensors
+            HEADER only (names, module shapes, rank; no weights), checked against the model's LoRA targets;
+  host      weights read on first use (load_peft_adapter: PEFT's rules), in the model dtype (pinned on CUDA), at most
+            lora.max_cpu_loras adapters, least recently used evicted;
+  device    lora.max_loras SlotTable slots; a copy into one runs on a side CUDA stream (overlapping the step that is
+            computing) and carries only this rank's shard (LoRALinear.set_slot copies views of the host tensors).
+
+Lazy reads find a corrupt or rewritten file late, and every rank of a TP group reads it separately, so each read
+that touches the disk ends with the ranks agreeing (one small exchange): all fail the adapter or none does, with
+the same message, and the scheduler on every rank makes the same decision.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tp_lora import distributed as comm
+from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
+                                  _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
+                                  validate_adapter)
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def _err(name: str, msg: str) -> AdapterError:
+    return AdapterError(f"adapter {name!r}: {msg}")
+
+
+@dataclass
+class AdapterInfo:
+    """What the registry knows of an adapter without reading its weights."""
+    name: str
+    path: str
+    rank: int
+    targets: set[str]  # short names of the modules it touches (q_proj, gate_up_proj, ...): which layers to wrap
+    # module path -> (A shape, B shape) from the header; None when the file uses PEFT target_parameters (fused MoE
+    # experts), whose per-expert modules only exist after the load splits them
+    modules: Optional[dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = None
+    file_bytes: int = 0
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.modules or {})
+
+
+def read_safetensors_header(path: str, owner: str) -> dict[str, dict]:
+    """tensor name -> {dtype, shape, data_offsets} from a safetensors file's header, checked against the file size
+    (a truncated file fails here, at registration, rather than at first use)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _err(owner, f"{path} has {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise _err(owner, f"{path}: header length {n} does not fit the file's {size} bytes (truncated or not "
+                              f"a safetensors file)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _err(owner, f"{path}: the safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise _err(owner, f"{path}: the safetensors header is a JSON {type(header).__name__}, expected an object")
+    header.pop("__metadata__", None)
+    data = size - 8 - n
+    for key, meta in header.items():
+        if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list) or \
+                not isinstance(meta.get("data_offsets"), list) or len(meta["data_offsets"]) != 2:
+            raise _err(owner, f"{path}: header entry {key!r} = {meta!r}, expected {{dtype, shape, data_offsets}}")
+        start, stop = meta["data_offsets"]
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
+            raise _err(owner, f"{path}: tensor {key!r} has data_offsets {meta['data_offsets']}")
+        if stop > data:
+            raise _err(owner, f"{path}: tensor {key!r} ends at byte {stop} of the data, but the file holds only "
+                              f"{data} data bytes (truncated?)")
+    return header
+
+
+def register_adapter(name: str, path: str) -> AdapterInfo:
+    """An AdapterInfo from the config and the weights' header; raises AdapterError naming what is wrong."""
+    raw_cfg_path = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(raw_cfg_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _err(name, f"{raw_cfg_path} cannot be read as JSON: {e}") from e
+    fused = isinstance(raw, dict) and bool(raw.get("target_parameters"))
+    # read_adapter_config refuses target_parameters, which load_peft_adapter handles: such configs are checked at
+    # their first load.
+    cfg = raw if fused else read_adapter_config(path, name)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        raise _err(name, f"{weights} not found (a PEFT adapter dir holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    header = read_safetensors_header(weights, name)
+    if not header:
+        raise _err(name, f"{weights} holds no tensors")
+    parts: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, meta in header.items():
+        if meta.get("dtype") not in FLOAT_DTYPES:
+            raise _err(name, f"{weights}: tensor {key!r} has dtype {meta.get('dtype')}, expected a floating type "
+                             f"{FLOAT_DTYPES}")
+        parsed = _parse_key(key)
+        if parsed is None:
+            k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+            if _is_embedding_copy(k) or fused:
+                continue
+            raise _err(name, f"{weights}: tensor {key!r} is not a LoRA weight this runtime understands (expected "
+                             f"<module>.lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B)")
+        module, which = parsed
+        if len(meta["shape"]) != 2:
+            raise _err(name, f"{weights}: tensor {key!r} has shape {tuple(meta['shape'])}, expected 2 dims")
+        parts.setdefault(module, {})[which] = tuple(meta["shape"])
+    if fused:
+        targets = {t.rsplit(".", 1)[-1] for t in cfg["target_parameters"] if isinstance(t, str)}
+        targets |= {m.replace(".base_layer", "").rsplit(".", 1)[-1] for m in parts}
+        ranks = [s["A"][0] for s in parts.values() if "A" in s]
+        return AdapterInfo(name, path, max(ranks, default=0), targets, None, os.path.getsize(weights))
+    modules = {}
+    for module, ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            missing = ({"A", "B"} - set(ab)).pop()
+            raise _err(name, f"{weights}: module {module!r} has lora_{set(ab).pop()} but no lora_{missing}")
+        a, b = ab["A"], ab["B"]
+        if a[0] != b[1]:
+            raise _err(name, f"{weights}: module {module!r}: lora_A {a} has rank {a[0]} but lora_B {b} has rank "
+                             f"{b[1]} (expected A [r, in], B [out, r])")
+        if not is_targeted(cfg, module):
+            raise _err(name, f"{weights} has LoRA weights for {module!r}, which target_modules="
+                             f"{cfg.get('target_modules')!r} does not select (PEFT would not load them)")
+        r, _ = module_rank_alpha(cfg, module)
+        if a[0] != r:
+            raise _err(name, f"{weights}: module {module!r} has rank {a[0]} but {CONFIG_FILE} gives it r={r} "
+                             f"(r / rank_pattern mismatch)")
+        modules[module] = (a, b)
+    if not modules:
+        raise _err(name, f"{weights} holds no LoRA weights (keys: {sorted(header)[:4]}...)")
+    return AdapterInfo(name, path, max(a[0] for a, _ in modules.values()), {m.rsplit(".", 1)[-1] for m in modules},
+                       modules, os.path.getsize(weights))
+
+
+def check_shapes(info: AdapterInfo, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:
+    """The header's shapes against the model (validate_adapter's checks that need no weights)."""
+    n = info.name
+    for module, (a, b) in (info.modules or {}).items():
+        if a[0] > max_rank:
+            raise _err(n, f"module {module!r} has rank {a[0]} > lora.max_rank={max_rank} (raise lora.max_rank to at "
+                          f"least {info.rank})")
+        if module not in module_shapes:
+            near = sorted(k for k in module_shapes if k.rsplit(".", 1)[-1] == module.rsplit(".", 1)[-1])
+            hint = f"; the model has e.g. {near[:2]}" if near else ""
+            raise _err(n, f"has weights for module {module!r}, which this model lacks (or has no LoRA on) — built "
+                          f"for another model?{hint}")
+        fin, fout = module_shapes[module]
+        if a[1] != fin or b[0] != fout:
+            raise _err(n, f"module {module!r}: A {a} / B {b} do not fit the model's A {(a[0], fin)} / B "
+                          f"{(fout, a[0])} (in={fin}, out={fout}) — built for another model?")
+
+
+@dataclass
+class CacheStats:
+    host_hits: int = 0
+    host_misses: int = 0  # reads from disk
+    host_evictions: int = 0
+    device_loads: int = 0
+    read_seconds: float = 0.0  # disk -> host (read, convert, validate, pin)
+    copy_seconds: float = 0.0  # host -> device slot (host time to issue the copies)
+    extra: dict = field(default_factory=dict)
+
+
+class AdapterCache:
+    """Registry + host tier; device loads go through load_slot. `group`: the ranks that must agree (the TP group)."""
+
+    def __init__(self, paths: dict[str, str], max_cpu_loras: int, dtype: torch.dtype, group: comm.Group,
+                 pin: bool = False):
+        self.max_cpu_loras, self.dtype, self.group, self.pin = max_cpu_loras, dtype, group, pin
+        self.infos: dict[str, AdapterInfo] = {}
+        self.bad: dict[str, str] = {}
+        self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.stats = CacheStats()
+        self.module_shapes: Optional[dict] = None
+        self.max_rank: Optional[int] = None
+        for name, path in paths.items():
+            try:
+                self.infos[name] = register_adapter(name, path)
+            except (AdapterError, ValueError, OSError) as e:
+                self.bad[name] = str(e)
+        self._agree_registry()
+
+    def attach_model(self, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:
+        """Check every registered adapter's shapes against the model; the misfits become bad."""
+        self.module_shapes, self.max_rank = module_shapes, max_rank
+        for name in list(self.infos):
+            try:
+                check_shapes(self.infos[name], module_shapes, max_rank)
+            except AdapterError as e:
+                self._mark_bad(name, str(e))
+        self._agree_registry()
+
+    def _mark_bad(self, name: str, why: str) -> None:
+        self.bad[name] = why
+        self.infos.pop(name, None)
+        self.host.pop(name, None)
+
+    def _agree_registry(self) -> None:
+        """Every rank keeps the same adapters (a file rewritten while the ranks read it could split them)."""
+        if self.group.size == 1:
+            return
+        for bad in comm.all_gather_object(sorted(self.bad.items()), self.group):
+            for name, why in bad:
+                if name not in self.bad:
+                    self._mark_bad(name, why)
+
+    def _agree(self, err: Optional[str]) -> Optional[str]:
+        """The first rank's error, if any rank had one: the same verdict and message on every rank."""
+        if self.group.size == 1:
+            return err
+        return next((e for e in comm.all_gather_object(err, self.group) if e), None)
+
+    # ---- host tier -------------------------------------------------------------------------------------------
+    def fetch(self, name: str) -> LoRAAdapter:
+        """The adapter's weights in host memory, read from disk on a miss. Raises AdapterError (the same on every
+        rank) when it cannot be used; it is then moved to `bad`."""
+        if name in self.bad:
+            raise AdapterError(self.bad[name])
+        if name in self.host:
+            self.stats.host_hits += 1
+            self.host.move_to_end(name)
+            return self.host[name]
+        if name not in self.infos:
+            raise AdapterError(f"adapter {name!r} is not registered (known: {sorted(self.infos)[:8]}...)")
+        self.stats.host_misses += 1
+        t0 = time.perf_counter()
+        adapter, err = None, None
+        try:
+            adapter = self._read(self.infos[name])
+        except (AdapterError, OSError, ValueError) as e:
+            err = str(e)
+        except Exception as e:  # whatever a corrupt file raises, it fails this adapter only
+            err = f"adapter {name!r}: {type(e).__name__}: {e}"
+        err = self._agree(err)
+        self.stats.read_seconds += time.perf_counter() - t0
+        if err:
+            self._mark_bad(name, err)
+            raise AdapterError(err)
+        self.host[name] = adapter
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+            self.stats.host_evictions += 1
+        return adapter
+
+    def _read(self, info: AdapterInfo) -> LoRAAdapter:
+        adapter = load_peft_adapter(info.path, name=info.name, dtype=self.dtype)
+        if self.module_shapes is not None:
+            validate_adapter(adapter, self.module_shapes, self.max_rank)
+        if info.modules is not None:
+            now = {m: (tuple(x.a.shape), tuple(x.b.shape)) for m, x in adapter.modules.items()}
+            if now != info.modules:
+                diff = sorted(set(now.items()) ^ set(info.modules.items()))[:2]
+                raise _err(info.name, f"{os.path.join(info.path, WEIGHTS_FILE)} changed since it was registered "
+                                      f"at start (modules / shapes now differ: {diff})")
+        if self.pin:
+            for m in adapter.modules.values():
+                m.a, m.b = m.a.pin_memory(), m.b.pin_memory()
+        return adapter
+
+    # ---- device tier -----------------------------------------------------------------------------------------
+    def load_slot(self, slots, slot: int, adapter: LoRAAdapter, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Copy a fetched adapter into device slot `slot` of the SlotTable, on `stream` when given (the caller makes
+        the compute stream wait for it before the slot is read)."""
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            slots.load(slot, adapter)
+        self.stats.device_loads += 1
+        self.stats.copy_seconds += time.perf_counter() - t0
