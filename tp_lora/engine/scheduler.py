@@ -11,7 +11,8 @@ Each step (schedule()):
    returned in the plan's `loads`; sequences of a slot being loaded get no tokens until loaded(slot).
 3. No free slot for a request R: later requests whose adapter is resident may pass it (they batch with sequences
    already running: adapter-aware grouping), and each admission that passes R charges R once. Once R has been
-   charged max_overtakes times nothing behind it is admitted until it is.
+   charged max_overtakes times nothing behind it is admitted until it is. The scan stops after LOOKAHEAD blocked
+   requests, so a step costs O(LOOKAHEAD x slots) however long the queue.
 
 No starvation: a charged-out request R stops admission behind it, so only requests ahead of R (finitely many, none
 added) can still enter. Every running sequence finishes in a bounded number of steps (decodes always get their token;
@@ -66,6 +67,9 @@ class SlotState:
 
     def slot_of(self, name: str) -> Optional[int]:
         return self.names.index(name) if name in self.names else None
+
+    def any_free(self) -> bool:
+        return not self.pinned and any(u == 0 and r for u, r in zip(self.users, self.ready))
 
     def victim(self, avoid: set) -> Optional[int]:
         """A slot no running sequence uses: empty first, then least recently used not in `avoid`, then any."""
@@ -155,22 +159,26 @@ class Scheduler:
         return seq.slot < 0 or self.slots.ready[seq.slot]
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        blocked: list[Request] = []
+        blocked = 0  # requests skipped in this scan for want of a slot
+        worst = 0  # the most any of them has been passed
         i = 0
         while (i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size
                and self.rows.available):
+            if blocked and (worst >= self.max_overtakes or blocked > self.lookahead):
+                break  # a request passed max_overtakes times is a barrier; and the scan stays short
             req = self.waiting[i]
             slot = self._slot_for(req, i, plan)
             if slot is None:
-                if self.passed.get(req.index, 0) >= self.max_overtakes:
-                    break  # a barrier: nothing behind it enters before it does
-                blocked.append(req)
+                blocked += 1
+                worst = max(worst, self.passed.get(req.index, 0))
                 i += 1
                 continue
             del self.waiting[i]
             self.passed.pop(req.index, None)
-            for b in blocked:
-                self.passed[b.index] = self.passed.get(b.index, 0) + 1
+            if blocked:
+                for b in self.waiting[:i]:  # exactly the blocked ones: everything else ahead was admitted
+                    self.passed[b.index] = self.passed.get(b.index, 0) + 1
+                worst += 1
             if slot >= 0:
                 self.slots.acquire(slot)
             seq = Sequence(req, self.rows.alloc(), slot, list(req.prompt_token_ids), len(req.prompt_token_ids),
@@ -191,10 +199,10 @@ class Scheduler:
         if slot is not None:
             self.slot_hits += 1
             return slot
+        if not self.slots.any_free():
+            return None
         soon = {w.adapter for w in self.waiting[pos + 1:pos + 1 + self.lookahead]}
         slot = self.slots.victim(soon)
-        if slot is None:
-            return None
         self.slots.assign(slot, name)
         plan.loads.append((slot, name))
         self.slot_misses += 1

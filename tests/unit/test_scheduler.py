@@ -1,0 +1,227 @@
+"""The continuous-batching scheduler without a model: admission order, batch / KV-row / token-budget limits, chunked
+prefill, adapter slots (never more distinct adapters than slots, loads before use, LRU + lookahead victims),
+bounded overtaking (no starvation), failing adapters, stopping."""
+import random
+
+import pytest
+
+from tp_lora.engine.kv_pool import RowPool, longest_fitting, plan_rows
+from tp_lora.engine.requests import Request
+from tp_lora.engine.scheduler import Scheduler, SlotState
+
+
+def req(i, adapter=None, prompt=4, new=3):
+    return Request(i, id=i, adapter=adapter, prompt_token_ids=[1] * prompt, max_new_tokens=new)
+
+
+def make(slots=2, rows=8, batch=8, budget=64, overtakes=16):
+    return Scheduler(SlotState(slots), RowPool(rows), batch, budget, overtakes)
+
+
+def step(s: Scheduler, finished: list | None = None):
+    """Run one planned step as the engine would: copies land after the step, a sequence that consumed all its
+    tokens samples one, and one that has max_new_tokens finishes."""
+    plan = s.schedule()
+    for seq, n in plan.work:
+        assert n >= 1
+        seq.computed += n
+        if seq.computed == len(seq.tokens):
+            seq.tokens.append(7)
+            if seq.generated >= seq.request.max_new_tokens:
+                s.finish(seq)
+                if finished is not None:
+                    finished.append(seq.request.index)
+    for slot, _ in plan.loads:
+        s.loaded(slot)
+    return plan
+
+
+def check_invariants(s: Scheduler, plan):
+    running_adapters = {q.request.adapter for q in s.running if q.request.adapter is not None}
+    assert len(running_adapters) <= len(s.slots)
+    assert len(s.running) <= s.max_batch_size
+    assert plan.num_tokens <= s.max_tokens_per_step
+    assert len({q.row for q in s.running}) == len(s.running)
+    for q in s.running:
+        if q.slot >= 0:
+            assert s.slots.names[q.slot] == q.request.adapter
+    for q, _ in plan.work:
+        assert q.slot < 0 or s.slots.ready[q.slot], "a sequence ran before its adapter's copy landed"
+
+
+def test_fcfs_admission_bounded_by_rows_and_batch():
+    s = make(rows=3, batch=8)
+    for i in range(5):
+        s.add(req(i))
+    plan = s.schedule()
+    assert [q.request.index for q in plan.admitted] == [0, 1, 2]
+    assert [q.row for q in plan.admitted] == [0, 1, 2]
+    s.finish(plan.admitted[1])
+    plan = s.schedule()
+    assert [q.request.index for q in plan.admitted] == [3]
+    assert plan.admitted[0].row == 1  # the freed row
+    s2 = make(rows=8, batch=2)
+    for i in range(4):
+        s2.add(req(i))
+    assert len(s2.schedule().admitted) == 2
+
+
+def test_budget_decodes_first_then_chunked_prefill():
+    s = make(budget=8, batch=4, rows=4)
+    s.add(req(0, prompt=3, new=10))
+    s.add(req(1, prompt=3, new=10))
+    plan = step(s)
+    assert [(q.request.index, n) for q, n in plan.work] == [(0, 3), (1, 3)]
+    s.add(req(2, prompt=20, new=2))
+    plan = step(s)  # two decodes, then 6 of the long prompt
+    assert [(q.request.index, n) for q, n in plan.work] == [(0, 1), (1, 1), (2, 6)]
+    plan = step(s)
+    assert [(q.request.index, n) for q, n in plan.work] == [(0, 1), (1, 1), (2, 6)]
+    plan = step(s)
+    assert [(q.request.index, n) for q, n in plan.work] == [(0, 1), (1, 1), (2, 6)]
+    plan = step(s)  # the last 2 prompt tokens, then the sequence samples
+    assert [(q.request.index, n) for q, n in plan.work] == [(0, 1), (1, 1), (2, 2)]
+    assert s.running[2].generated == 1
+    with pytest.raises(ValueError, match="max_tokens_per_step=4 < max_batch_size=8"):
+        make(budget=4, batch=8)
+
+
+def test_slots_limit_distinct_adapters_and_loads_precede_use():
+    s = make(slots=2)
+    for i, a in enumerate(["a", "b", "c", "a", None]):
+        s.add(req(i, a))
+    plan = s.schedule()
+    assert sorted(plan.loads) == [(0, "a"), (1, "b")]
+    assert [q.request.index for q in plan.admitted] == [0, 1, 3, 4]  # c waits; a resident one and no-adapter pass
+    assert [q.request.index for q, _ in plan.work] == [4]  # a and b are still being copied in
+    for slot, _ in plan.loads:
+        s.loaded(slot)
+    plan = s.schedule()
+    assert sorted(q.request.index for q, _ in plan.work) == [0, 1, 3, 4]
+    assert not plan.loads and [r.index for r in s.waiting] == [2]
+
+
+def test_victim_is_empty_then_lru_not_wanted_soon():
+    st = SlotState(3)
+    for slot, name in enumerate(["a", "b", None]):
+        if name:
+            st.assign(slot, name)
+            st.loaded(slot)
+    assert st.victim(set()) == 2  # empty first
+    st.assign(2, "c")
+    st.loaded(2)
+    for slot in (1, 0, 2):  # use order: b, a, c -> b least recently used
+        st.acquire(slot)
+        st.release(slot)
+    assert st.victim(set()) == 1
+    assert st.victim({"b"}) == 0  # b is wanted soon: evict a (next LRU)
+    assert st.victim({"a", "b", "c"}) == 1  # everything wanted: plain LRU
+    st.acquire(1)
+    assert st.victim(set()) == 0  # a used slot is never a victim
+    st.pinned = True
+    assert st.victim(set()) is None
+
+
+def test_overtaking_is_bounded():
+    """One slot held by a long 'a' sequence; 'b' at the head is blocked. Later 'a' requests may pass it only
+    max_overtakes times; then they wait behind it, the slot drains, and 'b' runs."""
+    k = 3
+    s = make(slots=1, rows=16, batch=16, overtakes=k)
+    s.add(req(0, "a", new=6))
+    step(s)
+    s.add(req(1, "b"))
+    for i in range(2, 12):
+        s.add(req(i, "a", new=6))
+    finished = []
+    admitted = []
+    for _ in range(200):
+        plan = step(s, finished)
+        check_invariants(s, plan)
+        admitted += [q.request.index for q in plan.admitted]
+        if not s.has_work:
+            break
+    assert admitted.index(1) == k  # three 'a' requests passed 'b', then nobody did
+    assert sorted(admitted) == list(range(1, 12)) and sorted(finished) == list(range(12))
+    assert s.slot_misses == 3  # a, b, a again
+
+
+def test_zero_overtakes_is_strict_fcfs():
+    s = make(slots=1, overtakes=0)
+    s.add(req(0, "a", new=4))
+    step(s)
+    s.add(req(1, "b"))
+    s.add(req(2, "a"))
+    plan = s.schedule()
+    assert not plan.admitted  # 'a' is resident, but passing 'b' is not allowed
+
+
+def test_fail_adapter_drops_its_requests_and_frees_the_slot():
+    s = make(slots=1)
+    for i, a in enumerate(["x", "x", "y", None]):
+        s.add(req(i, a))
+    plan = s.schedule()
+    assert plan.loads == [(0, "x")]
+    dropped = s.fail_adapter("x")
+    assert [r.index for r in dropped] == [0, 1]
+    assert s.slots.names == [None] and s.rows.available == 8 - 1  # the no-adapter request kept its row
+    plan = s.schedule()
+    assert plan.loads == [(0, "y")] and [q.request.index for q in plan.admitted] == [2]
+
+
+def test_stop_admitting_and_abort():
+    s = make(rows=2)
+    for i in range(4):
+        s.add(req(i, "a"))
+    step(s)
+    left = s.stop_admitting()
+    assert [r.index for r in left] == [2, 3]
+    assert not s.schedule().admitted
+    dropped = s.abort()
+    assert [q.request.index for q in dropped] == [0, 1]
+    assert s.rows.available == 2 and s.slots.users == [0, 0] and not s.has_work
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workload_every_request_finishes_within_bound(seed):
+    """Many adapters over few slots, power-law popularity, random lengths: invariants hold every step and no
+    request waits unboundedly (each is admitted after at most max_overtakes passes)."""
+    rng = random.Random(seed)
+    k = 4
+    s = make(slots=3, rows=6, batch=6, budget=24, overtakes=k)
+    names = [f"ad{i}" for i in range(12)]
+    weights = [1 / (i + 1) ** 1.2 for i in range(len(names))]
+    n = 150
+    reqs = [req(i, rng.choices(names + [None], weights + [0.5])[0], prompt=rng.randint(1, 30),
+                new=rng.randint(1, 12)) for i in range(n)]
+    arrivals = sorted(rng.randint(0, 300) for _ in range(n))
+    finished, order, t = [], [], 0
+    while len(finished) < n:
+        while reqs and arrivals[0] <= t:
+            arrivals.pop(0)
+            s.add(reqs.pop(0))
+        plan = step(s, finished)
+        check_invariants(s, plan)
+        order += [q.request.index for q in plan.admitted]
+        t += 1
+        assert t < 10_000, "the scheduler stopped making progress"
+    # Bounded overtaking: a request is passed by at most k later ones.
+    for pos, idx in enumerate(order):
+        passed_by = sum(1 for j in order[:pos] if j > idx)
+        assert passed_by <= k, f"request {idx} was passed {passed_by} times"
+    assert sorted(finished) == list(range(n))
+    assert s.rows.available == 6 and s.slots.users == [0, 0, 0]
+
+
+def test_kv_row_planning():
+    assert plan_rows(10 * 100 * 8, row_len=100, bytes_per_token=8, max_rows=32) == 9  # one row is scratch
+    assert plan_rows(10 * 100 * 8, row_len=100, bytes_per_token=8, max_rows=4) == 4
+    assert plan_rows(100 * 8, row_len=100, bytes_per_token=8, max_rows=4) == 0
+    assert longest_fitting(2 * 100 * 8, 8) == 100
+    pool = RowPool(2)
+    assert [pool.alloc(), pool.alloc()] == [0, 1]
+    pool.release(0)
+    assert pool.alloc() == 0
+    with pytest.raises(RuntimeError, match="all 2 KV rows"):
+        pool.alloc()
+    with pytest.raises(ValueError, match="not in use"):
+        RowPool(3).release(1)
