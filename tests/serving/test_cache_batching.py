@@ -1,0 +1,126 @@
+"""More adapters than device slots and than host-cache entries in one run: continuous batching gives each request
+exactly the tokens it gets alone (static batching, one request at a time), at one rank and at two; the same when
+requests arrive over time, when the KV memory fits only a few rows, and when a stop signal drains the run."""
+import time
+
+import pytest
+import torch
+
+from tp_lora import distributed as comm
+from tp_lora.engine.engine import ABORT, DRAIN, RUN, Engine
+from tp_lora.testing import run_ranks
+
+from _serving import ADAPTERS, make_requests, serving_cfg
+
+N = 30
+
+
+@pytest.fixture(scope="module")
+def alone(bundle):
+    """Reference: every request alone, one engine (so its slots and host cache churn as well)."""
+    model, adapters = bundle
+    engine = Engine(serving_cfg(), comm.single_process(), model, adapters)
+    return {r.index: engine.generate([r])[0] for r in make_requests(N)}
+
+
+def _check_same(results, alone, what):
+    for res in results:
+        ref = alone[res.request.index]
+        assert res.error is None, (what, res.error)
+        assert res.output_token_ids == ref.output_token_ids, f"{what}: request {res.request.index} differs"
+        torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-4)
+
+
+def test_continuous_batching_equals_alone_with_slot_and_host_churn(bundle, alone):
+    model, adapters = bundle
+    engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=3), comm.single_process(), model, adapters)
+    assert len(engine.adapters) == len(ADAPTERS) and not engine.bad_adapters
+    assert not engine.cache.host, "registration must not read weights"
+    reqs = make_requests(N)
+    results = engine.generate(reqs)
+    _check_same(results, alone, "tp=1 continuous")
+    s, cs = engine.stats, engine.cache.stats
+    assert s.adapter_loads > 2 and cs.host_misses > 3 and cs.host_evictions > 0, (s, cs)
+    assert len(engine.cache.host) == 3
+    assert 0 < s.slot_hit_rate < 1
+    # More slots than adapters: each adapter is read and copied once.
+    engine = Engine(serving_cfg(max_loras=12, max_cpu_loras=64, batch=12, budget=64), comm.single_process(), model,
+                    adapters)
+    _check_same(engine.generate(reqs), alone, "tp=1 all resident")
+    assert engine.stats.adapter_loads == engine.cache.stats.host_misses == len({r.adapter for r in reqs} - {None})
+
+
+def _tp2(ps, model, adapters):
+    out = {}
+    for fully in (False, True):
+        cfg = serving_cfg(tp=2, max_loras=3, max_cpu_loras=2)
+        cfg.lora.fully_sharded = fully
+        engine = Engine(cfg, ps, model, adapters)
+        res = engine.generate(make_requests(N))
+        out[fully] = [(r.request.index, r.output_token_ids, r.error) for r in res], engine.stats.adapter_loads
+    return out
+
+
+def test_two_ranks_match_alone(bundle, alone):
+    model, adapters = bundle
+    for fully, (got, loads) in run_ranks(_tp2, 2, model, adapters, timeout_s=60).items():
+        assert loads > 3
+        for idx, tokens, err in got:
+            assert err is None and tokens == alone[idx].output_token_ids, (fully, idx, err)
+
+
+def test_arrivals_over_time(bundle, alone):
+    model, adapters = bundle
+    engine = Engine(serving_cfg(), comm.single_process(), model, adapters)
+    reqs = make_requests(N)
+    arrivals = [0.4 * i / N for i in range(N)][::-1]  # the last request arrives first
+    t0 = time.perf_counter()
+    results = engine.generate(reqs, arrival_times=arrivals)
+    _check_same(results, alone, "arrivals")
+    for res, at in zip(results, arrivals):
+        m = res.metrics
+        assert m["arrival"] - t0 == pytest.approx(at, abs=0.02)
+        assert m["arrival"] <= m["admitted"] <= m["first_token"] <= m["finished"]
+
+
+def test_kv_memory_bounds_the_batch(bundle, alone):
+    """A KV budget of a few rows: requests queue for rows instead of failing, and one that cannot fit at all fails
+    alone."""
+    model, adapters = bundle
+    reqs = make_requests(N)
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in reqs)
+    engine = Engine(serving_cfg(batch=6), comm.single_process(), model, adapters)
+    m = engine.model
+    per_token = 2 * len(m.layers) * m.kv_heads * m.head_dim * 4
+    engine.cfg.scheduler.kv_cache_mb = 3.5 * longest * per_token / 2**20  # 3 rows, one of them scratch
+    _check_same(engine.generate(reqs), alone, "3 rows")
+    assert engine.runner.cache.max_seqs == 3  # 2 usable rows + the scratch row
+    engine.cfg.scheduler.kv_cache_mb = 2.5 * 20 * per_token / 2**20  # the longest row that fits: 25 positions
+    res = engine.generate(reqs)
+    for r, ref in zip(res, (alone[i] for i in range(N))):
+        need = len(r.request.prompt_token_ids) + r.request.max_new_tokens
+        if need > 25:
+            assert "do not fit" in r.error, r.error
+        else:
+            assert r.output_token_ids == ref.output_token_ids
+
+
+@pytest.mark.parametrize("level", [DRAIN, ABORT])
+def test_stop_drains_or_aborts(bundle, alone, level):
+    model, adapters = bundle
+    engine = Engine(serving_cfg(stop_check_steps=1), comm.single_process(), model, adapters)
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return level if len(calls) > 5 else RUN
+
+    seen = []
+    results = engine.generate(make_requests(N), on_result=seen.append, stop=stop)
+    done = [r for r in results if not r.interrupted]
+    stopped = [r for r in results if r.interrupted]
+    assert done and stopped and len(done) + len(stopped) == N
+    assert {r.request.index for r in seen} == {r.request.index for r in done}
+    _check_same(done, alone, "drained")
+    if level == ABORT:
+        assert engine.stats.interrupted == len(stopped)
