@@ -144,7 +144,7 @@ class Engine:
             return req.error
         if req.adapter is not None:
             if req.adapter in self.bad_adapters:
-                return f"adapter {req.adapter!r} failed to load: {self.bad_adapters[req.adapter]}"
+                return self._adapter_failure(req.adapter)
             if req.adapter not in self.adapters:
                 known = sorted(self.adapters)
                 shown = (f"{known[:10]} and {len(known) - 10} more" if len(known) > 10 else known) if known \
@@ -161,6 +161,10 @@ class Engine:
             return (f"prompt ({len(req.prompt_token_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                     f"exceeds the context of {max_len} tokens")
         return None
+
+    def _adapter_failure(self, name: str) -> str:
+        why = self.bad_adapters[name]
+        return f"adapter {name!r} failed to load: {why.removeprefix(f'adapter {name!r}: ')}"
 
     def _fetch(self, name: str) -> Optional[object]:
         """Host copy of an adapter, or None when it cannot be used (the same verdict on every rank)."""
@@ -211,7 +215,7 @@ class Engine:
                 if adapter is None:
                     for s in slot_of.values():
                         st.release(s)
-                    raise ValueError(f"adapter {name!r} failed to load: {self.bad_adapters[name]}")
+                    raise ValueError(self._adapter_failure(name))
                 st.assign(slot, name)
                 self._copy_into_slot(slot, adapter)
                 st.loaded(slot)
@@ -373,7 +377,7 @@ class Engine:
                 adapter = self._fetch(name)  # disk reads (and the ranks' verdict) before the step is enqueued
                 if adapter is None:
                     for req in sched.fail_adapter(name):
-                        emit(Result(req, error=f"adapter {name!r} failed to load: {self.bad_adapters[name]}"))
+                        emit(Result(req, error=self._adapter_failure(name)))
                 else:
                     loads.append((slot, adapter))
             work = plan.work

@@ -94,8 +94,10 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
     try:
         with open(raw_cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _err(name, f"{raw_cfg_path} cannot be read as JSON: {e}") from e
+    except OSError as e:
+        raise _err(name, f"{raw_cfg_path} cannot be read: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _err(name, f"{raw_cfg_path} is not valid JSON: {e}") from e
     fused = isinstance(raw, dict) and bool(raw.get("target_parameters"))
     # read_adapter_config refuses target_parameters, which load_peft_adapter handles: such configs are checked at
     # their first load.
