@@ -278,6 +278,8 @@ class MoECausalLM(CausalLM):
     def __init__(self, hf: dict, ps: comm.ParallelState, dtype=torch.float32, device: Any = "cpu",
                  rt: LoRARuntime | None = None, targets: set[str] | None = None):
         shape = validate_moe(hf, ps)
+        if hf.get("model_type") == "qwen2_moe":  # Qwen2-MoE configs before qkv_bias existed always had q/k/v biases
+            hf = {**hf, "qkv_bias": hf.get("qkv_bias", True)}
         step = MoEStep()
 
         def mlp(i: int):
