@@ -15,7 +15,9 @@ between torch.cuda.Event pairs; warm-up first, median over --reps replays. Metho
 timed eagerly (marked). `ours_*_eager` adds the plain eager time of our ops (Python launch overhead included).
 
 Writes <out>/lora_ops.json (every number), <out>/lora_ops.png (time vs T per rank x adapters) and prints a table
-and the PASS/FAIL of the targets. Usage (repo root): python scripts/bench_lora_ops.py --out DIR [--quick] [--sweep]
+and the PASS/FAIL of the targets. Usage (repo root): python scripts/bench_lora_ops.py --out DIR [--quick] [--tune]
+--tune first times candidate launch configs at one shape per (T, rank) bucket and runs the grid with the winners
+(printed as tables to paste into tp_lora/ops/triton/configs.py).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from tp_lora.lora.batch import build_lora_batch  # noqa: E402
 
 GRID_T = (1, 16, 64, 256, 2048, 8192)
 GRID_N = (1, 8, 32, 128)
-GRID_R = (8, 16, 64)
+GRID_R = (16, 64, 8)  # run in this order: the targets' ranks first, should a budget cut the grid short
 QUICK_T, QUICK_N, QUICK_R = (1, 64, 2048, 8192), (1, 8, 32), (16,)
 SCHEMES = ("sorted", "chunked")
 ROTATE_BYTES = 256 << 20  # weights per rotation > 2x L2 (50 MB on H100)
@@ -52,7 +54,7 @@ class Bench:
 
     def time_us(self, fn, n_inner: int, graph: bool = True) -> tuple[float, str]:
         """Median device time of one call of fn(i) (i = call index within a replay), in microseconds."""
-        for i in range(self.warmup):
+        for i in range(self.warmup if _cuda() else 1):
             fn(i)
         if not _cuda():
             t0 = time.perf_counter()
@@ -189,11 +191,11 @@ def run_point(bench, ops, t, n, r, hidden, widths, dtype, device, bw, eager: boo
     wl = Workload(t, n, r, hidden, widths, dtype, device, seed=t * 1000 + n * 10 + r)
     for scheme in SCHEMES:
         ops.prepare(wl.batch, scheme)  # the engine builds the step's table right after the batch, outside graphs
-    n_inner = 1 if t >= 2048 else 16
+    n_inner = 1 if t >= 2048 or not _cuda() else 16
     rec = dict(T=t, adapters=n, rank=r, widths=list(widths), used_adapters=wl.used, weight_sets=wl.n_sets)
     for scheme in SCHEMES:
         rec[f"ours_{scheme}_us"], rec[f"ours_{scheme}_mode"] = bench.time_us(wl.ours(ops, scheme), n_inner)
-        if eager:
+        if eager and t <= 256:  # where launch overhead matters
             rec[f"ours_{scheme}_eager_us"], _ = bench.time_us(wl.ours(ops, scheme), n_inner, graph=False)
     gathered = t * r * 2 * sum(widths) * 2 + t * r * hidden * 2 * len(widths)
     if gathered <= GATHER_LIMIT:
@@ -222,7 +224,7 @@ def print_table(points):
            f"{'base':>8} {'floor':>8} | {'best/base':>9} {'gath/best':>9} {'floor/best':>10}")
     print(hdr)
     print("-" * len(hdr))
-    for p in points:
+    for p in sorted(points, key=lambda p: (len(p["widths"]), p["rank"], p["adapters"], p["T"])):
         best = p["best_us"]
         g = p["gather_bmm_us"]
         print(f"{p['T']:>5} {p['adapters']:>4} {p['rank']:>3} {len(p['widths']):>3} | "
@@ -309,63 +311,180 @@ def plot(points, path):
     print(f"plot: {path}")
 
 
-# --- config sweep: candidate launch configs at the target shapes, shrink and expand timed separately ---
+# --- tuning: candidate launch configs at one shape per (T bucket, rank bucket), shrink and expand timed apart ---
 
-def sweep(bench, ops, hidden, dtype, device, deadline, log):
+TUNE_SHAPES = [(64, 32, 16), (2048, 8, 16), (8192, 8, 16), (8192, 8, 64), (2048, 8, 64), (16, 8, 16),
+               (256, 32, 16), (64, 32, 64), (256, 32, 64)]  # (T, adapters, rank), the targets' shapes first
+
+
+def variants(t: int, r: int) -> tuple[list[dict], list[dict]]:
+    """Candidate (shrink, expand) configs for a shape. BLOCK_M doubles as the chunked scheme's segment size."""
+    bn = max(16, r)
+    if t <= 64:
+        shrink = [dict(BLOCK_M=16, BLOCK_K=bk, SPLIT_K=sk, num_warps=4, num_stages=3)
+                  for bk, sk in ((64, 32), (128, 4), (128, 8), (128, 16), (128, 32), (256, 4), (256, 8), (256, 16))]
+        expand = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=2)
+                  for n, w in ((32, 4), (64, 4), (128, 4), (256, 4), (256, 8))]
+    elif t <= 256:
+        shrink = [dict(BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=sk, num_warps=4, num_stages=3)
+                  for bm in (16, 32, 64) for bk, sk in ((128, 4), (128, 8), (128, 16), (256, 4))]
+        expand = [dict(BLOCK_M=bm, BLOCK_N=n, num_warps=w, num_stages=2)
+                  for bm in (16, 32, 64) for n, w in ((64, 4), (128, 4))] + [dict(BLOCK_M=32, BLOCK_N=256,
+                                                                                  num_warps=8, num_stages=2)]
+    else:
+        shrink = [dict(BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=sk, num_warps=8 if bm == 128 else 4, num_stages=3)
+                  for bm in (32, 64, 128) for bk, sk in ((64, 2), (128, 1), (128, 2), (128, 4), (256, 2))
+                  if not (bm == 128 and bk == 256)]
+        expand = [dict(BLOCK_M=bm, BLOCK_N=n, num_warps=w, num_stages=2)
+                  for bm, n, w in ((32, 128, 4), (32, 256, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+                                   (64, 256, 8), (128, 64, 4), (128, 128, 8))]
+    for c in shrink:
+        c["BLOCK_N"] = bn
+    for c in expand:
+        c["BLOCK_K"] = min(64, bn)
+    return shrink, expand
+
+
+def _patched(ops, op: str, cfg: dict, scheme: str):
+    """Make every lookup return cfg for `op` (the other op keeps its table) and set the segment to BLOCK_M."""
     from tp_lora.ops.triton import configs
-    shapes = [(1, 1, 16), (64, 32, 16), (64, 32, 64), (256, 32, 16), (2048, 8, 16), (2048, 8, 64),
-              (8192, 8, 16), (8192, 128, 64)]
-    real_shrink, real_expand = configs.shrink_config, configs.expand_config
+    fixed = (lambda *a, **k: dict(cfg))
+    configs.shrink_config = fixed if op == "shrink" else _REAL[0]
+    configs.expand_config = fixed if op == "expand" else _REAL[1]
+    ops.set_scheme(scheme, segment_size=cfg["BLOCK_M"] if scheme == "chunked" else None)
+
+
+def _restore(ops):
+    from tp_lora.ops.triton import configs
+    configs.shrink_config, configs.expand_config = _REAL
+    ops.set_scheme("chunked")
+
+
+_REAL: tuple = ()
+
+
+def _op_fn(ops, wl, op, u):
+    if op == "shrink":
+        return lambda i: ops.shrink(wl.x, wl.a[i % wl.n_sets], wl.scales, wl.batch)
+    return lambda i: ops.expand(u, wl.b[i % wl.n_sets], wl.batch, wl.out)
+
+
+def _compile_worker(jobs, hidden):
+    """Child process: run every (shape, op, config) once so that Triton's on-disk cache holds the kernels; the
+    parent then loads them instead of compiling one by one."""
+    global _REAL
+    from tp_lora.ops import triton as ops
+    from tp_lora.ops.triton import configs
+    _REAL = (configs.shrink_config, configs.expand_config)
+    done = 0
+    for t, n, r in jobs:
+        wl = Workload(t, n, r, hidden, [hidden], torch.bfloat16, "cuda", seed=t + n + r)
+        u = ops.shrink(wl.x, wl.a[0], wl.scales, wl.batch)
+        for op, cfgs in zip(("shrink", "expand"), variants(t, r)):
+            for cfg in cfgs:
+                for scheme in SCHEMES:
+                    try:
+                        _patched(ops, op, cfg, scheme)
+                        _op_fn(ops, wl, op, u)(0)
+                        done += 1
+                    except Exception as e:
+                        print(f"precompile {t, n, r} {op} {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    finally:
+                        _restore(ops)
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(shapes, hidden, workers: int, log) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    jobs = [[] for _ in range(workers)]
+    for i, shape in enumerate(shapes):
+        jobs[i % workers].append(shape)
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        done = sum(pool.map(_compile_worker, [j for j in jobs if j], [hidden] * workers))
+    log(f"precompiled {done} (shape, op, config, scheme) launches in {time.time() - t0:.0f} s on {workers} workers")
+
+
+def tune(bench, ops, shapes, hidden, dtype, device, deadline, log) -> list[dict]:
+    """Time every candidate at each shape, both schemes (chunked: segment = BLOCK_M)."""
+    global _REAL
+    from tp_lora.ops.triton import configs
+    _REAL = (configs.shrink_config, configs.expand_config)
     out = []
-    try:
-        for t, n, r in shapes:
-            wl = Workload(t, n, r, hidden, [hidden], dtype, device, seed=t + n + r)
-            n_inner = 1 if t >= 2048 else 16
-            u = ops.shrink(wl.x, wl.a[0], wl.scales, wl.batch)
-            bms = (16,) if t <= 64 else (32, 64) if t <= 256 else (32, 64, 128)
-            shrink_vars = [dict(BLOCK_M=bm, BLOCK_N=max(16, r), BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
-                           for bm in bms for bk in (64, 128, 256) for sk in (1, 2, 4, 8, 16)
-                           for w in (4,) for st in (3,)
-                           if (t <= 256 or sk <= 4) and (t > 256 or bk >= 128) and not (bk == 256 and r == 64)]
-            expand_vars = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=max(16, r), num_warps=w, num_stages=2)
-                           for bm in bms for bn in (32, 64, 128, 256) for w in (4, 8)
-                           if not (w == 8 and bn < 128) and not (t > 256 and bn < 64)]
-            for op, variants in (("shrink", shrink_vars), ("expand", expand_vars)):
-                for cfg in variants:
-                    if time.time() > deadline:
-                        log("sweep: deadline reached")
-                        return out
-                    configs.shrink_config = (lambda c: lambda *a: dict(c))(cfg) if op == "shrink" else real_shrink
-                    configs.expand_config = (lambda c: lambda *a: dict(c))(cfg) if op == "expand" else real_expand
-                    for scheme in SCHEMES:
-                        seg = cfg["BLOCK_M"]
-                        ops.set_scheme(scheme, segment_size=seg if scheme == "chunked" else None)
+    for t, n, r in shapes:
+        wl = Workload(t, n, r, hidden, [hidden], dtype, device, seed=t + n + r)
+        n_inner = 1 if t >= 2048 or not _cuda() else 16
+        u = ops.shrink(wl.x, wl.a[0], wl.scales, wl.batch)
+        for op, cfgs in zip(("shrink", "expand"), variants(t, r)):
+            for cfg in cfgs:
+                if time.time() > deadline:
+                    log("tune: deadline reached")
+                    return out
+                for scheme in SCHEMES:
+                    try:
+                        _patched(ops, op, cfg, scheme)
                         ops.prepare(wl.batch)
-                        if op == "shrink":
-                            fn = (lambda i: ops.shrink(wl.x, wl.a[i % wl.n_sets], wl.scales, wl.batch))
-                        else:
-                            fn = (lambda i: ops.expand(u, wl.b[i % wl.n_sets], wl.batch, wl.out))
-                        try:
-                            us, _ = bench.time_us(fn, n_inner)
-                        except Exception as e:
-                            log(f"sweep {op} {cfg} {scheme}: {type(e).__name__}: {str(e)[:100]}")
-                            continue
-                        rec = dict(op=op, T=t, adapters=n, rank=r, scheme=scheme, us=us, **cfg)
-                        out.append(rec)
-                configs.shrink_config, configs.expand_config = real_shrink, real_expand
-                best = {}
-                for rec in out:
-                    if rec["op"] == op and (rec["T"], rec["adapters"], rec["rank"]) == (t, n, r):
-                        if rec["scheme"] not in best or rec["us"] < best[rec["scheme"]]["us"]:
-                            best[rec["scheme"]] = rec
-                for scheme, rec in best.items():
-                    cfg_s = {k: v for k, v in rec.items() if k.isupper() or k.startswith("num_")}
-                    log(f"sweep best {op:6} T={t:<5} n={n:<3} r={r:<3} {scheme:>7}: {rec['us']:8.2f} us  {cfg_s}")
-            del wl
-    finally:
-        configs.shrink_config, configs.expand_config = real_shrink, real_expand
-        ops.set_scheme("chunked")
+                        us, _ = bench.time_us(_op_fn(ops, wl, op, u), n_inner)
+                        out.append(dict(op=op, T=t, adapters=n, rank=r, scheme=scheme, us=us, cfg=cfg))
+                    except Exception as e:
+                        log(f"tune {op} {cfg} {scheme}: {type(e).__name__}: {str(e)[:100]}")
+                    finally:
+                        _restore(ops)
+        for op in ("shrink", "expand"):
+            for scheme in SCHEMES:
+                recs = [x for x in out if (x["op"], x["T"], x["adapters"], x["rank"], x["scheme"]) ==
+                        (op, t, n, r, scheme)]
+                if recs:
+                    b = min(recs, key=lambda x: x["us"])
+                    log(f"tune best {op:6} T={t:<5} n={n:<3} r={r:<3} {scheme:>7}: {b['us']:8.2f} us {b['cfg']}")
+        del wl
     return out
+
+
+def apply_tuning(recs, log) -> dict:
+    """Write the winners into tp_lora.ops.triton.configs (this process) and return the tables as literals.
+    sorted: fastest shrink and fastest expand apart. chunked: shrink and expand share the segment (BLOCK_M), so the
+    segment of a T bucket minimises shrink + expand at its rank-16 shape (else its first tuned shape)."""
+    from tp_lora.ops.triton import configs
+    b = configs._bucket
+    shapes = sorted({(x["T"], x["adapters"], x["rank"]) for x in recs}, key=lambda s: (s[0], s[2] != 16))
+    derived = {"shrink": "BLOCK_N", "expand": "BLOCK_K"}  # computed from r by the config functions
+
+    def entry(op, cfg, chunked):
+        return {k: v for k, v in cfg.items() if k != derived[op] and not (chunked and k == "BLOCK_M")}
+    seg_of = {}
+    for t, n, r in shapes:
+        key = (b(t, configs.T_EDGES), b(r, configs.R_EDGES), b(4096, configs.W_EDGES))
+        mine = [x for x in recs if (x["T"], x["adapters"], x["rank"]) == (t, n, r)]
+        best = lambda op, sch, m=None: min((x for x in mine if x["op"] == op and x["scheme"] == sch and  # noqa
+                                            (m is None or x["cfg"]["BLOCK_M"] == m)), key=lambda x: x["us"],
+                                           default=None)
+        for op, table in (("shrink", configs._SHRINK), ("expand", configs._EXPAND)):
+            w = best(op, "sorted")
+            if w:
+                table["sorted"][key] = entry(op, w["cfg"], False)
+        if key[0] not in seg_of:
+            segs = {x["cfg"]["BLOCK_M"] for x in mine if x["scheme"] == "chunked"}
+            pair = {m: (best("shrink", "chunked", m), best("expand", "chunked", m)) for m in segs}
+            pair = {m: p for m, p in pair.items() if p[0] and p[1]}
+            if pair:
+                seg_of[key[0]] = min(pair, key=lambda m: pair[m][0]["us"] + pair[m][1]["us"])
+                configs._SEGMENT[key[0]] = seg_of[key[0]]
+        seg = seg_of.get(key[0])
+        if seg is not None:
+            sh, ex = best("shrink", "chunked", seg), best("expand", "chunked", seg)
+            if sh:
+                configs._SHRINK["chunked"][key] = entry("shrink", sh["cfg"], True)
+            if ex:
+                configs._EXPAND["chunked"][key] = entry("expand", ex["cfg"], True)
+    tables = dict(SHRINK=configs._SHRINK, EXPAND=configs._EXPAND, SEGMENT=configs._SEGMENT)
+    log("tuned tables (paste into configs.py):")
+    for name, tab in tables.items():
+        log(f"_{name} = {tab!r}")
+    return {name: {str(k): ({str(kk): vv for kk, vv in v.items()} if isinstance(v, dict) else v)
+                   for k, v in tab.items()} for name, tab in tables.items()}
 
 
 def main():
@@ -376,7 +495,13 @@ def main():
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--no-qkv", action="store_true", help="skip the 3-slice qkv-shaped points")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager timings of our ops")
-    ap.add_argument("--sweep", action="store_true", help="also time candidate launch configs at target shapes")
+    ap.add_argument("--tune", action="store_true",
+                    help="first time candidate launch configs at TUNE_SHAPES and use the winners for the grid")
+    ap.add_argument("--precompile-workers", type=int, default=0,
+                    help="with --tune: compile the candidates in this many processes first (fills Triton's cache)")
+    ap.add_argument("--tune-budget-s", type=float, default=150, help="stop tuning after this many seconds")
+    ap.add_argument("--tune-shapes", default=None, help="override TUNE_SHAPES: 'T,n,r;T,n,r'")
+    ap.add_argument("--precompile-only", action="store_true", help="compile the tuning candidates, then exit")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new work after this many seconds")
     ap.add_argument("--grid", default=None, help="override grid: 'T,T;n,n;r,r' (e.g. '1,64;8;16')")
     args = ap.parse_args()
@@ -407,10 +532,22 @@ def main():
     bench = Bench(device, args.reps)
     h = args.hidden
     todo = [(t, n, r, (h,)) for r in rs for n in ns for t in ts]
+    todo.sort(key=lambda p: (p[2] != 16, p[0] != 8192 and p[0] != 2048 and p[0] != 64))  # targets first
     if not args.no_qkv:  # GQA qkv: q = H, k = v = H / 4
         todo += [(t, 32, 16, (h, h // 4, h // 4)) for t in (64, 2048) if t in ts or args.quick]
     result = dict(device=name, torch=torch.__version__, hidden=h, dtype=str(dtype), bandwidth_Bps=bw,
-                  reps=args.reps, points=[], sweep=[])
+                  reps=args.reps, points=[], tune=[], tuned_tables=None)
+    shapes = ([tuple(int(v) for v in part.split(",")) for part in args.tune_shapes.split(";")]
+              if args.tune_shapes else TUNE_SHAPES)
+    if args.precompile_only:
+        precompile(shapes, h, max(1, args.precompile_workers), log)
+        return
+    if args.tune:
+        if args.precompile_workers and _cuda():
+            precompile(shapes, h, args.precompile_workers, log)
+        result["tune"] = tune(bench, ops, shapes, h, dtype, device,
+                              min(deadline, time.time() + args.tune_budget_s), log)
+        result["tuned_tables"] = apply_tuning(result["tune"], log)
     path = os.path.join(args.out, "lora_ops.json")
     for t, n, r, widths in todo:
         if time.time() > deadline:
@@ -431,8 +568,6 @@ def main():
             f"  base {rec['base_gemm_us']:.1f}  floor {rec['floor_us']:.1f} us  {eager}")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
-    if args.sweep and time.time() < deadline:
-        result["sweep"] = sweep(bench, ops, h, dtype, device, deadline, log)
     result["targets"] = targets(result["points"])
     result["log"] = log_lines
     with open(path, "w") as f:

@@ -25,6 +25,17 @@ SCHEMES = ("sorted", "chunked")
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
+@pytest.fixture(autouse=True)
+def _poison_shrink_buffers(monkeypatch):
+    """Shrink allocates its output uninitialised where the kernel must write every row itself: make that NaN."""
+    real = tri._new_buffer
+
+    def poisoned(shape, zero, device):
+        buf = real(shape, zero, device)
+        return buf if zero else buf.fill_(float("nan"))
+    monkeypatch.setattr(tri, "_new_buffer", poisoned)
+
+
 def _gen(*key) -> torch.Generator:
     """A generator seeded per test case (stable across runs, unlike hash() of strings)."""
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
@@ -136,6 +147,7 @@ LAYOUTS = {  # widths of the slices, output offset, extra output columns
     "one_slice": ([48], 0, 0),
     "qkv_gqa": ([40, 8, 8], 0, 0),  # q wider than k / v; widths not multiples of a block
     "qkv_offset": ([40, 8, 8], 5, 3),  # a fully sharded row layer writes into its own columns
+    "width_one": ([16, 1, 7], 1, 2),  # 1s are compile-time constants natively: such slices launch alone
 }
 
 
@@ -221,10 +233,10 @@ def test_empty_batch(device, scheme):
 def test_split_k_and_strided_token_blocks(device, scheme, split_k, monkeypatch):
     """Configs the default table does not pick at these sizes: split-K with atomics, several K blocks per program,
     and (sorted) fewer programs than token blocks, so each program strides over its adapter's blocks."""
-    def shrink_cfg(t, r, k):
+    def shrink_cfg(*_):
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=split_k, num_warps=4, num_stages=2)
 
-    def expand_cfg(t, r, n):
+    def expand_cfg(*_):
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
     monkeypatch.setattr(configs, "shrink_config", shrink_cfg)
     monkeypatch.setattr(configs, "expand_config", expand_cfg)
@@ -329,25 +341,23 @@ def test_chunked_segments_cover_each_adapter_once(seg):
     slots = _slots("mixed", t, max_loras, gen)
     batch = build_lora_batch(slots, max_loras, "cpu")
     sched = tri.prepare(batch, "chunked", seg)
-    assert sched.entries == schedule.chunked_entries(t, max_loras, seg) == -(-t // seg) + max_loras
+    assert sched.entries == schedule.chunked_entries(t, max_loras, seg) == -(-t // seg) + max_loras + 1
     order = batch.order.tolist()
     seen = []
     for slot, start, count in zip(*_table(sched)):
-        if slot < 0:
-            assert count == 0
-            continue
-        assert 0 < count <= seg
+        assert 0 <= count <= seg
         toks = order[start:start + count]
-        assert all(slots[i] == slot for i in toks)  # one adapter per segment
+        assert all(slots[i] == slot for i in toks)  # one adapter (or none: slot -1) per segment
         seen += toks
-    assert sorted(seen) == sorted(i for i, s in enumerate(slots) if s >= 0)
+    assert sorted(seen) == list(range(t))  # every token once, those without an adapter too (shrink zeroes them)
 
 
-def test_sorted_table_is_padded_to_max_loras():
+def test_sorted_table_is_padded_to_max_loras_plus_one():
     batch = build_lora_batch([2, -1, 2, 0, 5], 8, "cpu")
     sched = tri.prepare(batch, "sorted")
-    assert sched.entries == 8
-    assert _table(sched) == [[0, 2, 5, -1, -1, -1, -1, -1], [1, 2, 4, 0, 0, 0, 0, 0], [1, 2, 1, 0, 0, 0, 0, 0]]
+    assert sched.entries == 9  # the adapters' groups and the no-adapter group
+    assert _table(sched) == [[-1, 0, 2, 5, -1, -1, -1, -1, -1], [0, 1, 2, 4, 0, 0, 0, 0, 0],
+                             [1, 1, 2, 1, 0, 0, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -51,18 +51,16 @@ def _compute_types(act: torch.dtype, weight: torch.dtype):
     return tl.float32, tl.float32, "ieee"  # fp32 layers ask for fp32 accuracy: no tf32 rounding
 
 
-def _launch_groups(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None):
-    """Split slices into launches of <= 3 consecutive slices that share dtype and inner strides (the kernel takes
-    one of each); the L-dim stride may differ. Yields (first slice index, slice indices)."""
-    def key(i):
-        w = weights[i]
-        k = (w.dtype, w.shape[1:] if scales is None else None, w.stride(1), w.stride(2))
-        return k if scales is None else k + (scales[i].stride(1),)
-    i, n = 0, len(weights)
+def _launch_groups(n: int, key, solo):
+    """Split slices 0..n-1 into launches of <= 3 consecutive slices with equal key(i) (what the kernel takes once
+    for all of them: dtype, inner strides). solo(i): slice i must launch alone (a selected value is 1, see the
+    note above shrink_kernel). Yields (first slice index, slice indices)."""
+    i = 0
     while i < n:
         j = i + 1
-        while j < n and j - i < MAX_SLICES_PER_LAUNCH and key(j) == key(i):
-            j += 1
+        if not solo(i):
+            while j < n and j - i < MAX_SLICES_PER_LAUNCH and key(j) == key(i) and not solo(j):
+                j += 1
         yield i, list(range(i, j))
         i = j
 
@@ -82,6 +80,11 @@ def _m_programs(sched: Schedule, t: int, block_m: int, other_programs: int, devi
     return max(1, min(-(-t // block_m), want))
 
 
+def _new_buffer(shape: tuple[int, ...], zero: bool, device: torch.device) -> torch.Tensor:
+    """The shrink output. Zeroed only where the kernel accumulates (split-K); else it writes every row."""
+    return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
+
+
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor, batch: LoRABatch, *,
            a_scales: Sequence[torch.Tensor] | None = None, scheme: str | None = None) -> torch.Tensor:
     """x [T, in], lora_a S x [L, r, in], scales [S, L] float32 -> [S, T, r] float32 = scale * x @ A[slot]^T,
@@ -90,19 +93,27 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
     n_slices = len(lora_a)
     _, rank, k = lora_a[0].shape
     t = x.shape[0]
-    # Rows of tokens without an adapter stay zero; split-K accumulates into the zeros too.
-    out = torch.zeros(n_slices, t, rank, dtype=torch.float32, device=x.device)
     if t == 0:
-        return out
+        return torch.zeros(n_slices, 0, rank, dtype=torch.float32, device=x.device)
     sched = prepare(batch, scheme)
-    cfg = configs.shrink_config(t, rank, k)
+    cfg = configs.shrink_config(t, rank, k, sched.scheme)
     block_m = sched.segment_size or cfg["BLOCK_M"]
+    split_k = cfg["SPLIT_K"]
+    out = _new_buffer((n_slices, t, rank), split_k > 1, x.device)
     n_blocks_r = triton.cdiv(rank, cfg["BLOCK_N"])
-    for base, idx in _launch_groups(lora_a, a_scales):
+
+    def key(i):
+        a = lora_a[i]
+        return (a.dtype, a.stride(1), a.stride(2)) + ((a_scales[i].stride(1),) if a_scales is not None else ())
+
+    def solo(i):
+        return 1 in (lora_a[i].stride(0),) + ((a_scales[i].stride(0),) if a_scales is not None else ())
+
+    for base, idx in _launch_groups(n_slices, key, solo):
         a3 = _three(lora_a, idx)
         as3 = _three(a_scales, idx) if a_scales is not None else [scales] * 3  # unused placeholders
         cdt, dot, prec = _compute_types(x.dtype, lora_a[idx[0]].dtype)
-        other = len(idx) * n_blocks_r * cfg["SPLIT_K"]
+        other = len(idx) * n_blocks_r * split_k
         grid = (sched.entries, other, _m_programs(sched, t, block_m, other, x.device))
         shrink_kernel[grid](
             x, *a3, *as3, scales, out, batch.order, sched.table,
@@ -114,8 +125,8 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
             out.stride(0), out.stride(1), out.stride(2),
             grid[2],
             NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            SPLIT_K=cfg["SPLIT_K"], HAS_A_SCALES=a_scales is not None, CDT=cdt, DOT=dot, PREC=prec,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            SPLIT_K=split_k, EVEN_K=k % (cfg["BLOCK_K"] * split_k) == 0, HAS_A_SCALES=a_scales is not None,
+            CDT=cdt, DOT=dot, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out
 
@@ -132,10 +143,20 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
         return
     rank = buf.shape[2]
     widths = [b.shape[1] for b in lora_b]
+    cols = list(itertools.accumulate([offset] + widths))  # first output column of each slice
     sched = prepare(batch, scheme)
-    cfg = configs.expand_config(t, rank, max(widths))
+    cfg = configs.expand_config(t, rank, max(widths), sched.scheme)
     block_m, block_n = sched.segment_size or cfg["BLOCK_M"], cfg["BLOCK_N"]
-    for base, idx in _launch_groups(lora_b, b_scales):
+
+    def key(i):
+        b = lora_b[i]
+        return (b.dtype, b.stride(1), b.stride(2)) + ((b_scales[i].stride(1),) if b_scales is not None else ())
+
+    def solo(i):
+        picked = (lora_b[i].stride(0), widths[i], cols[i]) + ((b_scales[i].stride(0),) if b_scales is not None else ())
+        return 1 in picked
+
+    for base, idx in _launch_groups(len(lora_b), key, solo):
         b3 = _three(lora_b, idx)
         bs3 = _three(b_scales, idx) if b_scales is not None else [buf] * 3  # unused placeholders
         w3 = _three(widths, idx)
@@ -149,7 +170,7 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
         has_bs = b_scales is not None
         expand_kernel[grid](
             buf, *b3, *bs3, out, batch.order, sched.table,
-            rank, sched.entries, base, offset + sum(widths[:base]), *w3, nb_ends[0], nb_ends[1],
+            rank, sched.entries, base, cols[base], *w3, nb_ends[0], nb_ends[1],
             buf.stride(0), buf.stride(1), buf.stride(2),
             *(b.stride(0) for b in b3), b3[0].stride(1), b3[0].stride(2),
             *((s.stride(0) for s in bs3) if has_bs else (0, 0, 0)), bs3[0].stride(1) if has_bs else 0,

@@ -1,13 +1,14 @@
 """Launch configurations for the LoRA kernels, looked up per shape from small tables.
 
-A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width bucket); the value holds block sizes,
-split-K and warps. Bucket edges are upper bounds: a shape falls into the first edge >= its size, the last edge is
+A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width bucket), one table per scheduling
+scheme; the value holds block sizes, split-K and warps. Bucket edges are upper bounds: a shape falls into the first edge >= its size, the last edge is
 open-ended. The numbers come from the sweep in scripts/bench_lora_ops.py on an H100 (hidden 4096, bf16); shapes
 outside the sweep take the nearest bucket, which is safe (every config is correct for every shape) if not optimal.
 
 Why these shapes (both ops are memory-bound at every LoRA rank we serve):
 - shrink [T, in] x [in, r]: N = r is tiny, so parallelism comes from token blocks and split-K. At decode (few tokens)
-  one program per adapter would leave most SMs idle while it streams A (r x in), hence split-K 8-16.
+  one program per adapter would leave most SMs idle while it streams A (r x in), hence split-K; split-K 1 saves
+  the zero fill of the output (the kernel then writes every row itself).
 - expand [T, r] x [r, out]: K = r is tiny (one K tile), N = out is wide; parallelism comes from N blocks. The bytes
   that matter are the output rows read and written, so blocks are wide in N for long coalesced rows.
 """
@@ -18,39 +19,67 @@ import functools
 T_EDGES = (16, 64, 256, 2048, 1 << 62)
 R_EDGES = (16, 64, 1 << 62)
 W_EDGES = (2048, 8192, 1 << 62)  # in (shrink) / out (expand) features of one slice
+_INF = 1 << 62
 
-# (t_bucket, r_bucket, w_bucket) -> config; missing keys fall back to the same T bucket with any r / w.
-# BLOCK_M is used by the "sorted" scheme; "chunked" uses its segment size (segment_size() below) as BLOCK_M.
-_SHRINK: dict[tuple[int, int, int], dict] = {
-    # decode: a handful of tokens per adapter; stream A through many programs
-    (16, 16, 2048): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-    (16, 16, 8192): dict(BLOCK_M=16, BLOCK_K=256, SPLIT_K=16, num_warps=4, num_stages=3),
-    (16, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
-    (64, 16, 2048): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-    (64, 16, 8192): dict(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
-    (64, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-    (256, 16, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-    (256, 64, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-    # prefill: enough token blocks to fill the chip, split-K only to top up
-    (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-    (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
-    (1 << 62, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
-    (1 << 62, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=3),
+# scheme -> {(T bucket, r bucket, width bucket): config}. A missing key takes the nearest entry (T first).
+# "chunked" entries have no BLOCK_M: a program's token block is the step's segment (segment_size() below), which
+# shrink and expand share, so it is chosen per T bucket for the pair.
+_SHRINK: dict[str, dict[tuple[int, int, int], dict]] = {
+    "sorted": {
+        # decode: a handful of tokens per adapter; A streamed by many split-K programs
+        (16, 16, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
+        (16, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (64, 16, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (64, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (256, 16, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (256, 64, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        # prefill: token blocks fill the chip; split-K tops up
+        (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
+        (_INF, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
+        (_INF, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=3),
+    },
+    "chunked": {
+        (16, 16, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
+        (16, 64, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (64, 16, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (64, 64, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (256, 16, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (256, 64, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (2048, 16, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (2048, 64, 8192): dict(BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
+        (_INF, 16, 8192): dict(BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
+        (_INF, 64, 8192): dict(BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=3),
+    },
 }
-_EXPAND: dict[tuple[int, int, int], dict] = {
-    (16, 16, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-    (16, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-    (64, 16, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-    (64, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-    (256, 16, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
-    (256, 64, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
-    (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
-    (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-    (1 << 62, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
-    (1 << 62, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+_EXPAND: dict[str, dict[tuple[int, int, int], dict]] = {
+    "sorted": {
+        (16, 16, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+        (16, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+        (64, 16, 8192): dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=2),
+        (64, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+        (256, 16, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
+        (256, 64, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
+        (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+        (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        (_INF, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+        (_INF, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+    },
+    "chunked": {
+        (16, 16, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
+        (16, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
+        (64, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (64, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
+        (256, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (256, 64, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (2048, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (2048, 64, 8192): dict(BLOCK_N=128, num_warps=8, num_stages=2),
+        (_INF, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (_INF, 64, 8192): dict(BLOCK_N=128, num_warps=8, num_stages=2),
+    },
 }
 # chunked scheme: tokens per segment by T bucket (one segment = one program's token block, so also its BLOCK_M)
-_SEGMENT = {16: 16, 64: 16, 256: 32, 2048: 64, 1 << 62: 64}
+_SEGMENT = {16: 16, 64: 16, 256: 32, 2048: 64, _INF: 64}
 
 # Sorted scheme: programs per adapter group along the token axis are capped so that the whole grid stays near this
 # many programs per SM *for one busy adapter*; the other groups' copies exit at once.
@@ -81,9 +110,9 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
-def shrink_config(t: int, r: int, k: int) -> dict:
-    """x [t, k] x A^T [k, r]: BLOCK_M, BLOCK_N (covers r), BLOCK_K, SPLIT_K, num_warps, num_stages."""
-    cfg = _lookup(_SHRINK, t, r, k)
+def shrink_config(t: int, r: int, k: int, scheme: str = "sorted") -> dict:
+    """x [t, k] x A^T [k, r]: BLOCK_M (sorted only), BLOCK_N (covers r), BLOCK_K, SPLIT_K, num_warps, num_stages."""
+    cfg = _lookup(_SHRINK[scheme], t, r, k)
     cfg["BLOCK_N"] = min(_pow2(r), 128)
     # Split-K beyond the number of K blocks only adds programs with nothing to reduce.
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], _pow2(k))
@@ -91,9 +120,10 @@ def shrink_config(t: int, r: int, k: int) -> dict:
     return cfg
 
 
-def expand_config(t: int, r: int, n: int) -> dict:
-    """buf [t, r] x B^T [r, n]: BLOCK_M, BLOCK_N, BLOCK_K (covers r up to 64, else loops), num_warps, num_stages."""
-    cfg = _lookup(_EXPAND, t, r, n)
+def expand_config(t: int, r: int, n: int, scheme: str = "sorted") -> dict:
+    """buf [t, r] x B^T [r, n]: BLOCK_M (sorted only), BLOCK_N, BLOCK_K (covers r up to 64, else loops),
+    num_warps, num_stages."""
+    cfg = _lookup(_EXPAND[scheme], t, r, n)
     cfg["BLOCK_K"] = min(_pow2(r), 64)
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], _pow2(n))
     return cfg
@@ -105,7 +135,7 @@ def embedding_config(t: int, r: int) -> dict:
 
 def segment_size(t: int) -> int:
     """Default chunk length of the chunked scheme for a step of t tokens (a power of two >= 16)."""
-    return _SEGMENT[_bucket(t, tuple(_SEGMENT))]
+    return _SEGMENT[_bucket(t, T_EDGES)]
 
 
 def num_sms(device_index: int | None) -> int:

@@ -32,9 +32,12 @@ def _mm(a, b, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     return tl.dot(a.to(CDT).to(DOT), b.to(CDT).to(DOT), input_precision=PREC)
 
 
-# Integer arguments equal to 1 are specialised into constants by Triton; the ones a branch may replace by another
-# slice's value must stay runtime values, or the branch's types would not match.
-@triton.jit(do_not_specialize=["stride_al0", "stride_al1", "stride_al2"])
+# Triton specialises integer arguments: multiples of 16 get an alignment hint (what lets loads and stores of a row
+# use 16-byte vectors: keep it for strides, widths and offsets) and the value 1 becomes a constant. A constant
+# cannot be replaced by another slice's value in a runtime branch, so the launcher never packs a slice whose
+# selected values include a 1 with other slices (see _solo in __init__.py). Arguments that only count or index
+# scalars are not specialised: that would only multiply compiled variants.
+@triton.jit(do_not_specialize=["table_stride", "slice_base", "n_blocks_r", "M_PROGRAMS"])
 def shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, as0_ptr, as1_ptr, as2_ptr, scale_ptr, out_ptr, order_ptr, table_ptr,
     K, R, table_stride, slice_base, n_blocks_r,
@@ -45,14 +48,16 @@ def shrink_kernel(
     stride_os, stride_ot, stride_or,
     M_PROGRAMS,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_A_SCALES: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_A_SCALES: tl.constexpr,
     CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
     """out[slice_base + s, t, :] (+)= scale[s, slot] * x[t] @ A_s[slot]^T for the tokens t of one table entry.
 
-    x [T, K], A_s [L, R, K] (fp8 with a_scales [L, R] per row, or x's dtype), scale [S, L] f32, out [S, T, R] f32
-    zero-filled by the caller. Grid: (table entries, S x n_blocks_r x SPLIT_K, M_PROGRAMS). With SPLIT_K > 1 each
-    program reduces every SPLIT_K-th K block and atomically adds its partial sum.
+    x [T, K], A_s [L, R, K] (fp8 with a_scales [L, R] per row, or x's dtype), scale [S, L] f32, out [S, T, R] f32.
+    Grid: (table entries, S x n_blocks_r x SPLIT_K, M_PROGRAMS). SPLIT_K == 1: every row is written, entries of
+    tokens without an adapter (slot -1) write zeros, so out may start uninitialised. SPLIT_K > 1: each program
+    reduces every SPLIT_K-th K block and atomically adds its partial sum into out, which must start zeroed.
+    EVEN_K: K is a multiple of BLOCK_K * SPLIT_K (no K mask).
     """
     pid_g = tl.program_id(0)
     pid_x = tl.program_id(1)
@@ -64,12 +69,16 @@ def shrink_kernel(
     slot = tl.load(table_ptr + pid_g)
     start = tl.load(table_ptr + table_stride + pid_g)
     count = tl.load(table_ptr + 2 * table_stride + pid_g)
-    # Padding entries (slot -1) have count 0: the loop below does not run; clamp so no address is formed from -1.
-    slot = tl.maximum(slot, 0).to(tl.int64)
+    # slot -1: tokens without an adapter (or padding, count 0). They read nothing: no K iterations, zero scales.
+    is_lora = slot >= 0
+    if SPLIT_K > 1:
+        count = tl.where(is_lora, count, 0)  # their rows are already zero
+    k_iters = tl.where(is_lora, tl.cdiv(K, BLOCK_K * SPLIT_K), 0)
+    slot = tl.maximum(slot, 0).to(tl.int64)  # no address is formed from -1
 
     a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
     stride_al = _pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
-    scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl)
+    scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl, mask=is_lora, other=0.0)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
@@ -77,6 +86,7 @@ def shrink_kernel(
     if HAS_A_SCALES:
         as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
         row_scale = tl.load(as_ptr + slot * stride_asl + offs_n * stride_asr, mask=n_mask, other=0.0)
+        row_scale = tl.where(is_lora, row_scale, 0.0)
 
     for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,10 +95,14 @@ def shrink_kernel(
         x_blk = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
         a_blk = a_ptr + slot * stride_al + offs_n[None, :] * stride_ar + offs_k[:, None] * stride_ak
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
-            k_left = K - kb * BLOCK_K * SPLIT_K
-            xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
+        for kb in range(0, k_iters):
+            if EVEN_K:
+                xv = tl.load(x_blk, mask=m_mask[:, None], other=0.0)
+                av = tl.load(a_blk, mask=n_mask[None, :], other=0.0)
+            else:
+                k_left = K - kb * BLOCK_K * SPLIT_K
+                xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
             acc += _mm(xv, av, CDT, DOT, PREC)
             x_blk += BLOCK_K * SPLIT_K * stride_xk
             a_blk += BLOCK_K * SPLIT_K * stride_ak
@@ -100,11 +114,10 @@ def shrink_kernel(
         if SPLIT_K == 1:
             tl.store(o_ptr, acc, mask=o_mask)
         else:
-            tl.atomic_add(o_ptr, acc, mask=o_mask)
+            tl.atomic_add(o_ptr, acc, mask=o_mask, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["col0", "width0", "width1", "width2", "stride_bl0", "stride_bl1", "stride_bl2",
-                               "stride_bsl0", "stride_bsl1", "stride_bsl2"])
+@triton.jit(do_not_specialize=["table_stride", "slice_base", "nb_end0", "nb_end1", "M_PROGRAMS"])
 def expand_kernel(
     buf_ptr, b0_ptr, b1_ptr, b2_ptr, bs0_ptr, bs1_ptr, bs2_ptr, out_ptr, order_ptr, table_ptr,
     R, table_stride, slice_base, col0, width0, width1, width2, nb_end0, nb_end1,
@@ -148,6 +161,7 @@ def expand_kernel(
     slot = tl.load(table_ptr + pid_g)
     start = tl.load(table_ptr + table_stride + pid_g)
     count = tl.load(table_ptr + 2 * table_stride + pid_g)
+    count = tl.where(slot >= 0, count, 0)  # tokens without an adapter: their rows are not touched
     slot = tl.maximum(slot, 0).to(tl.int64)
 
     b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
@@ -164,6 +178,10 @@ def expand_kernel(
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        o_ptr = out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        if ADD:  # issued before the dot: the output tile is the bulk of the bytes, let it be in flight early
+            prev = tl.load(o_ptr, mask=o_mask, other=0.0)
         u_blk = buf_ptr + (slice_base + s) * stride_us + tok[:, None] * stride_ut + offs_k[None, :] * stride_ur
         b_blk = b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -176,10 +194,8 @@ def expand_kernel(
             b_blk += BLOCK_K * stride_bk
         if HAS_B_SCALES:
             acc = acc * ch_scale[None, :]
-        o_ptr = out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on
-        o_mask = m_mask[:, None] & n_mask[None, :]
         if ADD:
-            acc += tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
+            acc += prev.to(tl.float32)
         tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 

@@ -3,14 +3,16 @@
 Both schemes walk the tokens in ``batch.order`` (stably sorted by adapter slot) and give each program work that
 belongs to one adapter, so a program reads one adapter's weights. They differ in the work table and grid:
 
-- "sorted" (vLLM lora_shrink / lora_expand style): one table entry per adapter group, padded to ``max_loras``
+- "sorted" (vLLM lora_shrink / lora_expand style): one table entry per adapter group, padded to ``max_loras + 1``
   entries. Grid (max_loras, n-blocks [x split-K] x slices, m_programs); each program strides over its group's token
   blocks (block, block + m_programs, ...). Groups past the active ones, and programs past a group's blocks, exit.
 - "chunked" (SGLang chunked SGMV style): every group is cut into segments of <= segment_size tokens, one table entry
-  per segment, padded to the bound cdiv(T, seg) + min(max_loras, T). Grid (entries, n-blocks x slices, 1); each
-  program does exactly one segment.
+  per segment, padded to the bound cdiv(T, seg) + min(max_loras + 1, T). Grid (entries, n-blocks x slices, 1);
+  each program does exactly one segment.
 
-A table is int32 [3, entries]: rows (slot, start in ``order``, token count); padding entries are (-1, 0, 0).
+A table is int32 [3, entries]: rows (slot, start in ``order``, token count). The tokens without an adapter form a
+group too, with slot -1 (they sort first, so it starts at 0): shrink writes their zero rows itself instead of
+a separate memset, expand skips them. Padding entries are (-1, 0, 0).
 Its size, and so every grid, depends only on T, max_loras and segment_size, never on how tokens split between
 adapters: a step can be captured in a CUDA graph and replayed with another split, provided the table (and the
 batch's ``order``) are copied into the captured buffers first (see ``prepare``).
@@ -52,33 +54,40 @@ class Schedule:
     """One step's work table on the device plus the host-side numbers that shape the grid."""
     scheme: str
     table: torch.Tensor  # int32 [3, entries]: slot, start (into batch.order), count
-    entries: int  # table width: max_loras (sorted) or the segment bound (chunked)
+    entries: int  # table width: max_loras + 1 (sorted) or the segment bound (chunked)
     segment_size: int | None  # chunked: tokens per segment, the kernels' BLOCK_M
 
 
+def _groups(batch: LoRABatch) -> tuple[list[int], list[int], list[int]]:
+    """(slots, starts, counts) of the step's groups, the no-adapter group (slot -1) first when it has tokens."""
+    n_none = batch.num_tokens - sum(batch.host_counts)
+    head = ([-1], [0], [n_none]) if n_none else ([], [], [])
+    return (head[0] + list(batch.host_slot_ids), head[1] + list(batch.host_starts),
+            head[2] + list(batch.host_counts))
+
+
 def _sorted_table(batch: LoRABatch) -> torch.Tensor:
-    table = torch.zeros(3, batch.max_loras, dtype=torch.int32)
+    table = torch.zeros(3, batch.max_loras + 1, dtype=torch.int32)
     table[0] = -1
-    n = len(batch.host_slot_ids)
-    if n:
-        table[:, :n] = torch.tensor([batch.host_slot_ids, batch.host_starts, batch.host_counts], dtype=torch.int32)
+    groups = _groups(batch)
+    if groups[0]:
+        table[:, :len(groups[0])] = torch.tensor(groups, dtype=torch.int32)
     return table
 
 
 def chunked_entries(num_tokens: int, max_loras: int, segment_size: int) -> int:
-    """Upper bound on the segments of any split of num_tokens tokens between max_loras adapters:
-    sum_g cdiv(c_g, seg) <= sum_g (c_g / seg + 1) <= T / seg + active groups."""
-    return -(-num_tokens // segment_size) + min(max_loras, num_tokens)
+    """Upper bound on the segments of any split of num_tokens tokens between max_loras adapters (+ the no-adapter
+    group): sum_g cdiv(c_g, seg) <= sum_g (c_g / seg + 1) <= T / seg + groups."""
+    return -(-num_tokens // segment_size) + min(max_loras + 1, num_tokens)
 
 
 def _chunked_table(batch: LoRABatch, seg: int) -> torch.Tensor:
     entries = chunked_entries(batch.num_tokens, batch.max_loras, seg)
     table = torch.zeros(3, entries, dtype=torch.int32)
     table[0] = -1
-    if batch.host_slot_ids:
-        slots = torch.tensor(batch.host_slot_ids, dtype=torch.int64)
-        starts = torch.tensor(batch.host_starts, dtype=torch.int64)
-        counts = torch.tensor(batch.host_counts, dtype=torch.int64)
+    groups = _groups(batch)
+    if groups[0]:
+        slots, starts, counts = (torch.tensor(g, dtype=torch.int64) for g in groups)
         per_group = (counts + seg - 1) // seg
         group = torch.repeat_interleave(torch.arange(len(slots)), per_group)
         # index of each segment inside its group
