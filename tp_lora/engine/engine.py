@@ -138,6 +138,18 @@ class Engine:
             slot += 1
         self.slot_state.pinned = True
 
+    def reset_adapter_cache(self) -> None:
+        """Forget which adapters are in host memory and in the slots (benchmarks: start a measured run cold)."""
+        if self.slot_state.pinned:
+            return
+        if any(self.slot_state.users):
+            raise RuntimeError("reset_adapter_cache during generate()")
+        self.cache.host.clear()
+        for slot in range(len(self.slot_state)):
+            self.slot_state.clear(slot)
+        if self.rt is not None:
+            self.slots.names = [None] * len(self.slots.names)
+
     def check_request(self, req: Request, max_len: int) -> Optional[str]:
         """Why this request cannot run, or None."""
         if req.error:
