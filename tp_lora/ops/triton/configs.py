@@ -1,9 +1,12 @@
 """Launch configurations for the LoRA kernels, looked up per shape from small tables.
 
 A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width bucket), one table per scheduling
-scheme; the value holds block sizes, split-K and warps. Bucket edges are upper bounds: a shape falls into the first edge >= its size, the last edge is
-open-ended. The numbers come from the sweep in scripts/bench_lora_ops.py on an H100 (hidden 4096, bf16); shapes
-outside the sweep take the nearest bucket, which is safe (every config is correct for every shape) if not optimal.
+scheme; the value holds block sizes, split-K and warps. Bucket edges are upper bounds: a shape falls into the
+first edge >= its size, the last edge is open-ended. The entries are the winners of
+``scripts/bench_lora_ops.py --tune`` on an H100 80GB (triton 3.6, hidden 4096, bf16) at its TUNE_SHAPES, one
+shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand). Shapes outside the tuned buckets
+take the nearest entry, which is safe (every config is correct for every shape) if not optimal. Re-tune on another
+GPU with --tune and paste the tables it prints.
 
 Why these shapes (both ops are memory-bound at every LoRA rank we serve):
 - shrink [T, in] x [in, r]: N = r is tiny, so parallelism comes from token blocks and split-K. At decode (few tokens)
@@ -26,29 +29,27 @@ _INF = 1 << 62
 # shrink and expand share, so it is chosen per T bucket for the pair.
 _SHRINK: dict[str, dict[tuple[int, int, int], dict]] = {
     "sorted": {
-        # decode: a handful of tokens per adapter; A streamed by many split-K programs
-        (16, 16, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
+        (16, 16, 8192): dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=32, num_warps=4, num_stages=3),
         (16, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
         (64, 16, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-        (64, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-        (256, 16, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-        (256, 64, 8192): dict(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-        # prefill: token blocks fill the chip; split-K tops up
+        (64, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
+        (256, 16, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (256, 64, 8192): dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
         (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-        (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
-        (_INF, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
-        (_INF, 64, 8192): dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=3),
+        (2048, 64, 8192): dict(BLOCK_M=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=3),
+        (_INF, 16, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),
+        (_INF, 64, 8192): dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
     },
     "chunked": {
-        (16, 16, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
+        (16, 16, 8192): dict(BLOCK_K=64, SPLIT_K=32, num_warps=4, num_stages=3),
         (16, 64, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
         (64, 16, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-        (64, 64, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (64, 64, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
         (256, 16, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-        (256, 64, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (256, 64, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
         (2048, 16, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-        (2048, 64, 8192): dict(BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
-        (_INF, 16, 8192): dict(BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
+        (2048, 64, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (_INF, 16, 8192): dict(BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),
         (_INF, 64, 8192): dict(BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=3),
     },
 }
@@ -56,30 +57,31 @@ _EXPAND: dict[str, dict[tuple[int, int, int], dict]] = {
     "sorted": {
         (16, 16, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
         (16, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-        (64, 16, 8192): dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=2),
-        (64, 64, 8192): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-        (256, 16, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
-        (256, 64, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
-        (2048, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
-        (2048, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-        (_INF, 16, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
-        (_INF, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        (64, 16, 8192): dict(BLOCK_M=16, BLOCK_N=256, num_warps=4, num_stages=2),
+        (64, 64, 8192): dict(BLOCK_M=16, BLOCK_N=256, num_warps=8, num_stages=2),
+        (256, 16, 8192): dict(BLOCK_M=32, BLOCK_N=256, num_warps=8, num_stages=2),
+        (256, 64, 8192): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+        (2048, 16, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
+        (2048, 64, 8192): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+        (_INF, 16, 8192): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
+        (_INF, 64, 8192): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
     },
     "chunked": {
-        (16, 16, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
+        (16, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
         (16, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
-        (64, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (64, 16, 8192): dict(BLOCK_N=256, num_warps=4, num_stages=2),
         (64, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
         (256, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
-        (256, 64, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (256, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
         (2048, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
-        (2048, 64, 8192): dict(BLOCK_N=128, num_warps=8, num_stages=2),
+        (2048, 64, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
         (_INF, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
-        (_INF, 64, 8192): dict(BLOCK_N=128, num_warps=8, num_stages=2),
+        (_INF, 64, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
     },
 }
-# chunked scheme: tokens per segment by T bucket (one segment = one program's token block, so also its BLOCK_M)
-_SEGMENT = {16: 16, 64: 16, 256: 32, 2048: 64, _INF: 64}
+# chunked scheme: tokens per segment by T bucket (one segment = one program's token block, so also its BLOCK_M),
+# the size that minimised shrink + expand at the bucket's rank-16 shape
+_SEGMENT = {16: 16, 64: 16, 256: 16, 2048: 32, _INF: 32}
 
 # Sorted scheme: programs per adapter group along the token axis are capped so that the whole grid stays near this
 # many programs per SM *for one busy adapter*; the other groups' copies exit at once.
