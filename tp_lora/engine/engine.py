@@ -322,7 +322,14 @@ class Engine:
             cache = self.runner.kv_cache(rows, row_len)
             sched = Scheduler(self.slot_state, RowPool(rows), sc.max_batch_size, sc.max_tokens_per_step,
                               sc.max_overtakes)
-            self._loop(sched, cache, pending, t0, emit, interrupted, lockstep, stop)
+            try:
+                self._loop(sched, cache, pending, t0, emit, interrupted, lockstep, stop)
+            finally:  # after an error too: the slots this run held are free for the next call
+                sched.abort()
+                st = self.slot_state
+                for slot in range(len(st)):
+                    if not st.ready[slot]:
+                        st.clear(slot)  # assigned but never copied in
         while lockstep is not None and lockstep(0):
             pass
         self.stats.seconds += time.perf_counter() - t0
