@@ -193,8 +193,8 @@ def main() -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| shape | layout | tokens/replica | LoRA | ms/step | tokens/s | LoRA overhead | collectives | comm MB/rank "
-            "| weights MB/rank | LoRA MB/rank | peak MB |")
+    head = ("| shape | layout | tokens/replica | LoRA | ms/step | tokens/s | LoRA overhead | collectives "
+            "| comm MB/rank | weights MB/rank | LoRA MB/rank | peak MB |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         coll = ", ".join(f"{k} x{v}" for k, v in sorted(r["collectives"].items())) or "-"

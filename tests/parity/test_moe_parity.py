@@ -95,7 +95,8 @@ def _per_expert_adapter(kind: str, model_dir, out_dir, r: int, alpha: float, see
     os.makedirs(out_dir, exist_ok=True)
     save_file(t, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(names) + ["k_proj"],
-               "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir)},
+               "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM",
+               "base_model_name_or_path": str(model_dir)},
               open(os.path.join(out_dir, "adapter_config.json"), "w"))
     return t
 

@@ -121,29 +121,30 @@ class Experts(nn.Module):
         return self.down(self.act(self.up(xp, pairs)), pairs)
 
 
-def pack_tokens(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,
+def pack_tokens(x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,
                 rows: int) -> torch.Tensor:
-    """One uint8 row per token: hidden bytes | k int32 ids | k float32 weights | int32 tag (if tags), padded with
-    rows whose ids are -1 (routed nowhere) up to `rows`. Bytes, not a float cast: ids and weights cross exactly."""
-    n = x.shape[0]
-    parts = [x.contiguous().view(torch.uint8), ids.to(torch.int32).contiguous().view(torch.uint8),
-             weights.float().contiguous().view(torch.uint8)]
+    """One uint8 row per token: hidden bytes (none when x is None) | k int32 ids | k float32 weights | int32 tag (if
+    tags), padded with rows whose ids are -1 (routed nowhere) up to `rows`. Bytes, not a float cast: ids and weights
+    cross exactly, in one collective."""
+    n, k = ids.shape
+    parts = [] if x is None else [x.contiguous().view(torch.uint8)]
+    parts += [ids.to(torch.int32).contiguous().view(torch.uint8), weights.float().contiguous().view(torch.uint8)]
     if tags is not None:
         parts.append(tags.to(torch.int32).reshape(n, 1).contiguous().view(torch.uint8))
     packed = torch.cat(parts, 1)
     if rows > n:
-        pad = torch.zeros(rows - n, packed.shape[1], dtype=torch.uint8, device=x.device)
-        k = ids.shape[1]
-        off = x.shape[1] * x.element_size()
+        pad = torch.zeros(rows - n, packed.shape[1], dtype=torch.uint8, device=ids.device)
+        off = 0 if x is None else x.shape[1] * x.element_size()
         pad[:, off:off + 4 * k] = 255  # int32 -1
         packed = torch.cat([packed, pad], 0)
     return packed
 
 
 def unpack_tokens(packed: torch.Tensor, hidden: int, dtype: torch.dtype, k: int, tags: bool):
-    """Inverse of pack_tokens over the gathered rows: -> x [N, H], ids [N, k] int32, weights [N, k] f32, tags [N]."""
+    """Inverse of pack_tokens over the gathered rows (hidden=0: no hidden states were packed) ->
+    x [N, H] (None if hidden=0), ids [N, k] int32, weights [N, k] f32, tags [N] (None if not packed)."""
     hb = hidden * torch.empty(0, dtype=dtype).element_size()
-    x = packed[:, :hb].contiguous().view(dtype)
+    x = packed[:, :hb].contiguous().view(dtype) if hidden else None
     ids = packed[:, hb:hb + 4 * k].contiguous().view(torch.int32)
     w = packed[:, hb + 4 * k:hb + 8 * k].contiguous().view(torch.float32)
     t = packed[:, hb + 8 * k:hb + 8 * k + 4].contiguous().view(torch.int32).reshape(-1) if tags else None

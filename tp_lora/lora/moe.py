@@ -1,11 +1,12 @@
 """Multi-LoRA over a rank's experts: per slot, per local expert A/B stacks for w1, w3 (gate, up) and w2 (down),
 cut per rank exactly like the expert weights (sharding.py's column / row rules applied to each expert).
 
-For a pair (token t, expert e) of adapter a: gate_up += s (x A13_{a,e}^T) B13_{a,e}^T, down += s (h A2_{a,e}^T) B2_{a,e}^T.
+For a pair (token t, expert e) of adapter a:
+    gate_up += s (x A13_{a,e}^T) B13_{a,e}^T,   down += s (h A2_{a,e}^T) B2_{a,e}^T.
 Where the LoRA math sits relative to the moe-tp group's final all-reduce (see ARCHITECTURE.md; experts partitioned
 over the EP group need no LoRA collective of their own):
   w1/w3 default         A whole, B split on I                shrink -> expand                      none
-  w1/w3 fully sharded   A split on rank, B split on I        shrink -> all_gather(u) -> expand     1 all-gather (both slices)
+  w1/w3 fully sharded   A split on rank, B split on I        shrink -> all_gather(u) -> expand     1 all-gather (w1+w3)
   w2 default            A split on I, B whole                shrink -> expand into the partial sum none
   w2 fully sharded      A split on I, B split on H           shrink -> all_reduce(u) -> expand     1 all-reduce
 """

@@ -7,8 +7,11 @@ parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
            local experts -> reduce_scatter returns each rank its own tokens' sums. Ranks have different token
            counts: they exchange counts once per step and pad to the max; `lockstep` keeps idle ranks stepping.
   EP/TP    ep over the attention TP group (ep_attention=tp): tokens are replicated after attention, each rank routes a
-           1/tp chunk (no token is routed twice); all_gather -> experts -> reduce_scatter, then an all_gather of the
-           chunks restores the replicated hidden states.
+           1/tp chunk and runs the shared expert on it (no token routed or shared-expert-computed twice). Every rank
+           already holds every hidden state, so only the routing travels: all_gather(topk ids | weights | slot) ->
+           local experts on all tokens' pairs -> one all_reduce returns the replicated sum the next attention needs.
+           (all-gathering hidden states, reduce-scattering, then all-gathering the chunks back would move the same
+           sum plus a redundant copy of the hidden states, in one more collective.)
   EP x TP  ep over DP replicas and each expert's intermediate over the tp group (2D mesh): the EP collectives run over
            ep, the expert partial sums (and fully sharded LoRA collectives) over tp.
 
@@ -182,7 +185,11 @@ class SparseMoE(nn.Module):
         ids, w = self.gate(xs)
         shared = self._shared(xs) if self.shared_gate_up is not None else None
         tags = step.slots
-        if self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
+        if self.chunked:  # hidden states are replicated: gather the chunks' routing only
+            packed = comm.all_gather(pack_tokens(None, ids, w, tags, step.rows), self.ep, dim=0)[:x.shape[0]]
+            _, ids, w, tags = unpack_tokens(packed, 0, xs.dtype, self.shape.top_k, tags is not None)
+            xg = x
+        elif self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
             packed = comm.all_gather(pack_tokens(xs, ids, w, tags, step.rows), self.ep, dim=0)
             xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
         else:
@@ -193,14 +200,16 @@ class SparseMoE(nn.Module):
         if pairs.num_pairs:
             yp = self.experts(xg[pairs.token], pairs)
             y.index_add_(0, pairs.token, (yp.float() * pairs.weight[:, None]).to(y.dtype))
+        if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention
+            if shared is not None:
+                y[c0:c1] += shared
+            return comm.all_reduce(y, self.ep)
         if self.ep.size > 1:
             y = comm.reduce_scatter(y, self.ep)[:c1 - c0]
         if shared is not None:
             y = y + shared
         if self.moe_tp.size > 1 and c1 > c0:  # the moe-tp ranks own the same tokens: all skip or none
             y = comm.all_reduce(y, self.moe_tp)
-        if self.chunked:  # every TP rank needs every token again for the next attention
-            y = comm.all_gather(F.pad(y, (0, 0, 0, step.rows - y.shape[0])), self.ep, dim=0)[:x.shape[0]]
         return y
 
     def _shared(self, xs: torch.Tensor) -> torch.Tensor:
