@@ -56,7 +56,8 @@ def _tp2(ps, model, adapters):
         cfg = serving_cfg(tp=2, max_loras=3, max_cpu_loras=2)
         cfg.lora.fully_sharded = fully
         engine = Engine(cfg, ps, model, adapters)
-        res = engine.generate(make_requests(N))
+        arrivals = [0.3 * i / N for i in range(N)] if fully else None  # ranks agree on what has arrived
+        res = engine.generate(make_requests(N), arrival_times=arrivals)
         out[fully] = [(r.request.index, r.output_token_ids, r.error) for r in res], engine.stats.adapter_loads
     return out
 

@@ -32,6 +32,7 @@ from tp_lora.models.registry import MOE_TYPES
 from tp_lora.ops import get_backend
 
 RUN, DRAIN, ABORT = 0, 1, 2  # stop levels: keep going / admit nothing more, finish in-flight / drop in-flight too
+ARRIVAL_CHECK_STEPS = 4  # TP ranks busy with work agree on newly arrived requests every this many steps
 INTERRUPTED = "not run: the run was stopped before this request finished (resume=true runs it)"
 
 __all__ = ["Engine", "Sequence", "StepStats", "RUN", "DRAIN", "ABORT"]
@@ -358,11 +359,13 @@ class Engine:
         it = 0
         while True:
             now = time.perf_counter()
-            # Agree on arrivals each iteration while some are due by the clock, and on stopping every few steps.
+            # The ranks agree on arrivals while some are still to come (each idle iteration, every few busy steps:
+            # the exchange syncs the host), and on stopping every stop_check_steps. One rank: every iteration.
             local = stop() if stop is not None else RUN
             if drain_deadline is not None and now >= drain_deadline:
                 local = max(local, ABORT)
-            if (timed and fed < len(pending)) or it % sc.stop_check_steps == 0 or self.ps.tp.size == 1:
+            arrivals_due = timed and fed < len(pending) and (not sched.has_work or it % ARRIVAL_CHECK_STEPS == 0)
+            if arrivals_due or it % sc.stop_check_steps == 0 or self.ps.tp.size == 1:
                 due = fed
                 while due < len(pending) and t0 + pending[due][0] <= now:
                     due += 1
