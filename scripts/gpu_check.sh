@@ -1,33 +1,57 @@
 #!/usr/bin/env bash
 # The GPU validation run (used on the lent 2xH200 / H100 hosts): NCCL distributed tests with the Triton backend,
-# native kernel and CUDA-graph tests, then the benchmarks. Results and logs go under $OUT (default ./gpu_out).
-# Usage: scripts/gpu_check.sh [tests|bench_ops|bench_generate|bench_moe|bench_serving|all]...
+# native kernel and CUDA-graph tests, then the benchmarks. Each step has its own time limit so one slow step cannot
+# eat the others; logs and results go under $OUT (default ./gpu_out), packed at the end into $OUT/results.tgz
+# (the lent host returns few files).
+# Usage: scripts/gpu_check.sh [tests|bench_generate|bench_moe|bench_serving|bench_ops|all]...
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+RES="$OUT/results"
+mkdir -p "$RES"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 step() { echo "=== $1 ($(date +%T))" | tee -a "$OUT/summary.log"; }
+# run NAME SECONDS TAIL_LINES cmd...: the command's whole log under results/, its tail in the summary.
+run() {
+  local name=$1 limit=$2 lines=$3; shift 3
+  timeout "$limit" "$@" > "$RES/$name.log" 2>&1
+  echo "rc=$? after $SECONDS s" >> "$RES/$name.log"
+  tail -n "$lines" "$RES/$name.log" | tee -a "$OUT/summary.log"
+}
+serving_args="--model llama-2048 --ranks 16 --rate 0 --requests 256 --max-loras 32 --batch 64"
 for what in "${@:-all}"; do
   case $what in
     tests|all)
       step "pytest: kernels, gpu, distributed over NCCL + triton ($NGPU GPUs)"
-      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton timeout 300 python3 -m pytest -q -x \
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_gpu 300 6 python3 -m pytest -q -rs \
         tests/kernels tests/gpu tests/distributed/test_layers.py tests/distributed/test_model.py \
-        tests/distributed/test_collectives.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5 | tee -a "$OUT/summary.log" ;;&
+        tests/distributed/test_collectives.py tests/distributed/test_moe.py ;;&
     bench_generate|all)
-      step "bench_generate tp=1"
-      timeout 300 python3 scripts/bench_generate.py --out "$OUT" 2>&1 | tee "$OUT/bench_generate.log" | tail -8 \
-        | tee -a "$OUT/summary.log"
+      step "bench_generate tp=1 (with transformers + PEFT)"
+      run bench_generate 240 10 python3 scripts/bench_generate.py --out "$RES/gen_tp1"
       if [ "$NGPU" -ge 2 ]; then
         step "bench_generate tp=2 fully sharded"
-        timeout 200 torchrun --nproc_per_node=2 scripts/bench_generate.py --tp 2 --no-hf --fully-sharded \
-          --out "$OUT/tp2" 2>&1 | tee "$OUT/bench_generate_tp2.log" | tail -6 | tee -a "$OUT/summary.log"
+        run bench_generate_tp2 150 8 torchrun --nproc_per_node=2 scripts/bench_generate.py --tp 2 --no-hf \
+          --fully-sharded --out "$RES/gen_tp2"
+      fi ;;&
+    bench_moe|all)
+      step "bench_moe on $NGPU GPUs"
+      run bench_moe 200 30 torchrun --nproc_per_node="$NGPU" scripts/bench_moe.py --out "$RES/moe" ;;&
+    bench_serving|all)
+      step "bench_serving tp=1: ours at 1/100/1000 adapters, baselines at 1/100"
+      run bench_serving_tp1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
+        --systems ours --out "$RES/serv_tp1"
+      run bench_serving_base 150 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100 \
+        --systems merged,peft --out "$RES/serv_base"
+      if [ "$NGPU" -ge 2 ]; then
+        step "bench_serving tp=2"
+        run bench_serving_tp2 200 12 torchrun --nproc_per_node=2 scripts/bench_serving.py $serving_args --tp 2 \
+          --adapters 1,100,1000 --systems ours --out "$RES/serv_tp2"
       fi ;;&
     bench_ops|all)
       step "bench_lora_ops"
-      timeout 300 python3 scripts/bench_lora_ops.py --out "$OUT/ops" 2>&1 | tee "$OUT/bench_ops.log" | tail -12 \
-        | tee -a "$OUT/summary.log" ;;&
+      run bench_ops 300 12 python3 scripts/bench_lora_ops.py --out "$RES/ops" ;;&
     *) ;;
   esac
 done
+tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$RES"
