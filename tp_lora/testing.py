@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_mod
 import socket
+import time
 import traceback
 
 import torch
@@ -58,14 +60,26 @@ def run_ranks(fn, world_size: int, *args, tp_size: int | None = None, timeout_s:
                                                 queue), daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = None, []
+    results, errors, reported = None, [], set()
+    deadline = time.monotonic() + timeout_s + 60
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout_s + 60)
+        # Poll rather than block: a rank killed from outside (NCCL's watchdog aborts the process) never reports.
+        while len(reported) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, payload = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+                if dead and queue.empty():
+                    errors += [f"rank {r}: exited with code {procs[r].exitcode} before reporting" for r in dead]
+                    reported.update(dead)
+                continue
+            reported.add(rank)
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
             elif rank == 0:
                 results = pickle.loads(payload)
+        if len(reported) < world_size:
+            errors.append(f"ranks {sorted(set(range(world_size)) - reported)}: no result within {timeout_s + 60:.0f} s")
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -9,12 +9,13 @@ from tp_lora.testing import run_ranks
 
 
 def _collectives(ps: comm.ParallelState):
-    tp, r = ps.tp, ps.tp.rank
+    tp, r, dev = ps.tp, ps.tp.rank, ps.device
     comm.STATS.reset()
-    summed = comm.all_reduce(torch.full((3,), float(r + 1)), tp)
-    gathered = comm.all_gather(torch.full((2, 1), float(r)), tp, dim=-1)
-    scattered = comm.reduce_scatter(torch.arange(4 * tp.size, dtype=torch.float32).reshape(2 * tp.size, 2), tp)
-    return summed, gathered, scattered, dict(comm.STATS.calls), dict(comm.STATS.bytes)
+    summed = comm.all_reduce(torch.full((3,), float(r + 1), device=dev), tp)
+    gathered = comm.all_gather(torch.full((2, 1), float(r), device=dev), tp, dim=-1)
+    scattered = comm.reduce_scatter(torch.arange(4 * tp.size, dtype=torch.float32, device=dev).reshape(2 * tp.size, 2),
+                                    tp)
+    return summed.cpu(), gathered.cpu(), scattered.cpu(), dict(comm.STATS.calls), dict(comm.STATS.bytes)
 
 
 def test_collectives_on_real_ranks():
@@ -28,7 +29,8 @@ def test_collectives_on_real_ranks():
 
 def _rank1_never_joins(ps: comm.ParallelState):
     if ps.rank == 0:
-        comm.all_reduce(torch.ones(1), ps.tp)
+        comm.all_reduce(torch.ones(1, device=ps.device), ps.tp)
+        torch.ones(1, device=ps.device).tolist()  # NCCL is asynchronous: wait for it here
     else:
         time.sleep(8)
 

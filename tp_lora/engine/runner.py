@@ -155,5 +155,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop captured graphs (before the process group goes away: a live captured NCCL graph can hang teardown)."""
         self.graphs.clear()
+        # The memory pool died with its last graph: reusing its handle for a new capture trips an allocator assert.
+        self.pool = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
