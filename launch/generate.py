@@ -24,8 +24,12 @@ def main(cfg: DictConfig) -> None:
         print(f"[tp_lora] rank {os.environ.get('RANK', '0')}: config error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     code = run(typed)
-    if code:
-        sys.exit(code)
+    # The run has closed its output and torn down its process groups. Leaving through os._exit skips interpreter
+    # teardown, where torch's C++ threads (gloo's, the rendezvous store's) are at times destroyed while still
+    # joinable and abort a finished run ("terminate called without an active exception", exit -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -85,21 +87,71 @@ def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+class CollectiveTimeout(RuntimeError):
+    """The device did not finish this rank's queued collectives within parallel.timeout_s: a peer died or stalled."""
+
+
+# This process's collective settings, fixed by init_parallel: where object collectives stage their bytes (NCCL needs
+# CUDA tensors) and how long a host wait on the device may take.
+_SETTINGS = {"device": torch.device("cpu"), "timeout_s": 300.0}
+
+
+def wait_device(device: torch.device) -> None:
+    """Block until `device` has run everything queued so far, or raise CollectiveTimeout.
+
+    NCCL collectives are asynchronous: a peer that never joins shows up as a device that never finishes, and a plain
+    host sync (.tolist(), .cpu()) would then wait forever. Waiting on an event with a deadline turns that into an
+    error the caller can report. Gloo collectives block and time out on their own, so CPU needs nothing."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    start = time.monotonic()
+    while not done.query():
+        waited = time.monotonic() - start
+        if waited > _SETTINGS["timeout_s"]:
+            raise CollectiveTimeout(f"collectives on {device} did not complete within parallel.timeout_s="
+                                    f"{_SETTINGS['timeout_s']:g}s: a peer rank died or stalled")
+        time.sleep(0 if waited < 0.01 else 1e-3)  # spin through a normal step, then back off
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    wait_device(t.device)
+    return t.cpu()
+
+
+def _object_bytes(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(_SETTINGS["device"])
+
+
 def broadcast_object(obj, group: Group, src_rank: int = 0):
     """Rank src_rank's Python object on every rank of the group (host-side control, not counted)."""
     if group.size == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=group.ranks[src_rank], group=group.pg)
-    return box[0]
+    data = _object_bytes(obj) if group.rank == src_rank else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=_SETTINGS["device"])
+    dist.broadcast(size, src=group.ranks[src_rank], group=group.pg)
+    if data is None:
+        data = torch.empty(int(_host(size)[0]), dtype=torch.uint8, device=_SETTINGS["device"])
+    dist.broadcast(data, src=group.ranks[src_rank], group=group.pg)
+    return pickle.loads(_host(data).numpy().tobytes())
 
 
 def all_gather_object(obj, group: Group) -> list:
+    """Every rank's Python object (rank order); host-side control, not counted."""
     if group.size == 1:
         return [obj]
-    out = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
-    return out
+    data = _object_bytes(obj)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
+    sizes = torch.empty(group.size, dtype=torch.int64, device=data.device)
+    _all_gather_tensor(sizes, size, group=group.pg)
+    sizes = _host(sizes).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=data.device)
+    padded[:data.numel()] = data
+    out = torch.empty(group.size * padded.numel(), dtype=torch.uint8, device=data.device)
+    _all_gather_tensor(out, padded, group=group.pg)
+    rows = _host(out).view(group.size, -1).numpy()
+    return [pickle.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
 
 
 @dataclass
@@ -160,6 +212,7 @@ def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0) -
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+    _SETTINGS.update(device=dev, timeout_s=timeout_s)
     if world_size == 1:
         if tp_size != 1:
             raise ValueError(f"parallel.tp_size={tp_size} needs {tp_size} processes, but this run has 1: "
@@ -195,7 +248,7 @@ def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu") 
     STATS.record("counts", group, t)
     out = torch.empty(group.size, dtype=torch.int64, device=device)
     _all_gather_tensor(out, t, group=group.pg)
-    return out.tolist()
+    return _host(out).tolist()
 
 
 def expert_mesh_groups(world_size: int, tp_size: int, ep_size: int, ep_attention: str) -> list[tuple[int, ...]]:

@@ -15,11 +15,16 @@ def _collectives(ps: comm.ParallelState):
     gathered = comm.all_gather(torch.full((2, 1), float(r), device=dev), tp, dim=-1)
     scattered = comm.reduce_scatter(torch.arange(4 * tp.size, dtype=torch.float32, device=dev).reshape(2 * tp.size, 2),
                                     tp)
-    return summed.cpu(), gathered.cpu(), scattered.cpu(), dict(comm.STATS.calls), dict(comm.STATS.bytes)
+    calls, nbytes = dict(comm.STATS.calls), dict(comm.STATS.bytes)
+    objects = comm.all_gather_object({"rank": r, "pad": "x" * (100 * r)}, tp)  # pickles of different sizes
+    sent = comm.broadcast_object(["from", r], tp, src_rank=1)
+    return summed.cpu(), gathered.cpu(), scattered.cpu(), calls, nbytes, objects, sent
 
 
 def test_collectives_on_real_ranks():
-    summed, gathered, scattered, calls, nbytes = run_ranks(_collectives, 2)
+    summed, gathered, scattered, calls, nbytes, objects, sent = run_ranks(_collectives, 2)
+    assert objects == [{"rank": 0, "pad": ""}, {"rank": 1, "pad": "x" * 100}]
+    assert sent == ["from", 1]
     assert summed.tolist() == [3.0] * 3
     assert gathered.tolist() == [[0.0, 1.0], [0.0, 1.0]]
     assert scattered.tolist() == [[0.0, 2.0], [4.0, 6.0]]  # rank 0's half of the doubled tensor
@@ -30,7 +35,7 @@ def test_collectives_on_real_ranks():
 def _rank1_never_joins(ps: comm.ParallelState):
     if ps.rank == 0:
         comm.all_reduce(torch.ones(1, device=ps.device), ps.tp)
-        torch.ones(1, device=ps.device).tolist()  # NCCL is asynchronous: wait for it here
+        comm.wait_device(ps.device)  # NCCL is asynchronous: the wait is where the timeout shows
     else:
         time.sleep(8)
 

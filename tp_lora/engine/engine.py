@@ -200,6 +200,8 @@ class Engine:
             torch.cuda.current_stream(self.ps.device).wait_stream(self.copy_stream)
             self._copies_pending = False
         logits = self.runner.execute(step, cache)
+        if self.ps.world.size > 1:  # the step's collectives end here, or in a timeout error naming the cause
+            comm.wait_device(self.ps.device)
         for seq, n in work:
             seq.computed += n
         return logits
