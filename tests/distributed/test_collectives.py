@@ -33,6 +33,10 @@ def test_collectives_on_real_ranks():
 
 
 def _rank1_never_joins(ps: comm.ParallelState):
+    # One collective together first: NCCL sets up a group's communicator on first use, and that setup blocks
+    # inside NCCL; the failure under test is a peer lost mid-run.
+    comm.all_reduce(torch.ones(1, device=ps.device), ps.tp)
+    comm.wait_device(ps.device)
     if ps.rank == 0:
         comm.all_reduce(torch.ones(1, device=ps.device), ps.tp)
         comm.wait_device(ps.device)  # NCCL is asynchronous: the wait is where the timeout shows

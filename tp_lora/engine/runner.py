@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
-from tp_lora.models.attention import AttnMeta, KVCache, build_attn_meta
+from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -97,8 +97,9 @@ class ModelRunner:
         if self.model.sliding_window:
             mask &= k_pos[None, :] > g_pos[:, None] - self.model.sliding_window
         ar = torch.arange(b, device=self.device)
-        return AttnMeta(cache_rows=g_rows, token_rows=g_rows, positions=g_pos, pad_index=ar[:, None], flat_index=ar,
-                        mask=mask[:, None, None, :], max_kv=max_kv, last_token=ar)
+        group = AttnGroup(cache_rows=g_rows, pad_index=ar[:, None], flat_index=ar, mask=mask[:, None, None, :],
+                          max_kv=max_kv, tokens=None)
+        return AttnMeta(token_rows=g_rows, positions=g_pos, groups=[group], last_token=ar)
 
     def _replay(self, step: StepBatch) -> torch.Tensor:
         n = len(step.lens)

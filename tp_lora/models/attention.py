@@ -12,43 +12,67 @@ import torch.nn.functional as F
 
 
 @dataclass
+class AttnGroup:
+    """Sequences attended together in one padded [n, max_q] query layout."""
+    cache_rows: torch.Tensor  # [n] KV-cache row of each sequence
+    pad_index: torch.Tensor  # [n, max_q] step token index of each (sequence, query) cell, T for padding
+    flat_index: torch.Tensor  # [t] cell s * max_q + j of each of the group's tokens
+    mask: torch.Tensor  # [n, 1, max_q, max_kv] True where the query may attend
+    max_kv: int
+    tokens: torch.Tensor | None  # [t] step index of each of the group's tokens; None: every token, in order
+
+
+@dataclass
 class AttnMeta:
-    cache_rows: torch.Tensor  # [N] KV-cache row of each sequence
     token_rows: torch.Tensor  # [T] cache row of each token
     positions: torch.Tensor  # [T] position of each token
-    pad_index: torch.Tensor  # [N, max_q] token index of each (sequence, query) cell, T for padding
-    flat_index: torch.Tensor  # [T] cell n * max_q + j of each token in the padded layout
-    mask: torch.Tensor  # [N, 1, max_q, max_kv] True where the query may attend
-    max_kv: int
+    groups: list[AttnGroup]
     last_token: torch.Tensor  # [N] index of each sequence's last token in the step (its logits are sampled)
 
 
 def build_attn_meta(cache_rows: list[int], starts: list[int], lengths: list[int], device,
-                    sliding_window: int | None = None, max_kv: int | None = None) -> AttnMeta:
+                    sliding_window: int | None = None) -> AttnMeta:
     """Sequence n has `lengths[n]` new tokens at positions starts[n] .. starts[n]+lengths[n]-1.
-    max_kv fixes the key length (a CUDA graph needs static shapes); default: the longest sequence after the step."""
-    n = len(cache_rows)
-    max_q = max(lengths)
-    total = sum(lengths)
-    max_kv = max_kv or max(s + l for s, l in zip(starts, lengths))
-    offs = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-    j = torch.arange(max_q)
+
+    Decoding sequences (one new token) and prefill chunks are attended as two groups: padded together, every
+    decode row would carry the longest chunk's query length, and a mixed step of 64 sequences with one 256-token
+    chunk would compute (and copy) 64x the attention it needs."""
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + n)
+    total = offs[-1]
+    decode = [i for i, n in enumerate(lengths) if n == 1]
+    prefill = [i for i, n in enumerate(lengths) if n != 1]
+    parts = [p for p in (decode, prefill) if p]
+    groups = [_group(p, cache_rows, starts, lengths, offs, total, sliding_window, device, len(parts) == 1)
+              for p in parts]
     lens = torch.tensor(lengths)
-    st = torch.tensor(starts)
-    pad_index = torch.where(j[None] < lens[:, None], offs[:-1, None] + j[None], torch.tensor(total))
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+    j_of_token = torch.arange(total) - torch.tensor(offs[:-1])[seq_of_token]
+    return AttnMeta(token_rows=torch.tensor(cache_rows)[seq_of_token].to(device),
+                    positions=(torch.tensor(starts)[seq_of_token] + j_of_token).to(device), groups=groups,
+                    last_token=torch.tensor(offs[1:]).sub(1).to(device))
+
+
+def _group(seqs: list[int], cache_rows, starts, lengths, offs, total: int, sliding_window, device,
+           only: bool) -> AttnGroup:
+    lens = torch.tensor([lengths[i] for i in seqs])
+    st = torch.tensor([starts[i] for i in seqs])
+    first = torch.tensor([offs[i] for i in seqs])
+    max_q = int(lens.max())
+    max_kv = int((st + lens).max())
+    j = torch.arange(max_q)
+    valid = j[None] < lens[:, None]
+    pad_index = torch.where(valid, first[:, None] + j[None], torch.tensor(total))
     q_pos = st[:, None] + j[None]  # padded queries get in-range positions: their rows are discarded, never NaN
     k_pos = torch.arange(max_kv)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    seq_of_token = torch.repeat_interleave(torch.arange(n), lens)
-    j_of_token = torch.arange(total) - offs[:-1][seq_of_token]
-    rows = torch.tensor(cache_rows)
-    return AttnMeta(
-        cache_rows=rows.to(device), token_rows=rows[seq_of_token].to(device),
-        positions=(st[seq_of_token] + j_of_token).to(device), pad_index=pad_index.to(device),
-        flat_index=(seq_of_token * max_q + j_of_token).to(device), mask=mask[:, None].to(device), max_kv=max_kv,
-        last_token=(offs[1:] - 1).to(device))
+    cells = torch.arange(len(seqs) * max_q).view(len(seqs), max_q)
+    return AttnGroup(cache_rows=torch.tensor([cache_rows[i] for i in seqs]).to(device),
+                     pad_index=pad_index.to(device), flat_index=cells[valid].to(device), mask=mask[:, None].to(device),
+                     max_kv=max_kv, tokens=None if only else pad_index[valid].to(device))
 
 
 class KVCache:
@@ -68,11 +92,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
     kc[meta.token_rows, meta.positions] = k
     vc[meta.token_rows, meta.positions] = v
     heads, d = q.shape[1], q.shape[2]
-    qp = torch.cat([q, q.new_zeros(1, heads, d)])[meta.pad_index].transpose(1, 2)  # [N, H, max_q, d]
-    keys = kc[meta.cache_rows, :meta.max_kv].transpose(1, 2)  # [N, KV, max_kv, d]
-    vals = vc[meta.cache_rows, :meta.max_kv].transpose(1, 2)
+    q_ext = torch.cat([q, q.new_zeros(1, heads, d)])  # the padding cell's index T reads zeros
+    if len(meta.groups) == 1:
+        return _attend_group(q_ext, kc, vc, meta.groups[0], scale)
+    out = q.new_empty(q.shape[0], heads * d)
+    for g in meta.groups:
+        out[g.tokens] = _attend_group(q_ext, kc, vc, g, scale)
+    return out
+
+
+def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
+    heads, d = q_ext.shape[1], q_ext.shape[2]
+    qp = q_ext[g.pad_index].transpose(1, 2)  # [n, H, max_q, d]
+    keys = kc[g.cache_rows, :g.max_kv].transpose(1, 2)  # [n, KV, max_kv, d]
+    vals = vc[g.cache_rows, :g.max_kv].transpose(1, 2)
     if keys.shape[1] != heads:
         rep = heads // keys.shape[1]
         keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-    out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=meta.mask, scale=scale)
-    return out.transpose(1, 2).reshape(-1, heads * d)[meta.flat_index]
+    out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.mask, scale=scale)
+    return out.transpose(1, 2).reshape(-1, heads * d)[g.flat_index]

@@ -1,0 +1,46 @@
+"""Attention over the KV cache for steps that mix decodes and prefill chunks, against a per-token loop."""
+import pytest
+import torch
+
+from tp_lora.models.attention import KVCache, attend, build_attn_meta
+
+
+def _reference(q, k_all, v_all, positions_of_seq, seq_of_token, pos_of_token, scale, window):
+    """Token by token: softmax over the keys of its own sequence at positions <= its own (within the window)."""
+    heads, kv_heads = q.shape[1], k_all[0].shape[1]
+    out = []
+    for t in range(q.shape[0]):
+        s, p = seq_of_token[t], pos_of_token[t]
+        keep = [i for i in range(positions_of_seq[s]) if i <= p and (not window or i > p - window)]
+        keys = k_all[s][keep].repeat_interleave(heads // kv_heads, 1)  # [K, H, d]
+        vals = v_all[s][keep].repeat_interleave(heads // kv_heads, 1)
+        w = torch.softmax(torch.einsum("hd,khd->hk", q[t], keys) * scale, -1)
+        out.append(torch.einsum("hk,khd->hd", w, vals).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("lengths, window", [([1, 5, 1, 3, 1], None), ([1, 1, 1], None), ([4, 2], None),
+                                             ([1, 6, 1], 3)])
+def test_mixed_step_matches_per_token_attention(lengths, window):
+    gen = torch.Generator().manual_seed(len(lengths) * 7 + (window or 0))
+    heads, kv_heads, d = 4, 2, 8
+    starts = [int(torch.randint(0, 6, (1,), generator=gen)) for _ in lengths]
+    rows = torch.randperm(len(lengths) + 2, generator=gen)[:len(lengths)].tolist()
+    cache = KVCache(1, len(lengths) + 2, 16, kv_heads, d, torch.float32, "cpu")
+    # History already in the cache (positions < start), random per sequence.
+    k_all = [torch.randn(st + n, kv_heads, d, generator=gen) for st, n in zip(starts, lengths)]
+    v_all = [torch.randn(st + n, kv_heads, d, generator=gen) for st, n in zip(starts, lengths)]
+    for r, st, k, v in zip(rows, starts, k_all, v_all):
+        cache.k[0][r, :st], cache.v[0][r, :st] = k[:st], v[:st]
+    seq_of_token = [s for s, n in enumerate(lengths) for _ in range(n)]
+    pos_of_token = [starts[s] + j for s, n in enumerate(lengths) for j in range(n)]
+    q = torch.randn(len(seq_of_token), heads, d, generator=gen)
+    k_new = torch.cat([k[st:] for k, st in zip(k_all, starts)])
+    v_new = torch.cat([v[st:] for v, st in zip(v_all, starts)])
+    meta = build_attn_meta(rows, starts, lengths, "cpu", window)
+    assert len(meta.groups) == (2 if 1 in lengths and any(n > 1 for n in lengths) else 1)
+    got = attend(q, k_new, v_new, cache, 0, meta, 0.3)
+    want = _reference(q, k_all, v_all, [st + n for st, n in zip(starts, lengths)], seq_of_token, pos_of_token, 0.3,
+                      window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert meta.last_token.tolist() == [sum(lengths[:i + 1]) - 1 for i in range(len(lengths))]
