@@ -82,7 +82,7 @@ def run_ranks(fn, world_size: int, *args, tp_size: int | None = None, timeout_s:
             errors.append(f"ranks {sorted(set(range(world_size)) - reported)}: no result within {timeout_s + 60:.0f} s")
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
     if errors:
