@@ -213,7 +213,10 @@ def run_ours(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict
     engine.stats, engine.cache.stats = StepStats(), CacheStats()
     _sync()
     t0 = time.perf_counter()
-    results = engine.generate(reqs, arrival_times=arrivals)
+    if args.profile:
+        results = _profiled(lambda: engine.generate(reqs, arrival_times=arrivals), args.out, ps)
+    else:
+        results = engine.generate(reqs, arrival_times=arrivals)
     _sync()
     timings = [dict(r.metrics, tokens=len(r.output_token_ids)) if r.error is None else {} for r in results]
     out = summarize(timings, t0)
@@ -226,6 +229,24 @@ def run_ours(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict
                _tokens=[r.output_token_ids for r in results])
     engine.close()
     return out
+
+
+def _profiled(fn, out: str, ps):
+    """fn() under torch.profiler; the top ops by self CPU and self device time go to the log and profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        result = fn()
+    ev = prof.key_averages()
+    text = ev.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    if torch.cuda.is_available():
+        text += "\n" + ev.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+    if ps.is_driver:
+        print(text, flush=True)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "profile.txt"), "a") as f:
+            f.write(text + "\n")
+    return result
 
 
 def _merge_targets(model) -> dict:
@@ -457,6 +478,7 @@ def parse_args(argv=None):
     p.add_argument("--peft-max-adapters", type=int, default=100)
     p.add_argument("--timeout", type=float, default=600.0, help="parallel.timeout_s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="our engine under torch.profiler: top ops -> profile.txt")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, every system, < 1 minute")
     args = p.parse_args(argv)
     if args.smoke:

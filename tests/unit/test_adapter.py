@@ -364,3 +364,15 @@ def test_discover_adapters(model_dir, tmp_path):
     assert discover_adapters(str(root / "alpha")) == {"alpha": str(root / "alpha")}
     with pytest.raises(FileNotFoundError, match="does not exist"):
         discover_adapters(str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_count_nonfinite_is_exact(dtype):
+    from tp_lora.lora.adapter import count_nonfinite
+    t = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert count_nonfinite(t) == 0
+    big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)  # finite, but its sum overflows
+    assert count_nonfinite(big) == 0
+    t[0, 3], t[1, 7], t[3, 299] = float("nan"), float("inf"), -float("inf")
+    assert count_nonfinite(t) == 3
+    assert count_nonfinite(t[1:, 1::2]) == 2  # a strided view: the inf at [1, 7] and the -inf at [3, 299]

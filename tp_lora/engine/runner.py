@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tp_lora.hostcopy import to_device
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
 
@@ -82,7 +83,8 @@ class ModelRunner:
         meta = build_attn_meta(step.rows, step.starts, step.lens, self.device, self.model.sliding_window)
         token_slots = [s for s, n in zip(step.slots, step.lens) for _ in range(n)]
         self._set_lora(token_slots)
-        hidden = self.model(torch.tensor(step.ids, dtype=torch.long).to(self.device), cache, meta)
+        ids, = to_device([torch.tensor(step.ids, dtype=torch.long)], self.device)
+        hidden = self.model(ids, cache, meta)
         if step.all_logits:
             return self.model.logits(hidden)
         self._set_lora(step.slots)
@@ -112,7 +114,7 @@ class ModelRunner:
         g = self.graphs.get(key) or self._capture(size, slots, lora)
         host = torch.tensor([step.ids + [0] * pad, [s for s in step.starts] + [0] * pad, step.rows + [scratch] * pad],
                             dtype=torch.long)
-        dev = host.to(self.device, non_blocking=True)
+        dev, = to_device([host], self.device)
         g.ids.copy_(dev[0])
         g.positions.copy_(dev[1])
         g.rows.copy_(dev[2])

@@ -359,6 +359,23 @@ def discover_adapters(adapter_dir: str) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+# Exponent bits of each float format: a value is NaN or Inf exactly when all of them are set.
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+             torch.float32: (torch.int32, 0x7F800000)}
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """NaN/Inf values in t. torch.isfinite on bf16 CPU tensors cost ~0.2 ms per small tensor, paid hundreds of
+    times per adapter swap: one float32 sum settles the common case (any NaN/Inf makes it non-finite), and integer
+    bit tests count exactly when it is not (finite values can overflow the sum too)."""
+    if t.numel() == 0 or (t.is_floating_point() and math.isfinite(float(torch.sum(t, dtype=torch.float32)))):
+        return 0
+    if t.dtype not in _EXPONENT:
+        return int((~torch.isfinite(t)).sum())
+    itype, mask = _EXPONENT[t.dtype]
+    return int(((t.contiguous().view(itype) & mask) == mask).sum())
+
+
 def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:
     """Check an adapter against the model it will run on.
 
@@ -385,8 +402,8 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
             raise _err(n, f"module {module!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
                           f"A {want_a} / B {want_b} (in={fin}, out={fout}) — built for another model?")
         for what, t in (("A", a), ("B", b)):
-            if not torch.isfinite(t).all():
-                bad = (~torch.isfinite(t)).sum().item()
+            bad = count_nonfinite(t)
+            if bad:
                 raise _err(n, f"module {module!r}: lora_{what} has {bad} NaN/Inf values")
         if not math.isfinite(m.scale):
             raise _err(n, f"module {module!r}: scale {m.scale} is not finite")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tp_lora.hostcopy import to_device
+
 
 @dataclass
 class LoRABatch:
@@ -52,7 +54,7 @@ def build_lora_batch(token_slot: list[int] | torch.Tensor, max_loras: int, devic
     active, counts = active[keep], counts[keep]
     starts = n_none + torch.cumsum(counts, 0) - counts
     host = torch.stack([active, counts, starts]) if active.numel() else torch.zeros(3, 0, dtype=torch.int64)
-    packed = torch.cat([slots, order, host.reshape(-1)]).to(torch.int32).to(device, non_blocking=True)
+    packed, = to_device([torch.cat([slots, order, host.reshape(-1)]).to(torch.int32)], device)
     t, n = slots.numel(), active.numel()
     return LoRABatch(
         token_slot=packed[:t], order=packed[t:2 * t],

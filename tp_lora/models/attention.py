@@ -9,6 +9,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tp_lora.hostcopy import to_device
+
+# cuDNN's attention is left out: it builds a plan per new shape, and eager steps (prefill, mixed) change shape
+# every step: profiled on an H100 at ~6.5 ms of host time per call.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -36,26 +43,31 @@ def build_attn_meta(cache_rows: list[int], starts: list[int], lengths: list[int]
 
     Decoding sequences (one new token) and prefill chunks are attended as two groups: padded together, every
     decode row would carry the longest chunk's query length, and a mixed step of 64 sequences with one 256-token
-    chunk would compute (and copy) 64x the attention it needs."""
+    chunk would compute (and copy) 64x the attention it needs. Built on the host, moved in one pinned copy."""
     offs = [0]
     for n in lengths:
         offs.append(offs[-1] + n)
     total = offs[-1]
-    decode = [i for i, n in enumerate(lengths) if n == 1]
-    prefill = [i for i, n in enumerate(lengths) if n != 1]
-    parts = [p for p in (decode, prefill) if p]
-    groups = [_group(p, cache_rows, starts, lengths, offs, total, sliding_window, device, len(parts) == 1)
-              for p in parts]
+    parts = [p for p in ([i for i, n in enumerate(lengths) if n == 1], [i for i, n in enumerate(lengths) if n != 1])
+             if p]
+    groups = [_group(p, cache_rows, starts, lengths, offs, total, sliding_window) for p in parts]
     lens = torch.tensor(lengths)
     seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lens)
     j_of_token = torch.arange(total) - torch.tensor(offs[:-1])[seq_of_token]
-    return AttnMeta(token_rows=torch.tensor(cache_rows)[seq_of_token].to(device),
-                    positions=(torch.tensor(starts)[seq_of_token] + j_of_token).to(device), groups=groups,
-                    last_token=torch.tensor(offs[1:]).sub(1).to(device))
+    host = [torch.tensor(cache_rows)[seq_of_token], torch.tensor(starts)[seq_of_token] + j_of_token,
+            torch.tensor(offs[1:]) - 1]
+    for g in groups:
+        host += [g.cache_rows, g.pad_index, g.flat_index, g.mask] + ([g.tokens] if len(groups) > 1 else [])
+    dev = iter(to_device(host, device))
+    token_rows, positions, last_token = next(dev), next(dev), next(dev)
+    for g in groups:
+        g.cache_rows, g.pad_index, g.flat_index, g.mask = next(dev), next(dev), next(dev), next(dev)
+        g.tokens = next(dev) if len(groups) > 1 else None  # one group covers every token, in order
+    return AttnMeta(token_rows=token_rows, positions=positions, groups=groups, last_token=last_token)
 
 
-def _group(seqs: list[int], cache_rows, starts, lengths, offs, total: int, sliding_window, device,
-           only: bool) -> AttnGroup:
+def _group(seqs: list[int], cache_rows, starts, lengths, offs, total: int, sliding_window) -> AttnGroup:
+    """The group's layout, on the host."""
     lens = torch.tensor([lengths[i] for i in seqs])
     st = torch.tensor([starts[i] for i in seqs])
     first = torch.tensor([offs[i] for i in seqs])
@@ -70,9 +82,8 @@ def _group(seqs: list[int], cache_rows, starts, lengths, offs, total: int, slidi
     if sliding_window:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     cells = torch.arange(len(seqs) * max_q).view(len(seqs), max_q)
-    return AttnGroup(cache_rows=torch.tensor([cache_rows[i] for i in seqs]).to(device),
-                     pad_index=pad_index.to(device), flat_index=cells[valid].to(device), mask=mask[:, None].to(device),
-                     max_kv=max_kv, tokens=None if only else pad_index[valid].to(device))
+    return AttnGroup(cache_rows=torch.tensor([cache_rows[i] for i in seqs]), pad_index=pad_index,
+                     flat_index=cells[valid], mask=mask[:, None], max_kv=max_kv, tokens=pad_index[valid])
 
 
 class KVCache:
@@ -103,11 +114,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
 
 def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
     heads, d = q_ext.shape[1], q_ext.shape[2]
-    qp = q_ext[g.pad_index].transpose(1, 2)  # [n, H, max_q, d]
+    n, max_q = g.pad_index.shape
     keys = kc[g.cache_rows, :g.max_kv].transpose(1, 2)  # [n, KV, max_kv, d]
     vals = vc[g.cache_rows, :g.max_kv].transpose(1, 2)
-    if keys.shape[1] != heads:
-        rep = heads // keys.shape[1]
-        keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-    out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.mask, scale=scale)
-    return out.transpose(1, 2).reshape(-1, heads * d)[g.flat_index]
+    kv = keys.shape[1]
+    rep = heads // kv
+    # The `rep` query heads of one KV head (heads h = kv_i * rep + r) share its keys: folded into the query length,
+    # they attend to K and V as stored instead of to `rep` copies of them.
+    qp = q_ext[g.pad_index].view(n, max_q, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(n, kv, rep * max_q, d)
+    mask = g.mask if rep == 1 else g.mask.repeat(1, 1, rep, 1)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=scale)
+    out = out.view(n, kv, rep, max_q, d).permute(0, 3, 1, 2, 4).reshape(n * max_q, heads * d)
+    return out[g.flat_index]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tp_lora.hostcopy import to_device
 from tp_lora.lora.batch import LoRABatch
 from tp_lora.ops.triton import configs
 
@@ -100,13 +101,6 @@ def _chunked_table(batch: LoRABatch, seg: int) -> torch.Tensor:
     return table
 
 
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        # pinned: the copy is truly asynchronous (pageable copies make the host wait on the stream)
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
-
-
 def resolve(batch: LoRABatch, scheme: str | None = None, segment_size: int | None = None) -> tuple[str, int | None]:
     scheme = scheme or _state["scheme"]
     if scheme not in SCHEMES:
@@ -126,6 +120,6 @@ def prepare(batch: LoRABatch, scheme: str | None = None, segment_size: int | Non
     if cached is not None:
         return cached
     table = _sorted_table(batch) if scheme == "sorted" else _chunked_table(batch, seg)
-    sched = Schedule(scheme, _to_device(table, batch.order.device), table.shape[1], seg)
+    sched = Schedule(scheme, to_device([table], batch.order.device)[0], table.shape[1], seg)
     batch.derived[key] = sched
     return sched
