@@ -37,14 +37,6 @@ def run(cfg: RunConfig) -> int:
         device = resolve_device(cfg.device)
         model_dir, adapter_dir, requests_path = _resolve_inputs(cfg)
         ps = comm.init_parallel(cfg.parallel.tp_size, device, cfg.parallel.timeout_s)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"[tp_lora] rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    except Exception as e:
-        if world_size > 1 and is_comm_failure(e):
-            return _lost_ranks(rank, cfg, e)
-        raise
-    try:
         return _generate(cfg, ps, model_dir, adapter_dir, requests_path)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"[tp_lora] rank {rank}: error: {e}", file=sys.stderr, flush=True)

@@ -372,8 +372,8 @@ def test_grid_shape_depends_only_on_t_and_max_loras(scheme):
 def test_schedule_built_once_per_step(device, monkeypatch):
     """Derived metadata is built (and copied to the device) once per step and scheme, not once per layer."""
     copies = []
-    real = schedule._to_device
-    monkeypatch.setattr(schedule, "_to_device", lambda table, dev: copies.append(1) or real(table, dev))
+    real = schedule.to_device
+    monkeypatch.setattr(schedule, "to_device", lambda tables, dev: copies.append(1) or real(tables, dev))
     gen = torch.Generator().manual_seed(5)
     t, max_loras = 20, 3
     slots = _slots("mixed", t, max_loras, gen)
