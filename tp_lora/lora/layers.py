@@ -40,12 +40,14 @@ class LoRARuntime:
         return self.batch is not None and self.batch.any_lora
 
 
-def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Zero-pad t's rank dim to max_rank: a smaller adapter then contributes exact zeros in the padding."""
+def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Tensor:
+    """t on `device`, its rank dim zero-padded to max_rank (a smaller adapter then contributes exact zeros in the
+    padding). Moved first, then padded there: from the pinned host tier the copy stays asynchronous, where a pad on
+    the host would make a pageable tensor whose copy blocks the host."""
     if t.shape[dim] > size:
         raise ValueError(f"LoRA rank {t.shape[dim]} exceeds lora.max_rank={size}")
     pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]]
-    return torch.nn.functional.pad(t, pad)
+    return torch.nn.functional.pad(t.to(device, non_blocking=True), pad)
 
 
 class LoRALinear(nn.Module):
@@ -90,13 +92,13 @@ class LoRALinear(nn.Module):
 
     def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """Load one slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard."""
-        a = _pad(a, 0, self.rt.max_rank)
-        b = _pad(b, 1, self.rt.max_rank)
+        dev = self.lora_a[slice_idx].device
+        a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
         size = (self.tp.rank, self.tp.size)
         self.lora_a[slice_idx].data[slot].copy_(shard_lora_a(self.spec, a, *size, self.fully_sharded))
         b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
         if self.b_scales is not None:
-            b, b_scale = quantize_fp8_per_channel(b.to(self.b_scales[slice_idx].device))
+            b, b_scale = quantize_fp8_per_channel(b)
             self.b_scales[slice_idx][slot].copy_(b_scale)
         self.lora_b[slice_idx].data[slot].copy_(b)
         self.scales[slice_idx, slot] = scale
@@ -144,9 +146,9 @@ class LoRAEmbedding(nn.Module):
 
     def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """a: PEFT's lora_embedding_A [r, vocab]; b: lora_embedding_B [hidden, r]."""
-        a_t = _pad(a.t(), 1, self.rt.max_rank)
+        a_t = _pad(a.t(), 1, self.rt.max_rank, self.lora_a_t.device)
         self.lora_a_t.data[slot].copy_(take(a_t, (self.base.vocab_start, self.base.vocab_end), 0))
-        self.lora_b.data[slot].copy_(_pad(b, 1, self.rt.max_rank))
+        self.lora_b.data[slot].copy_(_pad(b, 1, self.rt.max_rank, self.lora_b.device))
         self.scales[0, slot] = scale
 
     def reset_slot(self, slot: int) -> None:

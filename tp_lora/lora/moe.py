@@ -70,7 +70,8 @@ class LoRAExperts(nn.Module):
         if not self.base.holds(expert):
             return
         e = expert - self.base.e0
-        a, b = _pad(a, 0, self.rt.max_rank), _pad(b, 1, self.rt.max_rank)
+        dev = self.scales.device
+        a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
         size = (self.tp.rank, self.tp.size, self.fully_sharded)
         if kind == "w2":
             spec = self.base.down_spec
