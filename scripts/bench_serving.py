@@ -185,6 +185,7 @@ def engine_cfg(args, ps: comm.ParallelState, lora: bool) -> RunConfig:
     cfg.lora.fully_sharded = args.fully_sharded
     cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step = args.batch, args.tokens_per_step
     cfg.scheduler.kv_cache_mb = args.kv_cache_mb
+    cfg.scheduler.admit_batch = args.admit_batch
     validate(cfg, ps.world.size)
     return cfg
 
@@ -472,6 +473,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--tokens-per-step", type=int, default=2048)
     p.add_argument("--kv-cache-mb", type=float, default=None)
+    p.add_argument("--admit-batch", type=int, default=1, help="scheduler.admit_batch: group admissions while "
+                   "decoding so more steps replay the decode graph")
     p.add_argument("--fully-sharded", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--systems", default="ours,merged,peft")
@@ -508,7 +511,7 @@ def main(argv=None) -> dict:
     report = dict(model=args.model, tp=ps.tp.size, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   fully_sharded=args.fully_sharded, cuda_graphs=not args.no_graphs,
                   engine=dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, batch=args.batch,
-                              tokens_per_step=args.tokens_per_step),
+                              tokens_per_step=args.tokens_per_step, admit_batch=args.admit_batch),
                   workload=dict(requests=args.requests, rate=args.rate, popularity=args.popularity,
                                 alpha=args.alpha, ranks=args.ranks, prompt_len=args.prompt_len,
                                 output_len=args.output_len, distinct_weights=args.distinct_weights, seed=args.seed),

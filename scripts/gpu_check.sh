@@ -43,6 +43,9 @@ for what in "${@:-all}"; do
         --systems ours --out "$RES/serv_tp1"
       run bench_serving_base 150 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100 \
         --systems merged,peft --out "$RES/serv_base"
+      step "bench_serving tp=1, grouped admissions and a slot per batch row"
+      run bench_serving_grouped 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
+        --systems ours --admit-batch 8 --max-loras 64 --out "$RES/serv_tp1_grouped"
       if [ "$NGPU" -ge 2 ]; then
         step "bench_serving tp=2"
         run bench_serving_tp2 200 12 torchrun --nproc_per_node=2 scripts/bench_serving.py $serving_args --tp 2 \

@@ -48,6 +48,9 @@ def test_continuous_batching_equals_alone_with_slot_and_host_churn(bundle, alone
                     adapters)
     _check_same(engine.generate(reqs), alone, "tp=1 all resident")
     assert engine.stats.adapter_loads == engine.cache.stats.host_misses == len({r.adapter for r in reqs} - {None})
+    # Grouped admissions (scheduler.admit_batch) change when requests join, never what they produce.
+    engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=3, admit_batch=4), comm.single_process(), model, adapters)
+    _check_same(engine.generate(reqs), alone, "tp=1 admit_batch=4")
 
 
 def _tp2(ps, model, adapters):

@@ -14,8 +14,8 @@ def req(i, adapter=None, prompt=4, new=3):
     return Request(i, id=i, adapter=adapter, prompt_token_ids=[1] * prompt, max_new_tokens=new)
 
 
-def make(slots=2, rows=8, batch=8, budget=64, overtakes=16):
-    return Scheduler(SlotState(slots), RowPool(rows), batch, budget, overtakes)
+def make(slots=2, rows=8, batch=8, budget=64, overtakes=16, admit_batch=1):
+    return Scheduler(SlotState(slots), RowPool(rows), batch, budget, overtakes, admit_batch=admit_batch)
 
 
 def step(s: Scheduler, finished: list | None = None):
@@ -181,13 +181,37 @@ def test_stop_admitting_and_abort():
     assert s.rows.available == 2 and s.slots.users == [0, 0] and not s.has_work
 
 
+def test_admit_batch_groups_admissions_while_decoding():
+    s = make(rows=8, batch=4, admit_batch=3)
+    for i in range(10):
+        s.add(req(i, prompt=2, new=50))
+    assert len(s.schedule().admitted) == 4  # nothing decodes yet: admit at once
+    step(s)
+    running = list(s.running)
+    for q in running[:2]:
+        s.finish(q)
+    assert s.schedule().admitted == []  # 2 rows free, 3 wanted together, the others decode
+    s.finish(running[2])
+    assert [q.request.index for q in s.schedule().admitted] == [4, 5, 6]  # first come, first served, as a group
+    s2 = make(rows=8, batch=4, admit_batch=3)
+    for i in range(5):
+        s2.add(req(i, prompt=2, new=50))
+    s2.schedule()
+    step(s2)
+    s2.finish(s2.running[0])
+    assert [q.request.index for q in s2.schedule().admitted] == [4]  # only one waits: no reason to hold it
+    with pytest.raises(ValueError, match="admit_batch=5"):
+        make(batch=4, admit_batch=5)
+
+
+@pytest.mark.parametrize("admit_batch", [1, 4])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_workload_every_request_finishes_within_bound(seed):
+def test_random_workload_every_request_finishes_within_bound(seed, admit_batch):
     """Many adapters over few slots, power-law popularity, random lengths: invariants hold every step and no
     request waits unboundedly (each is admitted after at most max_overtakes passes)."""
     rng = random.Random(seed)
     k = 4
-    s = make(slots=3, rows=6, batch=6, budget=24, overtakes=k)
+    s = make(slots=3, rows=6, batch=6, budget=24, overtakes=k, admit_batch=admit_batch)
     names = [f"ad{i}" for i in range(12)]
     weights = [1 / (i + 1) ** 1.2 for i in range(len(names))]
     n = 150

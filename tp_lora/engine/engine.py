@@ -324,7 +324,7 @@ class Engine:
         if pending:
             cache = self.runner.kv_cache(rows, row_len)
             sched = Scheduler(self.slot_state, RowPool(rows), sc.max_batch_size, sc.max_tokens_per_step,
-                              sc.max_overtakes)
+                              sc.max_overtakes, admit_batch=sc.admit_batch)
             try:
                 self._loop(sched, cache, pending, t0, emit, interrupted, lockstep, stop)
             finally:  # after an error too: the slots this run held are free for the next call

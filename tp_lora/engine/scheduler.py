@@ -9,6 +9,9 @@ Each step (schedule()):
    A request needs its adapter in a slot: if resident it joins that slot; otherwise a slot no running sequence uses is
    reassigned (empty first, then the least recently used whose adapter none of the next waiting requests wants) and
    returned in the plan's `loads`; sequences of a slot being loaded get no tokens until loaded(slot).
+   With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
+   (rows and batch room): each admission turns a decode-only step, which a CUDA graph replays, into a mixed step
+   that runs eagerly, so under a full batch admissions are grouped instead of trickling in one per step.
 3. No free slot for a request R: later requests whose adapter is resident may pass it (they batch with sequences
    already running: adapter-aware grouping), and each admission that passes R charges R once. Once R has been
    charged max_overtakes times nothing behind it is admitted until it is. The scan stops after LOOKAHEAD blocked
@@ -18,7 +21,8 @@ No starvation: a charged-out request R stops admission behind it, so only reques
 added) can still enter. Every running sequence finishes in a bounded number of steps (decodes always get their token;
 the oldest prefill always gets >= 1 budget token, since at most max_batch_size - 1 others decode). So the slots'
 users drain, a slot frees, and it goes to the first blocked request in queue order; by induction R is admitted after
-at most max_overtakes passes plus the drain time of what runs ahead of it.
+at most max_overtakes passes plus the drain time of what runs ahead of it. admit_batch only waits for sequences to
+finish, which they do in bounded time, so the bound stays finite.
 """
 from __future__ import annotations
 
@@ -116,13 +120,16 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, slots: SlotState, rows: RowPool, max_batch_size: int, max_tokens_per_step: int,
-                 max_overtakes: int = 16, lookahead: int = LOOKAHEAD):
+                 max_overtakes: int = 16, lookahead: int = LOOKAHEAD, admit_batch: int = 1):
         if max_tokens_per_step < max_batch_size:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} < max_batch_size={max_batch_size}: every "
                              f"running sequence decodes one token per step")
         self.slots, self.rows = slots, rows
         self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
         self.max_overtakes, self.lookahead = max_overtakes, lookahead
+        if not 1 <= admit_batch <= max_batch_size:
+            raise ValueError(f"admit_batch={admit_batch}: expected 1..max_batch_size={max_batch_size}")
+        self.admit_batch = admit_batch
         self.waiting: list[Request] = []
         self.running: list[Sequence] = []
         self.passed: dict[int, int] = {}  # request index -> times a later request was admitted before it
@@ -151,9 +158,15 @@ class Scheduler:
                 n = min(len(seq.tokens) - seq.computed, budget)
                 plan.work.append((seq, n))
                 budget -= n
-        if self.admitting:
+        if self.admitting and self._room_for_a_group(decoding):
             self._admit(plan, budget)
         return plan
+
+    def _room_for_a_group(self, decoding: list[Sequence]) -> bool:
+        if self.admit_batch == 1 or not decoding:
+            return True
+        room = min(self.max_batch_size - len(self.running), self.rows.available)
+        return room >= min(self.admit_batch, len(self.waiting), self.max_batch_size, self.rows.rows)
 
     def _ready(self, seq: Sequence) -> bool:
         return seq.slot < 0 or self.slots.ready[seq.slot]
