@@ -224,7 +224,7 @@ def run_ours(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict
     s, cs = engine.stats, engine.cache.stats
     out.update(slot_hit_rate=s.slot_hit_rate, slot_loads=s.adapter_loads, disk_reads=cs.host_misses,
                host_hit_rate=cs.host_hits / max(1, cs.host_hits + cs.host_misses),
-               swap_seconds=cs.read_seconds + cs.copy_seconds, read_seconds=cs.read_seconds,
+               swap_seconds=cs.read_seconds + cs.copy_seconds, read_seconds=cs.read_seconds, prefetched=cs.prefetched,
                copy_seconds=cs.copy_seconds, steps=s.steps,
                errors=sorted({r.error for r in results if r.error})[:3],
                _tokens=[r.output_token_ids for r in results])

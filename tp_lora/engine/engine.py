@@ -21,7 +21,7 @@ from tp_lora.engine.kv_pool import (RowPool, kv_budget_bytes, kv_bytes_per_token
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.runner import ModelRunner, StepBatch
 from tp_lora.engine.sampler import sample
-from tp_lora.engine.scheduler import Scheduler, Sequence, SlotState
+from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler, Sequence, SlotState
 from tp_lora.lora.adapter import AdapterError, discover_adapters
 from tp_lora.lora.cache import AdapterCache, AdapterInfo
 from tp_lora.lora.layers import LoRARuntime, module_shapes
@@ -145,7 +145,7 @@ class Engine:
             return
         if any(self.slot_state.users):
             raise RuntimeError("reset_adapter_cache during generate()")
-        self.cache.host.clear()
+        self.cache.forget()
         for slot in range(len(self.slot_state)):
             self.slot_state.clear(slot)
         if self.rt is not None:
@@ -411,6 +411,9 @@ class Engine:
             for slot, adapter in loads:  # copies overlap the step just enqueued; the next step waits for them
                 self._copy_into_slot(slot, adapter)
                 sched.loaded(slot)
+            # Disk reads for the adapters the queue will ask for next run beside the steps.
+            self.cache.prefetch(r.adapter for r in sched.waiting[:LOOKAHEAD]
+                                if r.adapter is not None and self.slot_state.slot_of(r.adapter) is None)
             if not work:
                 if not loads and not plan.loads:
                     raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
@@ -438,8 +441,9 @@ class Engine:
         self.stats.slot_misses += sched.slot_misses - misses0
 
     def close(self) -> None:
-        """Release CUDA graphs; call before the process group is destroyed."""
+        """Release CUDA graphs (call before the process group is destroyed) and the adapter reader."""
         self.runner.release_graphs()
+        self.cache.close()
 
     def _temperature(self, req: Request) -> float:
         return req.temperature if req.temperature is not None else self.cfg.generation.temperature

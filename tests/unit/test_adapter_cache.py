@@ -1,0 +1,64 @@
+"""The adapter cache's read-ahead: a prefetched adapter is the one a direct read gives, a bad file fails the same
+way, and read-ahead is bounded."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tp_lora import distributed as comm
+from tp_lora.assets import model_module_shapes, write_random_adapter, write_tiny_llama
+from tp_lora.lora import cache as cache_mod
+from tp_lora.lora.adapter import AdapterError
+from tp_lora.lora.cache import AdapterCache
+from tp_lora.models.checkpoint import load_hf_config
+
+
+@pytest.fixture
+def zoo(tmp_path):
+    write_tiny_llama(tmp_path / "m", num_hidden_layers=2, seed=3)
+    paths = {}
+    for i in range(12):
+        paths[f"a{i}"] = str(tmp_path / "a" / f"a{i}")
+        write_random_adapter(paths[f"a{i}"], tmp_path / "m", r=4 + i % 3, seed=i)
+    broken = str(tmp_path / "a" / "a5" / "adapter_model.safetensors")
+    tensors = load_file(broken)
+    next(iter(tensors.values()))[0, 0] = float("nan")  # registers (the header is fine); fails when read
+    save_file(tensors, broken)
+    return paths, model_module_shapes(load_hf_config(tmp_path / "m"))
+
+
+def _cache(zoo):
+    paths, shapes = zoo
+    c = AdapterCache(paths, max_cpu_loras=4, dtype=torch.float32, group=comm.Group("tp"))
+    c.attach_model(shapes, max_rank=8)
+    return c
+
+
+def test_prefetched_adapters_equal_direct_reads_and_bad_files_fail_alike(zoo):
+    direct, ahead = _cache(zoo), _cache(zoo)
+    ahead.prefetch(["a1", "a5", "nope", "a2"])
+    for name in ("a1", "a2"):
+        want, got = direct.fetch(name), ahead.fetch(name)
+        assert got.modules.keys() == want.modules.keys()
+        for key, m in want.modules.items():
+            assert torch.equal(got.modules[key].a, m.a) and torch.equal(got.modules[key].b, m.b)
+            assert got.modules[key].scale == m.scale
+    with pytest.raises(AdapterError) as want_err:
+        direct.fetch("a5")
+    with pytest.raises(AdapterError) as got_err:
+        ahead.fetch("a5")
+    assert str(got_err.value) == str(want_err.value)
+    assert ahead.stats.prefetched == 3 and ahead.stats.host_misses == 3
+    assert "a5" in ahead.bad and not ahead._staged
+    ahead.close()
+
+
+def test_read_ahead_is_bounded_and_skips_what_is_in_memory(zoo):
+    c = _cache(zoo)
+    c.fetch("a0")
+    c.prefetch([f"a{i}" for i in range(12)] * 2)
+    assert "a0" not in c._staged
+    assert len(c._staged) == cache_mod.PREFETCH_DEPTH
+    assert list(c._staged) == [f"a{i}" for i in range(1, 1 + cache_mod.PREFETCH_DEPTH)]
+    c.forget()
+    assert not c._staged and not c.host
+    c.close()
