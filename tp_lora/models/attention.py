@@ -5,7 +5,7 @@ metadata below is built once per step on the host and shared by every layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,18 @@ class AttnGroup:
     mask: torch.Tensor  # [n, 1, max_q, max_kv] True where the query may attend
     max_kv: int
     tokens: torch.Tensor | None  # [t] step index of each of the group's tokens; None: every token, in order
+    _sdpa_masks: dict = field(default_factory=dict, repr=False)
+
+    def sdpa_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as attention takes it with `rep` query heads folded into the query length: additive, in the
+        activations' dtype, built by the first layer of the step and reused by the others (SDPA would convert a
+        boolean mask again in every layer)."""
+        key = (rep, dtype)
+        if key not in self._sdpa_masks:
+            allowed = self.mask if rep == 1 else self.mask.repeat(1, 1, rep, 1)
+            self._sdpa_masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._sdpa_masks[key]
 
 
 @dataclass
@@ -122,8 +134,7 @@ def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
     # The `rep` query heads of one KV head (heads h = kv_i * rep + r) share its keys: folded into the query length,
     # they attend to K and V as stored instead of to `rep` copies of them.
     qp = q_ext[g.pad_index].view(n, max_q, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(n, kv, rep * max_q, d)
-    mask = g.mask if rep == 1 else g.mask.repeat(1, 1, rep, 1)
     with sdpa_kernel(_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.sdpa_mask(rep, qp.dtype), scale=scale)
     out = out.view(n, kv, rep, max_q, d).permute(0, 3, 1, 2, 4).reshape(n * max_q, heads * d)
     return out[g.flat_index]
