@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from tp_lora.hostcopy import to_device
+
 
 @dataclass
 class MoEPairs:
@@ -69,7 +71,7 @@ def build_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: 
             if c and j > 0:
                 host_groups.append((e, j - 1, start, c))
             start += c
-    groups = torch.tensor(host_groups, dtype=torch.int32).reshape(-1, 4).to(dev)
+    groups, = to_device([torch.tensor(host_groups, dtype=torch.int32).reshape(-1, 4)], dev)
     return MoEPairs(token=token[order], weight=topk_weights.reshape(-1)[flat][order].float(),
                     expert=expert[order].to(torch.int32), slot=slot[order].to(torch.int32), groups=groups,
                     host_groups=tuple(host_groups), host_expert_counts=tuple(counts.sum(1).tolist()),
