@@ -27,7 +27,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
                                              ([1, 6, 1], 3)])
 def test_mixed_step_matches_per_token_attention(lengths, window, device):
     gen = torch.Generator().manual_seed(len(lengths) * 7 + (window or 0))
-    heads, kv_heads, d = 4, 2, 8
+    heads, kv_heads, d = 6, 2, 8  # rep 3 != kv 2: a mixed-up head layout cannot pass by symmetry
     starts = [int(torch.randint(0, 6, (1,), generator=gen)) for _ in lengths]
     rows = torch.randperm(len(lengths) + 2, generator=gen)[:len(lengths)].tolist()
     cache = KVCache(1, len(lengths) + 2, 16, kv_heads, d, torch.float32, device)
