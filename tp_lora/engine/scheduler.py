@@ -166,7 +166,7 @@ class Scheduler:
         if self.admit_batch == 1 or not decoding:
             return True
         room = min(self.max_batch_size - len(self.running), self.rows.available)
-        return room >= min(self.admit_batch, len(self.waiting), self.max_batch_size, self.rows.rows)
+        return room >= min(self.admit_batch, len(self.waiting), self.rows.rows)
 
     def _ready(self, seq: Sequence) -> bool:
         return seq.slot < 0 or self.slots.ready[seq.slot]

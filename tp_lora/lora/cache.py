@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from tp_lora import distributed as comm
+from tp_lora.hostcopy import pinned
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
@@ -175,21 +176,12 @@ def check_shapes(info: AdapterInfo, module_shapes: dict[str, tuple[int, int]], m
 
 
 def _pin(adapter: LoRAAdapter) -> None:
-    """Move the adapter's weights into one page-locked block per dtype (the host tier; copies from it to a device
-    slot are asynchronous). One allocation per adapter: each page-locked allocation costs ~0.1 ms."""
-    by_dtype: dict[torch.dtype, list[tuple[object, str]]] = {}
-    for m in adapter.modules.values():
-        for attr in ("a", "b"):
-            by_dtype.setdefault(getattr(m, attr).dtype, []).append((m, attr))
-    for dtype, items in by_dtype.items():
-        block = torch.empty(sum(getattr(m, a).numel() for m, a in items), dtype=dtype, pin_memory=True)
-        offset = 0
-        for m, attr in items:
-            t = getattr(m, attr)
-            view = block[offset:offset + t.numel()].view(t.shape)
-            view.copy_(t)
-            setattr(m, attr, view)
-            offset += t.numel()
+    """Move the adapter's weights into page-locked memory (the host tier; copies from it to a device slot are
+    asynchronous), one block for the whole adapter."""
+    mods = list(adapter.modules.values())
+    views = pinned([t for m in mods for t in (m.a, m.b)])
+    for i, m in enumerate(mods):
+        m.a, m.b = views[2 * i], views[2 * i + 1]
 
 
 @dataclass
