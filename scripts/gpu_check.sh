@@ -2,8 +2,9 @@
 # The GPU validation run (used on the lent 2xH200 / H100 hosts): NCCL distributed tests with the Triton backend,
 # native kernel and CUDA-graph tests, then the benchmarks. Each step has its own time limit so one slow step cannot
 # eat the others; logs and results go under $OUT (default ./gpu_out), packed at the end into $OUT/results.tgz
-# (the lent host returns few files).
+# (the lent host returns few files), re-packed after every step so a run cut short still returns what finished.
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_moe|bench_serving|bench_ops|all]...
+#   bench_serving is serving_tp1 serving_grouped serving_tp2 serving_base; each can be named alone.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -17,6 +18,7 @@ run() {
   timeout "$limit" "$@" > "$RES/$name.log" 2>&1
   echo "rc=$? after $SECONDS s" >> "$RES/$name.log"
   tail -n "$lines" "$RES/$name.log" | tee -a "$OUT/summary.log"
+  tar czf "$OUT/results.tgz" -C "$OUT" results
 }
 serving_args="--model llama-2048 --ranks 16 --rate 0 --requests 256 --max-loras 32 --batch 64"
 for what in "${@:-all}"; do
@@ -37,24 +39,28 @@ for what in "${@:-all}"; do
     bench_moe|all)
       step "bench_moe on $NGPU GPUs"
       run bench_moe 200 30 torchrun --nproc_per_node="$NGPU" scripts/bench_moe.py --out "$RES/moe" ;;&
-    bench_serving|all)
-      step "bench_serving tp=1: ours at 1/100/1000 adapters, baselines at 1/100"
+    bench_serving|serving_tp1|all)
+      step "bench_serving tp=1: ours at 1/100/1000 adapters"
       run bench_serving_tp1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
-        --systems ours --out "$RES/serv_tp1"
-      run bench_serving_base 150 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100 \
-        --systems merged,peft --out "$RES/serv_base"
+        --systems ours --out "$RES/serv_tp1" ;;&
+    bench_serving|serving_grouped|all)
       step "bench_serving tp=1, grouped admissions and a slot per batch row"
       run bench_serving_grouped 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
-        --systems ours --admit-batch 8 --max-loras 64 --out "$RES/serv_tp1_grouped"
+        --systems ours --admit-batch 8 --max-loras 64 --out "$RES/serv_tp1_grouped" ;;&
+    bench_serving|serving_tp2|all)
       if [ "$NGPU" -ge 2 ]; then
         step "bench_serving tp=2"
         run bench_serving_tp2 200 12 torchrun --nproc_per_node=2 scripts/bench_serving.py $serving_args --tp 2 \
           --adapters 1,100,1000 --systems ours --out "$RES/serv_tp2"
       fi ;;&
+    bench_serving|serving_base|all)
+      step "bench_serving baselines at 1/100 adapters: merged into the weights, transformers + PEFT"
+      run bench_serving_base 150 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100 \
+        --systems merged,peft --out "$RES/serv_base" ;;&
     bench_ops|all)
       step "bench_lora_ops"
       run bench_ops 300 12 python3 scripts/bench_lora_ops.py --out "$RES/ops" ;;&
     *) ;;
   esac
 done
-tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$RES"
+rm -rf "$RES"
