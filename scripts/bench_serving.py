@@ -225,7 +225,8 @@ def run_ours(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict
     out.update(slot_hit_rate=s.slot_hit_rate, slot_loads=s.adapter_loads, disk_reads=cs.host_misses,
                host_hit_rate=cs.host_hits / max(1, cs.host_hits + cs.host_misses),
                swap_seconds=cs.read_seconds + cs.copy_seconds, read_seconds=cs.read_seconds, prefetched=cs.prefetched,
-               copy_seconds=cs.copy_seconds, steps=s.steps,
+               copy_seconds=cs.copy_seconds, steps=s.steps, graph_steps=s.graph_steps,
+               graph_step_seconds=s.graph_seconds, eager_step_seconds=s.eager_seconds,
                errors=sorted({r.error for r in results if r.error})[:3],
                _tokens=[r.output_token_ids for r in results])
     engine.close()
@@ -403,19 +404,22 @@ def _fmt(x, scale=1.0, digits=1):
 
 def markdown(report: dict) -> str:
     rows = ["| adapters | system | tokens/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p50 / p99 (ms) | "
-            "slot hit rate | swaps | swap time (s) |", "|---|---|---|---|---|---|---|---|"]
+            "slot hit rate | swaps | swap time (s) | steps (graph) | eager / graph step time (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for n, systems in report["results"].items():
         for name, r in systems.items():
             if "skipped" in r:
-                rows.append(f"| {n} | {name} | skipped: {r['skipped']} | | | | | |")
+                rows.append(f"| {n} | {name} | skipped: {r['skipped']} | | | | | | | |")
                 continue
             t, p = r["ttft_s"], r["tpot_s"]
             hit = _fmt(r.get("slot_hit_rate"), 100, 0) + "%" if "slot_hit_rate" in r else "-"
             swaps = r.get("slot_loads", r.get("swaps", r.get("adapters_loaded", "-")))
             swap_s = r.get("swap_seconds", r.get("adapter_load_seconds"))
+            steps = f"{r['steps']} ({r['graph_steps']})" if "graph_steps" in r else "-"
+            split = f"{r['eager_step_seconds']:.2f} / {r['graph_step_seconds']:.2f}" if "graph_steps" in r else "-"
             rows.append(f"| {n} | {name} | {_fmt(r['tokens_per_s'])} | {_fmt(t['mean'], 1e3)} / {_fmt(t['p50'], 1e3)}"
                         f" / {_fmt(t['p99'], 1e3)} | {_fmt(p['mean'], 1e3, 2)} / {_fmt(p['p50'], 1e3, 2)} / "
-                        f"{_fmt(p['p99'], 1e3, 2)} | {hit} | {swaps} | {_fmt(swap_s, 1, 3)} |")
+                        f"{_fmt(p['p99'], 1e3, 2)} | {hit} | {swaps} | {_fmt(swap_s, 1, 3)} | {steps} | {split} |")
     return "\n".join(rows)
 
 

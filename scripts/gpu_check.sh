@@ -26,7 +26,7 @@ for what in "${@:-all}"; do
     tests|all)
       step "pytest: kernels, gpu, distributed over NCCL + triton ($NGPU GPUs)"
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_gpu 300 6 python3 -m pytest -q -rs \
-        tests/kernels tests/gpu tests/unit/test_attention.py tests/distributed/test_layers.py tests/distributed/test_model.py \
+        tests/kernels tests/gpu tests/unit/test_attention.py tests/serving/test_slots.py tests/distributed/test_layers.py tests/distributed/test_model.py \
         tests/distributed/test_collectives.py tests/distributed/test_moe.py ;;&
     bench_generate|all)
       step "bench_generate tp=1 (with transformers + PEFT)"

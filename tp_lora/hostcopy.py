@@ -25,18 +25,33 @@ def to_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[t
     return _packed(tensors, lambda flat: flat.to(device, non_blocking=True))
 
 
+def blocks(like: list[torch.Tensor], pin: bool) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
+    """Uninitialised host tensors shaped like `like`, in order, as views of one block per dtype (page-locked when
+    `pin`) -> (dtype -> block, views)."""
+    sizes, offsets = _layout(like)
+    out = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+    return out, _views(out, like, offsets)
+
+
+def _layout(like: list[torch.Tensor]) -> tuple[dict[torch.dtype, int], list[int]]:
+    """Per dtype the total element count, and each tensor's offset in its dtype's block."""
+    sizes: dict[torch.dtype, int] = {}
+    offsets = []
+    for t in like:
+        offsets.append(sizes.get(t.dtype, 0))
+        sizes[t.dtype] = offsets[-1] + t.numel()
+    return sizes, offsets
+
+
+def _views(flat: dict[torch.dtype, torch.Tensor], like: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    return [flat[t.dtype][o:o + t.numel()].view(t.shape) for t, o in zip(like, offsets)]
+
+
 def _packed(tensors: list[torch.Tensor], place: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
     """Each dtype's tensors concatenated into one pinned block, place(block) -> where they go; views of the result."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, idx in by_dtype.items():
-        block = torch.empty(sum(tensors[i].numel() for i in idx), dtype=dtype, pin_memory=True)
-        flat = place(torch.cat([tensors[i].reshape(-1) for i in idx], out=block))
-        offset = 0
-        for i in idx:
-            n = tensors[i].numel()
-            out[i] = flat[offset:offset + n].view(tensors[i].shape)
-            offset += n
-    return out
+    sizes, offsets = _layout(tensors)
+    placed = {}
+    for dtype, n in sizes.items():
+        block = torch.empty(n, dtype=dtype, pin_memory=True)
+        placed[dtype] = place(torch.cat([t.reshape(-1) for t in tensors if t.dtype == dtype], out=block))
+    return _views(placed, tensors, offsets)

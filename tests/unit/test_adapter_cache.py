@@ -52,7 +52,8 @@ def test_prefetched_adapters_equal_direct_reads_and_bad_files_fail_alike(zoo):
     ahead.close()
 
 
-def test_read_ahead_is_bounded_and_skips_what_is_in_memory(zoo):
+def test_read_ahead_is_bounded_and_skips_what_is_in_memory(zoo, monkeypatch):
+    monkeypatch.setattr(cache_mod, "PREFETCH_DEPTH", 6)
     c = _cache(zoo)
     c.fetch("a0")
     c.prefetch([f"a{i}" for i in range(12)] * 2)

@@ -19,9 +19,11 @@ def make(slots=2, rows=8, batch=8, budget=64, overtakes=16, admit_batch=1):
 
 
 def step(s: Scheduler, finished: list | None = None):
-    """Run one planned step as the engine would: copies land after the step, a sequence that consumed all its
-    tokens samples one, and one that has max_new_tokens finishes."""
+    """Run one planned step as the engine would: the plan's copies land before its step, a sequence that consumed
+    all its tokens samples one, and one that has max_new_tokens finishes."""
     plan = s.schedule()
+    for slot, _ in plan.loads:
+        s.loaded(slot)
     for seq, n in plan.work:
         assert n >= 1
         seq.computed += n
@@ -31,8 +33,6 @@ def step(s: Scheduler, finished: list | None = None):
                 s.finish(seq)
                 if finished is not None:
                     finished.append(seq.request.index)
-    for slot, _ in plan.loads:
-        s.loaded(slot)
     return plan
 
 
@@ -45,8 +45,9 @@ def check_invariants(s: Scheduler, plan):
     for q in s.running:
         if q.slot >= 0:
             assert s.slots.names[q.slot] == q.request.adapter
-    for q, _ in plan.work:
-        assert q.slot < 0 or s.slots.ready[q.slot], "a sequence ran before its adapter's copy landed"
+    for q, _ in plan.work:  # copied in before this step, or by an earlier plan
+        assert q.slot < 0 or s.slots.names[q.slot] == q.request.adapter and s.slots.ready[q.slot], \
+            "a sequence ran without its adapter in its slot"
 
 
 def test_fcfs_admission_bounded_by_rows_and_batch():
@@ -93,7 +94,9 @@ def test_slots_limit_distinct_adapters_and_loads_precede_use():
     plan = s.schedule()
     assert sorted(plan.loads) == [(0, "a"), (1, "b")]
     assert [q.request.index for q in plan.admitted] == [0, 1, 3, 4]  # c waits; a resident one and no-adapter pass
-    assert [q.request.index for q, _ in plan.work] == [4]  # a and b are still being copied in
+    # a and b are copied in before this step, so their requests prefill in it (3 shares a's new slot)
+    assert [q.request.index for q, _ in plan.work] == [0, 1, 3, 4]
+    assert not s.slots.ready[0] and not s.slots.ready[1]  # until the engine has issued the copies
     for slot, _ in plan.loads:
         s.loaded(slot)
     plan = s.schedule()

@@ -41,6 +41,9 @@ __all__ = ["Engine", "Sequence", "StepStats", "RUN", "DRAIN", "ABORT"]
 @dataclass
 class StepStats:
     steps: int = 0
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph (the others ran eagerly)
+    graph_seconds: float = 0.0  # wall time of those steps, from launch to the sampled tokens on the host
+    eager_seconds: float = 0.0  # the same for the eager steps (prefill or mixed)
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -74,8 +77,7 @@ class Engine:
         self.adapter_paths = discover_adapters(adapter_dir) if adapter_dir else {}
         # fp8 quantizes B from the float32 original; otherwise the host copy is already in the slots' dtype.
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
-        self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp,
-                                  pin=ps.device.type == "cuda")
+        self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
         self.rt = None
         if self.cache.infos:
             ops = get_backend(lo.backend, self.device)
@@ -96,8 +98,8 @@ class Engine:
         self.copy_stream = torch.cuda.Stream(ps.device) if ps.device.type == "cuda" else None
         self._copies_pending = False
         if self.rt is not None:
-            self.cache.attach_model(module_shapes(self.rt), lo.max_rank)
             self.slots = SlotTable(self.rt)
+            self.cache.attach_model(module_shapes(self.rt), lo.max_rank, self.slots.image)
             if getattr(self.model, "needs_lockstep", False):
                 self._pin_adapters()
         eos = self.hf.get("eos_token_id")
@@ -396,37 +398,43 @@ class Engine:
             for seq in plan.admitted:
                 seq.result.metrics.update(arrival=arrival[seq.request.index], admitted=now)
                 self.stats.prompt_tokens += seq.prompt_len
-            loads = []
-            for slot, name in plan.loads:
-                adapter = self._fetch(name)  # disk reads (and the ranks' verdict) before the step is enqueued
-                if adapter is None:
+            failed = set()
+            for slot, name in plan.loads:  # copied in before the step that prefills their requests
+                image = self._fetch(name)  # a disk read (and the ranks' verdict) unless the read-ahead has it
+                if image is None:
+                    failed.add(name)
                     for req in sched.fail_adapter(name):
                         emit(Result(req, error=self._adapter_failure(name)))
                 else:
-                    loads.append((slot, adapter))
-            work = plan.work
+                    self._copy_into_slot(slot, image)
+                    sched.loaded(slot)
+            work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
             if lockstep is not None:
-                lockstep(plan.num_tokens)
+                lockstep(sum(n for _, n in work))
+            t_step = time.perf_counter()
             logits = self._step(work, cache) if work else None
-            for slot, adapter in loads:  # copies overlap the step just enqueued; the next step waits for them
-                self._copy_into_slot(slot, adapter)
-                sched.loaded(slot)
             # Disk reads for the adapters the queue will ask for next run beside the steps.
             self.cache.prefetch(r.adapter for r in sched.waiting[:LOOKAHEAD]
                                 if r.adapter is not None and self.slot_state.slot_of(r.adapter) is None)
             if not work:
-                if not loads and not plan.loads:
+                if not plan.loads:
                     raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
                                        f"{len(sched.waiting)} waiting, slots {self.slot_state.names} users "
                                        f"{self.slot_state.users}, {sched.rows.available} free KV rows")
                 continue
             self.stats.steps += 1
             sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
+            if sampled:
+                temps = [self._temperature(s.request) for s, _ in sampled]
+                toks, lps = sample(logits[[i for _, i in sampled]], temps, cfg.generation.top_p, self.generator)
+            now = time.perf_counter()
+            if self.runner.replayed:
+                self.stats.graph_steps += 1
+                self.stats.graph_seconds += now - t_step
+            else:
+                self.stats.eager_seconds += now - t_step
             if not sampled:
                 continue
-            temps = [self._temperature(s.request) for s, _ in sampled]
-            toks, lps = sample(logits[[i for _, i in sampled]], temps, cfg.generation.top_p, self.generator)
-            now = time.perf_counter()
             for (seq, _), tok, lp in zip(sampled, toks, lps):
                 seq.tokens.append(tok)
                 seq.result.output_token_ids.append(tok)

@@ -60,6 +60,7 @@ class ModelRunner:
         self.graphs: dict[tuple, _Graph] = {}
         self.cache: KVCache | None = None
         self.pool = None
+        self.replayed = False  # whether the last execute() replayed a graph
 
     def kv_cache(self, rows: int, max_len: int) -> KVCache:
         """A cache with at least `rows` rows of `max_len` tokens, plus one scratch row that padded graph slots write
@@ -78,7 +79,9 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, step: StepBatch, cache: KVCache) -> torch.Tensor:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
-        if self.use_graphs and step.is_decode and len(step.lens) <= GRAPH_BATCH_SIZES[-1] and cache is self.cache:
+        self.replayed = self.use_graphs and step.is_decode and len(step.lens) <= GRAPH_BATCH_SIZES[-1] and \
+            cache is self.cache
+        if self.replayed:
             return self._replay(step)
         meta = build_attn_meta(step.rows, step.starts, step.lens, self.device, self.model.sliding_window)
         token_slots = [s for s, n in zip(step.slots, step.lens) for _ in range(n)]

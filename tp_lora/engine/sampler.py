@@ -11,11 +11,11 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_p: float,
     Temperature 0 is greedy."""
     logprobs = torch.log_softmax(logits, -1)
     tokens = logprobs.argmax(-1)
-    temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
-    hot = temps > 0
-    if bool(hot.any()):
-        rows = hot.nonzero().flatten()
-        probs = torch.softmax(logits[rows] / temps[rows, None], -1)
+    hot = [i for i, t in enumerate(temperatures) if t > 0]  # decided on the host: no device round trip for greedy
+    if hot:
+        rows = torch.tensor(hot, device=logits.device)
+        temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32, device=logits.device)
+        probs = torch.softmax(logits[rows] / temps[:, None], -1)
         if top_p < 1.0:
             sorted_p, idx = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
@@ -24,4 +24,6 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_p: float,
         picks = torch.multinomial(probs.cpu(), 1, generator=generator).flatten().to(logits.device)
         tokens[rows] = picks
     chosen = logprobs.gather(-1, tokens[:, None]).flatten()
-    return tokens.tolist(), chosen.tolist()
+    # One device->host transfer for both (token ids are exact in float64).
+    host = torch.stack([tokens.double(), chosen.double()]).tolist()
+    return [int(t) for t in host[0]], host[1]

@@ -8,7 +8,8 @@ Each step (schedule()):
 2. Waiting requests are admitted first come, first served while the batch, the free KV rows and the budget last.
    A request needs its adapter in a slot: if resident it joins that slot; otherwise a slot no running sequence uses is
    reassigned (empty first, then the least recently used whose adapter none of the next waiting requests wants) and
-   returned in the plan's `loads`; sequences of a slot being loaded get no tokens until loaded(slot).
+   returned in the plan's `loads`, which the engine copies in before the plan's step runs: the admitted request
+   prefills in that same step (a separate prefill step would be one more eagerly run step per load).
    With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
    (rows and batch room): each admission turns a decode-only step, which a CUDA graph replays, into a mixed step
    that runs eagerly, so under a full batch admissions are grouped instead of trickling in one per step.
@@ -198,7 +199,7 @@ class Scheduler:
                            result=Result(req))
             self.running.append(seq)
             plan.admitted.append(seq)
-            if self._ready(seq):
+            if self._ready(seq) or any(slot == s for s, _ in plan.loads):
                 n = min(seq.prompt_len, budget)
                 plan.work.append((seq, n))
                 budget -= n

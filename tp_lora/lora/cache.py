@@ -2,10 +2,11 @@
 
   registry  every adapter under lora.adapter_dir, registered at start from adapter_config.json and the safetensors
             HEADER only (names, module shapes, rank; no weights), checked against the model's LoRA targets;
-  host      weights read on first use (load_peft_adapter: PEFT's rules), in the model dtype (pinned on CUDA), at most
-            lora.max_cpu_loras adapters, least recently used evicted;
-  device    lora.max_loras SlotTable slots; a copy into one runs on a side CUDA stream (overlapping the step that is
-            computing) and carries only this rank's shard (LoRALinear.set_slot copies views of the host tensors).
+  host      weights read on first use (load_peft_adapter: PEFT's rules) and turned into this rank's slot image
+            (tp_lora.lora.slots: its shard, padded, in the slots' dtypes, pinned on CUDA) by the `prepare` the model
+            attaches; at most lora.max_cpu_loras adapters, least recently used evicted;
+  device    lora.max_loras SlotTable slots; a copy into one runs on a side CUDA stream and carries only this rank's
+            shard.
 
 Lazy reads find a corrupt or rewritten file late, and every rank of a TP group reads it separately, so each read
 that touches the disk ends with the ranks agreeing (one small exchange): all fail the adapter or none does, with
@@ -21,12 +22,11 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from tp_lora import distributed as comm
-from tp_lora.hostcopy import pinned
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
@@ -35,7 +35,8 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
-PREFETCH_DEPTH = 8  # adapters read ahead of need, held beside the host tier until fetched
+PREFETCH_DEPTH = 16  # adapters read ahead of need, held beside the host tier until fetched
+READERS = 2  # threads reading ahead: a grouped admission can ask for several new adapters at once
 
 
 def _err(name: str, msg: str) -> AdapterError:
@@ -175,15 +176,6 @@ def check_shapes(info: AdapterInfo, module_shapes: dict[str, tuple[int, int]], m
                           f"{(fout, a[0])} (in={fin}, out={fout}) — built for another model?")
 
 
-def _pin(adapter: LoRAAdapter) -> None:
-    """Move the adapter's weights into page-locked memory (the host tier; copies from it to a device slot are
-    asynchronous), one block for the whole adapter."""
-    mods = list(adapter.modules.values())
-    views = pinned([t for m in mods for t in (m.a, m.b)])
-    for i, m in enumerate(mods):
-        m.a, m.b = views[2 * i], views[2 * i + 1]
-
-
 @dataclass
 class CacheStats:
     host_hits: int = 0
@@ -199,12 +191,12 @@ class CacheStats:
 class AdapterCache:
     """Registry + host tier; device loads go through load_slot. `group`: the ranks that must agree (the TP group)."""
 
-    def __init__(self, paths: dict[str, str], max_cpu_loras: int, dtype: torch.dtype, group: comm.Group,
-                 pin: bool = False):
-        self.max_cpu_loras, self.dtype, self.group, self.pin = max_cpu_loras, dtype, group, pin
+    def __init__(self, paths: dict[str, str], max_cpu_loras: int, dtype: torch.dtype, group: comm.Group):
+        self.max_cpu_loras, self.dtype, self.group = max_cpu_loras, dtype, group
+        self.prepare: Optional[Callable[[LoRAAdapter], object]] = None
         self.infos: dict[str, AdapterInfo] = {}
         self.bad: dict[str, str] = {}
-        self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.host: OrderedDict[str, object] = OrderedDict()  # name -> prepare(adapter)
         self._staged: dict[str, Future] = {}  # name -> (adapter, error) being read ahead, beside the host tier
         self._reader: Optional[ThreadPoolExecutor] = None
         self.stats = CacheStats()
@@ -217,9 +209,11 @@ class AdapterCache:
                 self.bad[name] = str(e)
         self._agree_registry()
 
-    def attach_model(self, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:
-        """Check every registered adapter's shapes against the model; the misfits become bad."""
-        self.module_shapes, self.max_rank = module_shapes, max_rank
+    def attach_model(self, module_shapes: dict[str, tuple[int, int]], max_rank: int,
+                     prepare: Optional[Callable[[LoRAAdapter], object]] = None) -> None:
+        """Check every registered adapter's shapes against the model; the misfits become bad. prepare(adapter): what
+        the host tier keeps of a read adapter (the engine's slot image); by default the adapter itself."""
+        self.module_shapes, self.max_rank, self.prepare = module_shapes, max_rank, prepare
         for name in list(self.infos):
             try:
                 check_shapes(self.infos[name], module_shapes, max_rank)
@@ -248,8 +242,8 @@ class AdapterCache:
         return next((e for e in comm.all_gather_object(err, self.group) if e), None)
 
     # ---- host tier -------------------------------------------------------------------------------------------
-    def fetch(self, name: str) -> LoRAAdapter:
-        """The adapter's weights in host memory, read from disk on a miss (or taken from a prefetch). Raises
+    def fetch(self, name: str):
+        """The adapter in host memory (as `prepare` made it), read from disk on a miss (or taken from a prefetch). Raises
         AdapterError (the same on every rank) when it cannot be used; it is then moved to `bad`."""
         if name in self.bad:
             raise AdapterError(self.bad[name])
@@ -286,7 +280,7 @@ class AdapterCache:
             if name in self._staged or name in self.host or name in self.bad or name not in self.infos:
                 continue
             if self._reader is None:
-                self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp_lora-adapter-read")
+                self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tp_lora-adapter-read")
             self._staged[name] = self._reader.submit(self._read_safely, self.infos[name])
 
     def forget(self) -> None:
@@ -300,7 +294,7 @@ class AdapterCache:
             self._reader = None
         self._staged.clear()
 
-    def _read_safely(self, info: AdapterInfo) -> tuple[Optional[LoRAAdapter], Optional[str]]:
+    def _read_safely(self, info: AdapterInfo) -> tuple[Optional[object], Optional[str]]:
         try:
             return self._read(info), None
         except (AdapterError, OSError, ValueError) as e:
@@ -308,7 +302,7 @@ class AdapterCache:
         except Exception as e:  # whatever a corrupt file raises, it fails this adapter only
             return None, f"adapter {info.name!r}: {type(e).__name__}: {e}"
 
-    def _read(self, info: AdapterInfo) -> LoRAAdapter:
+    def _read(self, info: AdapterInfo):
         adapter = load_peft_adapter(info.path, name=info.name, dtype=self.dtype)
         if self.module_shapes is not None:
             validate_adapter(adapter, self.module_shapes, self.max_rank)
@@ -318,16 +312,14 @@ class AdapterCache:
                 diff = sorted(set(now.items()) ^ set(info.modules.items()))[:2]
                 raise _err(info.name, f"{os.path.join(info.path, WEIGHTS_FILE)} changed since it was registered "
                                       f"at start (modules / shapes now differ: {diff})")
-        if self.pin:
-            _pin(adapter)
-        return adapter
+        return self.prepare(adapter) if self.prepare is not None else adapter
 
     # ---- device tier -----------------------------------------------------------------------------------------
-    def load_slot(self, slots, slot: int, adapter: LoRAAdapter, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Copy a fetched adapter into device slot `slot` of the SlotTable, on `stream` when given (the caller makes
-        the compute stream wait for it before the slot is read)."""
+    def load_slot(self, slots, slot: int, image, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Copy a fetched slot image into device slot `slot` of the SlotTable, on `stream` when given (the caller
+        makes the compute stream wait for it before the slot is read)."""
         t0 = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            slots.load(slot, adapter)
+            slots.load(slot, image)
         self.stats.device_loads += 1
         self.stats.copy_seconds += time.perf_counter() - t0

@@ -40,6 +40,26 @@ class LoRARuntime:
         return self.batch is not None and self.batch.any_lora
 
 
+class SlotBuffers:
+    """The per-slot state of a LoRA layer as a flat list of views (slot_views), so an adapter's slot contents can
+    be assembled anywhere (a host image, tp_lora.lora.slots) and copied into a slot in one go. `write` and `clear`
+    act on such a list, wherever it lives."""
+
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def clear(self, views: list[torch.Tensor]) -> None:
+        """An empty slot: zero weights and scales (fp8 channel scales 1, so zeros stay exact zeros)."""
+        for v in views:
+            v.zero_()
+
+    def write(self, views: list[torch.Tensor], key, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        raise NotImplementedError
+
+    def set_slot(self, slot: int, key, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        self.write(self.slot_views(slot), key, a, b, scale)
+
+
 def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Tensor:
     """t on `device`, its rank dim zero-padded to max_rank (a smaller adapter then contributes exact zeros in the
     padding). Moved first, then padded there: from the pinned host tier the copy stays asynchronous, where a pad on
@@ -50,7 +70,7 @@ def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Te
     return torch.nn.functional.pad(t.to(device, non_blocking=True), pad)
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(SlotBuffers, nn.Module):
     """Multi-LoRA over a ParallelLinear (column / merged / qkv / row / replicated) or the LM head.
 
     Buffers per packed slice s: lora_a[s] [L, r_local, in_local], lora_b[s] [L, out_local_s, r], scales [S, L].
@@ -90,26 +110,32 @@ class LoRALinear(nn.Module):
         self.out_offset = row_lora_out_offset(spec, tp.rank, tp.size) if (
             spec.kind == "row" and self.fully_sharded) else 0
 
-    def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        """Load one slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard."""
-        dev = self.lora_a[slice_idx].device
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        """[A_s for s] + [B_s for s] + [scales] (+ [fp8 channel scales of B_s for s])."""
+        return ([a.data[slot] for a in self.lora_a] + [b.data[slot] for b in self.lora_b] + [self.scales[:, slot]]
+                + [bs[slot] for bs in self.b_scales or ()])
+
+    def clear(self, views: list[torch.Tensor]) -> None:
+        n = 2 * len(self.lora_a) + 1
+        for v in views[:n]:
+            v.zero_()
+        for v in views[n:]:
+            v.fill_(1.0)
+
+    def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor,
+              scale: float) -> None:
+        """One slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard."""
+        n = len(self.lora_a)
+        dev = views[0].device
         a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
         size = (self.tp.rank, self.tp.size)
-        self.lora_a[slice_idx].data[slot].copy_(shard_lora_a(self.spec, a, *size, self.fully_sharded))
+        views[slice_idx].copy_(shard_lora_a(self.spec, a, *size, self.fully_sharded))
         b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
         if self.b_scales is not None:
             b, b_scale = quantize_fp8_per_channel(b)
-            self.b_scales[slice_idx][slot].copy_(b_scale)
-        self.lora_b[slice_idx].data[slot].copy_(b)
-        self.scales[slice_idx, slot] = scale
-
-    def reset_slot(self, slot: int) -> None:
-        for a, b in zip(self.lora_a, self.lora_b):
-            a.data[slot].zero_()
-            b.data[slot].zero_()
-        for bs in self.b_scales or ():
-            bs[slot] = 1.0
-        self.scales[:, slot] = 0.0
+            views[2 * n + 1 + slice_idx].copy_(b_scale)
+        views[n + slice_idx].copy_(b)
+        views[2 * n][slice_idx] = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.base.partial(x)
@@ -129,7 +155,7 @@ class LoRALinear(nn.Module):
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
 
 
-class LoRAEmbedding(nn.Module):
+class LoRAEmbedding(SlotBuffers, nn.Module):
     """Multi-LoRA over the vocab-parallel embedding. A^T [L, V/p, r] is split by vocab like the base table and
     B [L, H, r] kept whole, so each rank adds its partial delta before the base all-reduce: no extra collective in
     either sharding mode."""
@@ -144,17 +170,17 @@ class LoRAEmbedding(nn.Module):
                                                device=device), requires_grad=False)
         self.register_buffer("scales", torch.zeros(1, rt.max_loras, dtype=torch.float32, device=device))
 
-    def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        """a: PEFT's lora_embedding_A [r, vocab]; b: lora_embedding_B [hidden, r]."""
-        a_t = _pad(a.t(), 1, self.rt.max_rank, self.lora_a_t.device)
-        self.lora_a_t.data[slot].copy_(take(a_t, (self.base.vocab_start, self.base.vocab_end), 0))
-        self.lora_b.data[slot].copy_(_pad(b, 1, self.rt.max_rank, self.lora_b.device))
-        self.scales[0, slot] = scale
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        return [self.lora_a_t.data[slot], self.lora_b.data[slot], self.scales[:, slot]]
 
-    def reset_slot(self, slot: int) -> None:
-        self.lora_a_t.data[slot].zero_()
-        self.lora_b.data[slot].zero_()
-        self.scales[:, slot] = 0.0
+    def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor,
+              scale: float) -> None:
+        """a: PEFT's lora_embedding_A [r, vocab]; b: lora_embedding_B [hidden, r]."""
+        dev = views[0].device
+        a_t = _pad(a.t(), 1, self.rt.max_rank, dev)
+        views[0].copy_(take(a_t, (self.base.vocab_start, self.base.vocab_end), 0))
+        views[1].copy_(_pad(b, 1, self.rt.max_rank, dev))
+        views[2][0] = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         z = self.base.partial(ids)

@@ -17,7 +17,7 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.moe import Experts
-from tp_lora.lora.layers import LoRARuntime, _pad
+from tp_lora.lora.layers import LoRARuntime, SlotBuffers, _pad
 from tp_lora.ops.moe_ref import MoEPairs
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
 
@@ -25,7 +25,7 @@ from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
 KINDS = ("w1", "w3", "w2", "w13")
 
 
-class LoRAExperts(nn.Module):
+class LoRAExperts(SlotBuffers, nn.Module):
     """Buffers: lora_a13[s] [L, E, r_a, H], lora_b13[s] [L, E, I_local, r] for s in (w1, w3),
     lora_a2 [L, E, r, I_local], lora_b2 [L, E, H_b, r] (H_b = H, or H / moe_tp when fully sharded),
     scales [S + 1, L, E] (row S is w2). E = this rank's experts; r_a = r / moe_tp when fully sharded."""
@@ -61,7 +61,13 @@ class LoRAExperts(nn.Module):
         h, i = self.base.hidden, self.base.inter
         return {"w1": (h, i), "w3": (h, i), "w2": (i, h), "w13": (h, self.base.slices * i)}[kind]
 
-    def set_slot(self, slot: int, key: tuple[str, int], a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        """[A13_s for s] + [B13_s for s] + [A2, B2, scales], each [E, ...]."""
+        return ([a.data[slot] for a in self.lora_a13] + [b.data[slot] for b in self.lora_b13]
+                + [self.lora_a2.data[slot], self.lora_b2.data[slot], self.scales[:, slot]])
+
+    def write(self, views: list[torch.Tensor], key: tuple[str, int], a: torch.Tensor, b: torch.Tensor,
+              scale: float) -> None:
         """One expert's LoRA, given whole: a [r, in], b [out, r]; key = (kind, global expert id). Experts other
         ranks hold are skipped: each rank keeps only its experts' slices."""
         kind, expert = key
@@ -70,32 +76,29 @@ class LoRAExperts(nn.Module):
         if not self.base.holds(expert):
             return
         e = expert - self.base.e0
-        dev = self.scales.device
+        n = self.base.slices
+        a13, b13, (a2, b2, scales) = views[:n], views[n:2 * n], views[2 * n:]
+        dev = scales.device
         a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
         size = (self.tp.rank, self.tp.size, self.fully_sharded)
         if kind == "w2":
             spec = self.base.down_spec
-            self.lora_a2.data[slot, e].copy_(shard_lora_a(spec, a, *size))
-            self.lora_b2.data[slot, e].copy_(shard_lora_b(spec, 0, b, *size))
-            self.scales[self.base.slices, slot, e] = scale
+            a2[e].copy_(shard_lora_a(spec, a, *size))
+            b2[e].copy_(shard_lora_b(spec, 0, b, *size))
+            scales[n, e] = scale
             return
         spec = self.base.up_spec
         if kind == "w13":
-            parts = list(enumerate(b.chunk(self.base.slices, 0)))
+            parts = list(enumerate(b.chunk(n, 0)))
         else:
             s = 0 if kind == "w1" else 1
-            if s >= self.base.slices:
+            if s >= n:
                 raise ValueError(f"{kind} targets the up projection of a non-gated expert")
             parts = [(s, b)]
         for s, bs in parts:
-            self.lora_a13[s].data[slot, e].copy_(shard_lora_a(spec, a, *size))
-            self.lora_b13[s].data[slot, e].copy_(shard_lora_b(spec, s, bs, *size))
-            self.scales[s, slot, e] = scale
-
-    def reset_slot(self, slot: int) -> None:
-        for t in list(self.lora_a13) + list(self.lora_b13) + [self.lora_a2, self.lora_b2]:
-            t.data[slot].zero_()
-        self.scales[:, slot] = 0.0
+            a13[s][e].copy_(shard_lora_a(spec, a, *size))
+            b13[s][e].copy_(shard_lora_b(spec, s, bs, *size))
+            scales[s, e] = scale
 
     def forward(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
         """xp [P, H] in pair order -> [P, H] partial over moe-tp, with each pair's adapter."""

@@ -1,0 +1,43 @@
+"""Slot images: an adapter's host image copied into a used slot leaves exactly what emptying the slot and writing
+the adapter module by module leaves (untargeted modules, rank padding and the slot's previous adapter included), with
+B in the model dtype and in fp8."""
+import os
+
+import pytest
+import torch
+
+from tp_lora import distributed as comm
+from tp_lora.engine.engine import Engine
+from tp_lora.lora.adapter import load_peft_adapter
+from tp_lora.testing import device_under_test
+
+from _serving import serving_cfg
+
+
+@pytest.mark.parametrize("lora_dtype", ["auto", "fp8"])
+def test_image_load_equals_module_by_module_writes(bundle, lora_dtype):
+    model, adapters = bundle
+    cfg = serving_cfg(max_loras=3)
+    cfg.lora.dtype = lora_dtype
+    cfg.device = device_under_test()
+    if cfg.device == "cuda":  # the pinned, asynchronous path, in the dtype GPU users run
+        cfg.dtype = "bfloat16"
+    engine = Engine(cfg, comm.single_process(cfg.device), model, adapters)
+    slots = engine.slots
+    for v in slots.views(0):  # poison: whatever the load does not overwrite shows
+        v.fill_(7.0)
+    # Each load reuses slot 0: a bigger rank after a smaller one, other targets, embeddings, then a single module.
+    for name in ["r4", "r16", "emb", "a9"]:
+        assert name not in engine.bad_adapters
+        slots.load(0, engine.cache.fetch(name))
+        for layer in slots.layers:
+            layer.clear(layer.slot_views(2))
+        adapter = load_peft_adapter(os.path.join(adapters, name), name=name, dtype=engine.cache.dtype)
+        for path, m in adapter.modules.items():
+            layer, key = engine.rt.targets[path]
+            layer.set_slot(2, key, m.a, m.b, m.scale)
+        got, want = slots.views(0), slots.views(2)
+        assert len(got) == len(want) > 0
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.dtype == w.dtype and torch.equal(g.float(), w.float()), f"{name}: view {i} differs"
+        assert slots.names[0] == name
