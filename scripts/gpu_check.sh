@@ -20,7 +20,7 @@ run() {
   tail -n "$lines" "$RES/$name.log" | tee -a "$OUT/summary.log"
   tar czf "$OUT/results.tgz" -C "$OUT" results
 }
-serving_args="--model llama-2048 --ranks 16 --rate 0 --requests 256 --max-loras 32 --batch 64"
+serving_args="--model llama-2048 --ranks 16 --rate 0 --requests 256 --max-loras 64 --batch 64"
 for what in "${@:-all}"; do
   case $what in
     tests|all)
@@ -44,9 +44,9 @@ for what in "${@:-all}"; do
       run bench_serving_tp1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
         --systems ours --out "$RES/serv_tp1" ;;&
     bench_serving|serving_grouped|all)
-      step "bench_serving tp=1, grouped admissions and a slot per batch row"
+      step "bench_serving tp=1, grouped admissions"
       run bench_serving_grouped 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
-        --systems ours --admit-batch 8 --max-loras 64 --out "$RES/serv_tp1_grouped" ;;&
+        --systems ours --admit-batch 8 --out "$RES/serv_tp1_grouped" ;;&
     bench_serving|serving_tp2|all)
       if [ "$NGPU" -ge 2 ]; then
         step "bench_serving tp=2"

@@ -26,10 +26,10 @@ def to_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[t
 
 
 def blocks(like: list[torch.Tensor], pin: bool) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
-    """Uninitialised host tensors shaped like `like`, in order, as views of one block per dtype (page-locked when
-    `pin`) -> (dtype -> block, views)."""
+    """Zeroed host tensors shaped like `like`, in order, as views of one block per dtype (page-locked when `pin`)
+    -> (dtype -> block, views)."""
     sizes, offsets = _layout(like)
-    out = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+    out = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin).zero_() for dtype, n in sizes.items()}
     return out, _views(out, like, offsets)
 
 

@@ -39,5 +39,11 @@ def test_image_load_equals_module_by_module_writes(bundle, lora_dtype):
         got, want = slots.views(0), slots.views(2)
         assert len(got) == len(want) > 0
         for i, (g, w) in enumerate(zip(got, want)):
-            assert g.dtype == w.dtype and torch.equal(g.float(), w.float()), f"{name}: view {i} differs"
+            assert g.dtype == w.dtype, f"{name}: view {i}"
+            if cfg.device == "cuda" and lora_dtype == "fp8":
+                # Images quantize on the host, set_slot on the device: CUDA divides by a scalar via its reciprocal,
+                # so a channel scale may differ in the last bit and an fp8 value by one step (1/8 relative).
+                torch.testing.assert_close(g.float(), w.float(), rtol=0.13, atol=0.01, msg=f"{name}: view {i}")
+            else:
+                assert torch.equal(g.float(), w.float()), f"{name}: view {i} differs"
         assert slots.names[0] == name

@@ -110,6 +110,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.rt, ps.device, cfg.cuda_graphs and not moe)
         self.generator = torch.Generator().manual_seed(cfg.generation.seed)
         self.stats = StepStats()
+        sizes = getattr(self.rt.ops, "warm_up_sizes", None) if self.rt is not None else None
+        # EP over DP replicas steps in lockstep with its peers: no solo steps there.
+        if sizes is not None and ps.device.type == "cuda" and not getattr(self.model, "needs_lockstep", False):
+            self.runner.warm_up([min(n, self.max_positions) for n in sizes(cfg.scheduler.max_tokens_per_step)])
 
     # ---- adapters -------------------------------------------------------------------------------------------
     @property
@@ -399,6 +403,7 @@ class Engine:
                 seq.result.metrics.update(arrival=arrival[seq.request.index], admitted=now)
                 self.stats.prompt_tokens += seq.prompt_len
             failed = set()
+            self.cache.prefetch(name for _, name in plan.loads)  # the readers take them in parallel
             for slot, name in plan.loads:  # copied in before the step that prefills their requests
                 image = self._fetch(name)  # a disk read (and the ranks' verdict) unless the read-ahead has it
                 if image is None:

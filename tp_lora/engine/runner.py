@@ -93,6 +93,18 @@ class ModelRunner:
         self._set_lora(step.slots)
         return self.model.logits(hidden[meta.last_token])
 
+    @torch.no_grad()
+    def warm_up(self, sizes: list[int]) -> None:
+        """One eager step of each size (tokens of one sequence, LoRA on through slot 0, whatever it holds) in a
+        scratch cache, outputs dropped: kernels compile here instead of inside the first steps that need them."""
+        cache = self.model.new_cache(1, max(sizes))
+        for t in sizes:
+            step = StepBatch()
+            step.add([0] * t, 0, 0, 0 if self.rt is not None else -1)
+            self.execute(step, cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def _decode_meta(self, g_rows: torch.Tensor, g_pos: torch.Tensor) -> AttnMeta:
         """Decode layout computed on the device from the static inputs (inside the graph)."""

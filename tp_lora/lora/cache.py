@@ -36,7 +36,7 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
 PREFETCH_DEPTH = 16  # adapters read ahead of need, held beside the host tier until fetched
-READERS = 2  # threads reading ahead: a grouped admission can ask for several new adapters at once
+READERS = 4  # threads reading ahead: one step can ask for many new adapters at once (a full batch at the start)
 
 
 def _err(name: str, msg: str) -> AdapterError:

@@ -66,7 +66,8 @@ class SlotTable:
         """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only."""
         host, views = blocks(self._template, pin=self.device.type == "cuda")
         for layer in self.layers:
-            layer.clear(views[slice(*self._spans[id(layer)])])
+            if not layer.empty_is_zero:
+                layer.clear(views[slice(*self._spans[id(layer)])])
         for path, m in adapter.modules.items():
             layer, key = self.rt.targets[path]
             layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale)

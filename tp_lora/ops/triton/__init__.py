@@ -198,5 +198,11 @@ def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Te
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
     return out
+def warm_up_sizes(max_tokens: int) -> list[int]:
+    """Step sizes (tokens) that between them use every per-size variant of the kernels up to max_tokens. Triton
+    compiles a variant on first use, ~1 s each: inside a served (or measured) step that is a latency spike."""
+    return sorted({min(edge, max_tokens) for edge in configs.T_EDGES[:-1]} | {max_tokens})
+
+
 from tp_lora.ops.triton.graphs import refresh_static_batch  # noqa: E402,F401  (CUDA-graph replay)
 from tp_lora.ops.triton.moe_lora import moe_lora_expand, moe_lora_shrink  # noqa: E402,F401  (fused MoE LoRA)
