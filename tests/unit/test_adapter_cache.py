@@ -1,5 +1,7 @@
 """The adapter cache's read-ahead: a prefetched adapter is the one a direct read gives, a bad file fails the same
 way, and read-ahead is bounded."""
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -7,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from tp_lora import distributed as comm
 from tp_lora.assets import model_module_shapes, write_random_adapter, write_tiny_llama
 from tp_lora.lora import cache as cache_mod
+from tp_lora.lora import pacing
 from tp_lora.lora.adapter import AdapterError
 from tp_lora.lora.cache import AdapterCache
 from tp_lora.models.checkpoint import load_hf_config
@@ -63,3 +66,30 @@ def test_read_ahead_is_bounded_and_skips_what_is_in_memory(zoo, monkeypatch):
     c.forget()
     assert not c._staged and not c.host
     c.close()
+
+
+def test_paced_reader_waits_for_the_step_loop_and_reads_the_same(zoo, monkeypatch):
+    """A paced reader does a unit of work only while the step loop lends it time (or after PAUSE_S)."""
+    monkeypatch.setattr(cache_mod, "PAUSE_S", 30.0)
+    direct, ahead = _cache(zoo), _cache(zoo)
+    ahead.paced = True
+    ahead.prefetch(["a1"])
+    time.sleep(0.3)
+    assert not ahead._staged["a1"].done(), "the reader ran while the step loop was busy"
+    got, want = ahead.fetch("a1"), direct.fetch("a1")  # fetch waits on the read, lending it the time
+    for key, m in want.modules.items():
+        assert torch.equal(got.modules[key].a, m.a) and torch.equal(got.modules[key].b, m.b)
+    ahead.prefetch(["a2"])
+    with ahead.lending():
+        ahead._staged["a2"].result(timeout=20)
+    ahead.close()
+
+
+def test_pause_points_run_only_under_paced():
+    calls = []
+    pacing.pause()
+    with pacing.paced(lambda: calls.append(1)):
+        pacing.pause()
+        pacing.pause()
+    pacing.pause()
+    assert calls == [1, 1]

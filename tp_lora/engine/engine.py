@@ -78,6 +78,7 @@ class Engine:
         # fp8 quantizes B from the float32 original; otherwise the host copy is already in the slots' dtype.
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
+        self.cache.paced = ps.device.type == "cuda"
         self.rt = None
         if self.cache.infos:
             ops = get_backend(lo.backend, self.device)
@@ -207,7 +208,8 @@ class Engine:
             self._copies_pending = False
         logits = self.runner.execute(step, cache)
         if self.ps.world.size > 1:  # the step's collectives end here, or in a timeout error naming the cause
-            comm.wait_device(self.ps.device)
+            with self.cache.lending():
+                comm.wait_device(self.ps.device)
         for seq, n in work:
             seq.computed += n
         return logits
@@ -396,7 +398,8 @@ class Engine:
                 if lockstep is not None:
                     lockstep(0)
                 else:
-                    time.sleep(min(0.01, max(0.0, t0 + pending[fed][0] - time.perf_counter())))
+                    with self.cache.lending():
+                        time.sleep(min(0.01, max(0.0, t0 + pending[fed][0] - time.perf_counter())))
                 continue
             plan = sched.schedule()
             for seq in plan.admitted:
@@ -431,7 +434,8 @@ class Engine:
             sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
             if sampled:
                 temps = [self._temperature(s.request) for s, _ in sampled]
-                toks, lps = sample(logits[[i for _, i in sampled]], temps, cfg.generation.top_p, self.generator)
+                with self.cache.lending():  # sampling waits for the step on the GPU
+                    toks, lps = sample(logits[[i for _, i in sampled]], temps, cfg.generation.top_p, self.generator)
             now = time.perf_counter()
             if self.runner.replayed:
                 self.stats.graph_steps += 1

@@ -25,6 +25,8 @@ from typing import Any, Iterable, Optional
 import torch
 from safetensors import safe_open
 
+from tp_lora.lora.pacing import pause
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -243,7 +245,11 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
         raise AdapterFileNotFoundError(f"adapter {name!r}: {weights} not found{extra}")
     try:
         with safe_open(weights, framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            out = {}
+            for k in f.keys():
+                pause()
+                out[k] = f.get_tensor(k)
+            return out
     except Exception as e:  # SafetensorError is no stdlib error: say which file is bad
         raise _err(name, f"{weights} ({os.path.getsize(weights)} bytes) is not a readable safetensors file "
                          f"(corrupt or truncated?): {e}") from e
@@ -319,6 +325,7 @@ def _load(path: str, name: str, dtype: torch.dtype) -> LoRAAdapter:
     use_rslora = bool(cfg.get("use_rslora", False))
     modules: dict[str, ModuleLoRA] = {}
     for module in sorted(parts):
+        pause()
         ab = parts[module]
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
@@ -384,6 +391,7 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
     """
     n = adapter.name
     for module, m in adapter.modules.items():
+        pause()
         a, b = m.a, m.b
         if m.rank > max_rank:
             raise _err(n, f"module {module!r} has rank {m.rank} > lora.max_rank={max_rank} (raise lora.max_rank "

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from tp_lora import distributed as comm
+from tp_lora.lora.pacing import paced
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
@@ -35,8 +37,11 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
-PREFETCH_DEPTH = 16  # adapters read ahead of need, held beside the host tier until fetched
-READERS = 4  # threads reading ahead: one step can ask for many new adapters at once (a full batch at the start)
+PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
+# One reader: reading is GIL-bound Python, so more threads do not read faster, they only take more turns from the
+# step loop (see tp_lora.lora.pacing).
+READERS = 1
+PAUSE_S = 0.02  # paced reader: longest wait for the step loop to wait before it does one more unit of work anyway
 
 
 def _err(name: str, msg: str) -> AdapterError:
@@ -199,6 +204,11 @@ class AdapterCache:
         self.host: OrderedDict[str, object] = OrderedDict()  # name -> prepare(adapter)
         self._staged: dict[str, Future] = {}  # name -> (adapter, error) being read ahead, beside the host tier
         self._reader: Optional[ThreadPoolExecutor] = None
+        # paced: the reader works while the step loop is inside lending() (waiting on the GPU or on a read) and
+        # otherwise takes one unit of work per PAUSE_S. The engine sets it on CUDA, where steps are host-bound.
+        self.paced = False
+        self._lent = threading.Event()
+        self._lending = 0
         self.stats = CacheStats()
         self.module_shapes: Optional[dict] = None
         self.max_rank: Optional[int] = None
@@ -258,7 +268,11 @@ class AdapterCache:
         staged = self._staged.pop(name, None)
         if staged is not None:
             self.stats.prefetched += 1
-        adapter, err = staged.result() if staged is not None else self._read_safely(self.infos[name])
+        if staged is not None:
+            with self.lending():
+                adapter, err = staged.result()
+        else:
+            adapter, err = self._read_safely(self.infos[name])
         err = self._agree(err)
         self.stats.read_seconds += time.perf_counter() - t0
         if err:
@@ -281,7 +295,25 @@ class AdapterCache:
                 continue
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tp_lora-adapter-read")
-            self._staged[name] = self._reader.submit(self._read_safely, self.infos[name])
+            self._staged[name] = self._reader.submit(self._read_ahead, self.infos[name])
+
+    @contextlib.contextmanager
+    def lending(self):
+        """A stretch in which the step loop only waits (on the GPU, a read, an arrival): a paced reader runs freely."""
+        self._lending += 1
+        self._lent.set()
+        try:
+            yield
+        finally:
+            self._lending -= 1
+            if not self._lending:
+                self._lent.clear()
+
+    def _read_ahead(self, info: AdapterInfo):
+        if not self.paced:
+            return self._read_safely(info)
+        with paced(lambda: self._lent.wait(PAUSE_S)):
+            return self._read_safely(info)
 
     def forget(self) -> None:
         """Drop the host tier and any prefetches (a cold start for benchmarks)."""
@@ -289,6 +321,8 @@ class AdapterCache:
         self._staged.clear()
 
     def close(self) -> None:
+        self._lending += 1  # for good: a read still running finishes at full speed instead of paced
+        self._lent.set()
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._reader = None

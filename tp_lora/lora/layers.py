@@ -71,8 +71,10 @@ def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Te
     the host would make a pageable tensor whose copy blocks the host."""
     if t.shape[dim] > size:
         raise ValueError(f"LoRA rank {t.shape[dim]} exceeds lora.max_rank={size}")
-    pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]]
-    return torch.nn.functional.pad(t.to(device, non_blocking=True), pad)
+    t = t.to(device, non_blocking=True)
+    if t.shape[dim] == size:
+        return t
+    return torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]])
 
 
 class LoRALinear(SlotBuffers, nn.Module):

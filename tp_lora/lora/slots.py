@@ -14,6 +14,7 @@ import torch
 
 from tp_lora.hostcopy import blocks
 from tp_lora.lora.layers import LoRARuntime
+from tp_lora.lora.pacing import pause
 
 
 @dataclass
@@ -69,6 +70,7 @@ class SlotTable:
             if not layer.empty_is_zero:
                 layer.clear(views[slice(*self._spans[id(layer)])])
         for path, m in adapter.modules.items():
+            pause()
             layer, key = self.rt.targets[path]
             layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale)
         return SlotImage(adapter.name, host, views)
