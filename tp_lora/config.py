@@ -36,7 +36,7 @@ class ParallelConfig:
 class LoRAConfig:
     adapter_dir: Optional[str] = None  # every subdirectory with adapter_config.json is an adapter
     max_loras: int = 4  # device slots
-    # Host tier of the adapter cache: adapters read from disk and kept in (pinned) host memory, least recently used
+    # Host tier of the adapter cache: adapters read from disk and kept in host memory, least recently used
     # evicted. Every adapter under adapter_dir is registered at start from its config and safetensors header only.
     max_cpu_loras: int = 64
     max_rank: int = 16

@@ -1,20 +1,16 @@
-"""Host tensors into page-locked memory and onto the device without stalling the host.
+"""Host tensors packed one block per dtype: onto the device without stalling the host (to_device), or as zeroed
+views to fill (blocks).
 
 A plain .to("cuda") of pageable memory makes the host wait until the stream has drained, so every step's metadata
-copy would serialise host and GPU (profiled on an H100: ~34 such waits per serving step). Tensors here are packed,
-one buffer per dtype, into pinned memory (one page-locked allocation each, ~0.1 ms apiece otherwise), from which a
-copy to the device is asynchronous.
+copy would serialise host and GPU (profiled on an H100: ~34 such waits per serving step). to_device packs the
+tensors, one buffer per dtype, into pinned memory (one page-locked allocation each, ~0.1 ms apiece otherwise), from
+which a copy to the device is asynchronous.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-
-
-def pinned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of the host tensors in page-locked memory, in order: views of one block per dtype."""
-    return _packed(tensors, lambda flat: flat)
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
@@ -25,11 +21,11 @@ def to_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[t
     return _packed(tensors, lambda flat: flat.to(device, non_blocking=True))
 
 
-def blocks(like: list[torch.Tensor], pin: bool) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
-    """Zeroed host tensors shaped like `like`, in order, as views of one block per dtype (page-locked when `pin`)
+def blocks(like: list[torch.Tensor]) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
+    """Zeroed (pageable) host tensors shaped like `like`, in order, as views of one block per dtype
     -> (dtype -> block, views)."""
     sizes, offsets = _layout(like)
-    out = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin).zero_() for dtype, n in sizes.items()}
+    out = {dtype: torch.zeros(n, dtype=dtype) for dtype, n in sizes.items()}
     return out, _views(out, like, offsets)
 
 

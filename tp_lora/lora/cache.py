@@ -3,7 +3,7 @@
   registry  every adapter under lora.adapter_dir, registered at start from adapter_config.json and the safetensors
             HEADER only (names, module shapes, rank; no weights), checked against the model's LoRA targets;
   host      weights read on first use (load_peft_adapter: PEFT's rules) and turned into this rank's slot image
-            (tp_lora.lora.slots: its shard, padded, in the slots' dtypes, pinned on CUDA) by the `prepare` the model
+            (tp_lora.lora.slots: its shard, padded, in the slots' dtypes) by the `prepare` the model
             attaches; at most lora.max_cpu_loras adapters, least recently used evicted;
   device    lora.max_loras SlotTable slots; a copy into one runs on a side CUDA stream and carries only this rank's
             shard.

@@ -66,9 +66,8 @@ class SlotBuffers:
 
 
 def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Tensor:
-    """t on `device`, its rank dim zero-padded to max_rank (a smaller adapter then contributes exact zeros in the
-    padding). Moved first, then padded there: from the pinned host tier the copy stays asynchronous, where a pad on
-    the host would make a pageable tensor whose copy blocks the host."""
+    """t on `device` (where the slot views being written live: a host image, or the slots themselves), its rank dim
+    zero-padded to max_rank (a smaller adapter then contributes exact zeros in the padding)."""
     if t.shape[dim] > size:
         raise ValueError(f"LoRA rank {t.shape[dim]} exceeds lora.max_rank={size}")
     t = t.to(device, non_blocking=True)
