@@ -23,6 +23,7 @@ is still a separate adapter to every system). Assets are cached under --assets.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -190,16 +191,19 @@ def engine_cfg(args, ps: comm.ParallelState, lora: bool) -> RunConfig:
     return cfg
 
 
-def _warm_up(engine: Engine, batch: int, vocab: int, adapter: str | None, row_len: int) -> None:
+def _warm_up(engine: Engine, batch: int, vocab: int, adapter: str | None, trace: list[Request]) -> None:
     """Staggered lengths sweep the decode batch from `batch` down to 1, so CUDA graphs of every size are captured
     outside the measured run; one request as long as the trace's longest sizes the KV cache for it (a cache that
-    has to grow drops the captured graphs)."""
+    has to grow drops the captured graphs). Then the trace itself, untimed, with one adapter: the eager steps' token
+    counts are new shapes to the GEMM and attention libraries, and a first pass over them can run slower (seen in
+    one H200 run: eager steps 1.6x the time of the later passes)."""
     gen = random.Random(0)
     reqs = [Request(i, id=i, adapter=adapter if i % 2 else None, prompt_token_ids=[gen.randrange(3, vocab)
                                                                                      for _ in range(8)],
                     max_new_tokens=1 + i, ignore_eos=True) for i in range(batch)]
-    reqs[0].prompt_token_ids = [3] * max(1, row_len - 1)
+    reqs[0].prompt_token_ids = [3] * max(1, _row_len(trace) - 1)
     engine.generate(reqs)
+    engine.generate([dataclasses.replace(r, adapter=adapter) for r in trace])
     _sync()
 
 
@@ -209,7 +213,7 @@ def _row_len(reqs) -> int:
 
 def run_ours(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict:
     engine = Engine(engine_cfg(args, ps, True), ps, model, adapters)
-    _warm_up(engine, args.batch, vocab, reqs[0].adapter, _row_len(reqs))
+    _warm_up(engine, args.batch, vocab, reqs[0].adapter, reqs)
     engine.reset_adapter_cache()
     engine.stats, engine.cache.stats = StepStats(), CacheStats()
     _sync()
@@ -280,7 +284,7 @@ def _merge(targets: dict, adapter, device) -> None:
 
 def run_merged(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict:
     engine = Engine(engine_cfg(args, ps, False), ps, model, None)
-    _warm_up(engine, args.batch, vocab, None, _row_len(reqs))
+    _warm_up(engine, args.batch, vocab, None, reqs)
     targets = _merge_targets(engine.model)
     backup = {id(lin): lin.weight.data.clone() for lin, _ in targets.values()}
     linears = {id(lin): lin for lin, _ in targets.values()}
@@ -477,8 +481,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--tokens-per-step", type=int, default=2048)
     p.add_argument("--kv-cache-mb", type=float, default=None)
-    p.add_argument("--admit-batch", type=int, default=1, help="scheduler.admit_batch: group admissions while "
-                   "decoding so more steps replay the decode graph")
+    p.add_argument("--admit-batch", type=int, default=RunConfig().scheduler.admit_batch,
+                   help="scheduler.admit_batch: group admissions while decoding so more steps replay the decode graph")
     p.add_argument("--fully-sharded", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--systems", default="ours,merged,peft")

@@ -4,7 +4,7 @@
 # eat the others; logs and results go under $OUT (default ./gpu_out), packed at the end into $OUT/results.tgz
 # (the lent host returns few files), re-packed after every step so a run cut short still returns what finished.
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_moe|bench_serving|bench_ops|all]...
-#   bench_serving is serving_tp1 serving_grouped serving_tp2 serving_base; each can be named alone.
+#   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -43,10 +43,10 @@ for what in "${@:-all}"; do
       step "bench_serving tp=1: ours at 1/100/1000 adapters"
       run bench_serving_tp1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
         --systems ours --out "$RES/serv_tp1" ;;&
-    bench_serving|serving_grouped|all)
-      step "bench_serving tp=1, grouped admissions"
-      run bench_serving_grouped 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
-        --systems ours --admit-batch 8 --out "$RES/serv_tp1_grouped" ;;&
+    bench_serving|serving_admit1|all)
+      step "bench_serving tp=1, admissions not grouped (scheduler.admit_batch=1)"
+      run bench_serving_admit1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
+        --systems ours --admit-batch 1 --out "$RES/serv_tp1_admit1" ;;&
     bench_serving|serving_tp2|all)
       if [ "$NGPU" -ge 2 ]; then
         step "bench_serving tp=2"

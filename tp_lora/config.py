@@ -70,10 +70,11 @@ class SchedulerConfig:
     # A request blocked on adapter slots may be overtaken by later requests whose adapter is resident at most this
     # many times; then nothing passes it until it is admitted (no starvation).
     max_overtakes: int = 16
-    # While sequences decode, admit only when this many waiting requests (or all of them, if fewer) fit at once:
-    # every admission makes its step mix prefill and decode, which runs eagerly, while a decode-only step replays a
-    # CUDA graph. 1 = admit as soon as any room frees.
-    admit_batch: int = 1
+    # While sequences decode, admit only when this many waiting requests (or all of them, if fewer; at most
+    # max_batch_size) fit at once: every admission makes its step mix prefill and decode, which runs eagerly, while a
+    # decode-only step replays a CUDA graph. 1 = admit as soon as any room frees. 8 measured 1.4-2.9x the tokens/s
+    # of 1 on a saturated serving trace (H200, benchmarks/serving_*).
+    admit_batch: int = 8
     # Ctrl-C / SIGTERM: stop admitting, finish in-flight sequences for up to this long, then abandon them
     # (a second signal abandons at once). The ranks agree on stopping every stop_check_steps steps.
     stop_grace_s: float = 20.0
@@ -145,8 +146,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(0 < s.kv_memory_fraction <= 1, f"scheduler.kv_memory_fraction={s.kv_memory_fraction}: expected in (0, 1]")
     _check(s.kv_cache_mb is None or s.kv_cache_mb > 0, f"scheduler.kv_cache_mb={s.kv_cache_mb}: expected null or > 0")
     _check(s.max_overtakes >= 0, f"scheduler.max_overtakes={s.max_overtakes}: expected >= 0")
-    _check(1 <= s.admit_batch <= s.max_batch_size,
-           f"scheduler.admit_batch={s.admit_batch}: expected 1..scheduler.max_batch_size={s.max_batch_size}")
+    _check(s.admit_batch >= 1, f"scheduler.admit_batch={s.admit_batch}: expected >= 1")
     _check(s.stop_grace_s >= 0, f"scheduler.stop_grace_s={s.stop_grace_s}: expected >= 0")
     _check(s.stop_check_steps >= 1, f"scheduler.stop_check_steps={s.stop_check_steps}: expected >= 1")
 

@@ -128,9 +128,9 @@ class Scheduler:
         self.slots, self.rows = slots, rows
         self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
         self.max_overtakes, self.lookahead = max_overtakes, lookahead
-        if not 1 <= admit_batch <= max_batch_size:
-            raise ValueError(f"admit_batch={admit_batch}: expected 1..max_batch_size={max_batch_size}")
-        self.admit_batch = admit_batch
+        if admit_batch < 1:
+            raise ValueError(f"admit_batch={admit_batch}: expected >= 1")
+        self.admit_batch = min(admit_batch, max_batch_size)
         self.waiting: list[Request] = []
         self.running: list[Sequence] = []
         self.passed: dict[int, int] = {}  # request index -> times a later request was admitted before it
