@@ -1,10 +1,11 @@
 """Pause points for background work that shares the GIL with the step loop.
 
 Adapter reads run on a reader thread while the engine steps. Both are Python driving many small torch calls, so
-they trade the GIL at every call, and the step loop, which launches ~1000 kernels per eager step, slows down several
-times over while a read is going (measured on a 2-core CPU: a small op went from 3.7 us to 8.6 us with one reader
-busy, to 56 us with four, that last figure with the cores oversubscribed too). The reader therefore calls pause() between units of work (a tensor, a module); under paced(fn)
-that runs fn, which the adapter cache uses to wait while the step loop is busy. Elsewhere pause() does nothing.
+they trade the GIL at every call, and the step loop, which launches ~1000 kernels per eager step, slows down while
+a read is going (measured on a 2-core CPU: a small op went from 3.7 us to 8.6 us with one reader busy, to 56 us with
+four, that last figure with the cores oversubscribed too). The reader therefore calls pause() between units of work
+(a tensor, a module); under paced(fn) that runs fn, which the adapter cache uses to wait while the step loop is
+busy. Elsewhere pause() does nothing.
 """
 from __future__ import annotations
 
