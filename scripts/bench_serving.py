@@ -187,6 +187,7 @@ def engine_cfg(args, ps: comm.ParallelState, lora: bool) -> RunConfig:
     cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step = args.batch, args.tokens_per_step
     cfg.scheduler.kv_cache_mb = args.kv_cache_mb
     cfg.scheduler.admit_batch = args.admit_batch
+    cfg.lora.reader_processes = args.reader_processes
     validate(cfg, ps.world.size)
     return cfg
 
@@ -483,6 +484,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-mb", type=float, default=None)
     p.add_argument("--admit-batch", type=int, default=RunConfig().scheduler.admit_batch,
                    help="scheduler.admit_batch: group admissions while decoding so more steps replay the decode graph")
+    p.add_argument("--reader-processes", type=int, default=RunConfig().lora.reader_processes,
+                   help="lora.reader_processes: read adapters ahead in worker processes")
     p.add_argument("--fully-sharded", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--systems", default="ours,merged,peft")

@@ -79,6 +79,8 @@ class Engine:
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
         self.cache.paced = ps.device.type == "cuda"
+        if lo.reader_processes and self.adapter_paths:
+            self.cache.start_reader_processes(lo.reader_processes)
         self.rt = None
         if self.cache.infos:
             ops = get_backend(lo.backend, self.device)

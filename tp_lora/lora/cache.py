@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
+import queue
 import struct
 import threading
 import time
@@ -29,6 +31,7 @@ import torch
 
 from tp_lora import distributed as comm
 from tp_lora.lora.pacing import paced
+from tp_lora.lora.reader import ReaderProcess
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
@@ -181,6 +184,31 @@ def check_shapes(info: AdapterInfo, module_shapes: dict[str, tuple[int, int]], m
                           f"{(fout, a[0])} (in={fin}, out={fout}) — built for another model?")
 
 
+def load_checked(info: AdapterInfo, dtype: torch.dtype, module_shapes: Optional[dict], max_rank: Optional[int]
+                 ) -> LoRAAdapter:
+    """Read an adapter and check it against the model and against what the registry saw at start."""
+    adapter = load_peft_adapter(info.path, name=info.name, dtype=dtype)
+    if module_shapes is not None:
+        validate_adapter(adapter, module_shapes, max_rank)
+    if info.modules is not None:
+        now = {m: (tuple(x.a.shape), tuple(x.b.shape)) for m, x in adapter.modules.items()}
+        if now != info.modules:
+            diff = sorted(set(now.items()) ^ set(info.modules.items()))[:2]
+            raise _err(info.name, f"{os.path.join(info.path, WEIGHTS_FILE)} changed since it was registered at "
+                                  f"start (modules / shapes now differ: {diff})")
+    return adapter
+
+
+def _safely(name: str, fn: Callable[[], object]) -> tuple[Optional[object], Optional[str]]:
+    """(fn(), None), or (None, why) for whatever a bad file raises: it fails this adapter only."""
+    try:
+        return fn(), None
+    except (AdapterError, OSError, ValueError) as e:
+        return None, str(e)
+    except Exception as e:
+        return None, f"adapter {name!r}: {type(e).__name__}: {e}"
+
+
 @dataclass
 class CacheStats:
     host_hits: int = 0
@@ -209,6 +237,8 @@ class AdapterCache:
         self.paced = False
         self._lent = threading.Event()
         self._lending = 0
+        self._procs: list[ReaderProcess] = []
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()  # reader processes not serving a read
         self.stats = CacheStats()
         self.module_shapes: Optional[dict] = None
         self.max_rank: Optional[int] = None
@@ -294,7 +324,8 @@ class AdapterCache:
             if name in self._staged or name in self.host or name in self.bad or name not in self.infos:
                 continue
             if self._reader is None:
-                self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tp_lora-adapter-read")
+                self._reader = ThreadPoolExecutor(max_workers=max(READERS, len(self._procs)),
+                                                  thread_name_prefix="tp_lora-adapter-read")
             self._staged[name] = self._reader.submit(self._read_ahead, self.infos[name])
 
     @contextlib.contextmanager
@@ -310,10 +341,25 @@ class AdapterCache:
                 self._lent.clear()
 
     def _read_ahead(self, info: AdapterInfo):
-        if not self.paced:
-            return self._read_safely(info)
-        with paced(lambda: self._lent.wait(PAUSE_S)):
-            return self._read_safely(info)
+        """On a reader thread: through a reader process when there are any (then only `prepare` runs here)."""
+        with paced(lambda: self._lent.wait(PAUSE_S)) if self.paced else contextlib.nullcontext():
+            proc = self._idle.get() if self._procs else None
+            if proc is None:
+                return self._read_safely(info)
+            try:
+                adapter, err = proc.read(info, self.dtype, self.module_shapes, self.max_rank, info.file_bytes)
+            except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: read here from now on
+                self._procs = []
+                return self._read_safely(info)
+            finally:
+                self._idle.put(proc)
+            return (None, err) if err else self._prepared(info, adapter)
+
+    def start_reader_processes(self, n: int) -> None:
+        """Read ahead in `n` worker processes (tp_lora.lora.reader) instead of on this process's reader thread."""
+        self._procs = [ReaderProcess() for _ in range(n)]
+        for proc in self._procs:
+            self._idle.put(proc)
 
     def forget(self) -> None:
         """Drop the host tier and any prefetches (a cold start for benchmarks)."""
@@ -323,30 +369,22 @@ class AdapterCache:
     def close(self) -> None:
         self._lending += 1  # for good: a read still running finishes at full speed instead of paced
         self._lent.set()
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            proc.close()
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._reader = None
         self._staged.clear()
 
     def _read_safely(self, info: AdapterInfo) -> tuple[Optional[object], Optional[str]]:
-        try:
-            return self._read(info), None
-        except (AdapterError, OSError, ValueError) as e:
-            return None, str(e)
-        except Exception as e:  # whatever a corrupt file raises, it fails this adapter only
-            return None, f"adapter {info.name!r}: {type(e).__name__}: {e}"
+        adapter, err = _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes, self.max_rank))
+        return (None, err) if err else self._prepared(info, adapter)
 
-    def _read(self, info: AdapterInfo):
-        adapter = load_peft_adapter(info.path, name=info.name, dtype=self.dtype)
-        if self.module_shapes is not None:
-            validate_adapter(adapter, self.module_shapes, self.max_rank)
-        if info.modules is not None:
-            now = {m: (tuple(x.a.shape), tuple(x.b.shape)) for m, x in adapter.modules.items()}
-            if now != info.modules:
-                diff = sorted(set(now.items()) ^ set(info.modules.items()))[:2]
-                raise _err(info.name, f"{os.path.join(info.path, WEIGHTS_FILE)} changed since it was registered "
-                                      f"at start (modules / shapes now differ: {diff})")
-        return self.prepare(adapter) if self.prepare is not None else adapter
+    def _prepared(self, info: AdapterInfo, adapter: LoRAAdapter) -> tuple[Optional[object], Optional[str]]:
+        if self.prepare is None:
+            return adapter, None
+        return _safely(info.name, lambda: self.prepare(adapter))
 
     # ---- device tier -----------------------------------------------------------------------------------------
     def load_slot(self, slots, slot: int, image, stream: Optional[torch.cuda.Stream] = None) -> None:
