@@ -477,7 +477,7 @@ def parse_args(argv=None):
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s); 0 = all at once")
     p.add_argument("--prompt-len", default="16:256", help="MIN:MAX, uniform")
     p.add_argument("--output-len", default="16:128", help="MIN:MAX, uniform")
-    p.add_argument("--max-loras", type=int, default=32)
+    p.add_argument("--max-loras", type=int, default=64, help="lora.max_loras (64: a slot per row of --batch 64)")
     p.add_argument("--max-cpu-loras", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--tokens-per-step", type=int, default=2048)
