@@ -21,11 +21,13 @@ def to_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[t
     return _packed(tensors, lambda flat: flat.to(device, non_blocking=True))
 
 
-def blocks(like: list[torch.Tensor]) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
-    """Zeroed (pageable) host tensors shaped like `like`, in order, as views of one block per dtype
-    -> (dtype -> block, views)."""
+def blocks(like: list[torch.Tensor], init: dict[torch.dtype, torch.Tensor] | None = None
+           ) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
+    """(Pageable) host tensors shaped like `like`, in order, as views of one block per dtype -> (dtype -> block,
+    views). The blocks start as copies of `init` (blocks this function returned before), else zeros."""
     sizes, offsets = _layout(like)
-    out = {dtype: torch.zeros(n, dtype=dtype) for dtype, n in sizes.items()}
+    out = {dtype: init[dtype].clone() if init is not None else torch.zeros(n, dtype=dtype)
+           for dtype, n in sizes.items()}
     return out, _views(out, like, offsets)
 
 

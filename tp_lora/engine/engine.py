@@ -140,10 +140,10 @@ class Engine:
         slot = 0
         for name in names:
             try:
-                adapter = self.cache.fetch(name)
+                image = self.cache.fetch(name)
             except AdapterError:
                 continue  # now in bad_adapters, on every rank alike
-            self.cache.load_slot(self.slots, slot, adapter)
+            self.cache.load_slot(self.slots, slot, image)
             self.slot_state.names[slot] = name
             slot += 1
         self.slot_state.pinned = True
@@ -189,14 +189,14 @@ class Engine:
         return f"adapter {name!r} failed to load: {why.removeprefix(f'adapter {name!r}: ')}"
 
     def _fetch(self, name: str) -> Optional[object]:
-        """Host copy of an adapter, or None when it cannot be used (the same verdict on every rank)."""
+        """An adapter's host form (its slot image), or None when it cannot be used (the same verdict on every rank)."""
         try:
             return self.cache.fetch(name)
         except AdapterError:
             return None
 
-    def _copy_into_slot(self, slot: int, adapter) -> None:
-        self.cache.load_slot(self.slots, slot, adapter, self.copy_stream)
+    def _copy_into_slot(self, slot: int, image) -> None:
+        self.cache.load_slot(self.slots, slot, image, self.copy_stream)
         self._copies_pending = self.copy_stream is not None
         self.stats.adapter_loads += 1
 
@@ -236,13 +236,13 @@ class Engine:
                         st.release(s)
                     raise ValueError(f"{len(names)} adapters do not fit in lora.max_loras={self.cfg.lora.max_loras} "
                                      f"slots")
-                adapter = self._fetch(name)
-                if adapter is None:
+                image = self._fetch(name)
+                if image is None:
                     for s in slot_of.values():
                         st.release(s)
                     raise ValueError(self._adapter_failure(name))
                 st.assign(slot, name)
-                self._copy_into_slot(slot, adapter)
+                self._copy_into_slot(slot, image)
                 st.loaded(slot)
             st.acquire(slot)  # held until all are placed, so no later name evicts it
             slot_of[name] = slot

@@ -298,7 +298,6 @@ class AdapterCache:
         staged = self._staged.pop(name, None)
         if staged is not None:
             self.stats.prefetched += 1
-        if staged is not None:
             with self.lending():
                 adapter, err = staged.result()
         else:

@@ -48,11 +48,6 @@ class SlotBuffers:
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    @property
-    def empty_is_zero(self) -> bool:
-        """Whether zeros everywhere is an empty slot (then a zeroed image needs no clear)."""
-        return True
-
     def clear(self, views: list[torch.Tensor]) -> None:
         """An empty slot: zero weights and scales (fp8 channel scales 1, so zeros stay exact zeros)."""
         for v in views:
@@ -120,10 +115,6 @@ class LoRALinear(SlotBuffers, nn.Module):
         """[A_s for s] + [B_s for s] + [scales] (+ [fp8 channel scales of B_s for s])."""
         return ([a.data[slot] for a in self.lora_a] + [b.data[slot] for b in self.lora_b] + [self.scales[:, slot]]
                 + [bs[slot] for bs in self.b_scales or ()])
-
-    @property
-    def empty_is_zero(self) -> bool:
-        return self.b_scales is None
 
     def clear(self, views: list[torch.Tensor]) -> None:
         n = 2 * len(self.lora_a) + 1

@@ -27,10 +27,6 @@ class SlotImage:
     blocks: dict[torch.dtype, torch.Tensor]  # one per dtype, in host memory
     views: list[torch.Tensor]  # SlotTable.views(slot)'s shapes, views of the blocks
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.blocks.values())
-
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """One-byte floats (fp8) as bytes: the batched copy is not defined for them, a byte copy is the same."""
@@ -59,9 +55,10 @@ class SlotTable:
         for v in self._template:
             self._sizes.setdefault(v.dtype, []).append(v.numel())
         self._dst: dict[int, tuple[dict, dict]] = {}
-
-    def slot_of(self, name: str) -> int | None:
-        return self.names.index(name) if name in self.names else None
+        # Every image starts as a copy of the empty one: each layer says what empty means (fp8 channel scales are 1).
+        self._empty, views = blocks(self._template)
+        for layer in self.layers:
+            layer.clear(views[slice(*self._spans[id(layer)])])
 
     def views(self, slot: int) -> list[torch.Tensor]:
         """Every layer's views of `slot`, layer after layer."""
@@ -69,10 +66,7 @@ class SlotTable:
 
     def image(self, adapter) -> SlotImage:
         """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only."""
-        host, views = blocks(self._template)
-        for layer in self.layers:
-            if not layer.empty_is_zero:
-                layer.clear(views[slice(*self._spans[id(layer)])])
+        host, views = blocks(self._template, self._empty)
         for path, m in adapter.modules.items():
             pause()
             layer, key = self.rt.targets[path]
@@ -86,14 +80,15 @@ class SlotTable:
             pieces = block.to(self.device, non_blocking=True).split(self._sizes[dtype])
             d, s = dense[dtype], strided[dtype]
             if d:
-                torch._foreach_copy_([_bits(v) for _, v in d], [_bits(pieces[k]) for k, _ in d])
+                torch._foreach_copy_([v for _, v in d], [_bits(pieces[k]) for k, _ in d])
             if s:
                 torch._foreach_copy_([v for _, v in s], [pieces[k].view(v.shape) for k, v in s])
         self.names[slot] = image.name
 
     def _targets(self, slot: int) -> tuple[dict, dict]:
         """Per dtype the slot's views as (position among that dtype's views, view): the contiguous ones flattened
-        for the fast batched copy, the strided ones (scale columns) in a second batch."""
+        (and fp8 as bytes) for the fast batched copy, the strided ones (scale columns) in a second batch. Built once
+        per slot: loads reuse them."""
         if slot not in self._dst:
             dense, strided = {}, {}
             by_dtype: dict[torch.dtype, int] = {}
@@ -101,7 +96,7 @@ class SlotTable:
                 k = by_dtype.get(v.dtype, 0)
                 by_dtype[v.dtype] = k + 1
                 if v.is_contiguous():
-                    dense.setdefault(v.dtype, []).append((k, v.view(-1)))
+                    dense.setdefault(v.dtype, []).append((k, _bits(v.view(-1))))
                 else:
                     strided.setdefault(v.dtype, []).append((k, v))
             self._dst[slot] = ({d: dense.get(d, []) for d in by_dtype}, {d: strided.get(d, []) for d in by_dtype})

@@ -198,6 +198,8 @@ def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Te
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
     return out
+
+
 def warm_up_sizes(max_tokens: int) -> list[int]:
     """Step sizes (tokens) that between them use every per-size variant of the kernels up to max_tokens. Triton
     compiles a variant on first use, ~1 s each: inside a served (or measured) step that is a latency spike."""
