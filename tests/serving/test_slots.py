@@ -1,6 +1,6 @@
 """Slot images: an adapter's host image copied into a used slot leaves exactly what emptying the slot and writing
 the adapter module by module leaves (untargeted modules, rank padding and the slot's previous adapter included), with
-B in the model dtype and in fp8."""
+B in the model dtype and in fp8; on CUDA from page-locked memory first, then again from the pageable host tier."""
 import os
 
 import pytest
@@ -29,7 +29,11 @@ def test_image_load_equals_module_by_module_writes(bundle, lora_dtype):
     # Each load reuses slot 0: a bigger rank after a smaller one, other targets, embeddings, then a single module.
     for name in ["r4", "r16", "emb", "a9"]:
         assert name not in engine.bad_adapters
-        slots.load(0, engine.cache.fetch(name))
+        image = engine.cache.fetch(name)
+        assert (image.pinned is not None) == (cfg.device == "cuda")  # a fresh image loads from page-locked memory
+        slots.load(0, image)
+        assert image.pinned is None
+        slots.load(1, image)  # a reload from the host tier: from pageable memory, the same contents
         for layer in slots.layers:
             layer.clear(layer.slot_views(2))
         adapter = load_peft_adapter(os.path.join(adapters, name), name=name, dtype=engine.cache.dtype)
@@ -47,3 +51,4 @@ def test_image_load_equals_module_by_module_writes(bundle, lora_dtype):
             else:
                 assert torch.equal(g.float(), w.float()), f"{name}: view {i} differs"
         assert slots.names[0] == name
+        assert all(torch.equal(a, b) for a, b in zip(slots.views(1), got)), f"{name}: reload differs"

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 import torch
-from safetensors import safe_open
 
+from tp_lora.lora import stfile
 from tp_lora.lora.pacing import pause
 
 CONFIG_FILE = "adapter_config.json"
@@ -244,15 +244,9 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
                  f"save_pretrained(dir, safe_serialization=True))" if alt else "")
         raise AdapterFileNotFoundError(f"adapter {name!r}: {weights} not found{extra}")
     try:
-        with safe_open(weights, framework="pt") as f:
-            out = {}
-            for k in f.keys():
-                pause()
-                out[k] = f.get_tensor(k)
-            return out
-    except Exception as e:  # SafetensorError is no stdlib error: say which file is bad
-        raise _err(name, f"{weights} ({os.path.getsize(weights)} bytes) is not a readable safetensors file "
-                         f"(corrupt or truncated?): {e}") from e
+        return stfile.read_tensors(weights)
+    except stfile.SafetensorsError as e:
+        raise _err(name, f"{weights} is not a readable safetensors file (corrupt or truncated?): {e.detail}") from e
 
 
 def _parse_key(key: str) -> Optional[tuple[str, str]]:
@@ -324,8 +318,8 @@ def _load(path: str, name: str, dtype: torch.dtype) -> LoRAAdapter:
 
     use_rslora = bool(cfg.get("use_rslora", False))
     modules: dict[str, ModuleLoRA] = {}
+    pause()
     for module in sorted(parts):
-        pause()
         ab = parts[module]
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
@@ -372,15 +366,28 @@ _EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16,
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
-    """NaN/Inf values in t. torch.isfinite on bf16 CPU tensors cost ~0.2 ms per small tensor, paid hundreds of
-    times per adapter swap: one float32 sum settles the common case (any NaN/Inf makes it non-finite), and integer
-    bit tests count exactly when it is not (finite values can overflow the sum too)."""
+    """NaN/Inf values in t (torch.isfinite on bf16 CPU tensors is slow, ~0.2 ms per small tensor): one float32 sum
+    settles the common case (any NaN/Inf makes it non-finite), and integer bit tests count exactly when it is not
+    (finite values can overflow the sum too)."""
     if t.numel() == 0 or (t.is_floating_point() and math.isfinite(float(torch.sum(t, dtype=torch.float32)))):
         return 0
     if t.dtype not in _EXPONENT:
         return int((~torch.isfinite(t)).sum())
     itype, mask = _EXPONENT[t.dtype]
     return int(((t.contiguous().view(itype) & mask) == mask).sum())
+
+
+def _check_finite(adapter: LoRAAdapter) -> None:
+    """Raise for the first module holding a NaN/Inf. One batched norm per adapter screens every tensor (a NaN/Inf
+    makes its norm non-finite); only the flagged ones are counted exactly (a norm can overflow on finite values)."""
+    named = [(module, what, t) for module, m in adapter.modules.items() for what, t in (("A", m.a), ("B", m.b))]
+    if not named:
+        return
+    flags = torch.isfinite(torch.stack(torch._foreach_norm([t for _, _, t in named]))).tolist()
+    for (module, what, t), ok in zip(named, flags):
+        bad = 0 if ok else count_nonfinite(t)
+        if bad:
+            raise _err(adapter.name, f"module {module!r}: lora_{what} has {bad} NaN/Inf values")
 
 
 def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:
@@ -391,7 +398,6 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
     """
     n = adapter.name
     for module, m in adapter.modules.items():
-        pause()
         a, b = m.a, m.b
         if m.rank > max_rank:
             raise _err(n, f"module {module!r} has rank {m.rank} > lora.max_rank={max_rank} (raise lora.max_rank "
@@ -409,12 +415,10 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise _err(n, f"module {module!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
                           f"A {want_a} / B {want_b} (in={fin}, out={fout}) — built for another model?")
-        for what, t in (("A", a), ("B", b)):
-            bad = count_nonfinite(t)
-            if bad:
-                raise _err(n, f"module {module!r}: lora_{what} has {bad} NaN/Inf values")
         if not math.isfinite(m.scale):
             raise _err(n, f"module {module!r}: scale {m.scale} is not finite")
+    pause()
+    _check_finite(adapter)
     vocab = (module_shapes["model.embed_tokens"][0] if "model.embed_tokens" in module_shapes else
              module_shapes["lm_head"][1] if "lm_head" in module_shapes else None)
     for key, shape in adapter.saved_base_weights.items():

@@ -19,7 +19,6 @@ import json
 import os
 import pickle
 import queue
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -30,14 +29,14 @@ from typing import Callable, Optional
 import torch
 
 from tp_lora import distributed as comm
+from tp_lora.lora import stfile
 from tp_lora.lora.pacing import paced
+from tp_lora.lora.stfile import FLOAT_DTYPES
 from tp_lora.lora.reader import ReaderProcess
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
 
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
 PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
@@ -69,37 +68,11 @@ class AdapterInfo:
 
 
 def read_safetensors_header(path: str, owner: str) -> dict[str, dict]:
-    """tensor name -> {dtype, shape, data_offsets} from a safetensors file's header, checked against the file size
-    (a truncated file fails here, at registration, rather than at first use)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _err(owner, f"{path} has {size} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise _err(owner, f"{path}: header length {n} does not fit the file's {size} bytes (truncated or not "
-                              f"a safetensors file)")
-        raw = f.read(n)
+    """The weights' header, checked against the file (a truncated file fails at registration, not at first use)."""
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _err(owner, f"{path}: the safetensors header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise _err(owner, f"{path}: the safetensors header is a JSON {type(header).__name__}, expected an object")
-    header.pop("__metadata__", None)
-    data = size - 8 - n
-    for key, meta in header.items():
-        if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list) or \
-                not isinstance(meta.get("data_offsets"), list) or len(meta["data_offsets"]) != 2:
-            raise _err(owner, f"{path}: header entry {key!r} = {meta!r}, expected {{dtype, shape, data_offsets}}")
-        start, stop = meta["data_offsets"]
-        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
-            raise _err(owner, f"{path}: tensor {key!r} has data_offsets {meta['data_offsets']}")
-        if stop > data:
-            raise _err(owner, f"{path}: tensor {key!r} ends at byte {stop} of the data, but the file holds only "
-                              f"{data} data bytes (truncated?)")
-    return header
+        return stfile.read_header(path)
+    except stfile.SafetensorsError as e:
+        raise _err(owner, str(e)) from e
 
 
 def register_adapter(name: str, path: str) -> AdapterInfo:

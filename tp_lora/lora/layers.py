@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Callable
 
 import torch
 from torch import nn
@@ -40,6 +41,13 @@ class LoRARuntime:
         return self.batch is not None and self.batch.any_lora
 
 
+Copy = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
 class SlotBuffers:
     """The per-slot state of a LoRA layer as a flat list of views (slot_views), so an adapter's slot contents can
     be assembled anywhere (a host image, tp_lora.lora.slots) and copied into a slot in one go. `write` and `clear`
@@ -53,7 +61,10 @@ class SlotBuffers:
         for v in views:
             v.zero_()
 
-    def write(self, views: list[torch.Tensor], key, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    def write(self, views: list[torch.Tensor], key, a: torch.Tensor, b: torch.Tensor, scale: float,
+              copy: Copy = copy_into) -> None:
+        """Put one target module's LoRA (whole: a [r, in], b [out, r]) into the views, tensors through copy(dst,
+        src): an image builder gathers them into one batched copy."""
         raise NotImplementedError
 
     def set_slot(self, slot: int, key, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
@@ -123,19 +134,19 @@ class LoRALinear(SlotBuffers, nn.Module):
         for v in views[n:]:
             v.fill_(1.0)
 
-    def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor,
-              scale: float) -> None:
+    def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
+              copy: Copy = copy_into) -> None:
         """One slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard."""
         n = len(self.lora_a)
         dev = views[0].device
         a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
         size = (self.tp.rank, self.tp.size)
-        views[slice_idx].copy_(shard_lora_a(self.spec, a, *size, self.fully_sharded))
+        copy(views[slice_idx], shard_lora_a(self.spec, a, *size, self.fully_sharded))
         b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
         if self.b_scales is not None:
             b, b_scale = quantize_fp8_per_channel(b)
-            views[2 * n + 1 + slice_idx].copy_(b_scale)
-        views[n + slice_idx].copy_(b)
+            copy(views[2 * n + 1 + slice_idx], b_scale)
+        copy(views[n + slice_idx], b)
         views[2 * n][slice_idx] = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,13 +185,13 @@ class LoRAEmbedding(SlotBuffers, nn.Module):
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         return [self.lora_a_t.data[slot], self.lora_b.data[slot], self.scales[:, slot]]
 
-    def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor,
-              scale: float) -> None:
+    def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
+              copy: Copy = copy_into) -> None:
         """a: PEFT's lora_embedding_A [r, vocab]; b: lora_embedding_B [hidden, r]."""
         dev = views[0].device
         a_t = _pad(a.t(), 1, self.rt.max_rank, dev)
-        views[0].copy_(take(a_t, (self.base.vocab_start, self.base.vocab_end), 0))
-        views[1].copy_(_pad(b, 1, self.rt.max_rank, dev))
+        copy(views[0], take(a_t, (self.base.vocab_start, self.base.vocab_end), 0))
+        copy(views[1], _pad(b, 1, self.rt.max_rank, dev))
         views[2][0] = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.moe import Experts
-from tp_lora.lora.layers import LoRARuntime, SlotBuffers, _pad
+from tp_lora.lora.layers import Copy, LoRARuntime, SlotBuffers, _pad, copy_into
 from tp_lora.ops.moe_ref import MoEPairs
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
 
@@ -67,7 +67,7 @@ class LoRAExperts(SlotBuffers, nn.Module):
                 + [self.lora_a2.data[slot], self.lora_b2.data[slot], self.scales[:, slot]])
 
     def write(self, views: list[torch.Tensor], key: tuple[str, int], a: torch.Tensor, b: torch.Tensor,
-              scale: float) -> None:
+              scale: float, copy: Copy = copy_into) -> None:
         """One expert's LoRA, given whole: a [r, in], b [out, r]; key = (kind, global expert id). Experts other
         ranks hold are skipped: each rank keeps only its experts' slices."""
         kind, expert = key
@@ -83,8 +83,8 @@ class LoRAExperts(SlotBuffers, nn.Module):
         size = (self.tp.rank, self.tp.size, self.fully_sharded)
         if kind == "w2":
             spec = self.base.down_spec
-            a2[e].copy_(shard_lora_a(spec, a, *size))
-            b2[e].copy_(shard_lora_b(spec, 0, b, *size))
+            copy(a2[e], shard_lora_a(spec, a, *size))
+            copy(b2[e], shard_lora_b(spec, 0, b, *size))
             scales[n, e] = scale
             return
         spec = self.base.up_spec
@@ -96,8 +96,8 @@ class LoRAExperts(SlotBuffers, nn.Module):
                 raise ValueError(f"{kind} targets the up projection of a non-gated expert")
             parts = [(s, b)]
         for s, bs in parts:
-            a13[s][e].copy_(shard_lora_a(spec, a, *size))
-            b13[s][e].copy_(shard_lora_b(spec, s, bs, *size))
+            copy(a13[s][e], shard_lora_a(spec, a, *size))
+            copy(b13[s][e], shard_lora_b(spec, s, bs, *size))
             scales[s, e] = scale
 
     def forward(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:

@@ -6,13 +6,19 @@ are built off the step loop (by the adapter cache's reader, on a background thre
 host->device copy per dtype plus one batched device copy into the slot's views, instead of a few operations per
 module and layer (measured on an H200 at ~15 ms of host time per load that way).
 
-Images stay in pageable memory: page-locking one (cudaHostAlloc, ~13 ms per 20 MB in an H100 profile) cost the
-reader more than the rest of a read, while a copy from pageable memory only holds the step loop for the time the
-driver takes to stage it (GIL released meanwhile).
+The host tier keeps images in pageable memory (page-locking each one, cudaHostAlloc, cost ~13 ms per 20 MB in an H100
+profile). But a copy from pageable memory holds the step loop while the driver stages the bytes (~6 ms per 20 MB
+adapter on an H200 host, the biggest part of a slot load), so on CUDA a fresh image also gets a page-locked copy,
+made on the reader thread into blocks of torch's pinned-memory cache (warmed at start, so no cudaHostAlloc on the
+way). Its load is then an asynchronous copy; the page-locked copy is dropped once loaded (torch keeps the block
+until the copy is done) and at most PINNED_IMAGES exist at a time, beyond which images load from pageable memory.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -26,6 +32,12 @@ class SlotImage:
     name: str
     blocks: dict[torch.dtype, torch.Tensor]  # one per dtype, in host memory
     views: list[torch.Tensor]  # SlotTable.views(slot)'s shapes, views of the blocks
+    pinned: Optional[dict[torch.dtype, torch.Tensor]] = None  # a page-locked copy of the blocks, until loaded
+
+
+# Page-locked image copies alive at once: about as many as the cache reads ahead (lora.cache.PREFETCH_DEPTH), and
+# within PINNED_BYTES (torch's pinned cache rounds each block up to a power of two).
+PINNED_IMAGES, PINNED_BYTES = 32, 1 << 30
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -59,6 +71,14 @@ class SlotTable:
         self._empty, views = blocks(self._template)
         for layer in self.layers:
             layer.clear(views[slice(*self._spans[id(layer)])])
+        self._pins = None
+        if self.device.type == "cuda":
+            size = sum(1 << (b.nbytes - 1).bit_length() for b in self._empty.values())
+            n = max(1, min(PINNED_IMAGES, PINNED_BYTES // size))
+            self._pins = threading.BoundedSemaphore(n)
+            # Allocated and freed: torch's pinned-memory cache keeps the blocks for the images' copies.
+            warm = [torch.empty_like(b, pin_memory=True) for _ in range(n) for b in self._empty.values()]
+            del warm
 
     def views(self, slot: int) -> list[torch.Tensor]:
         """Every layer's views of `slot`, layer after layer."""
@@ -66,17 +86,33 @@ class SlotTable:
 
     def image(self, adapter) -> SlotImage:
         """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only."""
+        pause()
         host, views = blocks(self._template, self._empty)
+        dsts, srcs = [], []
+
+        def gather(dst: torch.Tensor, src: torch.Tensor) -> None:
+            dsts.append(_bits(dst))
+            srcs.append(_bits(src))
+
         for path, m in adapter.modules.items():
-            pause()
             layer, key = self.rt.targets[path]
-            layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale)
-        return SlotImage(adapter.name, host, views)
+            layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
+        pause()
+        torch._foreach_copy_(dsts, srcs)  # one call (GIL released inside) instead of hundreds of small copies
+        return SlotImage(adapter.name, host, views, self._pinned(host))
+
+    def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
+        if self._pins is None or not self._pins.acquire(blocking=False):
+            return None
+        pinned = {dtype: torch.empty_like(b, pin_memory=True).copy_(b) for dtype, b in host.items()}
+        weakref.finalize(next(iter(pinned.values())), self._pins.release)  # loaded, or dropped unloaded
+        return pinned
 
     def load(self, slot: int, image: SlotImage) -> None:
         """Copy an image into `slot` on the current stream."""
         dense, strided = self._targets(slot)
-        for dtype, block in image.blocks.items():
+        source, image.pinned = image.pinned or image.blocks, None
+        for dtype, block in source.items():
             pieces = block.to(self.device, non_blocking=True).split(self._sizes[dtype])
             d, s = dense[dtype], strided[dtype]
             if d:

@@ -1,0 +1,105 @@
+"""Safetensors files read in one piece: the header checked against the file, the tensors as views of one buffer.
+
+safetensors' safe_open hands out one tensor per call, a few Python-level steps each, and an adapter of a 16-layer
+model holds a couple of hundred tensors. Adapter reads run beside the step loop and share its GIL (see
+tp_lora.lora.pacing), so a read should be few Python steps: here one readinto into an untouched buffer (the GIL is released while
+the bytes arrive) and one view per tensor. Errors are SafetensorsError naming the file and what is wrong with it.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import struct
+
+import torch
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+          "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+FLOAT_DTYPES = tuple(k for k, v in DTYPES.items() if v.is_floating_point)
+
+
+class SafetensorsError(ValueError):
+    def __init__(self, path: str, detail: str):
+        super().__init__(f"{path}: {detail}")
+        self.detail = detail
+
+
+def read_header(path: str) -> dict[str, dict]:
+    """tensor name -> {dtype, shape, data_offsets}, each entry checked against the file's size (a truncated file
+    fails here, without reading its data)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = _header_len(head, size, path)
+        return _parse(f.read(n), size - 8 - n, path)
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, in header order, as views of one host buffer holding the whole file."""
+    size = os.path.getsize(path)
+    # Not a bytearray: that one is zeroed with the GIL held, and fresh pages cost ~10 ms per 20 MB to touch on a VM.
+    data = torch.empty(size, dtype=torch.uint8)
+    buf = memoryview((ctypes.c_char * size).from_address(data.data_ptr())).cast("B")
+    with open(path, "rb") as f:
+        got = f.readinto(buf)
+    if got != size:
+        raise SafetensorsError(path, f"read {got} of its {size} bytes (changed while being read?)")
+    n = _header_len(bytes(buf[:8]), size, path)
+    header = _parse(bytes(buf[8:8 + n]), size - 8 - n, path)
+    del buf
+    out = {}
+    for key, meta in header.items():
+        dtype = DTYPES[meta["dtype"]]
+        start, stop = (8 + n + o for o in meta["data_offsets"])
+        raw = data[start:stop]
+        if start % dtype.itemsize:  # the format does not promise aligned tensors; views need them
+            raw = raw.clone()
+        out[key] = raw.view(dtype).view(meta["shape"])
+    return out
+
+
+def _header_len(head: bytes, size: int, path: str) -> int:
+    if len(head) < 8:
+        raise SafetensorsError(path, f"holds {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise SafetensorsError(path, f"header length {n} does not fit the file's {size} bytes (truncated or not "
+                               f"a safetensors file)")
+    return n
+
+
+def _parse(raw: bytes, data_bytes: int, path: str) -> dict[str, dict]:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsError(path, f"the safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise SafetensorsError(path, f"the safetensors header is a JSON {type(header).__name__}, expected an "
+                               f"object")
+    header.pop("__metadata__", None)
+    for key, meta in header.items():
+        if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list) or \
+                not isinstance(meta.get("data_offsets"), list) or len(meta["data_offsets"]) != 2:
+            raise SafetensorsError(path, f"header entry {key!r} = {meta!r}, expected {{dtype, shape, "
+                                   f"data_offsets}}")
+        if meta.get("dtype") not in DTYPES:
+            raise SafetensorsError(path, f"tensor {key!r} has dtype {meta.get('dtype')!r}, expected one of "
+                                   f"{sorted(DTYPES)}")
+        shape, (start, stop) = meta["shape"], meta["data_offsets"]
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise SafetensorsError(path, f"tensor {key!r} has shape {shape}")
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
+            raise SafetensorsError(path, f"tensor {key!r} has data_offsets {meta['data_offsets']}")
+        if stop > data_bytes:
+            raise SafetensorsError(path, f"tensor {key!r} ends at byte {stop} of the data, but the file holds "
+                                   f"only {data_bytes} data bytes (truncated?)")
+        want = DTYPES[meta["dtype"]].itemsize * math.prod(shape)
+        if stop - start != want:
+            raise SafetensorsError(path, f"tensor {key!r} ({meta['dtype']} {shape}) needs {want} bytes, its "
+                                   f"data_offsets give {stop - start}")
+    return header
+
