@@ -9,6 +9,7 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
 from tp_lora.lora.adapter import load_peft_adapter
+from tp_lora.lora.slots import SlotTable
 from tp_lora.testing import device_under_test
 
 from _serving import serving_cfg
@@ -52,3 +53,24 @@ def test_image_load_equals_module_by_module_writes(bundle, lora_dtype):
                 assert torch.equal(g.float(), w.float()), f"{name}: view {i} differs"
         assert slots.names[0] == name
         assert all(torch.equal(a, b) for a, b in zip(slots.views(1), got)), f"{name}: reload differs"
+
+
+def test_pooled_images_are_recycled_and_start_empty(bundle):
+    """Images live in pooled host memory: an entry freed by a dropped image is reused, and an image built in it (after
+    a bigger adapter with other targets) equals one built in new memory; with the pool empty images still build."""
+    model, adapters = bundle
+    engine = Engine(serving_cfg(max_loras=3), comm.single_process("cpu"), model, adapters)
+    table = SlotTable(engine.rt, host_images=1)
+    read = {name: load_peft_adapter(os.path.join(adapters, name), name=name, dtype=engine.cache.dtype)
+            for name in ("r16", "emb", "a9")}
+    first = table.image(read["r16"])
+    assert table._pool.free == []
+    spill = table.image(read["emb"])  # the pool is empty: new memory
+    assert all(b.data_ptr() != p.data_ptr() for b, p in zip(spill.blocks.values(), table._pool.blocks.values()))
+    del first
+    assert table._pool.free == [0]
+    pooled = table.image(read["a9"])
+    assert all(b.data_ptr() == p.data_ptr() for b, p in zip(pooled.blocks.values(), table._pool.blocks.values()))
+    fresh = SlotTable(engine.rt).image(read["a9"])
+    for dtype, block in fresh.blocks.items():
+        assert torch.equal(pooled.blocks[dtype], block)

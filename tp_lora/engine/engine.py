@@ -23,7 +23,7 @@ from tp_lora.engine.runner import ModelRunner, StepBatch
 from tp_lora.engine.sampler import sample
 from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler, Sequence, SlotState
 from tp_lora.lora.adapter import AdapterError, discover_adapters
-from tp_lora.lora.cache import AdapterCache, AdapterInfo
+from tp_lora.lora.cache import PREFETCH_DEPTH, AdapterCache, AdapterInfo
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.lora.slots import SlotTable
 from tp_lora.models.checkpoint import CheckpointReader, load_hf_config
@@ -101,7 +101,8 @@ class Engine:
         self.copy_stream = torch.cuda.Stream(ps.device) if ps.device.type == "cuda" else None
         self._copies_pending = False
         if self.rt is not None:
-            self.slots = SlotTable(self.rt)
+            # Images alive at once: the host tier, the reads ahead, one being fetched.
+            self.slots = SlotTable(self.rt, host_images=lo.max_cpu_loras + PREFETCH_DEPTH + 1)
             self.cache.attach_model(module_shapes(self.rt), lo.max_rank, self.slots.image)
             if getattr(self.model, "needs_lockstep", False):
                 self._pin_adapters()

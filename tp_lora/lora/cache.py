@@ -350,8 +350,11 @@ class AdapterCache:
         self._staged.clear()
 
     def _read_safely(self, info: AdapterInfo) -> tuple[Optional[object], Optional[str]]:
-        adapter, err = _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes, self.max_rank))
-        return (None, err) if err else self._prepared(info, adapter)
+        # With `prepare` (slot images) nothing of the read outlives this call: its buffer serves the next read.
+        with stfile.reusing_buffer() if self.prepare is not None else contextlib.nullcontext():
+            adapter, err = _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes,
+                                                                   self.max_rank))
+            return (None, err) if err else self._prepared(info, adapter)
 
     def _prepared(self, info: AdapterInfo, adapter: LoRAAdapter) -> tuple[Optional[object], Optional[str]]:
         if self.prepare is None:

@@ -45,10 +45,41 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
-class SlotTable:
-    """`max_loras` device slots shared by every LoRA layer of a model."""
+class ImagePool:
+    """Host memory for `capacity` slot images, allocated and faulted in at start. A fresh image's pages otherwise
+    cost the reader most of a read (on a 2-core VM: ~50 ms to fault in 20 MB while the host tier fills), and the
+    host tier only grows to its bound once anyway. An entry returns to the pool when its image is dropped."""
 
-    def __init__(self, rt: LoRARuntime):
+    def __init__(self, sizes: dict[torch.dtype, int], capacity: int):
+        try:
+            self.blocks = {dtype: torch.empty(capacity, n, dtype=dtype) for dtype, n in sizes.items()}
+        except RuntimeError as e:
+            need = capacity * sum(n * dtype.itemsize for dtype, n in sizes.items())
+            raise RuntimeError(f"the host adapter cache needs {need / 2**30:.1f} GiB for {capacity} slot images "
+                               f"(lora.max_cpu_loras plus the adapters read ahead): lower lora.max_cpu_loras ({e})"
+                               ) from e
+        for b in self.blocks.values():
+            b.zero_()
+        self.free = list(range(capacity))
+        self.lock = threading.Lock()
+
+    def take(self) -> Optional[tuple[int, dict[torch.dtype, torch.Tensor]]]:
+        with self.lock:
+            if not self.free:
+                return None
+            i = self.free.pop()
+        return i, {dtype: b[i] for dtype, b in self.blocks.items()}
+
+    def give(self, i: int) -> None:
+        with self.lock:
+            self.free.append(i)
+
+
+class SlotTable:
+    """`max_loras` device slots shared by every LoRA layer of a model; images of adapters to copy into them are
+    built in `host_images` pooled entries (beyond them in new memory)."""
+
+    def __init__(self, rt: LoRARuntime, host_images: int = 0):
         self.rt = rt
         self.names: list[str | None] = [None] * rt.max_loras
         layers = {}
@@ -66,11 +97,12 @@ class SlotTable:
         self._sizes: dict[torch.dtype, list[int]] = {}
         for v in self._template:
             self._sizes.setdefault(v.dtype, []).append(v.numel())
-        self._dst: dict[int, tuple[dict, dict]] = {}
         # Every image starts as a copy of the empty one: each layer says what empty means (fp8 channel scales are 1).
         self._empty, views = blocks(self._template)
         for layer in self.layers:
             layer.clear(views[slice(*self._spans[id(layer)])])
+        self._dst = [self._targets(slot) for slot in range(rt.max_loras)]  # built at start: loads only use them
+        self._pool = ImagePool({d: b.numel() for d, b in self._empty.items()}, host_images) if host_images else None
         self._pins = None
         if self.device.type == "cuda":
             size = sum(1 << (b.nbytes - 1).bit_length() for b in self._empty.values())
@@ -87,7 +119,8 @@ class SlotTable:
     def image(self, adapter) -> SlotImage:
         """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only."""
         pause()
-        host, views = blocks(self._template, self._empty)
+        entry = self._pool.take() if self._pool is not None else None
+        host, views = blocks(self._template, self._empty, entry[1] if entry else None)
         dsts, srcs = [], []
 
         def gather(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -99,7 +132,10 @@ class SlotTable:
             layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
         pause()
         torch._foreach_copy_(dsts, srcs)  # one call (GIL released inside) instead of hundreds of small copies
-        return SlotImage(adapter.name, host, views, self._pinned(host))
+        image = SlotImage(adapter.name, host, views, self._pinned(host))
+        if entry is not None:
+            weakref.finalize(image, self._pool.give, entry[0])
+        return image
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
         if self._pins is None or not self._pins.acquire(blocking=False):
@@ -110,30 +146,29 @@ class SlotTable:
 
     def load(self, slot: int, image: SlotImage) -> None:
         """Copy an image into `slot` on the current stream."""
-        dense, strided = self._targets(slot)
         source, image.pinned = image.pinned or image.blocks, None
         for dtype, block in source.items():
-            pieces = block.to(self.device, non_blocking=True).split(self._sizes[dtype])
-            d, s = dense[dtype], strided[dtype]
-            if d:
-                torch._foreach_copy_([v for _, v in d], [_bits(pieces[k]) for k, _ in d])
-            if s:
-                torch._foreach_copy_([v for _, v in s], [pieces[k].view(v.shape) for k, v in s])
+            pieces = _bits(block.to(self.device, non_blocking=True)).split(self._sizes[dtype])
+            (dense, dense_at), (strided, strided_at) = self._dst[slot][dtype]
+            if dense:
+                torch._foreach_copy_(dense, [pieces[k] for k in dense_at])
+            if strided:
+                torch._foreach_copy_(strided, [pieces[k].view(v.shape) for k, v in zip(strided_at, strided)])
         self.names[slot] = image.name
 
-    def _targets(self, slot: int) -> tuple[dict, dict]:
-        """Per dtype the slot's views as (position among that dtype's views, view): the contiguous ones flattened
-        (and fp8 as bytes) for the fast batched copy, the strided ones (scale columns) in a second batch. Built once
-        per slot: loads reuse them."""
-        if slot not in self._dst:
-            dense, strided = {}, {}
-            by_dtype: dict[torch.dtype, int] = {}
-            for v in self.views(slot):
-                k = by_dtype.get(v.dtype, 0)
-                by_dtype[v.dtype] = k + 1
-                if v.is_contiguous():
-                    dense.setdefault(v.dtype, []).append((k, _bits(v.view(-1))))
-                else:
-                    strided.setdefault(v.dtype, []).append((k, v))
-            self._dst[slot] = ({d: dense.get(d, []) for d in by_dtype}, {d: strided.get(d, []) for d in by_dtype})
-        return self._dst[slot]
+    def _targets(self, slot: int) -> dict[torch.dtype, tuple[tuple[list, list], tuple[list, list]]]:
+        """Per dtype the slot's views for the batched copies, each with its position among that dtype's views: the
+        contiguous ones flattened (fp8 as bytes), and the strided ones (scale columns) for a second batch."""
+        out: dict[torch.dtype, tuple[tuple[list, list], tuple[list, list]]] = {}
+        by_dtype: dict[torch.dtype, int] = {}
+        for v in self.views(slot):
+            k = by_dtype.get(v.dtype, 0)
+            by_dtype[v.dtype] = k + 1
+            (dense, dense_at), (strided, strided_at) = out.setdefault(v.dtype, (([], []), ([], [])))
+            if v.is_contiguous():
+                dense.append(_bits(v.view(-1)))
+                dense_at.append(k)
+            else:
+                strided.append(v)
+                strided_at.append(k)
+        return out

@@ -7,11 +7,13 @@ the bytes arrive) and one view per tensor. Errors are SafetensorsError naming th
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
 import os
 import struct
+import threading
 
 import torch
 
@@ -38,11 +40,32 @@ def read_header(path: str) -> dict[str, dict]:
         return _parse(f.read(n), size - 8 - n, path)
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def reusing_buffer():
+    """read_tensors on this thread, inside the block, reads into one buffer kept for the thread instead of fresh
+    memory, for callers done with each read's tensors before the next read (the adapter cache, which copies them
+    into a slot image): faulting in a fresh buffer's pages is a good part of a read's cost."""
+    old = getattr(_local, "reuse", False)
+    _local.reuse = True
+    try:
+        yield
+    finally:
+        _local.reuse = old
+
+
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the file, in header order, as views of one host buffer holding the whole file."""
     size = os.path.getsize(path)
     # Not a bytearray: that one is zeroed with the GIL held, and fresh pages cost ~10 ms per 20 MB to touch on a VM.
-    data = torch.empty(size, dtype=torch.uint8)
+    if getattr(_local, "reuse", False):
+        if getattr(_local, "buf", None) is None or _local.buf.numel() < size:
+            _local.buf = torch.empty(size, dtype=torch.uint8)
+        data = _local.buf[:size]
+    else:
+        data = torch.empty(size, dtype=torch.uint8)
     buf = memoryview((ctypes.c_char * size).from_address(data.data_ptr())).cast("B")
     with open(path, "rb") as f:
         got = f.readinto(buf)
