@@ -15,6 +15,7 @@ and the forward is y += scale * (x A^T) B^T (embeddings: scale * B[:, A[:, ids]]
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -249,6 +250,7 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
         raise _err(name, f"{weights} is not a readable safetensors file (corrupt or truncated?): {e.detail}") from e
 
 
+@functools.lru_cache(maxsize=1 << 16)  # adapters of one deployment repeat the same few hundred keys
 def _parse_key(key: str) -> Optional[tuple[str, str]]:
     """'base_model.model.model.layers.0.mlp.up_proj.lora_A[.default].weight' -> (module path, 'A' | 'B');
     None for anything else (a linear LoRA without ".weight", an embedding LoRA with it, other tensors)."""
