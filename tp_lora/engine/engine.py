@@ -25,7 +25,6 @@ from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler, Sequence, SlotState
 from tp_lora.lora.adapter import AdapterError, discover_adapters
 from tp_lora.lora.cache import PREFETCH_DEPTH, AdapterCache, AdapterInfo
 from tp_lora.lora.layers import LoRARuntime, module_shapes
-from tp_lora.lora.pacing import shorten_gil_turns
 from tp_lora.lora.slots import SlotTable
 from tp_lora.models.checkpoint import CheckpointReader, load_hf_config
 from tp_lora.models.loader import load_weights
@@ -80,8 +79,6 @@ class Engine:
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
         self.cache.paced = ps.device.type == "cuda"
-        if self.cache.paced and self.adapter_paths:
-            shorten_gil_turns()
         if lo.reader_processes and self.adapter_paths:
             self.cache.start_reader_processes(lo.reader_processes)
         self.rt = None

@@ -12,7 +12,6 @@ step loop is busy. Elsewhere pause() does nothing.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from typing import Callable
 
@@ -35,13 +34,3 @@ def paced(fn: Callable[[], None]):
     finally:
         _local.fn = old
 
-
-SWITCH_S = 5e-4
-
-
-def shorten_gil_turns() -> None:
-    """A thread running pure Python (the reader parsing a header, matching a few hundred keys) keeps the GIL until
-    another thread has asked for it for the interpreter's switch interval, 5 ms by default: the step loop, back from
-    waiting on the GPU, would lose up to that much per step while a read goes on. Process-wide; only ever lowered."""
-    if sys.getswitchinterval() > SWITCH_S:
-        sys.setswitchinterval(SWITCH_S)
