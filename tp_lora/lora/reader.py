@@ -1,9 +1,10 @@
 """Adapter reads in a process of their own (`lora.reader_processes`).
 
-A read is GIL-bound Python (safetensors tensors, dtype conversion, checks: ~20-40 ms for a 20 MB adapter), and a
-reader thread shares the GIL with the step loop (see tp_lora.lora.pacing). A worker process does that part with a
-GIL of its own and hands the weights back as one file in shared memory (/dev/shm where it has room); the engine's
-reader thread then only maps it and builds the slot image.
+A reader thread shares the GIL with the step loop (see tp_lora.lora.pacing). A worker process reads and checks the
+file with a GIL of its own and hands the weights back as one file in shared memory (/dev/shm where it has room); the
+engine's reader thread then only maps it and builds the slot image. Since in-process reads were cut to a few
+GIL-light stages this measured no faster on a 2x H200 host (BENCHMARKS.md), hence off by default: an option for
+hosts whose step loop suffers more from a reader thread.
 
 The worker is `python -m tp_lora.lora.reader`, talking pickles over its stdin / stdout, rather than a
 multiprocessing pool: spawn would re-run the user's main script in every worker.
