@@ -11,9 +11,10 @@ step loop is busy. Elsewhere pause() does nothing.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Callable
+
+from tp_lora.threadlocal import setting
 
 _local = threading.local()
 
@@ -24,13 +25,6 @@ def pause() -> None:
         fn()
 
 
-@contextlib.contextmanager
 def paced(fn: Callable[[], None]):
     """pause() calls fn on this thread inside the block."""
-    old = getattr(_local, "fn", None)
-    _local.fn = fn
-    try:
-        yield
-    finally:
-        _local.fn = old
-
+    return setting(_local, "fn", fn)

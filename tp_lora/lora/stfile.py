@@ -7,7 +7,6 @@ the bytes arrive) and one view per tensor. Errors are SafetensorsError naming th
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import math
@@ -16,6 +15,8 @@ import struct
 import threading
 
 import torch
+
+from tp_lora.threadlocal import setting
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -43,17 +44,11 @@ def read_header(path: str) -> dict[str, dict]:
 _local = threading.local()
 
 
-@contextlib.contextmanager
 def reusing_buffer():
     """read_tensors on this thread, inside the block, reads into one buffer kept for the thread instead of fresh
     memory, for callers done with each read's tensors before the next read (the adapter cache, which copies them
     into a slot image): faulting in a fresh buffer's pages is a good part of a read's cost."""
-    old = getattr(_local, "reuse", False)
-    _local.reuse = True
-    try:
-        yield
-    finally:
-        _local.reuse = old
+    return setting(_local, "reuse", True)
 
 
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
