@@ -42,6 +42,8 @@ def test_prefetched_adapters_equal_direct_reads_and_bad_files_fail_alike(zoo, pr
     if processes:  # lora.reader_processes: the reads in worker processes, handed back through a file
         ahead.start_reader_processes(processes)
     ahead.prefetch(["a1", "a5", "nope", "a2"])
+    for read in list(ahead._staged.values()):
+        read.result(timeout=60)
     for name in ("a1", "a2"):
         want, got = direct.fetch(name), ahead.fetch(name)
         assert got.modules.keys() == want.modules.keys()
@@ -85,6 +87,25 @@ def test_paced_reader_waits_for_the_step_loop_and_reads_the_same(zoo, monkeypatc
     ahead.prefetch(["a2"])
     with ahead.lending():
         ahead._staged["a2"].result(timeout=20)
+    ahead.close()
+
+
+def test_fetch_reads_an_adapter_still_queued_for_read_ahead_itself(zoo, monkeypatch):
+    """The step loop does not wait behind the reader's queue: an adapter whose read ahead has not started is read by
+    fetch, while the reader goes on with the one it has (here held at a pause point)."""
+    monkeypatch.setattr(cache_mod, "PAUSE_S", 30.0)
+    direct, ahead = _cache(zoo), _cache(zoo)
+    ahead.paced = True
+    ahead.prefetch(["a1", "a2"])
+    time.sleep(0.3)
+    queued = ahead._staged["a2"]
+    t0 = time.perf_counter()
+    got, want = ahead.fetch("a2"), direct.fetch("a2")
+    assert time.perf_counter() - t0 < 10, "fetch waited for the paced reader"
+    assert queued.cancelled() and ahead.stats.prefetched == 0
+    for key, m in want.modules.items():
+        assert torch.equal(got.modules[key].a, m.a) and torch.equal(got.modules[key].b, m.b)
+    assert ahead.fetch("a1") is not None and ahead.stats.prefetched == 1  # its read had started: waited for
     ahead.close()
 
 

@@ -269,12 +269,13 @@ class AdapterCache:
         self.stats.host_misses += 1
         t0 = time.perf_counter()
         staged = self._staged.pop(name, None)
-        if staged is not None:
-            self.stats.prefetched += 1
-            with self.lending():
+        # Reads here lend the time too: the reader thread goes on with the next read ahead meanwhile.
+        with self.lending():
+            if staged is not None and not staged.cancel():
+                self.stats.prefetched += 1
                 adapter, err = staged.result()
-        else:
-            adapter, err = self._read_safely(self.infos[name])
+            else:  # not read ahead, or still queued behind other reads ahead: read it now, beside them
+                adapter, err = self._read_safely(self.infos[name])
         err = self._agree(err)
         self.stats.read_seconds += time.perf_counter() - t0
         if err:
