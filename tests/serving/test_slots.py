@@ -66,11 +66,11 @@ def test_pooled_images_are_recycled_and_start_empty(bundle):
     first = table.image(read["r16"])
     assert table._pool.free == []
     spill = table.image(read["emb"])  # the pool is empty: new memory
-    assert all(b.data_ptr() != p.data_ptr() for b, p in zip(spill.blocks.values(), table._pool.blocks.values()))
+    assert all(b.data_ptr() != p.data_ptr() for b, p in zip(spill.blocks.values(), table._pool.entries[0][0].values()))
     del first
     assert table._pool.free == [0]
     pooled = table.image(read["a9"])
-    assert all(b.data_ptr() == p.data_ptr() for b, p in zip(pooled.blocks.values(), table._pool.blocks.values()))
+    assert all(b.data_ptr() == p.data_ptr() for b, p in zip(pooled.blocks.values(), table._pool.entries[0][0].values()))
     fresh = SlotTable(engine.rt).image(read["a9"])
     for dtype, block in fresh.blocks.items():
         assert torch.equal(pooled.blocks[dtype], block)

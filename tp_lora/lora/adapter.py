@@ -250,6 +250,11 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
         raise _err(name, f"{weights} is not a readable safetensors file (corrupt or truncated?): {e.detail}") from e
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, contiguous; t itself when it already is (each torch call costs the reader GIL time)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 @functools.lru_cache(maxsize=1 << 16)  # adapters of one deployment repeat the same few hundred keys
 def _parse_key(key: str) -> Optional[tuple[str, str]]:
     """'base_model.model.model.layers.0.mlp.up_proj.lora_A[.default].weight' -> (module path, 'A' | 'B');
@@ -337,7 +342,7 @@ def _load(path: str, name: str, dtype: torch.dtype) -> LoRAAdapter:
         if a.shape[0] != r:
             raise _err(name, f"{weights}: module {module!r} has rank {a.shape[0]} but {CONFIG_FILE} gives it "
                              f"r={r} (r / rank_pattern mismatch)")
-        modules[module] = ModuleLoRA(a.to(dtype).contiguous(), b.to(dtype).contiguous(),
+        modules[module] = ModuleLoRA(_as(a, dtype), _as(b, dtype),
                                      lora_scale(r, alpha, use_rslora), embedding=kinds[module])
     if not modules:
         raise _err(name, f"{weights} holds no LoRA weights (keys: {sorted(tensors)[:4]}...)")
@@ -477,7 +482,7 @@ def expert_param_modules(name: str, cfg: dict, container: str, depth_ab: dict[in
         b_e = b.reshape(b.shape[0], r, experts).permute(2, 0, 1)
         scale = lora_scale(r, alpha, use_rslora)
         for e in range(experts):
-            out[f"{container}.{e}.{param}"] = ModuleLoRA(a_e[e].to(dtype).contiguous(), b_e[e].to(dtype).contiguous(),
+            out[f"{container}.{e}.{param}"] = ModuleLoRA(_as(a_e[e], dtype), _as(b_e[e], dtype),
                                                          scale)
     return out
 
@@ -549,7 +554,7 @@ def _load_with_params(path: str, name: str, cfg: dict, dtype: torch.dtype) -> Lo
         if ab["A"].shape[0] != r:
             raise _err(name, f"{weights}: module {module!r} has rank {ab['A'].shape[0]} but {CONFIG_FILE} gives it "
                              f"r={r} (r / rank_pattern mismatch)")
-        modules[module] = ModuleLoRA(ab["A"].to(dtype).contiguous(), ab["B"].to(dtype).contiguous(),
+        modules[module] = ModuleLoRA(_as(ab["A"], dtype), _as(ab["B"], dtype),
                                      lora_scale(r, alpha, use_rslora), embedding=module in embedding)
     for container in sorted(param_parts):
         modules.update(expert_param_modules(name, cfg, container, param_parts[container], dtype))

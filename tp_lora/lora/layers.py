@@ -76,7 +76,8 @@ def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Te
     zero-padded to max_rank (a smaller adapter then contributes exact zeros in the padding)."""
     if t.shape[dim] > size:
         raise ValueError(f"LoRA rank {t.shape[dim]} exceeds lora.max_rank={size}")
-    t = t.to(device, non_blocking=True)
+    if t.device != device:
+        t = t.to(device, non_blocking=True)
     if t.shape[dim] == size:
         return t
     return torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]])

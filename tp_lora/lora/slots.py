@@ -46,29 +46,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class ImagePool:
-    """Host memory for `capacity` slot images, allocated and faulted in at start. A fresh image's pages otherwise
-    cost the reader most of a read (on a 2-core VM: ~50 ms to fault in 20 MB while the host tier fills), and the
-    host tier only grows to its bound once anyway. An entry returns to the pool when its image is dropped."""
+    """Host memory for `capacity` slot images shaped like `like`, allocated and faulted in at start, with each
+    entry's views made once. A fresh image's pages otherwise cost the reader most of a read (on a 2-core VM: ~50 ms
+    to fault in 20 MB while the host tier fills), and the host tier only grows to its bound once anyway. An entry
+    returns to the pool when its image is dropped."""
 
-    def __init__(self, sizes: dict[torch.dtype, int], capacity: int):
+    def __init__(self, like: list[torch.Tensor], capacity: int):
+        sizes: dict[torch.dtype, int] = {}
+        for t in like:
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
         try:
-            self.blocks = {dtype: torch.empty(capacity, n, dtype=dtype) for dtype, n in sizes.items()}
+            flat = {dtype: torch.empty(capacity, n, dtype=dtype) for dtype, n in sizes.items()}
         except RuntimeError as e:
             need = capacity * sum(n * dtype.itemsize for dtype, n in sizes.items())
             raise RuntimeError(f"the host adapter cache needs {need / 2**30:.1f} GiB for {capacity} slot images "
                                f"(lora.max_cpu_loras plus the adapters read ahead): lower lora.max_cpu_loras ({e})"
                                ) from e
-        for b in self.blocks.values():
-            b.zero_()
+        self.entries = [blocks(like, into={dtype: b[i] for dtype, b in flat.items()}) for i in range(capacity)]
         self.free = list(range(capacity))
         self.lock = threading.Lock()
 
-    def take(self) -> Optional[tuple[int, dict[torch.dtype, torch.Tensor]]]:
+    def take(self) -> Optional[int]:
         with self.lock:
-            if not self.free:
-                return None
-            i = self.free.pop()
-        return i, {dtype: b[i] for dtype, b in self.blocks.items()}
+            return self.free.pop() if self.free else None
 
     def give(self, i: int) -> None:
         with self.lock:
@@ -102,7 +102,7 @@ class SlotTable:
         for layer in self.layers:
             layer.clear(views[slice(*self._spans[id(layer)])])
         self._dst = [self._targets(slot) for slot in range(rt.max_loras)]  # built at start: loads only use them
-        self._pool = ImagePool({d: b.numel() for d, b in self._empty.items()}, host_images) if host_images else None
+        self._pool = ImagePool(self._template, host_images) if host_images else None
         self._pins = None
         if self.device.type == "cuda":
             size = sum(1 << (b.nbytes - 1).bit_length() for b in self._empty.values())
@@ -120,7 +120,12 @@ class SlotTable:
         """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only."""
         pause()
         entry = self._pool.take() if self._pool is not None else None
-        host, views = blocks(self._template, self._empty, entry[1] if entry else None)
+        if entry is None:
+            host, views = blocks(self._template, self._empty)
+        else:
+            host, views = self._pool.entries[entry]
+            for dtype, block in host.items():
+                block.copy_(self._empty[dtype])
         dsts, srcs = [], []
 
         def gather(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -134,7 +139,7 @@ class SlotTable:
         torch._foreach_copy_(dsts, srcs)  # one call (GIL released inside) instead of hundreds of small copies
         image = SlotImage(adapter.name, host, views, self._pinned(host))
         if entry is not None:
-            weakref.finalize(image, self._pool.give, entry[0])
+            weakref.finalize(image, self._pool.give, entry)
         return image
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:

@@ -69,15 +69,27 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
     n = _header_len(bytes(buf[:8]), size, path)
     header = _parse(bytes(buf[8:8 + n]), size - 8 - n, path)
     del buf
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the whole buffer as each dtype: one view op per tensor
     out = {}
     for key, meta in header.items():
-        dtype = DTYPES[meta["dtype"]]
+        dtype, shape = DTYPES[meta["dtype"]], meta["shape"]
         start, stop = (8 + n + o for o in meta["data_offsets"])
-        raw = data[start:stop]
-        if start % dtype.itemsize:  # the format does not promise aligned tensors; views need them
-            raw = raw.clone()
-        out[key] = raw.view(dtype).view(meta["shape"])
+        width = dtype.itemsize
+        if start % width:  # the format does not promise aligned tensors; typed views need them
+            out[key] = data[start:stop].clone().view(dtype).view(shape)
+            continue
+        if dtype not in typed:
+            typed[dtype] = data[:size - size % width].view(dtype)
+        out[key] = typed[dtype].as_strided(shape, _contiguous_strides(shape), start // width)
     return out
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return strides[::-1]
 
 
 def _header_len(head: bytes, size: int, path: str) -> int:
