@@ -25,14 +25,12 @@ def blocks(like: list[torch.Tensor], init: dict[torch.dtype, torch.Tensor] | Non
            into: dict[torch.dtype, torch.Tensor] | None = None
            ) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
     """(Pageable) host tensors shaped like `like`, in order, as views of one block per dtype -> (dtype -> block,
-    views). The blocks are new and start as copies of `init` (blocks this function returned before), else zeros;
-    or they are `into` (blocks of the right sizes), zeroed."""
+    views). The blocks are `into` (blocks of the right sizes) or new, and start as copies of `init` (blocks this
+    function returned before), else zeros."""
     sizes, offsets = _layout(like)
-    if into is not None:
-        out = {dtype: into[dtype].zero_() for dtype in sizes}
-    else:
-        out = {dtype: init[dtype].clone() if init is not None else torch.zeros(n, dtype=dtype)
-               for dtype, n in sizes.items()}
+    if into is None:
+        into = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+    out = {dtype: into[dtype].copy_(init[dtype]) if init is not None else into[dtype].zero_() for dtype in sizes}
     return out, _views(out, like, offsets)
 
 

@@ -31,7 +31,6 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.lora import stfile
 from tp_lora.lora.pacing import paced
-from tp_lora.lora.stfile import FLOAT_DTYPES
 from tp_lora.lora.reader import ReaderProcess
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
@@ -97,9 +96,9 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
         raise _err(name, f"{weights} holds no tensors")
     parts: dict[str, dict[str, tuple[int, ...]]] = {}
     for key, meta in header.items():
-        if meta.get("dtype") not in FLOAT_DTYPES:
+        if meta.get("dtype") not in stfile.FLOAT_DTYPES:
             raise _err(name, f"{weights}: tensor {key!r} has dtype {meta.get('dtype')}, expected a floating type "
-                             f"{FLOAT_DTYPES}")
+                             f"{stfile.FLOAT_DTYPES}")
         parsed = _parse_key(key)
         if parsed is None:
             k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key

@@ -47,28 +47,32 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 class ImagePool:
     """Host memory for `capacity` slot images shaped like `like`, allocated and faulted in at start, with each
-    entry's views made once. A fresh image's pages otherwise cost the reader most of a read (on a 2-core VM: ~50 ms
-    to fault in 20 MB while the host tier fills), and the host tier only grows to its bound once anyway. An entry
-    returns to the pool when its image is dropped."""
+    entry's views made once; an entry is handed out as a copy of `empty`. A fresh image's pages otherwise cost the
+    reader most of a read (on a 2-core VM: ~50 ms to fault in 20 MB while the host tier fills), and the host tier
+    only grows to its bound once anyway. An entry returns to the pool when its image is dropped."""
 
-    def __init__(self, like: list[torch.Tensor], capacity: int):
-        sizes: dict[torch.dtype, int] = {}
-        for t in like:
-            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    def __init__(self, like: list[torch.Tensor], empty: dict[torch.dtype, torch.Tensor], capacity: int):
+        self.empty = empty
         try:
-            flat = {dtype: torch.empty(capacity, n, dtype=dtype) for dtype, n in sizes.items()}
+            flat = {dtype: torch.empty(capacity, b.numel(), dtype=dtype) for dtype, b in empty.items()}
         except RuntimeError as e:
-            need = capacity * sum(n * dtype.itemsize for dtype, n in sizes.items())
+            need = capacity * sum(b.nbytes for b in empty.values())
             raise RuntimeError(f"the host adapter cache needs {need / 2**30:.1f} GiB for {capacity} slot images "
                                f"(lora.max_cpu_loras plus the adapters read ahead): lower lora.max_cpu_loras ({e})"
                                ) from e
-        self.entries = [blocks(like, into={dtype: b[i] for dtype, b in flat.items()}) for i in range(capacity)]
+        self.entries = [blocks(like, empty, {dtype: b[i] for dtype, b in flat.items()}) for i in range(capacity)]
         self.free = list(range(capacity))
         self.lock = threading.Lock()
 
     def take(self) -> Optional[int]:
+        """An entry's index, its blocks reset to `empty`; None when all are in use."""
         with self.lock:
-            return self.free.pop() if self.free else None
+            if not self.free:
+                return None
+            i = self.free.pop()
+        for dtype, block in self.entries[i][0].items():
+            block.copy_(self.empty[dtype])
+        return i
 
     def give(self, i: int) -> None:
         with self.lock:
@@ -102,7 +106,7 @@ class SlotTable:
         for layer in self.layers:
             layer.clear(views[slice(*self._spans[id(layer)])])
         self._dst = [self._targets(slot) for slot in range(rt.max_loras)]  # built at start: loads only use them
-        self._pool = ImagePool(self._template, host_images) if host_images else None
+        self._pool = ImagePool(self._template, self._empty, host_images) if host_images else None
         self._pins = None
         if self.device.type == "cuda":
             size = sum(1 << (b.nbytes - 1).bit_length() for b in self._empty.values())
@@ -120,12 +124,7 @@ class SlotTable:
         """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only."""
         pause()
         entry = self._pool.take() if self._pool is not None else None
-        if entry is None:
-            host, views = blocks(self._template, self._empty)
-        else:
-            host, views = self._pool.entries[entry]
-            for dtype, block in host.items():
-                block.copy_(self._empty[dtype])
+        host, views = blocks(self._template, self._empty) if entry is None else self._pool.entries[entry]
         dsts, srcs = [], []
 
         def gather(dst: torch.Tensor, src: torch.Tensor) -> None:
