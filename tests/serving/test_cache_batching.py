@@ -138,3 +138,52 @@ def test_stop_drains_or_aborts(bundle, alone, level):
     _check_same(done, alone, "drained")
     if level == ABORT:
         assert engine.stats.interrupted == len(stopped)
+
+
+SLOW = "r8"
+
+
+def _slowed(engine, seconds: float) -> list[float]:
+    """SLOW's reads on this engine take `seconds` longer; returns the list their end times go to."""
+    ended, read = [], engine.cache._read_safely
+
+    def slow_read(info):
+        if info.name != SLOW:
+            return read(info)
+        time.sleep(seconds)
+        out = read(info)
+        ended.append(time.perf_counter())
+        return out
+
+    engine.cache._read_safely = slow_read
+    return ended
+
+
+def _slow_first(reqs):
+    first = next(r for r in reqs if r.adapter == SLOW)
+    return [first] + [r for r in reqs if r is not first]
+
+
+def _run_with_slow_read(ps, model, adapters):
+    """Rank 0 reads SLOW late (a slow disk on one rank): the ranks must agree on when it is in, and meanwhile run
+    the rest of the batch."""
+    engine = Engine(serving_cfg(tp=ps.tp.size, max_loras=4, max_cpu_loras=8, batch=8, budget=64), ps, model,
+                    adapters)
+    ended = _slowed(engine, 1.0) if ps.tp.rank == 0 else []
+    results = engine.generate(_slow_first(make_requests(N)))
+    engine.close()
+    return results, ended
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_slow_adapter_read_holds_only_its_requests(bundle, alone, tp):
+    model, adapters = bundle
+    if tp == 1:
+        results, ended = _run_with_slow_read(comm.single_process(), model, adapters)
+    else:
+        results, ended = run_ranks(_run_with_slow_read, 2, model, adapters, timeout_s=60)
+    _check_same(results, alone, f"tp={tp}, a slow read")
+    assert len(ended) == 1, ended
+    before = [r for r in results if r.metrics["finished"] < ended[0]]
+    assert len(before) >= 3 and all(r.request.adapter != SLOW for r in before), \
+        f"{len(before)} requests finished while {SLOW} was read (its request came first)"

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -187,7 +187,7 @@ class CacheStats:
     host_misses: int = 0  # reads from disk
     host_evictions: int = 0
     device_loads: int = 0
-    prefetched: int = 0  # misses served by a read started ahead of time
+    prefetched: int = 0  # misses served by a read done before fetch() (read ahead, or by wait_any)
     read_seconds: float = 0.0  # step-loop time spent getting misses into the host tier (waits on prefetches too)
     copy_seconds: float = 0.0  # host -> device slot (host time to issue the copies)
     extra: dict = field(default_factory=dict)
@@ -286,12 +286,38 @@ class AdapterCache:
             self.stats.host_evictions += 1
         return adapter
 
-    def prefetch(self, names) -> None:
-        """Start reading adapters that will be fetched soon (in order, at most PREFETCH_DEPTH at a time) on a
-        background thread, so disk reads overlap the steps instead of stalling the step loop. Local to this rank:
-        fetch() still takes the ranks' common verdict."""
+    def ready(self, name: str) -> bool:
+        """Whether fetch(name) returns without waiting for a read (on this rank)."""
+        if name in self.host or name in self.bad:
+            return True
+        staged = self._staged.get(name)
+        return staged is not None and staged.done()
+
+    def wait_any(self, names: list[str], timeout: float = 0.01) -> None:
+        """Bring this rank closer to having one of `names` ready (see ready): read the first whose read has not
+        started here and now (its queued read ahead dropped), else wait up to `timeout` for one under way. The time
+        counts as read time."""
+        t0 = time.perf_counter()
+        with self.lending():
+            if any(self.ready(name) for name in names):  # ready here, not yet on every rank: let them catch up
+                time.sleep(min(timeout, 1e-3))
+            else:
+                for name in names:
+                    staged = self._staged.get(name)
+                    if staged is None or staged.cancel():
+                        done = self._staged[name] = Future()
+                        done.set_result(self._read_safely(self.infos[name]))
+                        break
+                else:
+                    wait([self._staged[name] for name in names], timeout, FIRST_COMPLETED)
+        self.stats.read_seconds += time.perf_counter() - t0
+
+    def prefetch(self, names, needed: bool = False) -> None:
+        """Start reading adapters that will be fetched soon (in order) on a background thread, so disk reads overlap
+        the steps instead of stalling the step loop: at most PREFETCH_DEPTH at a time, unless `needed` (adapters
+        already given a slot). Local to this rank: fetch() still takes the ranks' common verdict."""
         for name in names:
-            if len(self._staged) >= PREFETCH_DEPTH:
+            if len(self._staged) >= PREFETCH_DEPTH and not needed:
                 return
             if name in self._staged or name in self.host or name in self.bad or name not in self.infos:
                 continue
