@@ -100,7 +100,6 @@ class Engine:
         self.slot_state = SlotState(lo.max_loras)
         self.copy_stream = torch.cuda.Stream(ps.device) if ps.device.type == "cuda" else None
         self._copies_pending = False
-        self._loading: dict[int, str] = {}  # slot -> adapter the scheduler gave it, still being read
         if self.rt is not None:
             # Images alive at once: the host tier, the reads ahead, one being fetched.
             self.slots = SlotTable(self.rt, host_images=lo.max_cpu_loras + PREFETCH_DEPTH + 1)
@@ -197,32 +196,21 @@ class Engine:
         except AdapterError:
             return None
 
-    def _land_loads(self, sched: Scheduler, emit, failed: set[str], wait: bool = False) -> int:
-        """Copy into their slots the pending loads whose adapters every rank of the TP group has read (wait: until
-        there is one); an adapter that cannot be used fails its requests (and joins `failed`). The ranks agree on
-        which landed (a read's time differs per rank), so they schedule alike. Returns how many loads ended."""
-        if not self._loading:
-            return 0
-        pending = list(self._loading.items())
-        names = [name for _, name in pending]
-        while True:
-            done = comm.all_true([self.cache.ready(name) for name in names], self.ps.tp)
-            if any(done) or not wait:
-                break
-            self.cache.wait_any(names)
-        for (slot, name), ok in zip(pending, done):
-            if not ok:
-                continue
-            del self._loading[slot]
-            image = self._fetch(name)
-            if image is None:
-                failed.add(name)
-                for req in sched.fail_adapter(name):
-                    emit(Result(req, error=self._adapter_failure(name)))
-            else:
-                self._copy_into_slot(slot, image)
-                sched.loaded(slot)
-        return sum(done)
+    def _loadable(self, sched: Scheduler) -> tuple[set[str], list[str]]:
+        """(adapters the next step may copy into slots: read on every rank of the TP group, which agree since a
+        read's time differs per rank; the ones it waits for, their reads started), over the waiting requests the
+        scheduler may admit next."""
+        if not sched.may_admit():
+            return set(), []
+        wanted = self._wanted(sched)
+        self.cache.prefetch(wanted)
+        read = comm.all_true([self.cache.ready(name) for name in wanted], self.ps.tp)
+        return {n for n, ok in zip(wanted, read) if ok}, [n for n, ok in zip(wanted, read) if not ok]
+
+    def _wanted(self, sched: Scheduler) -> list[str]:
+        """Adapters of the next waiting requests that are not in a slot, in queue order."""
+        return list(dict.fromkeys(r.adapter for r in sched.waiting[:LOOKAHEAD]
+                                  if r.adapter is not None and self.slot_state.slot_of(r.adapter) is None))
 
     def _copy_into_slot(self, slot: int, image) -> None:
         self.cache.load_slot(self.slots, slot, image, self.copy_stream)
@@ -368,7 +356,6 @@ class Engine:
                 self._loop(sched, cache, pending, t0, emit, interrupted, lockstep, stop)
             finally:  # after an error too: the slots this run held are free for the next call
                 sched.abort()
-                self._loading.clear()
                 st = self.slot_state
                 for slot in range(len(st)):
                     if not st.ready[slot]:
@@ -433,31 +420,31 @@ class Engine:
                     with self.cache.lending():
                         time.sleep(min(0.01, max(0.0, t0 + pending[fed][0] - time.perf_counter())))
                 continue
-            failed: set[str] = set()
-            landed = self._land_loads(sched, emit, failed)  # earlier loads whose reads are done: they join now
-            plan = sched.schedule()
+            loadable, unread = self._loadable(sched)
+            plan = sched.schedule(loadable)
             for seq in plan.admitted:
                 seq.result.metrics.update(arrival=arrival[seq.request.index], admitted=now)
                 self.stats.prompt_tokens += seq.prompt_len
-            self._loading.update(plan.loads)
-            self.cache.prefetch((name for _, name in plan.loads), needed=True)
-            if plan.loads:
-                landed += self._land_loads(sched, emit, failed)  # read ahead already, or in host memory
-            # The others' requests wait in the batch while their adapters are read; the rest of the batch runs.
-            work = [(seq, n) for seq, n in plan.work
-                    if seq.request.adapter not in failed and (seq.slot < 0 or self.slot_state.ready[seq.slot])]
-            if not work and self._loading:  # nothing else to run: wait for a read
-                landed += self._land_loads(sched, emit, failed, wait=True)
-                continue
+            failed = set()
+            for slot, name in plan.loads:  # copied in before the step that prefills their requests
+                image = self._fetch(name)  # read already: only the ranks' verdict
+                if image is None:
+                    failed.add(name)
+                    for req in sched.fail_adapter(name):
+                        emit(Result(req, error=self._adapter_failure(name)))
+                else:
+                    self._copy_into_slot(slot, image)
+                    sched.loaded(slot)
+            work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
             if lockstep is not None:
                 lockstep(sum(n for _, n in work))
             t_step = time.perf_counter()
             logits = self._step(work, cache) if work else None
-            # Disk reads for the adapters the queue will ask for next run beside the steps.
-            self.cache.prefetch(r.adapter for r in sched.waiting[:LOOKAHEAD]
-                                if r.adapter is not None and self.slot_state.slot_of(r.adapter) is None)
+            self.cache.prefetch(self._wanted(sched))  # disk reads for what the queue asks next run beside the steps
             if not work:
-                if not landed and not failed:
+                if unread and not plan.loads:  # nothing to run until an adapter is read: help read one
+                    self.cache.wait_any(unread)
+                elif not plan.loads:
                     raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
                                        f"{len(sched.waiting)} waiting, slots {self.slot_state.names} users "
                                        f"{self.slot_state.users}, {sched.rows.available} free KV rows")

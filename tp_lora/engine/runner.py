@@ -164,7 +164,9 @@ class ModelRunner:
             forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the adapter reader's page-locked allocations (host work on another thread, which polls CUDA
+        # events) would otherwise invalidate a capture that happens while it runs.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = forward()
         g = _Graph(graph, ids, positions, rows, static_lora if lora else None, logits)
         self.graphs[(size, lora)] = g

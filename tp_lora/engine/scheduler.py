@@ -9,11 +9,13 @@ Each step (schedule()):
    A request needs its adapter in a slot: if resident it joins that slot; otherwise a slot no running sequence uses is
    reassigned (empty first, then the least recently used whose adapter none of the next waiting requests wants) and
    returned in the plan's `loads`, which the engine copies in before the plan's step runs: the admitted request
-   prefills in that same step (a separate prefill step would be one more eagerly run step per load).
+   prefills in that same step (a separate prefill step would be one more eagerly run step per load). The engine
+   names the adapters it can copy in at once (`loadable`: read into host memory); a request whose adapter is still
+   being read waits like one without a free slot, so a read never stalls the batch.
    With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
    (rows and batch room): each admission turns a decode-only step, which a CUDA graph replays, into a mixed step
    that runs eagerly, so under a full batch admissions are grouped instead of trickling in one per step.
-3. No free slot for a request R: later requests whose adapter is resident may pass it (they batch with sequences
+3. No free slot (or its adapter not loadable yet) for a request R: later requests whose adapter is resident may pass it (they batch with sequences
    already running: adapter-aware grouping), and each admission that passes R charges R once. Once R has been
    charged max_overtakes times nothing behind it is admitted until it is. The scan stops after LOOKAHEAD blocked
    requests, so a step costs O(LOOKAHEAD x slots) however long the queue.
@@ -147,7 +149,14 @@ class Scheduler:
         return bool(self.running) or (self.admitting and bool(self.waiting))
 
     # ---- planning -------------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def may_admit(self) -> bool:
+        """Whether the next schedule() may admit anything (room in the batch, in the KV rows, for a group)."""
+        decoding = any(self._ready(s) and not s.prefilling for s in self.running)
+        return (self.admitting and bool(self.waiting) and len(self.running) < self.max_batch_size
+                and self.rows.available > 0 and self._room_for_a_group(decoding))
+
+    def schedule(self, loadable: Optional[set[str]] = None) -> StepPlan:
+        """loadable: the adapters not in a slot that may be copied into one for this step (None: any)."""
         plan = StepPlan()
         budget = self.max_tokens_per_step
         decoding = [s for s in self.running if self._ready(s) and not s.prefilling]
@@ -159,11 +168,11 @@ class Scheduler:
                 n = min(len(seq.tokens) - seq.computed, budget)
                 plan.work.append((seq, n))
                 budget -= n
-        if self.admitting and self._room_for_a_group(decoding):
-            self._admit(plan, budget)
+        if self.admitting and self._room_for_a_group(bool(decoding)):
+            self._admit(plan, budget, loadable)
         return plan
 
-    def _room_for_a_group(self, decoding: list[Sequence]) -> bool:
+    def _room_for_a_group(self, decoding: bool) -> bool:
         if self.admit_batch == 1 or not decoding:
             return True
         room = min(self.max_batch_size - len(self.running), self.rows.available)
@@ -172,8 +181,8 @@ class Scheduler:
     def _ready(self, seq: Sequence) -> bool:
         return seq.slot < 0 or self.slots.ready[seq.slot]
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
-        blocked = 0  # requests skipped in this scan for want of a slot
+    def _admit(self, plan: StepPlan, budget: int, loadable: Optional[set[str]]) -> None:
+        blocked = 0  # requests skipped in this scan for want of a slot (or of their adapter's read)
         worst = 0  # the most any of them has been passed
         i = 0
         while (i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size
@@ -181,7 +190,7 @@ class Scheduler:
             if blocked and (worst >= self.max_overtakes or blocked > self.lookahead):
                 break  # a request passed max_overtakes times is a barrier; and the scan stays short
             req = self.waiting[i]
-            slot = self._slot_for(req, i, plan)
+            slot = self._slot_for(req, i, plan, loadable)
             if slot is None:
                 blocked += 1
                 worst = max(worst, self.passed.get(req.index, 0))
@@ -204,8 +213,9 @@ class Scheduler:
                 plan.work.append((seq, n))
                 budget -= n
 
-    def _slot_for(self, req: Request, pos: int, plan: StepPlan) -> Optional[int]:
-        """-1 for no adapter, the slot holding req.adapter (reassigning a free one), or None: no slot free."""
+    def _slot_for(self, req: Request, pos: int, plan: StepPlan, loadable: Optional[set[str]]) -> Optional[int]:
+        """-1 for no adapter, the slot holding req.adapter (reassigning a free one), or None: no slot free, or the
+        adapter not loadable yet."""
         name = req.adapter
         if name is None:
             return -1
@@ -213,7 +223,7 @@ class Scheduler:
         if slot is not None:
             self.slot_hits += 1
             return slot
-        if not self.slots.any_free():
+        if loadable is not None and name not in loadable or not self.slots.any_free():
             return None
         soon = {w.adapter for w in self.waiting[pos + 1:pos + 1 + self.lookahead]}
         slot = self.slots.victim(soon)

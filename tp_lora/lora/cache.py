@@ -312,12 +312,12 @@ class AdapterCache:
                     wait([self._staged[name] for name in names], timeout, FIRST_COMPLETED)
         self.stats.read_seconds += time.perf_counter() - t0
 
-    def prefetch(self, names, needed: bool = False) -> None:
-        """Start reading adapters that will be fetched soon (in order) on a background thread, so disk reads overlap
-        the steps instead of stalling the step loop: at most PREFETCH_DEPTH at a time, unless `needed` (adapters
-        already given a slot). Local to this rank: fetch() still takes the ranks' common verdict."""
+    def prefetch(self, names) -> None:
+        """Start reading adapters that will be fetched soon (in order, at most PREFETCH_DEPTH at a time) on a
+        background thread, so disk reads overlap the steps instead of stalling the step loop. Local to this rank:
+        fetch() still takes the ranks' common verdict."""
         for name in names:
-            if len(self._staged) >= PREFETCH_DEPTH and not needed:
+            if len(self._staged) >= PREFETCH_DEPTH:
                 return
             if name in self._staged or name in self.host or name in self.bad or name not in self.infos:
                 continue
