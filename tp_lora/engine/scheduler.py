@@ -13,7 +13,7 @@ Each step (schedule()):
    names the adapters it can copy in at once (`loadable`: read into host memory); a request whose adapter is still
    being read waits like one without a free slot, so a read never stalls the batch.
    With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
-   (rows and batch room): each admission turns a decode-only step, which a CUDA graph replays, into a mixed step
+   (rows and batch room) and have their adapters resident or loadable: each admission turns a decode-only step, which a CUDA graph replays, into a mixed step
    that runs eagerly, so under a full batch admissions are grouped instead of trickling in one per step.
 3. No free slot (or its adapter not loadable yet) for a request R: later requests whose adapter is resident may pass it (they batch with sequences
    already running: adapter-aware grouping), and each admission that passes R charges R once. Once R has been
@@ -168,15 +168,26 @@ class Scheduler:
                 n = min(len(seq.tokens) - seq.computed, budget)
                 plan.work.append((seq, n))
                 budget -= n
-        if self.admitting and self._room_for_a_group(bool(decoding)):
+        if self.admitting and self._room_for_a_group(bool(decoding), loadable):
             self._admit(plan, budget, loadable)
         return plan
 
-    def _room_for_a_group(self, decoding: bool) -> bool:
+    def _room_for_a_group(self, decoding: bool, loadable: Optional[set[str]] = None) -> bool:
+        """Whether to admit now: always when nothing decodes, else once a group fits and (when `loadable` is
+        given) that many waiting requests have their adapter in a slot or loadable."""
         if self.admit_batch == 1 or not decoding:
             return True
-        room = min(self.max_batch_size - len(self.running), self.rows.available)
-        return room >= min(self.admit_batch, len(self.waiting), self.rows.rows)
+        group = min(self.admit_batch, len(self.waiting), self.rows.rows)
+        if min(self.max_batch_size - len(self.running), self.rows.available) < group:
+            return False
+        if loadable is None:
+            return True
+        n = 0
+        for req in self.waiting[:self.lookahead]:
+            n += req.adapter is None or req.adapter in loadable or self.slots.slot_of(req.adapter) is not None
+            if n >= group:
+                return True
+        return False
 
     def _ready(self, seq: Sequence) -> bool:
         return seq.slot < 0 or self.slots.ready[seq.slot]
