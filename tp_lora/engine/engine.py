@@ -32,6 +32,10 @@ from tp_lora.models.registry import MOE_TYPES
 from tp_lora.ops import get_backend
 
 RUN, DRAIN, ABORT = 0, 1, 2  # stop levels: keep going / admit nothing more, finish in-flight / drop in-flight too
+# The longest the step loop waits for the reads of the next admission group's adapters before admitting without
+# them: waiting keeps the batch full when reads take a normal few ms (a decode step costs about the same with a
+# partly empty batch), the bound keeps one slow file from stalling everyone.
+READ_WAIT_S = 0.1
 ARRIVAL_CHECK_STEPS = 4  # TP ranks busy with work agree on newly arrived requests every this many steps
 INTERRUPTED = "not run: the run was stopped before this request finished (resume=true runs it)"
 
@@ -197,15 +201,23 @@ class Engine:
             return None
 
     def _loadable(self, sched: Scheduler) -> tuple[set[str], list[str]]:
-        """(adapters the next step may copy into slots: read on every rank of the TP group, which agree since a
-        read's time differs per rank; the ones it waits for, their reads started), over the waiting requests the
-        scheduler may admit next."""
+        """(adapters the next step may copy into slots, those still being read) over the waiting requests the
+        scheduler may admit next. Waits up to READ_WAIT_S for the reads of the first group's adapters. The ranks
+        of a TP group agree on which reads are done and on when the wait ends (times differ per rank)."""
         if not sched.may_admit():
             return set(), []
         wanted = self._wanted(sched)
         self.cache.prefetch(wanted)
-        read = comm.all_true([self.cache.ready(name) for name in wanted], self.ps.tp)
-        return {n for n, ok in zip(wanted, read) if ok}, [n for n, ok in zip(wanted, read) if not ok]
+        first = {r.adapter for r in sched.waiting[:sched.group_size]}
+        deadline = time.perf_counter() + READ_WAIT_S
+        while True:
+            flags = comm.all_true([self.cache.ready(n) for n in wanted] + [time.perf_counter() < deadline],
+                                  self.ps.tp)
+            unread = [n for n, ok in zip(wanted, flags) if not ok]
+            due = [n for n in unread if n in first]
+            if not due or not flags[-1]:
+                return {n for n, ok in zip(wanted, flags) if ok}, unread
+            self.cache.wait_any(due)
 
     def _wanted(self, sched: Scheduler) -> list[str]:
         """Adapters of the next waiting requests that are not in a slot, in queue order."""

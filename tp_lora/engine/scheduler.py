@@ -177,7 +177,7 @@ class Scheduler:
         given) that many waiting requests have their adapter in a slot or loadable."""
         if self.admit_batch == 1 or not decoding:
             return True
-        group = min(self.admit_batch, len(self.waiting), self.rows.rows)
+        group = self.group_size
         if min(self.max_batch_size - len(self.running), self.rows.available) < group:
             return False
         if loadable is None:
@@ -188,6 +188,11 @@ class Scheduler:
             if n >= group:
                 return True
         return False
+
+    @property
+    def group_size(self) -> int:
+        """How many waiting requests an admission waits for while sequences decode."""
+        return min(self.admit_batch, len(self.waiting), self.rows.rows)
 
     def _ready(self, seq: Sequence) -> bool:
         return seq.slot < 0 or self.slots.ready[seq.slot]
