@@ -43,7 +43,7 @@ for what in "${@:-all}"; do
     bench_serving|serving_tp1|all)
       step "bench_serving tp=1: ours at 1/100/1000 adapters"
       run bench_serving_tp1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
-        --systems ours --out "$RES/serv_tp1" ;;&
+        --systems ours --repeats 3 --out "$RES/serv_tp1" ;;&
     bench_serving|serving_admit1|all)
       step "bench_serving tp=1, admissions not grouped (scheduler.admit_batch=1)"
       run bench_serving_admit1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
@@ -56,7 +56,7 @@ for what in "${@:-all}"; do
       if [ "$NGPU" -ge 2 ]; then
         step "bench_serving tp=2"
         run bench_serving_tp2 200 12 torchrun --nproc_per_node=2 scripts/bench_serving.py $serving_args --tp 2 \
-          --adapters 1,100,1000 --systems ours --out "$RES/serv_tp2"
+          --adapters 1,100,1000 --systems ours --repeats 3 --out "$RES/serv_tp2"
       fi ;;&
     bench_serving|serving_base|all)
       step "bench_serving baselines at 1/100 adapters: merged into the weights, transformers + PEFT"

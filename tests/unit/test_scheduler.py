@@ -18,10 +18,11 @@ def make(slots=2, rows=8, batch=8, budget=64, overtakes=16, admit_batch=1):
     return Scheduler(SlotState(slots), RowPool(rows), batch, budget, overtakes, admit_batch=admit_batch)
 
 
-def step(s: Scheduler, finished: list | None = None):
+def step(s: Scheduler, finished: list | None = None, loadable: set | None = None):
     """Run one planned step as the engine would: the plan's copies land before its step, a sequence that consumed
     all its tokens samples one, and one that has max_new_tokens finishes."""
-    plan = s.schedule()
+    plan = s.schedule(loadable)
+    assert loadable is None or {name for _, name in plan.loads} <= loadable, "loaded an adapter not read yet"
     for slot, _ in plan.loads:
         s.loaded(slot)
     for seq, n in plan.work:
@@ -208,11 +209,36 @@ def test_admit_batch_groups_admissions_while_decoding():
         make(batch=4, admit_batch=0)
 
 
+def test_requests_wait_for_their_adapters_reads():
+    """An adapter not read yet (not loadable) blocks its requests like a full slot table: later ones pass them,
+    at most max_overtakes times; an admission group counts only requests that could enter now."""
+    s = make(slots=4, rows=16, batch=16, overtakes=4, admit_batch=2)
+    for i, name in enumerate(["a", "b", "b", "a"]):
+        s.add(req(i, name, prompt=2, new=50))
+    plan = s.schedule({"b"})
+    assert [q.request.index for q in plan.admitted] == [1, 2] and [n for _, n in plan.loads] == ["b"]
+    for slot, _ in plan.loads:
+        s.loaded(slot)
+    for q, n in plan.work:
+        q.computed += n
+    s.add(req(4, "c", prompt=2))
+    s.add(req(5, "b", prompt=2))
+    assert s.schedule(set()).admitted == []  # b's request 5 alone is not a group of 2 while others decode
+    plan = s.schedule({"c"})  # c and the resident b: a group, passing 'a' twice more (4 times: the limit)
+    assert [q.request.index for q in plan.admitted] == [4, 5]
+    s.add(req(6, "b", prompt=2))
+    s.add(req(7, "b", prompt=2))
+    assert s.schedule({"c"}).admitted == []  # 'a' was passed max_overtakes times: nobody passes it now
+    assert [q.request.index for q in s.schedule({"a"}).admitted] == [0, 3, 6, 7]
+
+
+@pytest.mark.parametrize("reads", [False, True])
 @pytest.mark.parametrize("admit_batch", [1, 4])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_workload_every_request_finishes_within_bound(seed, admit_batch):
-    """Many adapters over few slots, power-law popularity, random lengths: invariants hold every step and no
-    request waits unboundedly (each is admitted after at most max_overtakes passes)."""
+def test_random_workload_every_request_finishes_within_bound(seed, admit_batch, reads):
+    """Many adapters over few slots, power-law popularity, random lengths (and, with `reads`, each adapter
+    loadable only after a random read time, again after each eviction): invariants hold every step and no request
+    waits unboundedly (each is admitted after at most max_overtakes passes)."""
     rng = random.Random(seed)
     k = 4
     s = make(slots=3, rows=6, batch=6, budget=24, overtakes=k, admit_batch=admit_batch)
@@ -223,11 +249,15 @@ def test_random_workload_every_request_finishes_within_bound(seed, admit_batch):
                 new=rng.randint(1, 12)) for i in range(n)]
     arrivals = sorted(rng.randint(0, 300) for _ in range(n))
     finished, order, t = [], [], 0
+    read_at = {name: rng.randint(0, 20) for name in names}
     while len(finished) < n:
         while reqs and arrivals[0] <= t:
             arrivals.pop(0)
             s.add(reqs.pop(0))
-        plan = step(s, finished)
+        loadable = {name for name, at in read_at.items() if at <= t} if reads else None
+        plan = step(s, finished, loadable)
+        for _, name in plan.loads:  # read again the next time it is evicted and wanted
+            read_at[name] = t + rng.randint(0, 20)
         check_invariants(s, plan)
         order += [q.request.index for q in plan.admitted]
         t += 1
