@@ -2,17 +2,19 @@
 the adapter module by module leaves (untargeted modules, rank padding and the slot's previous adapter included), with
 B in the model dtype and in fp8; on CUDA from page-locked memory first, then again from the pageable host tier."""
 import os
+import shutil
+import struct
 
 import pytest
 import torch
 
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
-from tp_lora.lora.adapter import load_peft_adapter
+from tp_lora.lora.adapter import AdapterError, load_peft_adapter
 from tp_lora.lora.slots import SlotTable
 from tp_lora.testing import device_under_test
 
-from _serving import serving_cfg
+from _serving import serving_cfg, write_random_adapter
 
 
 @pytest.mark.parametrize("lora_dtype", ["auto", "fp8"])
@@ -74,3 +76,45 @@ def test_pooled_images_are_recycled_and_start_empty(bundle):
     fresh = SlotTable(engine.rt).image(read["a9"])
     for dtype, block in fresh.blocks.items():
         assert torch.equal(pooled.blocks[dtype], block)
+
+
+def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
+    """After the first file of a layout (same safetensors header, size and adapter_config.json), reads build the
+    image by its plan: the same image a full read makes; a NaN still fails the adapter with the full read's message;
+    a config with other scales, or a truncated file, goes through a full read."""
+    model, _ = bundle
+    root = tmp_path / "adapters"
+    for i in range(3):
+        write_random_adapter(root / f"p{i}", model, r=16, lora_alpha=32, seed=i)
+    write_random_adapter(root / "alpha", model, r=16, lora_alpha=8, seed=5)  # same tensors' layout, other scale
+    shutil.copytree(root / "p0", root / "nan")
+    weights = root / "nan" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    data[header_end + 40:header_end + 44] = struct.pack("<f", float("nan"))
+    weights.write_bytes(bytes(data))
+    engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=8), comm.single_process(), model, str(root))
+    cache = engine.cache
+
+    def full_read(name):
+        adapter = load_peft_adapter(str(root / name), name=name, dtype=cache.dtype)
+        return engine.slots.image(adapter)
+
+    first = cache.fetch("p0")
+    assert first.plan is not None and len(cache._plans) == 1
+    for name in ["p1", "p2", "alpha"]:
+        image = cache.fetch(name)
+        assert (image.plan is first.plan) == (name != "alpha"), name
+        want = full_read(name)
+        assert image.blocks.keys() == want.blocks.keys()
+        for dtype in want.blocks:
+            assert torch.equal(image.blocks[dtype], want.blocks[dtype]), f"{name}: {dtype} block differs"
+    assert len(cache._plans) == 2
+    with pytest.raises(AdapterError, match="NaN/Inf"):
+        cache.fetch("nan")
+    # Same header, fewer bytes: not the plan's file any more.
+    weights = root / "p2" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4])
+    cache.forget()
+    with pytest.raises(AdapterError, match="truncated"):
+        cache.fetch("p2")

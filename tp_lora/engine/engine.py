@@ -107,7 +107,7 @@ class Engine:
         if self.rt is not None:
             # Images alive at once: the host tier, the reads ahead, one being fetched.
             self.slots = SlotTable(self.rt, host_images=lo.max_cpu_loras + PREFETCH_DEPTH + 1)
-            self.cache.attach_model(module_shapes(self.rt), lo.max_rank, self.slots.image)
+            self.cache.attach_model(module_shapes(self.rt), lo.max_rank, self.slots)
             if getattr(self.model, "needs_lockstep", False):
                 self._pin_adapters()
         eos = self.hf.get("eos_token_id")

@@ -3,7 +3,7 @@
   registry  every adapter under lora.adapter_dir, registered at start from adapter_config.json and the safetensors
             HEADER only (names, module shapes, rank; no weights), checked against the model's LoRA targets;
   host      weights read on first use (load_peft_adapter: PEFT's rules) and turned into this rank's slot image
-            (tp_lora.lora.slots: its shard, padded, in the slots' dtypes) by the `prepare` the model
+            (tp_lora.lora.slots: its shard, padded, in the slots' dtypes) by the `images` the model
             attaches; at most lora.max_cpu_loras adapters, least recently used evicted;
   device    lora.max_loras SlotTable slots; a copy into one runs on a side CUDA stream and carries only this rank's
             shard.
@@ -38,6 +38,7 @@ from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, Adapte
 
 
 
+MAX_PLANS = 16  # adapter layouts whose read plans are kept (each holds one image as its template)
 PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
 # One reader: reading is GIL-bound Python, so more threads do not read faster, they only take more turns from the
 # step loop (see tp_lora.lora.pacing).
@@ -198,10 +199,11 @@ class AdapterCache:
 
     def __init__(self, paths: dict[str, str], max_cpu_loras: int, dtype: torch.dtype, group: comm.Group):
         self.max_cpu_loras, self.dtype, self.group = max_cpu_loras, dtype, group
-        self.prepare: Optional[Callable[[LoRAAdapter], object]] = None
+        self.images = None  # the model's SlotTable (attach_model): makes the host tier's slot images
+        self._plans: OrderedDict[tuple, object] = OrderedDict()  # (header, config) -> the layout's ImagePlan
         self.infos: dict[str, AdapterInfo] = {}
         self.bad: dict[str, str] = {}
-        self.host: OrderedDict[str, object] = OrderedDict()  # name -> prepare(adapter)
+        self.host: OrderedDict[str, object] = OrderedDict()  # name -> its slot image (or the adapter, without images)
         self._staged: dict[str, Future] = {}  # name -> (adapter, error) being read ahead, beside the host tier
         self._reader: Optional[ThreadPoolExecutor] = None
         # paced: the reader works while the step loop is inside lending() (waiting on the GPU or on a read) and
@@ -221,11 +223,10 @@ class AdapterCache:
                 self.bad[name] = str(e)
         self._agree_registry()
 
-    def attach_model(self, module_shapes: dict[str, tuple[int, int]], max_rank: int,
-                     prepare: Optional[Callable[[LoRAAdapter], object]] = None) -> None:
-        """Check every registered adapter's shapes against the model; the misfits become bad. prepare(adapter): what
-        the host tier keeps of a read adapter (the engine's slot image); by default the adapter itself."""
-        self.module_shapes, self.max_rank, self.prepare = module_shapes, max_rank, prepare
+    def attach_model(self, module_shapes: dict[str, tuple[int, int]], max_rank: int, images=None) -> None:
+        """Check every registered adapter's shapes against the model; the misfits become bad. images: the model's
+        tp_lora.lora.slots.SlotTable, whose slot images the host tier then keeps instead of the adapters."""
+        self.module_shapes, self.max_rank, self.images = module_shapes, max_rank, images
         for name in list(self.infos):
             try:
                 check_shapes(self.infos[name], module_shapes, max_rank)
@@ -255,7 +256,7 @@ class AdapterCache:
 
     # ---- host tier -------------------------------------------------------------------------------------------
     def fetch(self, name: str):
-        """The adapter in host memory (as `prepare` made it), read from disk on a miss (or taken from a prefetch). Raises
+        """The adapter in host memory (its slot image, with `images`), read from disk on a miss (or taken from a prefetch). Raises
         AdapterError (the same on every rank) when it cannot be used; it is then moved to `bad`."""
         if name in self.bad:
             raise AdapterError(self.bad[name])
@@ -339,7 +340,7 @@ class AdapterCache:
                 self._lent.clear()
 
     def _read_ahead(self, info: AdapterInfo):
-        """On a reader thread: through a reader process when there are any (then only `prepare` runs here)."""
+        """On a reader thread: through a reader process when there are any (then only the image is made here)."""
         with paced(lambda: self._lent.wait(PAUSE_S)) if self.paced else contextlib.nullcontext():
             proc = self._idle.get() if self._procs else None
             if proc is None:
@@ -376,16 +377,40 @@ class AdapterCache:
         self._staged.clear()
 
     def _read_safely(self, info: AdapterInfo) -> tuple[Optional[object], Optional[str]]:
-        # With `prepare` (slot images) nothing of the read outlives this call: its buffer serves the next read.
-        with stfile.reusing_buffer() if self.prepare is not None else contextlib.nullcontext():
-            adapter, err = _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes,
-                                                                   self.max_rank))
-            return (None, err) if err else self._prepared(info, adapter)
+        if self.images is None:
+            return _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes, self.max_rank))
+        # Nothing of the read outlives this call (the image is a copy): its buffer serves the next read.
+        with stfile.reusing_buffer():
+            return _safely(info.name, lambda: self._read_image(info))
+
+    def _read_image(self, info: AdapterInfo):
+        """The slot image of a file: by its layout's plan when an earlier file had the same layout, else by a full
+        read and check (which makes the plan)."""
+        raw = key = None
+        try:
+            raw = stfile.read_file(os.path.join(info.path, WEIGHTS_FILE))
+            with open(os.path.join(info.path, CONFIG_FILE), "rb") as f:
+                key = (raw.header, raw.data.numel(), f.read())
+        except (OSError, stfile.SafetensorsError):
+            pass  # the full read below says what is wrong
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None and plan.modules == info.modules:
+            image = self.images.replay(info.name, plan, raw.data)
+            if image is not None:
+                return image
+        with stfile.given(raw):
+            adapter = load_checked(info, self.dtype, self.module_shapes, self.max_rank)
+        image = self.images.image(adapter, raw.data if raw is not None else None)
+        if image.plan is not None and key is not None:
+            self._plans[key] = image.plan
+            while len(self._plans) > MAX_PLANS:
+                self._plans.popitem(last=False)
+        return image
 
     def _prepared(self, info: AdapterInfo, adapter: LoRAAdapter) -> tuple[Optional[object], Optional[str]]:
-        if self.prepare is None:
+        if self.images is None:
             return adapter, None
-        return _safely(info.name, lambda: self.prepare(adapter))
+        return _safely(info.name, lambda: self.images.image(adapter))
 
     # ---- device tier -----------------------------------------------------------------------------------------
     def load_slot(self, slots, slot: int, image, stream: Optional[torch.cuda.Stream] = None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -33,6 +33,54 @@ class SlotImage:
     blocks: dict[torch.dtype, torch.Tensor]  # one per dtype, in host memory
     views: list[torch.Tensor]  # SlotTable.views(slot)'s shapes, views of the blocks
     pinned: Optional[dict[torch.dtype, torch.Tensor]] = None  # a page-locked copy of the blocks, until loaded
+    plan: Optional["ImagePlan"] = None  # how to build it again from another file of the same layout
+
+
+# A view as (dtype of the tensor it views, its dtype, storage offset in its elements, size, stride).
+ViewSpec = tuple[torch.dtype, torch.dtype, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _spec(view: torch.Tensor, base: torch.Tensor) -> Optional[ViewSpec]:
+    """`view` described relative to `base` (a 1-dim tensor), or None when it does not view base's memory."""
+    if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+        return None
+    offset = view.data_ptr() - base.data_ptr()
+    if offset < 0 or offset % view.element_size():
+        return None
+    return base.dtype, view.dtype, offset // view.element_size(), tuple(view.shape), tuple(view.stride())
+
+
+def _make(spec: ViewSpec, base: torch.Tensor) -> torch.Tensor:
+    _, dtype, offset, size, stride = spec
+    if base.dtype != dtype:
+        width = dtype.itemsize // base.element_size()  # a wider type views whole elements only
+        base = (base[:base.numel() - base.numel() % width] if width > 1 else base).view(dtype)
+    return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+@dataclass
+class ImagePlan:
+    """How an adapter file becomes a slot image, for every file of the same layout (the same safetensors header and
+    adapter_config.json, so the same modules, shapes, ranks and scales): copy the image `template` (the first such
+    image: scales, padding, untargeted modules) and then the file's tensors, as views of its bytes, into their
+    places. Built from the first image of a layout when each of its tensors went in as a plain view (no padding,
+    cast or quantization); replaying it skips the per-module work of a read (SlotTable.replay)."""
+    modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # module -> (A shape, B shape), as registered
+    template: dict[torch.dtype, torch.Tensor]
+    src: list[ViewSpec]  # views of the file's bytes (uint8)
+    dst: list[ViewSpec]  # views of the image's blocks (by the block's dtype)
+    _views: dict = field(default_factory=dict, repr=False)  # (which, buffer address) -> views made before
+
+    def views(self, which: str, base: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """The src or dst views of `base` (dtype -> 1-dim tensor), made once per buffer: the views keep their
+        buffer alive, so its address cannot be reused by another."""
+        key = (which, tuple(b.data_ptr() for b in base.values()))
+        out = self._views.get(key)
+        if out is None:
+            if len(self._views) > 4096:  # buffers of an image pool that grew past its size come and go
+                self._views.clear()
+            out = self._views[key] = [_make(sp, base[sp[0]]) for sp in (self.src if which == "src" else self.dst)]
+        return out
 
 
 # Page-locked image copies alive at once: about as many as the cache reads ahead (lora.cache.PREFETCH_DEPTH), and
@@ -47,12 +95,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 class ImagePool:
     """Host memory for `capacity` slot images shaped like `like`, allocated and faulted in at start, with each
-    entry's views made once; an entry is handed out as a copy of `empty`. A fresh image's pages otherwise cost the
+    entry's views made once; an entry is handed out as a copy of the image it starts from. A fresh image's pages otherwise cost the
     reader most of a read (on a 2-core VM: ~50 ms to fault in 20 MB while the host tier fills), and the host tier
     only grows to its bound once anyway. An entry returns to the pool when its image is dropped."""
 
     def __init__(self, like: list[torch.Tensor], empty: dict[torch.dtype, torch.Tensor], capacity: int):
-        self.empty = empty
         try:
             flat = {dtype: torch.empty(capacity, b.numel(), dtype=dtype) for dtype, b in empty.items()}
         except RuntimeError as e:
@@ -64,14 +111,14 @@ class ImagePool:
         self.free = list(range(capacity))
         self.lock = threading.Lock()
 
-    def take(self) -> Optional[int]:
-        """An entry's index, its blocks reset to `empty`; None when all are in use."""
+    def take(self, init: dict[torch.dtype, torch.Tensor]) -> Optional[int]:
+        """An entry's index, its blocks copies of `init` (blocks shaped like `empty`); None when all are in use."""
         with self.lock:
             if not self.free:
                 return None
             i = self.free.pop()
         for dtype, block in self.entries[i][0].items():
-            block.copy_(self.empty[dtype])
+            block.copy_(init[dtype])
         return i
 
     def give(self, i: int) -> None:
@@ -120,10 +167,12 @@ class SlotTable:
         """Every layer's views of `slot`, layer after layer."""
         return [v for layer in self.layers for v in layer.slot_views(slot)]
 
-    def image(self, adapter) -> SlotImage:
-        """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only."""
+    def image(self, adapter, source: Optional[torch.Tensor] = None) -> SlotImage:
+        """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only.
+        source: the bytes of the file its tensors view (stfile.RawFile.data): the image then carries the plan to
+        build the images of files of the same layout (None when some tensor was not a plain view of them)."""
         pause()
-        entry = self._pool.take() if self._pool is not None else None
+        entry = self._pool.take(self._empty) if self._pool is not None else None
         host, views = blocks(self._template, self._empty) if entry is None else self._pool.entries[entry]
         dsts, srcs = [], []
 
@@ -136,10 +185,37 @@ class SlotTable:
             layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
         pause()
         torch._foreach_copy_(dsts, srcs)  # one call (GIL released inside) instead of hundreds of small copies
-        image = SlotImage(adapter.name, host, views, self._pinned(host))
+        plan = self._plan(adapter, host, dsts, srcs, source) if source is not None else None
+        return self._finish(adapter.name, host, views, entry, plan)
+
+    def replay(self, name: str, plan: ImagePlan, source: torch.Tensor) -> Optional[SlotImage]:
+        """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
+        its tensors holds a NaN/Inf (the full read then names it)."""
+        srcs = plan.views("src", {torch.uint8: source})
+        if not bool(torch.isfinite(torch.stack(torch._foreach_norm(srcs))).all()):
+            return None
+        pause()
+        entry = self._pool.take(plan.template) if self._pool is not None else None
+        host, views = blocks(self._template, plan.template) if entry is None else self._pool.entries[entry]
+        torch._foreach_copy_(plan.views("dst", host), srcs)
+        return self._finish(name, host, views, entry, plan)
+
+    def _finish(self, name: str, host, views, entry: Optional[int], plan: Optional[ImagePlan]) -> SlotImage:
+        image = SlotImage(name, host, views, self._pinned(host), plan)
         if entry is not None:
             weakref.finalize(image, self._pool.give, entry)
         return image
+
+    @staticmethod
+    def _plan(adapter, host, dsts, srcs, source: torch.Tensor) -> Optional[ImagePlan]:
+        src = [_spec(t, source) for t in srcs]
+        dst = []
+        for t in dsts:
+            dst.append(next((sp for b in host.values() if (sp := _spec(t, b)) is not None), None))
+        if None in src or None in dst:
+            return None
+        modules = {m: (tuple(x.a.shape), tuple(x.b.shape)) for m, x in adapter.modules.items()}
+        return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst)
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
         if self._pins is None or not self._pins.acquire(blocking=False):

@@ -13,6 +13,8 @@ import math
 import os
 import struct
 import threading
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -51,8 +53,28 @@ def reusing_buffer():
     return setting(_local, "reuse", True)
 
 
+@dataclass
+class RawFile:
+    """A whole safetensors file in memory: `data` its bytes, `header` its JSON header's bytes (unparsed)."""
+    path: str
+    data: torch.Tensor  # uint8 [file size]
+    header: bytes
+
+
+def given(raw: Optional[RawFile]):
+    """read_tensors(raw.path) on this thread, inside the block, takes the bytes already read instead of reading the
+    file again."""
+    return setting(_local, "given", raw)
+
+
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the file, in header order, as views of one host buffer holding the whole file."""
+    raw = getattr(_local, "given", None)
+    return tensors(raw if raw is not None and raw.path == path else read_file(path))
+
+
+def read_file(path: str) -> RawFile:
+    """The file's bytes in one read; only the header's length is checked (tensors() checks the rest)."""
     size = os.path.getsize(path)
     # Not a bytearray: that one is zeroed with the GIL held, and fresh pages cost ~10 ms per 20 MB to touch on a VM.
     if getattr(_local, "reuse", False):
@@ -67,8 +89,13 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
     if got != size:
         raise SafetensorsError(path, f"read {got} of its {size} bytes (changed while being read?)")
     n = _header_len(bytes(buf[:8]), size, path)
-    header = _parse(bytes(buf[8:8 + n]), size - 8 - n, path)
-    del buf
+    return RawFile(path, data, bytes(buf[8:8 + n]))
+
+
+def tensors(raw: RawFile) -> dict[str, torch.Tensor]:
+    """The file's tensors as views of raw.data, after checking the header against the file."""
+    data, size, n = raw.data, raw.data.numel(), len(raw.header)
+    header = _parse(raw.header, size - 8 - n, raw.path)
     typed: dict[torch.dtype, torch.Tensor] = {}  # the whole buffer as each dtype: one view op per tensor
     out = {}
     for key, meta in header.items():
