@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tp_lora import distributed as comm
-from tp_lora.testing import run_ranks
+from tp_lora.testing import enough_devices, run_ranks
 
 
 def _collectives(ps: comm.ParallelState):
@@ -18,11 +18,15 @@ def _collectives(ps: comm.ParallelState):
     calls, nbytes = dict(comm.STATS.calls), dict(comm.STATS.bytes)
     objects = comm.all_gather_object({"rank": r, "pad": "x" * (100 * r)}, tp)  # pickles of different sizes
     sent = comm.broadcast_object(["from", r], tp, src_rank=1)
-    return summed.cpu(), gathered.cpu(), scattered.cpu(), calls, nbytes, objects, sent
+    agreed = comm.all_true([True, r == 0, r == 1, False, True], tp)
+    return summed.cpu(), gathered.cpu(), scattered.cpu(), calls, nbytes, objects, sent, agreed
 
 
 def test_collectives_on_real_ranks():
-    summed, gathered, scattered, calls, nbytes, objects, sent = run_ranks(_collectives, 2)
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    summed, gathered, scattered, calls, nbytes, objects, sent, agreed = run_ranks(_collectives, 2)
+    assert agreed == [True, False, False, False, True]  # what holds on every rank
     assert objects == [{"rank": 0, "pad": ""}, {"rank": 1, "pad": "x" * 100}]
     assert sent == ["from", 1]
     assert summed.tolist() == [3.0] * 3
@@ -45,6 +49,8 @@ def _rank1_never_joins(ps: comm.ParallelState):
 
 
 def test_missing_peer_times_out_with_an_error():
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
     t0 = time.time()
     with pytest.raises(RuntimeError, match="rank 0"):
         run_ranks(_rank1_never_joins, 2, timeout_s=3)
