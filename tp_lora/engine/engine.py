@@ -207,6 +207,8 @@ class Engine:
         if not sched.may_admit():
             return set(), []
         wanted = self._wanted(sched)
+        if not wanted:
+            return set(), []
         self.cache.prefetch(wanted)
         first = {r.adapter for r in sched.waiting[:sched.group_size]}
         deadline = time.perf_counter() + READ_WAIT_S
