@@ -109,6 +109,29 @@ def test_fetch_reads_an_adapter_still_queued_for_read_ahead_itself(zoo, monkeypa
     ahead.close()
 
 
+def test_wait_any_reads_a_queued_adapter_itself_then_waits(zoo, monkeypatch):
+    """wait_any (the step loop with nothing to run) reads the first adapter whose read ahead has not started itself,
+    beside the reader's own read (held at a pause point until wait_any lends it the time); with every read under
+    way it waits for one."""
+    monkeypatch.setattr(cache_mod, "PAUSE_S", 30.0)
+    c = _cache(zoo)
+    c.paced = True
+    c.prefetch(["a1", "a2"])
+    time.sleep(0.3)
+    queued = c._staged["a2"]
+    assert not c.ready("a1") and not c.ready("a2")
+    c.wait_any(["a1", "a2"])
+    assert queued.cancelled() and c.ready("a2"), "a2 was read here, not by the reader"
+    for _ in range(100):
+        if c.ready("a1"):
+            break
+        c.wait_any(["a1"])
+    assert c.ready("a1") and c.stats.read_seconds > 0
+    for name in ["a1", "a2"]:
+        assert c.fetch(name) is not None
+    c.close()
+
+
 def test_pause_points_run_only_under_paced():
     calls = []
     pacing.pause()
