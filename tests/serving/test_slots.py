@@ -11,6 +11,7 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
 from tp_lora.lora.adapter import AdapterError, load_peft_adapter
+from tp_lora.lora.layers import LoRALinear, module_shapes
 from tp_lora.lora.slots import SlotTable
 from tp_lora.testing import device_under_test
 
@@ -80,13 +81,15 @@ def test_pooled_images_are_recycled_and_start_empty(bundle):
 
 def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
     """After the first file of a layout (same safetensors header, size and adapter_config.json), reads build the
-    image by its plan: the same image a full read makes; a NaN still fails the adapter with the full read's message;
+    image by its plan: the same image a full read makes (rank padding included); a NaN still fails the adapter with the full read's message;
     a config with other scales, or a truncated file, goes through a full read."""
     model, _ = bundle
     root = tmp_path / "adapters"
     for i in range(3):
         write_random_adapter(root / f"p{i}", model, r=16, lora_alpha=32, seed=i)
     write_random_adapter(root / "alpha", model, r=16, lora_alpha=8, seed=5)  # same tensors' layout, other scale
+    for i in range(2):  # rank 8 under lora.max_rank 16: the images' rank padding comes from the template
+        write_random_adapter(root / f"q{i}", model, r=8, lora_alpha=16, seed=10 + i)
     shutil.copytree(root / "p0", root / "nan")
     weights = root / "nan" / "adapter_model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -110,6 +113,12 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
         for dtype in want.blocks:
             assert torch.equal(image.blocks[dtype], want.blocks[dtype]), f"{name}: {dtype} block differs"
     assert len(cache._plans) == 2
+    small = cache.fetch("q0")
+    assert small.plan is not None
+    got, want = cache.fetch("q1"), full_read("q1")
+    assert got.plan is small.plan
+    for dtype in want.blocks:
+        assert torch.equal(got.blocks[dtype], want.blocks[dtype]), f"q1: {dtype} block differs"
     with pytest.raises(AdapterError, match="NaN/Inf"):
         cache.fetch("nan")
     # Same header, fewer bytes: not the plan's file any more.
@@ -118,3 +127,28 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
     cache.forget()
     with pytest.raises(AdapterError, match="truncated"):
         cache.fetch("p2")
+
+
+def test_a_smaller_rank_overwrites_a_bigger_ones_padding(bundle):
+    """Writing an adapter's module fills its r rank columns and zeroes the rest: a slot that held a bigger rank
+    ends up as if it had been cleared first (images rely on it too: a read plan's template carries the zeros)."""
+    model, adapters = bundle
+    engine = Engine(serving_cfg(max_loras=2), comm.single_process(), model, adapters)
+    gen = torch.Generator().manual_seed(0)
+    shapes = module_shapes(engine.rt)
+    checked = 0
+    for path, (layer, key) in engine.rt.targets.items():
+        if not isinstance(layer, LoRALinear):
+            continue
+        fin, fout = shapes[path]
+        a16, b16 = torch.randn(16, fin, generator=gen), torch.randn(fout, 16, generator=gen)
+        a4, b4 = torch.randn(4, fin, generator=gen), torch.randn(fout, 4, generator=gen)
+        for slot in (0, 1):
+            layer.clear(layer.slot_views(slot))
+        layer.set_slot(0, key, a16, b16, 2.0)
+        layer.set_slot(0, key, a4, b4, 0.5)
+        layer.set_slot(1, key, a4, b4, 0.5)
+        for got, want in zip(layer.slot_views(0), layer.slot_views(1)):
+            assert torch.equal(got, want), path
+        checked += 1
+    assert checked >= 7

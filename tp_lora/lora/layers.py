@@ -83,6 +83,15 @@ def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Te
     return torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]])
 
 
+def _first(view: torch.Tensor, dim: int, r: int) -> torch.Tensor:
+    """The first r entries of `view`'s rank dim (a LoRA of rank r), the others zeroed."""
+    if r > view.shape[dim]:
+        raise ValueError(f"LoRA rank {r} exceeds lora.max_rank={view.shape[dim]}")
+    if r < view.shape[dim]:
+        view.narrow(dim, r, view.shape[dim] - r).zero_()
+    return view.narrow(dim, 0, r)
+
+
 class LoRALinear(SlotBuffers, nn.Module):
     """Multi-LoRA over a ParallelLinear (column / merged / qkv / row / replicated) or the LM head.
 
@@ -140,14 +149,21 @@ class LoRALinear(SlotBuffers, nn.Module):
         """One slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard."""
         n = len(self.lora_a)
         dev = views[0].device
-        a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
-        size = (self.tp.rank, self.tp.size)
-        copy(views[slice_idx], shard_lora_a(self.spec, a, *size, self.fully_sharded))
+        r, size = a.shape[0], (self.tp.rank, self.tp.size)
+        a_dst, b_dst = views[slice_idx], views[n + slice_idx]
+        if self.fully_sharded and self.spec.kind == "column":  # the ranks split A's rank dim: pad, then split
+            a = _pad(a, 0, self.rt.max_rank, dev)
+        else:
+            # Smaller ranks fill the first r rank columns and zero the rest, so the copies stay plain views of the
+            # adapter's tensors (what a read plan replays: tp_lora.lora.slots.ImagePlan).
+            a_dst = _first(a_dst, 0, r)
+        b_dst = _first(b_dst, 1, r)
+        copy(a_dst, shard_lora_a(self.spec, a, *size, self.fully_sharded))
         b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
         if self.b_scales is not None:
             b, b_scale = quantize_fp8_per_channel(b)
             copy(views[2 * n + 1 + slice_idx], b_scale)
-        copy(views[n + slice_idx], b)
+        copy(b_dst, b)
         views[2 * n][slice_idx] = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
