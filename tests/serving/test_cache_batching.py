@@ -169,6 +169,7 @@ def _run_with_slow_read(ps, model, adapters):
     the rest of the batch."""
     engine = Engine(serving_cfg(tp=ps.tp.size, max_loras=4, max_cpu_loras=8, batch=8, budget=64), ps, model,
                     adapters)
+    engine.overlap_reads = True  # as on CUDA
     ended = _slowed(engine, 1.0) if ps.tp.rank == 0 else []
     results = engine.generate(_slow_first(make_requests(N)))
     engine.close()

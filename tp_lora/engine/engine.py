@@ -83,6 +83,9 @@ class Engine:
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
         self.cache.paced = ps.device.type == "cuda"
+        # Admission waits (boundedly) for reads where they overlap GPU steps. On CPU reads and steps share the cores,
+        # and the step loop reading what it admits keeps each run's batches, and so its rounding, the same.
+        self.overlap_reads = ps.device.type == "cuda"
         if lo.reader_processes and self.adapter_paths:
             self.cache.start_reader_processes(lo.reader_processes)
         self.rt = None
@@ -200,10 +203,13 @@ class Engine:
         except AdapterError:
             return None
 
-    def _loadable(self, sched: Scheduler) -> tuple[set[str], list[str]]:
+    def _loadable(self, sched: Scheduler) -> tuple[Optional[set[str]], list[str]]:
         """(adapters the next step may copy into slots, those still being read) over the waiting requests the
-        scheduler may admit next. Waits up to READ_WAIT_S for the reads of the first group's adapters. The ranks
-        of a TP group agree on which reads are done and on when the wait ends (times differ per rank)."""
+        scheduler may admit next; (None, []) without overlap_reads: any, read when admitted. Waits up to
+        READ_WAIT_S for the reads of the first group's adapters. The ranks of a TP group agree on which reads are
+        done and on when the wait ends (times differ per rank)."""
+        if not self.overlap_reads:
+            return None, []
         if not sched.may_admit():
             return set(), []
         wanted = self._wanted(sched)
@@ -441,7 +447,7 @@ class Engine:
                 self.stats.prompt_tokens += seq.prompt_len
             failed = set()
             for slot, name in plan.loads:  # copied in before the step that prefills their requests
-                image = self._fetch(name)  # read already: only the ranks' verdict
+                image = self._fetch(name)  # read already (overlap_reads), else read here; and the ranks' verdict
                 if image is None:
                     failed.add(name)
                     for req in sched.fail_adapter(name):
