@@ -154,7 +154,6 @@ def all_gather_object(obj, group: Group) -> list:
     return [pickle.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
 
 
-
 def all_true(flags: list[bool], group: Group) -> list[bool]:
     """Element-wise AND of every rank's flags (the same number on each): which of a common list of things hold on
     every rank. One small all-gather; host-side control, not counted."""
@@ -165,6 +164,7 @@ def all_true(flags: list[bool], group: Group) -> list[bool]:
     out = torch.empty(group.size * len(flags), dtype=torch.uint8, device=device)
     _all_gather_tensor(out, mine, group=group.pg)
     return _host(out).view(group.size, -1).all(dim=0).tolist()
+
 
 @dataclass
 class ParallelState:

@@ -81,8 +81,8 @@ def test_pooled_images_are_recycled_and_start_empty(bundle):
 
 def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
     """After the first file of a layout (same safetensors header, size and adapter_config.json), reads build the
-    image by its plan: the same image a full read makes (rank padding included); a NaN still fails the adapter with the full read's message;
-    a config with other scales, or a truncated file, goes through a full read."""
+    image by its plan: the same image a full read makes (rank padding included); a NaN still fails the adapter with
+    the full read's message; a config with other scales, or a truncated file, goes through a full read."""
     model, _ = bundle
     root = tmp_path / "adapters"
     for i in range(3):

@@ -13,19 +13,21 @@ Each step (schedule()):
    names the adapters it can copy in at once (`loadable`: read into host memory); a request whose adapter is still
    being read waits like one without a free slot, so a read never stalls the batch.
    With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
-   (rows and batch room) and have their adapters resident or loadable: each admission turns a decode-only step, which a CUDA graph replays, into a mixed step
-   that runs eagerly, so under a full batch admissions are grouped instead of trickling in one per step.
-3. No free slot (or its adapter not loadable yet) for a request R: later requests whose adapter is resident may pass it (they batch with sequences
-   already running: adapter-aware grouping), and each admission that passes R charges R once. Once R has been
-   charged max_overtakes times nothing behind it is admitted until it is. The scan stops after LOOKAHEAD blocked
-   requests, so a step costs O(LOOKAHEAD x slots) however long the queue.
+   (rows and batch room) and have their adapters resident or loadable: each admission turns a decode-only step,
+   which a CUDA graph replays, into a mixed step that runs eagerly, so under a full batch admissions are grouped
+   instead of trickling in one per step.
+3. No free slot (or its adapter not loadable yet) for a request R: later requests whose adapter is resident (or
+   loadable) may pass it (they batch with sequences already running: adapter-aware grouping), and each admission
+   that passes R charges R once. Once R has been charged max_overtakes times nothing behind it is admitted until it
+   is. The scan stops after LOOKAHEAD blocked requests, so a step costs O(LOOKAHEAD x slots) however long the queue.
 
 No starvation: a charged-out request R stops admission behind it, so only requests ahead of R (finitely many, none
 added) can still enter. Every running sequence finishes in a bounded number of steps (decodes always get their token;
 the oldest prefill always gets >= 1 budget token, since at most max_batch_size - 1 others decode). So the slots'
 users drain, a slot frees, and it goes to the first blocked request in queue order; by induction R is admitted after
 at most max_overtakes passes plus the drain time of what runs ahead of it. admit_batch only waits for sequences to
-finish, which they do in bounded time, so the bound stays finite.
+finish, which they do in bounded time, and a request waiting for its adapter's read waits for a read that ends (read
+or failed) in bounded time, the engine reading it itself once nothing else can run; so the bound stays finite.
 """
 from __future__ import annotations
 

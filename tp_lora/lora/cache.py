@@ -40,8 +40,8 @@ from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, Adapte
 
 MAX_PLANS = 16  # adapter layouts whose read plans are kept (each holds one image as its template)
 PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
-# One reader: reading is GIL-bound Python, so more threads do not read faster, they only take more turns from the
-# step loop (see tp_lora.lora.pacing).
+# One reader: reads share the step loop's host (tp_lora.lora.pacing); a second reader thread, with read plans, waited
+# less for reads but slowed the steps more (BENCHMARKS.md, 1000 adapters on an H200: 0.82 vs 0.85 of one adapter).
 READERS = 1
 PAUSE_S = 0.02  # paced reader: longest wait for the step loop to wait before it does one more unit of work anyway
 
@@ -256,8 +256,8 @@ class AdapterCache:
 
     # ---- host tier -------------------------------------------------------------------------------------------
     def fetch(self, name: str):
-        """The adapter in host memory (its slot image, with `images`), read from disk on a miss (or taken from a prefetch). Raises
-        AdapterError (the same on every rank) when it cannot be used; it is then moved to `bad`."""
+        """The adapter in host memory (its slot image, with `images`), read from disk on a miss (or taken from a
+        prefetch). Raises AdapterError (the same on every rank) when it cannot be used; it is then moved to `bad`."""
         if name in self.bad:
             raise AdapterError(self.bad[name])
         if name in self.host:

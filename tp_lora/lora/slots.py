@@ -95,9 +95,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 class ImagePool:
     """Host memory for `capacity` slot images shaped like `like`, allocated and faulted in at start, with each
-    entry's views made once; an entry is handed out as a copy of the image it starts from. A fresh image's pages otherwise cost the
-    reader most of a read (on a 2-core VM: ~50 ms to fault in 20 MB while the host tier fills), and the host tier
-    only grows to its bound once anyway. An entry returns to the pool when its image is dropped."""
+    entry's views made once; an entry is handed out as a copy of the image it starts from. A fresh image's pages
+    otherwise cost the reader most of a read (on a 2-core VM: ~50 ms to fault in 20 MB while the host tier fills),
+    and the host tier only grows to its bound once anyway. An entry returns to the pool when its image is dropped."""
 
     def __init__(self, like: list[torch.Tensor], empty: dict[torch.dtype, torch.Tensor], capacity: int):
         try:

@@ -2,8 +2,9 @@
 
 safetensors' safe_open hands out one tensor per call, a few Python-level steps each, and an adapter of a 16-layer
 model holds a couple of hundred tensors. Adapter reads run beside the step loop and share its GIL (see
-tp_lora.lora.pacing), so a read should be few Python steps: here one readinto into an untouched buffer (the GIL is released while
-the bytes arrive) and one view per tensor. Errors are SafetensorsError naming the file and what is wrong with it.
+tp_lora.lora.pacing), so a read should be few Python steps: here one readinto into an untouched buffer (the GIL is
+released while the bytes arrive) and one view per tensor. Errors are SafetensorsError naming the file and what is
+wrong with it.
 """
 from __future__ import annotations
 
