@@ -159,11 +159,15 @@ def all_true(flags: list[bool], group: Group) -> list[bool]:
     every rank. One small all-gather; host-side control, not counted."""
     if group.size == 1:
         return list(flags)
-    device = _SETTINGS["device"]
-    mine = torch.tensor(flags, dtype=torch.uint8, device=device)
-    out = torch.empty(group.size * len(flags), dtype=torch.uint8, device=device)
-    _all_gather_tensor(out, mine, group=group.pg)
-    return _host(out).view(group.size, -1).all(dim=0).tolist()
+    mine = torch.tensor(flags, dtype=torch.uint8, device=_SETTINGS["device"])
+    return _gathered(mine, group).all(dim=0).tolist()
+
+
+def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's 1-dim t (the same size on each), stacked [group.size, n] on the host."""
+    out = torch.empty(group.size * t.numel(), dtype=t.dtype, device=t.device)
+    _all_gather_tensor(out, t, group=group.pg)
+    return _host(out).view(group.size, -1)
 
 
 @dataclass
@@ -258,9 +262,7 @@ def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu") 
         return [n]
     t = torch.tensor([n], dtype=torch.int64, device=device)
     STATS.record("counts", group, t)
-    out = torch.empty(group.size, dtype=torch.int64, device=device)
-    _all_gather_tensor(out, t, group=group.pg)
-    return _host(out).tolist()
+    return _gathered(t, group).flatten().tolist()
 
 
 def expert_mesh_groups(world_size: int, tp_size: int, ep_size: int, ep_attention: str) -> list[tuple[int, ...]]:

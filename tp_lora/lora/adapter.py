@@ -384,13 +384,19 @@ def count_nonfinite(t: torch.Tensor) -> int:
     return int(((t.contiguous().view(itype) & mask) == mask).sum())
 
 
+def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Per tensor: False when it may hold a NaN/Inf (one batched norm; a norm can also overflow on finite values,
+    so count_nonfinite settles the flagged ones)."""
+    return torch.isfinite(torch.stack(torch._foreach_norm(tensors))).tolist()
+
+
 def _check_finite(adapter: LoRAAdapter) -> None:
     """Raise for the first module holding a NaN/Inf. One batched norm per adapter screens every tensor (a NaN/Inf
     makes its norm non-finite); only the flagged ones are counted exactly (a norm can overflow on finite values)."""
     named = [(module, what, t) for module, m in adapter.modules.items() for what, t in (("A", m.a), ("B", m.b))]
     if not named:
         return
-    flags = torch.isfinite(torch.stack(torch._foreach_norm([t for _, _, t in named]))).tolist()
+    flags = finite_flags([t for _, _, t in named])
     for (module, what, t), ok in zip(named, flags):
         bad = 0 if ok else count_nonfinite(t)
         if bad:

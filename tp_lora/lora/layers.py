@@ -84,7 +84,9 @@ def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Te
 
 
 def _first(view: torch.Tensor, dim: int, r: int) -> torch.Tensor:
-    """The first r entries of `view`'s rank dim (a LoRA of rank r), the others zeroed."""
+    """The first r entries of `view`'s rank dim (a LoRA of rank r), the others zeroed. A smaller rank written this
+    way needs no padded copy, so the slot image's copies stay plain views of the adapter's tensors (what a read plan
+    replays: tp_lora.lora.slots.ImagePlan)."""
     if r > view.shape[dim]:
         raise ValueError(f"LoRA rank {r} exceeds lora.max_rank={view.shape[dim]}")
     if r < view.shape[dim]:
@@ -154,8 +156,6 @@ class LoRALinear(SlotBuffers, nn.Module):
         if self.fully_sharded and self.spec.kind == "column":  # the ranks split A's rank dim: pad, then split
             a = _pad(a, 0, self.rt.max_rank, dev)
         else:
-            # Smaller ranks fill the first r rank columns and zero the rest, so the copies stay plain views of the
-            # adapter's tensors (what a read plan replays: tp_lora.lora.slots.ImagePlan).
             a_dst = _first(a_dst, 0, r)
         b_dst = _first(b_dst, 1, r)
         copy(a_dst, shard_lora_a(self.spec, a, *size, self.fully_sharded))
@@ -205,10 +205,9 @@ class LoRAEmbedding(SlotBuffers, nn.Module):
     def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:
         """a: PEFT's lora_embedding_A [r, vocab]; b: lora_embedding_B [hidden, r]."""
-        dev = views[0].device
-        a_t = _pad(a.t(), 1, self.rt.max_rank, dev)
-        copy(views[0], take(a_t, (self.base.vocab_start, self.base.vocab_end), 0))
-        copy(views[1], _pad(b, 1, self.rt.max_rank, dev))
+        r = a.shape[0]
+        copy(_first(views[0], 1, r), take(a.t(), (self.base.vocab_start, self.base.vocab_end), 0))
+        copy(_first(views[1], 1, r), b)
         views[2][0] = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

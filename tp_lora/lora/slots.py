@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from tp_lora.hostcopy import blocks
+from tp_lora.lora.adapter import finite_flags
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.lora.pacing import pause
 
@@ -172,8 +173,7 @@ class SlotTable:
         source: the bytes of the file its tensors view (stfile.RawFile.data): the image then carries the plan to
         build the images of files of the same layout (None when some tensor was not a plain view of them)."""
         pause()
-        entry = self._pool.take(self._empty) if self._pool is not None else None
-        host, views = blocks(self._template, self._empty) if entry is None else self._pool.entries[entry]
+        entry, host, views = self._entry(self._empty)
         dsts, srcs = [], []
 
         def gather(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -192,13 +192,19 @@ class SlotTable:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
         its tensors holds a NaN/Inf (the full read then names it)."""
         srcs = plan.views("src", {torch.uint8: source})
-        if not bool(torch.isfinite(torch.stack(torch._foreach_norm(srcs))).all()):
+        if not all(finite_flags(srcs)):
             return None
         pause()
-        entry = self._pool.take(plan.template) if self._pool is not None else None
-        host, views = blocks(self._template, plan.template) if entry is None else self._pool.entries[entry]
+        entry, host, views = self._entry(plan.template)
         torch._foreach_copy_(plan.views("dst", host), srcs)
         return self._finish(name, host, views, entry, plan)
+
+    def _entry(self, init: dict[torch.dtype, torch.Tensor]):
+        """(pool entry or None, blocks, views) of a new image starting as a copy of `init`: pooled memory while the
+        pool has some, new memory beyond it."""
+        entry = self._pool.take(init) if self._pool is not None else None
+        host, views = blocks(self._template, init) if entry is None else self._pool.entries[entry]
+        return entry, host, views
 
     def _finish(self, name: str, host, views, entry: Optional[int], plan: Optional[ImagePlan]) -> SlotImage:
         image = SlotImage(name, host, views, self._pinned(host), plan)
