@@ -91,13 +91,14 @@ def prepare_adapters(root: str, model: str, n: int, ranks: list[int], distinct: 
                      seed: int) -> str:
     """n PEFT adapter dirs a00000.. with ranks drawn from `ranks`; `distinct` random weight sets per rank, the rest
     hard links to them."""
-    tag = f"{os.path.basename(model)}-n{n}-r{'_'.join(map(str, ranks))}-d{distinct}-s{seed}"
+    dname = str(dtype).removeprefix("torch.")
+    tag = f"{os.path.basename(model)}-n{n}-r{'_'.join(map(str, ranks))}-d{distinct}-s{seed}-{dname}"
     path = os.path.join(root, "adapters", tag)
     marker = os.path.join(path, ".complete")
     if int(os.environ.get("RANK", "0")) == 0 and not os.path.exists(marker):
         log(f"writing {n} adapters to {path}")
         shutil.rmtree(path, ignore_errors=True)
-        pool = os.path.join(root, "adapter-pool", os.path.basename(model))
+        pool = os.path.join(root, "adapter-pool", f"{os.path.basename(model)}-{dname}")
         for i, r in enumerate(adapter_ranks(n, ranks, seed)):
             src = os.path.join(pool, f"r{r}-w{i % distinct}")
             if not os.path.exists(os.path.join(src, "adapter_model.safetensors")):
@@ -486,6 +487,9 @@ def parse_args(argv=None):
     p.add_argument("--adapters", default="1,100,1000", help="comma-separated adapter counts, one run each")
     p.add_argument("--ranks", default="16", help="comma-separated LoRA ranks, each adapter draws one (e.g. 8,16,32,64)")
     p.add_argument("--distinct-weights", type=int, default=8, help="random weight sets per rank; others hard-linked")
+    p.add_argument("--adapter-dtype", default="model", choices=["model", "float32"],
+                   help="dtype of the adapter files: the model's, or float32 (PEFT's default when it saves adapters "
+                        "trained beside a 16-bit model), which the engine casts as it reads")
     p.add_argument("--popularity", default="powerlaw", choices=["powerlaw", "uniform"])
     p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent: P(adapter i) ~ 1/(i+1)^alpha")
     p.add_argument("--requests", type=int, default=400)
@@ -534,10 +538,12 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     os.makedirs(args.assets, exist_ok=True)
     model = prepare_model(args.assets, args.model, dtype)
+    adapter_dtype = dtype if args.adapter_dtype == "model" else getattr(torch, args.adapter_dtype)
     ps = comm.init_parallel(args.tp, device, args.timeout)
     vocab = PRESETS[args.model]["vocab_size"]
     report = dict(model=args.model, tp=ps.tp.size, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   fully_sharded=args.fully_sharded, cuda_graphs=not args.no_graphs,
+                  adapter_dtype=str(adapter_dtype).removeprefix("torch."),
                   engine=dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, batch=args.batch,
                               tokens_per_step=args.tokens_per_step, admit_batch=args.admit_batch),
                   workload=dict(requests=args.requests, rate=args.rate, popularity=args.popularity,
@@ -546,7 +552,8 @@ def main(argv=None) -> dict:
                   results={})
     try:
         for n in args.adapter_counts:
-            adapters = prepare_adapters(args.assets, model, n, args.ranks, args.distinct_weights, dtype, args.seed)
+            adapters = prepare_adapters(args.assets, model, n, args.ranks, args.distinct_weights, adapter_dtype,
+                                        args.seed)
             reqs, arrivals = make_trace(args, n, vocab)
             used = len({r.adapter for r in reqs})
             log(f"{n} adapters ({used} used by {len(reqs)} requests over {arrivals[-1]:.1f}s)")

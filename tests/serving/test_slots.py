@@ -152,3 +152,50 @@ def test_a_smaller_rank_overwrites_a_bigger_ones_padding(bundle):
             assert torch.equal(got, want), path
         checked += 1
     assert checked >= 7
+
+
+def _set_first_value(weights, value: float) -> None:
+    """Overwrite the first float32 of a safetensors file's data (the first tensor's first element)."""
+    data = bytearray(weights.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    data[header_end:header_end + 4] = struct.pack("<f", value)
+    weights.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("slot_dtype", ["bfloat16", "float16"])
+def test_read_plans_cast_files_into_the_slots_dtype(bundle, tmp_path, slot_dtype):
+    """fp32 files (PEFT's default) for 16-bit slots: the first file of a layout records a plan that casts as it
+    copies, later files replay it, and both give the image of the file read in the slots' dtype, bit for bit. A
+    value beyond fp16's range fails the adapter (a full read and a replayed plan alike) instead of becoming Inf."""
+    model, _ = bundle
+    root = tmp_path / "adapters"
+    for i in range(3):
+        write_random_adapter(root / f"p{i}", model, r=16, lora_alpha=32, seed=i, dtype=torch.float32)
+    shutil.copytree(root / "p1", root / "big")
+    _set_first_value(root / "big" / "adapter_model.safetensors", 1e6)
+    shutil.copytree(root / "p1", root / "big_first")
+    _set_first_value(root / "big_first" / "adapter_model.safetensors", -1e6)
+    cfg = serving_cfg(max_loras=2, max_cpu_loras=8)
+    cfg.dtype = slot_dtype
+    engine = Engine(cfg, comm.single_process(), model, str(root))
+    cache = engine.cache
+    assert cache.dtype == getattr(torch, slot_dtype)
+    images = [cache.fetch(name) for name in ("p0", "p1", "p2")]
+    assert images[0].plan is not None and all(image.plan is images[0].plan for image in images)
+    for name, image in zip(("p0", "p1", "p2"), images):
+        want = engine.slots.image(load_peft_adapter(str(root / name), name=name, dtype=cache.dtype))
+        assert want.plan is None  # read in the slots' dtype: no longer views of the file
+        assert image.blocks.keys() == want.blocks.keys()
+        for dtype in want.blocks:
+            assert torch.equal(image.blocks[dtype], want.blocks[dtype]), f"{name}: {dtype} block differs"
+    if slot_dtype == "float16":
+        free = len(engine.slots._pool.free)
+        with pytest.raises(AdapterError, match=r"'big'.*1 values .* beyond the range of the slots' torch.float16"):
+            cache.fetch("big")  # replays p0's plan: the screen sends it to the full read, which names it
+        cache.forget()
+        cache._plans.clear()
+        with pytest.raises(AdapterError, match=r"'big_first'.*beyond the range"):
+            cache.fetch("big_first")  # no plan yet: the full read
+        assert len(engine.slots._pool.free) == free  # the failed reads gave their pool entries back
+    else:  # bfloat16 holds 1e6
+        assert cache.fetch("big").plan is images[0].plan

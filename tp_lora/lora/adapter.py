@@ -250,8 +250,12 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
         raise _err(name, f"{weights} is not a readable safetensors file (corrupt or truncated?): {e.detail}") from e
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in dtype, contiguous; t itself when it already is (each torch call costs the reader GIL time)."""
+def _as(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """t in dtype, contiguous; t itself when it already is (each torch call costs the reader GIL time). dtype None
+    keeps the file's dtype, float8 widened to float32: a slot image then casts as it copies, and the tensors stay
+    views of the file's bytes, which is what lets a read plan replay the read (tp_lora.lora.slots)."""
+    if dtype is None:
+        dtype = torch.float32 if t.element_size() == 1 else t.dtype
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
@@ -279,7 +283,7 @@ def _is_embedding_copy(k: str) -> bool:
     return module.rsplit(".", 1)[-1] in EMBEDDING_MODULES + ("lm_head",)
 
 
-def load_adapter(path: str, name: Optional[str] = None, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+def load_adapter(path: str, name: Optional[str] = None, dtype: Optional[torch.dtype] = torch.float32) -> LoRAAdapter:
     """Read a PEFT LoRA adapter dir. Each module's scale follows PEFT (rank_pattern / alpha_pattern / use_rslora);
     the rank the config implies must match the tensors (PEFT itself would fail to load them otherwise)."""
     path = os.fspath(path)
@@ -292,7 +296,7 @@ def load_adapter(path: str, name: Optional[str] = None, dtype: torch.dtype = tor
         raise _err(name, f"cannot be read from {path}: {type(e).__name__}: {e}") from e
 
 
-def _load(path: str, name: str, dtype: torch.dtype) -> LoRAAdapter:
+def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
     cfg = read_adapter_config(path, name)
     weights = os.path.join(path, WEIGHTS_FILE)
     tensors = _read_tensors(name, path)
@@ -384,10 +388,14 @@ def count_nonfinite(t: torch.Tensor) -> int:
     return int(((t.contiguous().view(itype) & mask) == mask).sum())
 
 
-def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
-    """Per tensor: False when it may hold a NaN/Inf (one batched norm; a norm can also overflow on finite values,
-    so count_nonfinite settles the flagged ones)."""
-    return torch.isfinite(torch.stack(torch._foreach_norm(tensors))).tolist()
+def finite_flags(tensors: list[torch.Tensor], into: Optional[list[torch.dtype]] = None) -> list[bool]:
+    """Per tensor: False when it may hold a NaN/Inf, or with `into` (a dtype per tensor) a value that becomes one when
+    cast to it. One batched norm bounds every value of a tensor; a norm can also overflow or pass the bound on values
+    that fit, so an exact count (count_nonfinite) settles the flagged ones."""
+    norms = torch.stack(torch._foreach_norm(tensors)).double()  # stack promotes mixed dtypes
+    if into is None:
+        return torch.isfinite(norms).tolist()
+    return (norms <= torch.tensor([torch.finfo(d).max for d in into], dtype=torch.float64)).tolist()
 
 
 def _check_finite(adapter: LoRAAdapter) -> None:
@@ -463,7 +471,7 @@ def _targeted_params(cfg: dict, container: str) -> list[str]:
 
 
 def expert_param_modules(name: str, cfg: dict, container: str, depth_ab: dict[int, dict[str, torch.Tensor]],
-                         dtype: torch.dtype = torch.float32) -> dict[str, ModuleLoRA]:
+                         dtype: Optional[torch.dtype] = torch.float32) -> dict[str, ModuleLoRA]:
     """One module's target_parameters LoRAs -> per-expert modules "{container}.{e}.{param}" with a [r, in],
     b [out, r]. depth_ab: number of ".base_layer" parts in the key -> {"A": lora_A, "B": lora_B}."""
     params = _targeted_params(cfg, container)
@@ -493,7 +501,8 @@ def expert_param_modules(name: str, cfg: dict, container: str, depth_ab: dict[in
     return out
 
 
-def load_peft_adapter(path: str, name: Optional[str] = None, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+def load_peft_adapter(path: str, name: Optional[str] = None, dtype: Optional[torch.dtype] = torch.float32
+                      ) -> LoRAAdapter:
     """load_adapter, plus PEFT's target_parameters format for fused MoE experts: each targeted [E, out, in] parameter
     becomes E per-expert modules "<experts module>.<e>.<param>" (e.g. model.layers.0.mlp.experts.3.gate_up_proj with
     a [r, H], b [2I, r]), so the model and validate_adapter see ordinary per-module LoRAs."""
@@ -519,7 +528,7 @@ def load_peft_adapter(path: str, name: Optional[str] = None, dtype: torch.dtype 
         raise _err(name, f"cannot be read from {path}: {type(e).__name__}: {e}") from e
 
 
-def _load_with_params(path: str, name: str, cfg: dict, dtype: torch.dtype) -> LoRAAdapter:
+def _load_with_params(path: str, name: str, cfg: dict, dtype: Optional[torch.dtype]) -> LoRAAdapter:
     weights = os.path.join(path, WEIGHTS_FILE)
     tensors = _read_tensors(name, path)
     module_parts: dict[str, dict[str, torch.Tensor]] = {}

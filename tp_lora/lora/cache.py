@@ -157,7 +157,7 @@ def check_shapes(info: AdapterInfo, module_shapes: dict[str, tuple[int, int]], m
                           f"{(fout, a[0])} (in={fin}, out={fout}) — built for another model?")
 
 
-def load_checked(info: AdapterInfo, dtype: torch.dtype, module_shapes: Optional[dict], max_rank: Optional[int]
+def load_checked(info: AdapterInfo, dtype: Optional[torch.dtype], module_shapes: Optional[dict], max_rank: Optional[int]
                  ) -> LoRAAdapter:
     """Read an adapter and check it against the model and against what the registry saw at start."""
     adapter = load_peft_adapter(info.path, name=info.name, dtype=dtype)
@@ -398,8 +398,8 @@ class AdapterCache:
             image = self.images.replay(info.name, plan, raw.data)
             if image is not None:
                 return image
-        with stfile.given(raw):
-            adapter = load_checked(info, self.dtype, self.module_shapes, self.max_rank)
+        with stfile.given(raw):  # in the file's dtype: the image casts as it copies, and can record a plan
+            adapter = load_checked(info, None, self.module_shapes, self.max_rank)
         image = self.images.image(adapter, raw.data if raw is not None else None)
         if image.plan is not None and key is not None:
             self._plans[key] = image.plan

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from tp_lora.hostcopy import blocks
-from tp_lora.lora.adapter import finite_flags
+from tp_lora.lora.adapter import AdapterError, count_nonfinite, finite_flags
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.lora.pacing import pause
 
@@ -64,8 +64,9 @@ class ImagePlan:
     """How an adapter file becomes a slot image, for every file of the same layout (the same safetensors header and
     adapter_config.json, so the same modules, shapes, ranks and scales): copy the image `template` (the first such
     image: scales, padding, untargeted modules) and then the file's tensors, as views of its bytes, into their
-    places. Built from the first image of a layout when each of its tensors went in as a plain view (no padding,
-    cast or quantization); replaying it skips the per-module work of a read (SlotTable.replay)."""
+    places, cast where the file's dtype is not the slot's. Built from the first image of a layout when each of its
+    tensors went in as a plain view of the file (no padding or quantization); replaying it skips the per-module work
+    of a read (SlotTable.replay)."""
     modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # module -> (A shape, B shape), as registered
     template: dict[torch.dtype, torch.Tensor]
     src: list[ViewSpec]  # views of the file's bytes (uint8)
@@ -82,6 +83,20 @@ class ImagePlan:
                 self._views.clear()
             out = self._views[key] = [_make(sp, base[sp[0]]) for sp in (self.src if which == "src" else self.dst)]
         return out
+
+
+def _check_casts(name: str, owners: list[str], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Raise for the first tensor (of a validated adapter: no NaN/Inf) with values beyond the range of the slot dtype
+    it is cast into (an fp32 file for fp16 slots): the cast would make them Inf."""
+    cast = [i for i, (d, s) in enumerate(zip(dsts, srcs)) if d.dtype != s.dtype]
+    if not cast:
+        return
+    for i, ok in zip(cast, finite_flags([srcs[i] for i in cast], [dsts[i].dtype for i in cast])):
+        bad = 0 if ok else count_nonfinite(srcs[i].to(dsts[i].dtype))
+        if bad:
+            raise AdapterError(f"adapter {name!r}: module {owners[i]!r}: {bad} values of a {tuple(srcs[i].shape)} "
+                               f"{srcs[i].dtype} tensor lie beyond the range of the slots' {dsts[i].dtype} "
+                               f"(±{torch.finfo(dsts[i].dtype).max:g})")
 
 
 # Page-locked image copies alive at once: about as many as the cache reads ahead (lora.cache.PREFETCH_DEPTH), and
@@ -174,17 +189,26 @@ class SlotTable:
         build the images of files of the same layout (None when some tensor was not a plain view of them)."""
         pause()
         entry, host, views = self._entry(self._empty)
-        dsts, srcs = [], []
+        dsts, srcs, owners = [], [], []
 
         def gather(dst: torch.Tensor, src: torch.Tensor) -> None:
-            dsts.append(_bits(dst))
-            srcs.append(_bits(src))
+            dsts.append(_bits(dst) if dst.dtype == src.dtype else dst)
+            srcs.append(_bits(src) if dst.dtype == src.dtype else src)
+            owners.append(path)
 
-        for path, m in adapter.modules.items():
-            layer, key = self.rt.targets[path]
-            layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
+        try:
+            for path, m in adapter.modules.items():
+                layer, key = self.rt.targets[path]
+                layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
+            _check_casts(adapter.name, owners, dsts, srcs)
+        except BaseException:
+            if entry is not None:
+                self._pool.give(entry)
+            raise
         pause()
-        torch._foreach_copy_(dsts, srcs)  # one call (GIL released inside) instead of hundreds of small copies
+        # One call (GIL released inside) instead of hundreds of small copies; it casts where the file's dtype is not
+        # the slot's.
+        torch._foreach_copy_(dsts, srcs)
         plan = self._plan(adapter, host, dsts, srcs, source) if source is not None else None
         return self._finish(adapter.name, host, views, entry, plan)
 
@@ -192,7 +216,7 @@ class SlotTable:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
         its tensors holds a NaN/Inf (the full read then names it)."""
         srcs = plan.views("src", {torch.uint8: source})
-        if not all(finite_flags(srcs)):
+        if not all(finite_flags(srcs, [sp[1] for sp in plan.dst])):
             return None
         pause()
         entry, host, views = self._entry(plan.template)
