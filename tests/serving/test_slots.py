@@ -162,11 +162,13 @@ def _set_first_value(weights, value: float) -> None:
     weights.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("slot_dtype", ["bfloat16", "float16"])
-def test_read_plans_cast_files_into_the_slots_dtype(bundle, tmp_path, slot_dtype):
-    """fp32 files (PEFT's default) for 16-bit slots: the first file of a layout records a plan that casts as it
-    copies, later files replay it, and both give the image of the file read in the slots' dtype, bit for bit. A
-    value beyond fp16's range fails the adapter (a full read and a replayed plan alike) instead of becoming Inf."""
+@pytest.mark.parametrize("slot_dtype,lora_dtype", [("bfloat16", "auto"), ("float16", "auto"), ("bfloat16", "fp8"),
+                                                    ("float32", "fp8")])
+def test_read_plans_cast_files_into_the_slots_dtype(bundle, tmp_path, slot_dtype, lora_dtype):
+    """fp32 files (PEFT's default) for 16-bit or fp8 slots: the first file of a layout records a plan that casts (and
+    quantizes B to fp8) as it copies, later files replay it, and both give the image of the file read in the slots'
+    dtype and written module by module, bit for bit. A value beyond fp16's range fails the adapter (a full read and
+    a replayed plan alike) instead of becoming Inf."""
     model, _ = bundle
     root = tmp_path / "adapters"
     for i in range(3):
@@ -176,18 +178,25 @@ def test_read_plans_cast_files_into_the_slots_dtype(bundle, tmp_path, slot_dtype
     shutil.copytree(root / "p1", root / "big_first")
     _set_first_value(root / "big_first" / "adapter_model.safetensors", -1e6)
     cfg = serving_cfg(max_loras=2, max_cpu_loras=8)
-    cfg.dtype = slot_dtype
+    cfg.dtype, cfg.lora.dtype = slot_dtype, lora_dtype
     engine = Engine(cfg, comm.single_process(), model, str(root))
     cache = engine.cache
-    assert cache.dtype == getattr(torch, slot_dtype)
     images = [cache.fetch(name) for name in ("p0", "p1", "p2")]
-    assert images[0].plan is not None and all(image.plan is images[0].plan for image in images)
+    plan = images[0].plan
+    assert plan is not None and all(image.plan is plan for image in images)
+    assert len(plan.qsrc) == (len(plan.dst) if lora_dtype == "fp8" else 0) > 0 or lora_dtype == "auto"
+    slots = engine.slots
     for name, image in zip(("p0", "p1", "p2"), images):
-        want = engine.slots.image(load_peft_adapter(str(root / name), name=name, dtype=cache.dtype))
-        assert want.plan is None  # read in the slots' dtype: no longer views of the file
-        assert image.blocks.keys() == want.blocks.keys()
-        for dtype in want.blocks:
-            assert torch.equal(image.blocks[dtype], want.blocks[dtype]), f"{name}: {dtype} block differs"
+        # Module by module, straight into a slot, from the file's fp32 tensors (fp8 quantizes those, not a cast).
+        for layer in slots.layers:
+            layer.clear(layer.slot_views(1))
+        adapter = load_peft_adapter(str(root / name), name=name, dtype=torch.float32)
+        for path, m in adapter.modules.items():
+            layer, key = engine.rt.targets[path]
+            layer.set_slot(1, key, m.a, m.b, m.scale)
+        slots.load(0, image)
+        for i, (got, want) in enumerate(zip(slots.views(0), slots.views(1))):
+            assert torch.equal(got.float(), want.float()), f"{name}: view {i} differs"
     if slot_dtype == "float16":
         free = len(engine.slots._pool.free)
         with pytest.raises(AdapterError, match=r"'big'.*1 values .* beyond the range of the slots' torch.float16"):

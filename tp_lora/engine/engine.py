@@ -79,7 +79,8 @@ class Engine:
         validate_for_model(self.hf, ps.tp.size)
         lo = cfg.lora
         self.adapter_paths = discover_adapters(adapter_dir) if adapter_dir else {}
-        # fp8 quantizes B from the float32 original; otherwise the host copy is already in the slots' dtype.
+        # What reader processes hand over whole adapters in (the in-process reader keeps the file's dtype and the
+        # slot image casts): fp8 quantizes B from the float32 original, others take the slots' dtype.
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
         self.cache.paced = ps.device.type == "cuda"

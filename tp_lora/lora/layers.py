@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -41,11 +41,17 @@ class LoRARuntime:
         return self.batch is not None and self.batch.any_lora
 
 
-Copy = Callable[[torch.Tensor, torch.Tensor], None]
+# copy(dst, src) puts src into dst; copy(dst, src, scales) quantizes src per channel into dst (fp8) and scales.
+Copy = Callable[..., None]
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
+def copy_into(dst: torch.Tensor, src: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+    if scales is None:
+        dst.copy_(src)
+        return
+    q, s = quantize_fp8_per_channel(src)
+    dst.copy_(q)
+    scales.copy_(s)
 
 
 class SlotBuffers:
@@ -63,8 +69,8 @@ class SlotBuffers:
 
     def write(self, views: list[torch.Tensor], key, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:
-        """Put one target module's LoRA (whole: a [r, in], b [out, r]) into the views, tensors through copy(dst,
-        src): an image builder gathers them into one batched copy."""
+        """Put one target module's LoRA (whole: a [r, in], b [out, r]) into the views, tensors through copy (see
+        Copy): an image builder gathers them into one batched copy and one batched quantization."""
         raise NotImplementedError
 
     def set_slot(self, slot: int, key, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
@@ -160,10 +166,7 @@ class LoRALinear(SlotBuffers, nn.Module):
         b_dst = _first(b_dst, 1, r)
         copy(a_dst, shard_lora_a(self.spec, a, *size, self.fully_sharded))
         b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
-        if self.b_scales is not None:
-            b, b_scale = quantize_fp8_per_channel(b)
-            copy(views[2 * n + 1 + slice_idx], b_scale)
-        copy(b_dst, b)
+        copy(b_dst, b, views[2 * n + 1 + slice_idx] if self.b_scales is not None else None)
         views[2 * n][slice_idx] = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

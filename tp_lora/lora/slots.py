@@ -26,6 +26,7 @@ from tp_lora.hostcopy import blocks
 from tp_lora.lora.adapter import AdapterError, count_nonfinite, finite_flags
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.lora.pacing import pause
+from tp_lora.ops.fp8 import quantize_fp8_into
 
 
 @dataclass
@@ -64,24 +65,27 @@ class ImagePlan:
     """How an adapter file becomes a slot image, for every file of the same layout (the same safetensors header and
     adapter_config.json, so the same modules, shapes, ranks and scales): copy the image `template` (the first such
     image: scales, padding, untargeted modules) and then the file's tensors, as views of its bytes, into their
-    places, cast where the file's dtype is not the slot's. Built from the first image of a layout when each of its
-    tensors went in as a plain view of the file (no padding or quantization); replaying it skips the per-module work
-    of a read (SlotTable.replay)."""
+    places, cast where the file's dtype is not the slot's, and quantized where the slot holds fp8. Built from the
+    first image of a layout when each of its tensors went in as a plain view of the file (no padding); replaying it
+    skips the per-module work of a read (SlotTable.replay)."""
     modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # module -> (A shape, B shape), as registered
     template: dict[torch.dtype, torch.Tensor]
-    src: list[ViewSpec]  # views of the file's bytes (uint8)
-    dst: list[ViewSpec]  # views of the image's blocks (by the block's dtype)
+    src: list[ViewSpec]  # views of the file's bytes (uint8), copied
+    dst: list[ViewSpec]  # ... into these views of the image's blocks (by the block's dtype)
+    qsrc: list[ViewSpec]  # views of the file's bytes, quantized to fp8 per channel (lora.dtype=fp8)
+    qdst: list[ViewSpec]  # ... into these fp8 views of the image
+    qscale: list[ViewSpec]  # ... with their channel scales here
     _views: dict = field(default_factory=dict, repr=False)  # (which, buffer address) -> views made before
 
     def views(self, which: str, base: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-        """The src or dst views of `base` (dtype -> 1-dim tensor), made once per buffer: the views keep their
-        buffer alive, so its address cannot be reused by another."""
+        """The views of list `which` (src, dst, qsrc, ...) into `base` (dtype -> 1-dim tensor), made once per
+        buffer: the views keep their buffer alive, so its address cannot be reused by another."""
         key = (which, tuple(b.data_ptr() for b in base.values()))
         out = self._views.get(key)
         if out is None:
             if len(self._views) > 4096:  # buffers of an image pool that grew past its size come and go
                 self._views.clear()
-            out = self._views[key] = [_make(sp, base[sp[0]]) for sp in (self.src if which == "src" else self.dst)]
+            out = self._views[key] = [_make(sp, base[sp[0]]) for sp in getattr(self, which)]
         return out
 
 
@@ -190,8 +194,12 @@ class SlotTable:
         pause()
         entry, host, views = self._entry(self._empty)
         dsts, srcs, owners = [], [], []
+        quants = []  # (fp8 dst, its scales, src)
 
-        def gather(dst: torch.Tensor, src: torch.Tensor) -> None:
+        def gather(dst: torch.Tensor, src: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+            if scales is not None:
+                quants.append((dst, scales, src))
+                return
             dsts.append(_bits(dst) if dst.dtype == src.dtype else dst)
             srcs.append(_bits(src) if dst.dtype == src.dtype else src)
             owners.append(path)
@@ -209,18 +217,26 @@ class SlotTable:
         # One call (GIL released inside) instead of hundreds of small copies; it casts where the file's dtype is not
         # the slot's.
         torch._foreach_copy_(dsts, srcs)
-        plan = self._plan(adapter, host, dsts, srcs, source) if source is not None else None
+        qdsts, qscales, qsrcs = (list(x) for x in zip(*quants)) if quants else ([], [], [])
+        if quants:
+            quantize_fp8_into(qdsts, qscales, qsrcs)
+        plan = None
+        if source is not None:
+            plan = self._plan(adapter, host, source, (dsts, srcs), (qdsts, qscales, qsrcs))
         return self._finish(adapter.name, host, views, entry, plan)
 
     def replay(self, name: str, plan: ImagePlan, source: torch.Tensor) -> Optional[SlotImage]:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
         its tensors holds a NaN/Inf (the full read then names it)."""
-        srcs = plan.views("src", {torch.uint8: source})
-        if not all(finite_flags(srcs, [sp[1] for sp in plan.dst])):
+        srcs, qsrcs = plan.views("src", {torch.uint8: source}), plan.views("qsrc", {torch.uint8: source})
+        # Quantization scales values into range: only a NaN/Inf fails it.
+        if not all(finite_flags(srcs + qsrcs, [sp[1] for sp in plan.dst] + [t.dtype for t in qsrcs])):
             return None
         pause()
         entry, host, views = self._entry(plan.template)
         torch._foreach_copy_(plan.views("dst", host), srcs)
+        if qsrcs:
+            quantize_fp8_into(plan.views("qdst", host), plan.views("qscale", host), qsrcs)
         return self._finish(name, host, views, entry, plan)
 
     def _entry(self, init: dict[torch.dtype, torch.Tensor]):
@@ -237,15 +253,20 @@ class SlotTable:
         return image
 
     @staticmethod
-    def _plan(adapter, host, dsts, srcs, source: torch.Tensor) -> Optional[ImagePlan]:
-        src = [_spec(t, source) for t in srcs]
-        dst = []
-        for t in dsts:
-            dst.append(next((sp for b in host.values() if (sp := _spec(t, b)) is not None), None))
-        if None in src or None in dst:
-            return None
+    def _plan(adapter, host, source: torch.Tensor, copies, quants) -> Optional[ImagePlan]:
+        """copies: (dsts, srcs); quants: (fp8 dsts, scale dsts, srcs). None when a src is not a view of the file's
+        bytes (`source`), or a dst not one of the image's blocks."""
+        dsts, srcs = copies
+        qdsts, qscales, qsrcs = quants
+        specs = []
+        for ts, bases in ((srcs, [source]), (dsts, host.values()), (qsrcs, [source]), (qdsts, host.values()),
+                          (qscales, host.values())):
+            specs.append([next((sp for b in bases if (sp := _spec(t, b)) is not None), None) for t in ts])
+            if None in specs[-1]:
+                return None
         modules = {m: (tuple(x.a.shape), tuple(x.b.shape)) for m, x in adapter.modules.items()}
-        return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst)
+        src, dst, qsrc, qdst, qscale = specs
+        return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst, qsrc, qdst, qscale)
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
         if self._pins is None or not self._pins.acquire(blocking=False):
