@@ -184,7 +184,7 @@ def engine_cfg(args, ps: comm.ParallelState, lora: bool) -> RunConfig:
     cfg.progress = False
     cfg.lora.max_loras, cfg.lora.max_cpu_loras, cfg.lora.max_rank = args.max_loras, args.max_cpu_loras, \
         max(args.ranks)
-    cfg.lora.fully_sharded = args.fully_sharded
+    cfg.lora.fully_sharded, cfg.lora.dtype = args.fully_sharded, args.lora_dtype
     cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step = args.batch, args.tokens_per_step
     cfg.scheduler.kv_cache_mb = args.kv_cache_mb
     cfg.scheduler.admit_batch = args.admit_batch
@@ -506,6 +506,7 @@ def parse_args(argv=None):
     p.add_argument("--reader-processes", type=int, default=RunConfig().lora.reader_processes,
                    help="lora.reader_processes: read adapters ahead in worker processes")
     p.add_argument("--fully-sharded", action="store_true")
+    p.add_argument("--lora-dtype", default="auto", choices=["auto", "fp8"], help="lora.dtype: fp8 stores B as fp8")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--systems", default="ours,merged,peft")
     p.add_argument("--peft-max-adapters", type=int, default=100)
@@ -543,7 +544,7 @@ def main(argv=None) -> dict:
     vocab = PRESETS[args.model]["vocab_size"]
     report = dict(model=args.model, tp=ps.tp.size, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   fully_sharded=args.fully_sharded, cuda_graphs=not args.no_graphs,
-                  adapter_dtype=str(adapter_dtype).removeprefix("torch."),
+                  adapter_dtype=str(adapter_dtype).removeprefix("torch."), lora_dtype=args.lora_dtype,
                   engine=dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, batch=args.batch,
                               tokens_per_step=args.tokens_per_step, admit_batch=args.admit_batch),
                   workload=dict(requests=args.requests, rate=args.rate, popularity=args.popularity,
