@@ -43,6 +43,7 @@ from tp_lora.config import RunConfig, validate  # noqa: E402
 from tp_lora.engine.engine import Engine, StepStats  # noqa: E402
 from tp_lora.engine.requests import Request  # noqa: E402
 from tp_lora.lora.adapter import load_peft_adapter  # noqa: E402
+from tp_lora.lora import cache as cache_module  # noqa: E402
 from tp_lora.lora.cache import CacheStats  # noqa: E402
 from tp_lora.sharding import shard_weight  # noqa: E402
 
@@ -503,6 +504,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-mb", type=float, default=None)
     p.add_argument("--admit-batch", type=int, default=RunConfig().scheduler.admit_batch,
                    help="scheduler.admit_batch: group admissions while decoding so more steps replay the decode graph")
+    p.add_argument("--reader-threads", type=int, default=cache_module.READERS,
+                   help="adapter reader threads per rank (tp_lora.lora.cache.READERS), to compare")
     p.add_argument("--reader-processes", type=int, default=RunConfig().lora.reader_processes,
                    help="lora.reader_processes: read adapters ahead in worker processes")
     p.add_argument("--fully-sharded", action="store_true")
@@ -535,6 +538,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    cache_module.READERS = args.reader_threads
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     os.makedirs(args.assets, exist_ok=True)
@@ -545,6 +549,7 @@ def main(argv=None) -> dict:
     report = dict(model=args.model, tp=ps.tp.size, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   fully_sharded=args.fully_sharded, cuda_graphs=not args.no_graphs,
                   adapter_dtype=str(adapter_dtype).removeprefix("torch."), lora_dtype=args.lora_dtype,
+                  reader_threads=args.reader_threads,
                   engine=dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, batch=args.batch,
                               tokens_per_step=args.tokens_per_step, admit_batch=args.admit_batch),
                   workload=dict(requests=args.requests, rate=args.rate, popularity=args.popularity,
