@@ -209,17 +209,17 @@ class SlotTable:
                 layer, key = self.rt.targets[path]
                 layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
             _check_casts(adapter.name, owners, dsts, srcs)
-        except BaseException:
+            pause()
+            # One call (GIL released inside) instead of hundreds of small copies; it casts where the file's dtype is
+            # not the slot's.
+            torch._foreach_copy_(dsts, srcs)
+            qdsts, qscales, qsrcs = (list(x) for x in zip(*quants)) if quants else ([], [], [])
+            if quants:
+                quantize_fp8_into(qdsts, qscales, qsrcs)
+        except BaseException:  # the image is not made: its pool entry goes back
             if entry is not None:
                 self._pool.give(entry)
             raise
-        pause()
-        # One call (GIL released inside) instead of hundreds of small copies; it casts where the file's dtype is not
-        # the slot's.
-        torch._foreach_copy_(dsts, srcs)
-        qdsts, qscales, qsrcs = (list(x) for x in zip(*quants)) if quants else ([], [], [])
-        if quants:
-            quantize_fp8_into(qdsts, qscales, qsrcs)
         plan = None
         if source is not None:
             plan = self._plan(adapter, host, source, (dsts, srcs), (qdsts, qscales, qsrcs))
@@ -227,7 +227,7 @@ class SlotTable:
 
     def replay(self, name: str, plan: ImagePlan, source: torch.Tensor) -> Optional[SlotImage]:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
-        its tensors holds a NaN/Inf (the full read then names it)."""
+        its tensors may hold a NaN/Inf or a value beyond the slots' range (the full read then settles it)."""
         srcs, qsrcs = plan.views("src", {torch.uint8: source}), plan.views("qsrc", {torch.uint8: source})
         # Quantization scales values into range: only a NaN/Inf fails it.
         if not all(finite_flags(srcs + qsrcs, [sp[1] for sp in plan.dst] + [t.dtype for t in qsrcs])):
