@@ -30,6 +30,10 @@ class ParallelConfig:
     # (with tp_size > 1 an ep x tp 2D mesh: experts over ep, each expert's intermediate over tp); tp = the EP group
     # is the attention TP group (ep_size == tp_size) and each rank routes a 1/tp chunk of the replicated tokens.
     ep_attention: str = "dp"
+    # torch's host threads per process (copies, casts and NaN screens of adapter reads run on them). 0 = torch's own
+    # on CPU; on CUDA this host's cores shared among the node's ranks, since torchrun's OMP_NUM_THREADS=1 would
+    # leave every rank's adapter reads on one core.
+    host_threads: int = 0
 
 
 @dataclass
@@ -112,6 +116,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(world_size % p.tp_size == 0,
            f"parallel.tp_size={p.tp_size} does not divide the {world_size} launched processes")
     _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s}: expected > 0")
+    _check(p.host_threads >= 0, f"parallel.host_threads={p.host_threads}: expected >= 0 (0 = automatic)")
     _check(p.ep_size >= 1, f"parallel.ep_size={p.ep_size}: expected >= 1")
     _check(p.ep_attention in ("dp", "tp"), f"parallel.ep_attention={p.ep_attention!r}: expected dp or tp")
     if p.ep_size > 1 and p.ep_attention == "tp":

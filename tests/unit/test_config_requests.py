@@ -3,6 +3,7 @@ import json
 import pytest
 
 from tp_lora.config import ConfigError, RunConfig, validate, validate_for_model
+from tp_lora.engine.engine import host_threads
 from tp_lora.engine.requests import OutputWriter, Request, Result, parse_request
 
 
@@ -24,10 +25,22 @@ def _cfg(**kw):
     (dict(dtype="fp16"), "dtype='fp16'"),
     (dict(lora__max_loras=0), "lora.max_loras=0"),
     (dict(scheduler__admit_batch=0), r"scheduler.admit_batch=0: expected >= 1"),
+    (dict(parallel__host_threads=-1), r"parallel.host_threads=-1: expected >= 0"),
 ])
 def test_bad_values_are_named(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         validate(_cfg(**kw), world_size=4)
+
+
+def test_host_threads_share_the_cores_among_a_nodes_ranks_on_cuda():
+    """torchrun starts every rank with OMP_NUM_THREADS=1; on CUDA the automatic setting gives each rank its share of
+    the cores instead (adapter reads run on them), an explicit value wins, and CPU runs keep torch's own."""
+    assert host_threads(0, "cuda", cores=32, ranks_here=2) == 16
+    assert host_threads(0, "cuda", cores=16, ranks_here=1) == 16
+    assert host_threads(0, "cuda", cores=4, ranks_here=8) == 1
+    assert host_threads(3, "cuda", cores=32, ranks_here=2) == 3
+    assert host_threads(0, "cpu", cores=32, ranks_here=2) is None
+    assert host_threads(2, "cpu", cores=32, ranks_here=2) == 2
 
 
 @pytest.mark.parametrize("key, value", [("num_attention_heads", 6), ("intermediate_size", 30), ("vocab_size", 250)])

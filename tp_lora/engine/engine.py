@@ -9,6 +9,7 @@ by wall clock -- how many requests have arrived and whether a stop signal came.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
@@ -69,10 +70,23 @@ def build_model(hf: dict, tp: comm.Group, dtype, device, rt: Optional[LoRARuntim
     return registry.build(hf, tp, dtype, device, rt, targets)
 
 
+def host_threads(requested: int, device_type: str, cores: int, ranks_here: int) -> Optional[int]:
+    """torch's host threads for one process (parallel.host_threads): `requested`, or for 0 on CUDA the `cores` this
+    process may run on shared among the `ranks_here` ranks of its node; None (keep torch's) for 0 on CPU, where the
+    ranks' compute already shares the cores."""
+    if requested:
+        return requested
+    return max(1, cores // max(1, ranks_here)) if device_type == "cuda" else None
+
+
 class Engine:
     def __init__(self, cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_dir: Optional[str]):
         self.cfg, self.ps = cfg, ps
         self.device = str(ps.device)
+        threads = host_threads(cfg.parallel.host_threads, ps.device.type, len(os.sched_getaffinity(0)),
+                               int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if threads is not None:
+            torch.set_num_threads(threads)
         dev_kind = resolve_device(cfg.device) if cfg.device != "auto" else ps.device.type
         self.dtype = resolve_dtype(cfg.dtype, dev_kind)
         self.hf = load_hf_config(model_dir)
