@@ -178,7 +178,7 @@ def _sync() -> None:
 def engine_cfg(args, ps: comm.ParallelState, lora: bool) -> RunConfig:
     cfg = RunConfig()
     cfg.parallel.tp_size = ps.tp.size
-    cfg.parallel.timeout_s = args.timeout
+    cfg.parallel.timeout_s, cfg.parallel.host_threads = args.timeout, args.host_threads
     cfg.device = ps.device.type
     cfg.dtype = "bfloat16" if ps.device.type == "cuda" else "float32"
     cfg.cuda_graphs = not args.no_graphs
@@ -506,6 +506,8 @@ def parse_args(argv=None):
                    help="scheduler.admit_batch: group admissions while decoding so more steps replay the decode graph")
     p.add_argument("--reader-threads", type=int, default=cache_module.READERS,
                    help="adapter reader threads per rank (tp_lora.lora.cache.READERS), to compare")
+    p.add_argument("--host-threads", type=int, default=RunConfig().parallel.host_threads,
+                   help="parallel.host_threads: torch threads per rank (0: one on CUDA)")
     p.add_argument("--reader-processes", type=int, default=RunConfig().lora.reader_processes,
                    help="lora.reader_processes: read adapters ahead in worker processes")
     p.add_argument("--fully-sharded", action="store_true")
@@ -549,7 +551,7 @@ def main(argv=None) -> dict:
     report = dict(model=args.model, tp=ps.tp.size, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   fully_sharded=args.fully_sharded, cuda_graphs=not args.no_graphs,
                   adapter_dtype=str(adapter_dtype).removeprefix("torch."), lora_dtype=args.lora_dtype,
-                  reader_threads=args.reader_threads,
+                  reader_threads=args.reader_threads, host_threads=args.host_threads,
                   engine=dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, batch=args.batch,
                               tokens_per_step=args.tokens_per_step, admit_batch=args.admit_batch),
                   workload=dict(requests=args.requests, rate=args.rate, popularity=args.popularity,

@@ -30,9 +30,8 @@ class ParallelConfig:
     # (with tp_size > 1 an ep x tp 2D mesh: experts over ep, each expert's intermediate over tp); tp = the EP group
     # is the attention TP group (ep_size == tp_size) and each rank routes a 1/tp chunk of the replicated tokens.
     ep_attention: str = "dp"
-    # torch's host threads per process (copies, casts and NaN screens of adapter reads run on them). 0 = torch's own
-    # on CPU; on CUDA this host's cores shared among the node's ranks, since torchrun's OMP_NUM_THREADS=1 would
-    # leave every rank's adapter reads on one core.
+    # torch's host threads per process: 0 = one on CUDA (the host prepares steps and reads adapters, and measured
+    # faster so, as under torchrun's OMP_NUM_THREADS=1), torch's default on CPU (the model computes on them).
     host_threads: int = 0
 
 

@@ -9,7 +9,6 @@ by wall clock -- how many requests have arrived and whether a stop signal came.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
@@ -70,23 +69,20 @@ def build_model(hf: dict, tp: comm.Group, dtype, device, rt: Optional[LoRARuntim
     return registry.build(hf, tp, dtype, device, rt, targets)
 
 
-def host_threads(requested: int, device_type: str, cores: int, ranks_here: int) -> Optional[int]:
-    """torch's host threads for one process (parallel.host_threads): `requested`, or for 0 on CUDA the `cores` this
-    process may run on shared among the `ranks_here` ranks of its node; None (keep torch's) for 0 on CPU, where the
-    ranks' compute already shares the cores."""
+def host_threads(requested: int, device_type: str) -> Optional[int]:
+    """torch's host threads for one process (parallel.host_threads): `requested`, or for 0 one on CUDA and None
+    (keep torch's default) on CPU, where the model's compute runs on them. On CUDA the host only prepares steps and
+    reads adapters: on an H200 host one thread served 7254 / 5145 tokens/s at 1 / 1000 adapters against 6616 / 4896
+    with torch's 16 (BENCHMARKS.md); the reads are slower on one thread, the steps faster."""
     if requested:
         return requested
-    return max(1, cores // max(1, ranks_here)) if device_type == "cuda" else None
+    return 1 if device_type == "cuda" else None
 
 
 class Engine:
     def __init__(self, cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_dir: Optional[str]):
         self.cfg, self.ps = cfg, ps
         self.device = str(ps.device)
-        threads = host_threads(cfg.parallel.host_threads, ps.device.type, len(os.sched_getaffinity(0)),
-                               int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        if threads is not None:
-            torch.set_num_threads(threads)
         dev_kind = resolve_device(cfg.device) if cfg.device != "auto" else ps.device.type
         self.dtype = resolve_dtype(cfg.dtype, dev_kind)
         self.hf = load_hf_config(model_dir)
@@ -140,6 +136,10 @@ class Engine:
         # EP over DP replicas steps in lockstep with its peers: no solo steps there.
         if sizes is not None and ps.device.type == "cuda" and not getattr(self.model, "needs_lockstep", False):
             self.runner.warm_up([min(n, self.max_positions) for n in sizes(cfg.scheduler.max_tokens_per_step)])
+        # Set for serving, after the start-up's big host copies (weights, the image pool), which gain from threads.
+        threads = host_threads(cfg.parallel.host_threads, ps.device.type)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
     # ---- adapters -------------------------------------------------------------------------------------------
     @property
