@@ -72,8 +72,8 @@ def build_model(hf: dict, tp: comm.Group, dtype, device, rt: Optional[LoRARuntim
 def host_threads(requested: int, device_type: str) -> Optional[int]:
     """torch's host threads for one process (parallel.host_threads): `requested`, or for 0 one on CUDA and None
     (keep torch's default) on CPU, where the model's compute runs on them. On CUDA the host only prepares steps and
-    reads adapters: on an H200 host one thread served 7254 / 5145 tokens/s at 1 / 1000 adapters against 6616 / 4896
-    with torch's 16 (BENCHMARKS.md); the reads are slower on one thread, the steps faster."""
+    reads adapters: on two H200 hosts one thread served 11-16% more tokens/s at one adapter than torch's 16, and as
+    many at 1000 (BENCHMARKS.md); the reads are slower on one thread, the steps faster."""
     if requested:
         return requested
     return 1 if device_type == "cuda" else None
