@@ -388,14 +388,17 @@ def count_nonfinite(t: torch.Tensor) -> int:
     return int(((t.contiguous().view(itype) & mask) == mask).sum())
 
 
-def finite_flags(tensors: list[torch.Tensor], into: Optional[list[torch.dtype]] = None) -> list[bool]:
-    """Per tensor: False when it may hold a NaN/Inf, or with `into` (a dtype per tensor) a value that becomes one when
-    cast to it. One batched norm bounds every value of a tensor; a norm can also overflow or pass the bound on values
-    that fit, so an exact count (count_nonfinite) settles the flagged ones."""
+def range_limits(dtypes: list[torch.dtype]) -> torch.Tensor:
+    """The largest finite value of each dtype: finite_flags' bounds for tensors cast into them."""
+    return torch.tensor([torch.finfo(d).max for d in dtypes], dtype=torch.float64)
+
+
+def finite_flags(tensors: list[torch.Tensor], limits: Optional[torch.Tensor] = None) -> list[bool]:
+    """Per tensor: False when it may hold a NaN/Inf, or with `limits` (range_limits of the dtype each is cast into) a
+    value that becomes one in the cast. One batched norm bounds every value of a tensor; a norm can also overflow or
+    pass the bound on values that fit, so an exact count (count_nonfinite) settles the flagged ones."""
     norms = torch.stack(torch._foreach_norm(tensors)).double()  # stack promotes mixed dtypes
-    if into is None:
-        return torch.isfinite(norms).tolist()
-    return (norms <= torch.tensor([torch.finfo(d).max for d in into], dtype=torch.float64)).tolist()
+    return (torch.isfinite(norms) if limits is None else norms <= limits).tolist()
 
 
 def _check_finite(adapter: LoRAAdapter) -> None:

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from tp_lora.hostcopy import blocks
-from tp_lora.lora.adapter import AdapterError, count_nonfinite, finite_flags
+from tp_lora.lora.adapter import AdapterError, count_nonfinite, finite_flags, range_limits
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.lora.pacing import pause
 from tp_lora.ops.fp8 import quantize_fp8_into
@@ -75,6 +75,7 @@ class ImagePlan:
     qsrc: list[ViewSpec]  # views of the file's bytes, quantized to fp8 per channel (lora.dtype=fp8)
     qdst: list[ViewSpec]  # ... into these fp8 views of the image
     qscale: list[ViewSpec]  # ... with their channel scales here
+    limits: torch.Tensor  # range_limits of what src + qsrc become: a replay's NaN/Inf and range screen
     _views: dict = field(default_factory=dict, repr=False)  # (which, buffer address) -> views made before
 
     def views(self, which: str, base: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
@@ -95,7 +96,7 @@ def _check_casts(name: str, owners: list[str], dsts: list[torch.Tensor], srcs: l
     cast = [i for i, (d, s) in enumerate(zip(dsts, srcs)) if d.dtype != s.dtype]
     if not cast:
         return
-    for i, ok in zip(cast, finite_flags([srcs[i] for i in cast], [dsts[i].dtype for i in cast])):
+    for i, ok in zip(cast, finite_flags([srcs[i] for i in cast], range_limits([dsts[i].dtype for i in cast]))):
         bad = 0 if ok else count_nonfinite(srcs[i].to(dsts[i].dtype))
         if bad:
             raise AdapterError(f"adapter {name!r}: module {owners[i]!r}: {bad} values of a {tuple(srcs[i].shape)} "
@@ -200,8 +201,10 @@ class SlotTable:
             if scales is not None:
                 quants.append((dst, scales, src))
                 return
-            dsts.append(_bits(dst) if dst.dtype == src.dtype else dst)
-            srcs.append(_bits(src) if dst.dtype == src.dtype else src)
+            if dst.dtype == src.dtype:  # fp8 as bytes; a cast (fp32 file, 16-bit slot) keeps its types
+                dst, src = _bits(dst), _bits(src)
+            dsts.append(dst)
+            srcs.append(src)
             owners.append(path)
 
         try:
@@ -229,8 +232,7 @@ class SlotTable:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
         its tensors may hold a NaN/Inf or a value beyond the slots' range (the full read then settles it)."""
         srcs, qsrcs = plan.views("src", {torch.uint8: source}), plan.views("qsrc", {torch.uint8: source})
-        # Quantization scales values into range: only a NaN/Inf fails it.
-        if not all(finite_flags(srcs + qsrcs, [sp[1] for sp in plan.dst] + [t.dtype for t in qsrcs])):
+        if not all(finite_flags(srcs + qsrcs, plan.limits)):
             return None
         pause()
         entry, host, views = self._entry(plan.template)
@@ -266,7 +268,10 @@ class SlotTable:
                 return None
         modules = {m: (tuple(x.a.shape), tuple(x.b.shape)) for m, x in adapter.modules.items()}
         src, dst, qsrc, qdst, qscale = specs
-        return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst, qsrc, qdst, qscale)
+        # Quantization scales values into range: only a NaN/Inf fails it (the file's own dtype's bound).
+        limits = range_limits([sp[1] for sp in dst] + [sp[1] for sp in qsrc])
+        return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst, qsrc, qdst, qscale,
+                         limits)
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
         if self._pins is None or not self._pins.acquire(blocking=False):
