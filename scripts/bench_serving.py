@@ -179,6 +179,7 @@ def engine_cfg(args, ps: comm.ParallelState, lora: bool) -> RunConfig:
     cfg = RunConfig()
     cfg.parallel.tp_size = ps.tp.size
     cfg.parallel.timeout_s, cfg.parallel.host_threads = args.timeout, args.host_threads
+    cfg.parallel.read_threads = args.read_threads
     cfg.device = ps.device.type
     cfg.dtype = "bfloat16" if ps.device.type == "cuda" else "float32"
     cfg.cuda_graphs = not args.no_graphs
@@ -508,6 +509,8 @@ def parse_args(argv=None):
                    help="adapter reader threads per rank (tp_lora.lora.cache.READERS), to compare")
     p.add_argument("--host-threads", type=int, default=RunConfig().parallel.host_threads,
                    help="parallel.host_threads: torch threads per rank (0: one on CUDA)")
+    p.add_argument("--read-threads", type=int, default=RunConfig().parallel.read_threads,
+                   help="parallel.read_threads: torch threads of an adapter read (0: the rank's cores less one on CUDA)")
     p.add_argument("--reader-processes", type=int, default=RunConfig().lora.reader_processes,
                    help="lora.reader_processes: read adapters ahead in worker processes")
     p.add_argument("--fully-sharded", action="store_true")
@@ -552,6 +555,7 @@ def main(argv=None) -> dict:
                   fully_sharded=args.fully_sharded, cuda_graphs=not args.no_graphs,
                   adapter_dtype=str(adapter_dtype).removeprefix("torch."), lora_dtype=args.lora_dtype,
                   reader_threads=args.reader_threads, host_threads=args.host_threads,
+                  read_threads=args.read_threads,
                   engine=dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, batch=args.batch,
                               tokens_per_step=args.tokens_per_step, admit_batch=args.admit_batch),
                   workload=dict(requests=args.requests, rate=args.rate, popularity=args.popularity,

@@ -33,6 +33,9 @@ class ParallelConfig:
     # torch's host threads per process: 0 = one on CUDA (the host prepares steps and reads adapters, and measured
     # faster so, as under torchrun's OMP_NUM_THREADS=1), torch's default on CPU (the model computes on them).
     host_threads: int = 0
+    # torch threads for an adapter read (cast and copies of ~20-150 MB), whichever thread runs it; the step loop keeps
+    # host_threads. 0 = on CUDA the rank's share of the host's cores less one (at most 8), on CPU unchanged.
+    read_threads: int = 0
 
 
 @dataclass
@@ -116,6 +119,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"parallel.tp_size={p.tp_size} does not divide the {world_size} launched processes")
     _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s}: expected > 0")
     _check(p.host_threads >= 0, f"parallel.host_threads={p.host_threads}: expected >= 0 (0 = automatic)")
+    _check(p.read_threads >= 0, f"parallel.read_threads={p.read_threads}: expected >= 0 (0 = automatic)")
     _check(p.ep_size >= 1, f"parallel.ep_size={p.ep_size}: expected >= 1")
     _check(p.ep_attention in ("dp", "tp"), f"parallel.ep_attention={p.ep_attention!r}: expected dp or tp")
     if p.ep_size > 1 and p.ep_attention == "tp":

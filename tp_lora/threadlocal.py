@@ -1,8 +1,12 @@
-"""Per-thread settings that hold inside a with-block (the adapter reader's pause points and buffer reuse)."""
+"""Per-thread settings that hold inside a with-block (the adapter reader's pause points, buffer reuse, torch
+threads)."""
 from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Optional
+
+import torch
 
 
 @contextlib.contextmanager
@@ -14,3 +18,19 @@ def setting(local: threading.local, name: str, value):
         yield
     finally:
         setattr(local, name, old)
+
+
+@contextlib.contextmanager
+def torch_threads(n: Optional[int]):
+    """torch's intra-op threads for this thread's ops inside the block (None: as they are). The count is per thread
+    (torch.set_num_threads sets OpenMP's, which each thread keeps for its own parallel regions once it has made one),
+    so the adapter reader can copy on several cores while the step loop runs on one."""
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

@@ -12,6 +12,7 @@ from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
 from tp_lora.lora.adapter import AdapterError, load_peft_adapter
 from tp_lora.lora.layers import LoRALinear, module_shapes
+from tp_lora.lora import slots as slots_module
 from tp_lora.lora.slots import SlotTable
 from tp_lora.testing import device_under_test
 
@@ -79,10 +80,21 @@ def test_pooled_images_are_recycled_and_start_empty(bundle):
         assert torch.equal(pooled.blocks[dtype], block)
 
 
-def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
+def _poison_free_images(table: SlotTable) -> None:
+    """Fill the pool's free entries with finite garbage: what a replay does not write shows."""
+    for i in table._pool.free:
+        for block in table._pool.entries[i][0].values():
+            block.view(torch.uint8).fill_(0x41)
+
+
+@pytest.mark.parametrize("max_gaps", [slots_module.MAX_GAPS, 0])
+def test_read_plans_rebuild_images_exactly(bundle, tmp_path, monkeypatch, max_gaps):
     """After the first file of a layout (same safetensors header, size and adapter_config.json), reads build the
-    image by its plan: the same image a full read makes (rank padding included); a NaN still fails the adapter with
-    the full read's message; a config with other scales, or a truncated file, goes through a full read."""
+    image by its plan: the same image a full read makes (rank padding included), in a pool entry holding another
+    image, whether the plan copies only the template's parts the file does not cover or (max_gaps=0) all of it; a
+    NaN still fails the adapter with the full read's message; a config with other scales, or a truncated file, goes
+    through a full read."""
+    monkeypatch.setattr(slots_module, "MAX_GAPS", max_gaps)
     model, _ = bundle
     root = tmp_path / "adapters"
     for i in range(3):
@@ -105,7 +117,12 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
 
     first = cache.fetch("p0")
     assert first.plan is not None and len(cache._plans) == 1
+    # Full rank: only the scales are the template's (a run per layer); max_gaps=0 copies the whole template.
+    assert (first.plan.gaps is None) == (max_gaps == 0)
+    assert first.plan.gaps is None or 0 < len(first.plan.gaps) <= len(engine.slots.layers)
+    assert len(first.plan.screen) == 1  # the file's tensors lie back to back: one norm screens them
     for name in ["p1", "p2", "alpha"]:
+        _poison_free_images(engine.slots)
         image = cache.fetch(name)
         assert (image.plan is first.plan) == (name != "alpha"), name
         want = full_read(name)
@@ -115,6 +132,7 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path):
     assert len(cache._plans) == 2
     small = cache.fetch("q0")
     assert small.plan is not None
+    _poison_free_images(engine.slots)
     got, want = cache.fetch("q1"), full_read("q1")
     assert got.plan is small.plan
     for dtype in want.blocks:

@@ -1,10 +1,13 @@
 import json
+import threading
 
 import pytest
+import torch
 
 from tp_lora.config import ConfigError, RunConfig, validate, validate_for_model
-from tp_lora.engine.engine import host_threads
+from tp_lora.engine.engine import MAX_READ_THREADS, host_threads, read_threads
 from tp_lora.engine.requests import OutputWriter, Request, Result, parse_request
+from tp_lora.threadlocal import torch_threads
 
 
 def _cfg(**kw):
@@ -26,6 +29,7 @@ def _cfg(**kw):
     (dict(lora__max_loras=0), "lora.max_loras=0"),
     (dict(scheduler__admit_batch=0), r"scheduler.admit_batch=0: expected >= 1"),
     (dict(parallel__host_threads=-1), r"parallel.host_threads=-1: expected >= 0"),
+    (dict(parallel__read_threads=-2), r"parallel.read_threads=-2: expected >= 0"),
 ])
 def test_bad_values_are_named(kw, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -39,6 +43,47 @@ def test_host_threads_are_one_on_cuda_unless_set():
     assert host_threads(3, "cuda") == 3
     assert host_threads(0, "cpu") is None
     assert host_threads(2, "cpu") == 2
+
+
+def test_read_threads_are_the_ranks_cores_less_one_on_cuda():
+    """A read gets the rank's share of the host's cores less the step loop's one, at most MAX_READ_THREADS, and one
+    when the share is one core; an explicit value wins; CPU runs leave the reading thread's own count."""
+    assert read_threads(0, "cuda", cores=16, local_ranks=1) == MAX_READ_THREADS
+    assert read_threads(0, "cuda", cores=16, local_ranks=4) == 3
+    assert read_threads(0, "cuda", cores=8, local_ranks=8) == 1
+    assert read_threads(5, "cuda", cores=2, local_ranks=1) == 5
+    assert read_threads(0, "cpu", cores=16, local_ranks=1) is None
+
+
+def test_torch_threads_are_set_for_the_calling_thread_only():
+    """The reader's threads do not become the step loop's: torch's count is per thread once a thread has set it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    inside, done = threading.Event(), threading.Event()
+    seen = []
+
+    def read():
+        with torch_threads(2):
+            torch.ones(1 << 20).sum()  # a parallel region on this thread
+            seen.append(torch.get_num_threads())
+            inside.set()
+            done.wait(10)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=read)
+    try:
+        t.start()
+        assert inside.wait(10)
+        assert torch.get_num_threads() == 1  # while the reader runs on 2
+        torch.ones(1 << 20).sum()
+        assert torch.get_num_threads() == 1
+    finally:
+        done.set()
+        t.join()
+        torch.set_num_threads(old)
+    assert seen == [2, 1]
+    with torch_threads(None):
+        assert torch.get_num_threads() == old
 
 
 @pytest.mark.parametrize("key, value", [("num_attention_heads", 6), ("intermediate_size", 30), ("vocab_size", 250)])

@@ -9,6 +9,7 @@ by wall clock -- how many requests have arrived and whether a stop signal came.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
@@ -79,6 +80,21 @@ def host_threads(requested: int, device_type: str) -> Optional[int]:
     return 1 if device_type == "cuda" else None
 
 
+# Beyond ~8 threads a read's copies gain little more (host memory bandwidth) and take cores from the other ranks.
+MAX_READ_THREADS = 8
+
+
+def read_threads(requested: int, device_type: str, cores: int, local_ranks: int) -> Optional[int]:
+    """torch's threads for an adapter read (parallel.read_threads), on whichever thread runs it: `requested`, or for
+    0 on CUDA the rank's share of the host's `cores` less one for its step loop (at most MAX_READ_THREADS), and None
+    (the thread's own) on CPU, where reads share the cores with the model's compute."""
+    if requested:
+        return requested
+    if device_type != "cuda":
+        return None
+    return max(1, min(MAX_READ_THREADS, cores // max(1, local_ranks) - 1))
+
+
 class Engine:
     def __init__(self, cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_dir: Optional[str]):
         self.cfg, self.ps = cfg, ps
@@ -94,6 +110,8 @@ class Engine:
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
         self.cache.paced = ps.device.type == "cuda"
+        self.cache.read_threads = read_threads(cfg.parallel.read_threads, ps.device.type,
+                                               len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         # Admission waits (boundedly) for reads where they overlap GPU steps. On CPU reads and steps share the cores,
         # and the step loop reading what it admits keeps each run's batches, and so its rounding, the same.
         self.overlap_reads = ps.device.type == "cuda"

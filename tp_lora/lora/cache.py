@@ -32,6 +32,7 @@ from tp_lora import distributed as comm
 from tp_lora.lora import stfile
 from tp_lora.lora.pacing import paced
 from tp_lora.lora.reader import ReaderProcess
+from tp_lora.threadlocal import torch_threads
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
@@ -209,6 +210,7 @@ class AdapterCache:
         # paced: the reader works while the step loop is inside lending() (waiting on the GPU or on a read) and
         # otherwise takes one unit of work per PAUSE_S. The engine sets it on CUDA, where steps are host-bound.
         self.paced = False
+        self.read_threads: Optional[int] = None  # torch threads a read runs on (the engine's read_threads)
         self._lent = threading.Event()
         self._lending = 0
         self._procs: list[ReaderProcess] = []
@@ -380,7 +382,7 @@ class AdapterCache:
         if self.images is None:
             return _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes, self.max_rank))
         # Nothing of the read outlives this call (the image is a copy): its buffer serves the next read.
-        with stfile.reusing_buffer():
+        with stfile.reusing_buffer(), torch_threads(self.read_threads):
             return _safely(info.name, lambda: self._read_image(info))
 
     def _read_image(self, info: AdapterInfo):
@@ -410,7 +412,8 @@ class AdapterCache:
     def _prepared(self, info: AdapterInfo, adapter: LoRAAdapter) -> tuple[Optional[object], Optional[str]]:
         if self.images is None:
             return adapter, None
-        return _safely(info.name, lambda: self.images.image(adapter))
+        with torch_threads(self.read_threads):
+            return _safely(info.name, lambda: self.images.image(adapter))
 
     # ---- device tier -----------------------------------------------------------------------------------------
     def load_slot(self, slots, slot: int, image, stream: Optional[torch.cuda.Stream] = None) -> None:

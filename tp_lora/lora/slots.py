@@ -64,10 +64,10 @@ def _make(spec: ViewSpec, base: torch.Tensor) -> torch.Tensor:
 class ImagePlan:
     """How an adapter file becomes a slot image, for every file of the same layout (the same safetensors header and
     adapter_config.json, so the same modules, shapes, ranks and scales): copy the image `template` (the first such
-    image: scales, padding, untargeted modules) and then the file's tensors, as views of its bytes, into their
-    places, cast where the file's dtype is not the slot's, and quantized where the slot holds fp8. Built from the
-    first image of a layout when each of its tensors went in as a plain view of the file (no padding); replaying it
-    skips the per-module work of a read (SlotTable.replay)."""
+    image: scales, padding, untargeted modules) where the file's tensors do not go, and then those, as views of its
+    bytes, into their places, cast where the file's dtype is not the slot's, and quantized where the slot holds fp8.
+    Built from the first image of a layout when each of its tensors went in as a plain view of the file (no
+    padding); replaying it skips the per-module work of a read (SlotTable.replay)."""
     modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # module -> (A shape, B shape), as registered
     template: dict[torch.dtype, torch.Tensor]
     src: list[ViewSpec]  # views of the file's bytes (uint8), copied
@@ -75,7 +75,13 @@ class ImagePlan:
     qsrc: list[ViewSpec]  # views of the file's bytes, quantized to fp8 per channel (lora.dtype=fp8)
     qdst: list[ViewSpec]  # ... into these fp8 views of the image
     qscale: list[ViewSpec]  # ... with their channel scales here
-    limits: torch.Tensor  # range_limits of what src + qsrc become: a replay's NaN/Inf and range screen
+    # A replay's NaN/Inf and range screen: runs of the file's bytes covering src + qsrc (a file's tensors usually
+    # lie back to back: one run, one norm), each with the range_limits of what its tensors become.
+    screen: list[ViewSpec]
+    limits: torch.Tensor
+    # The template's parts that no dst / qdst / qscale view covers (scales, rank padding), copied instead of the
+    # whole template; None: the whole template (too many pieces, as with rank padding in every row of B).
+    gaps: Optional[list[ViewSpec]]
     _views: dict = field(default_factory=dict, repr=False)  # (which, buffer address) -> views made before
 
     def views(self, which: str, base: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
@@ -102,6 +108,53 @@ def _check_casts(name: str, owners: list[str], dsts: list[torch.Tensor], srcs: l
             raise AdapterError(f"adapter {name!r}: module {owners[i]!r}: {bad} values of a {tuple(srcs[i].shape)} "
                                f"{srcs[i].dtype} tensor lie beyond the range of the slots' {dsts[i].dtype} "
                                f"(±{torch.finfo(dsts[i].dtype).max:g})")
+
+
+def _extent(sp: ViewSpec) -> tuple[int, int]:
+    """[first, last + 1) of the elements (of the view's dtype, from its base's start) a non-empty view touches."""
+    _, _, offset, size, stride = sp
+    return offset, offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
+
+
+def _screen_runs(specs: list[ViewSpec], limits: list[float]) -> tuple[list[ViewSpec], torch.Tensor]:
+    """The fewest 1-dim views of the specs' (common) base covering every element of theirs, each with the lowest
+    limit of the specs it covers. A run joins only views that touch or overlap, so it screens no byte outside their
+    extents (at most the rest of a sharded tensor, which the full read screens anyway)."""
+    runs: list[list] = []  # [base dtype, dtype, start, stop, limit]
+    for sp, limit in sorted(((sp, lim) for sp, lim in zip(specs, limits) if all(sp[3])),
+                            key=lambda x: (str(x[0][1]), x[0][2])):
+        start, stop = _extent(sp)
+        last = runs[-1] if runs else None
+        if last is not None and last[1] == sp[1] and start <= last[3]:
+            last[3], last[4] = max(last[3], stop), min(last[4], limit)
+        else:
+            runs.append([sp[0], sp[1], start, stop, limit])
+    return ([(b, d, start, (stop - start,), (1,)) for b, d, start, stop, _ in runs],
+            torch.tensor([r[4] for r in runs], dtype=torch.float64))
+
+
+# A replay copies at most this many template pieces; more (rank padding in every row) copy the whole template.
+MAX_GAPS = 4096
+
+
+def _gaps(specs: list[ViewSpec], blocks: dict[torch.dtype, torch.Tensor]) -> Optional[list[ViewSpec]]:
+    """The runs of `blocks` that no view in `specs` (views of them) covers, as views; None beyond MAX_GAPS, or when a
+    view's element is not its block's."""
+    covered = {dtype: torch.zeros(b.numel(), dtype=torch.bool) for dtype, b in blocks.items()}
+    for base, dtype, offset, size, stride in specs:
+        if dtype.itemsize != base.itemsize:
+            return None
+        covered[base].as_strided(size, stride, offset).fill_(True)
+    out = []
+    for dtype, mask in covered.items():
+        edges = torch.diff((~mask).to(torch.int8), prepend=mask.new_zeros(1, dtype=torch.int8),
+                           append=mask.new_zeros(1, dtype=torch.int8))
+        starts, stops = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+        view = torch.uint8 if dtype.itemsize == 1 and dtype.is_floating_point else dtype  # as _bits
+        out += [(dtype, view, a, (b - a,), (1,)) for a, b in zip(starts, stops)]
+        if len(out) > MAX_GAPS:
+            return None
+    return out
 
 
 # Page-locked image copies alive at once: about as many as the cache reads ahead (lora.cache.PREFETCH_DEPTH), and
@@ -132,14 +185,16 @@ class ImagePool:
         self.free = list(range(capacity))
         self.lock = threading.Lock()
 
-    def take(self, init: dict[torch.dtype, torch.Tensor]) -> Optional[int]:
-        """An entry's index, its blocks copies of `init` (blocks shaped like `empty`); None when all are in use."""
+    def take(self, init: Optional[dict[torch.dtype, torch.Tensor]]) -> Optional[int]:
+        """An entry's index, its blocks copies of `init` (blocks shaped like `empty`; None: left as they are); None
+        when all are in use."""
         with self.lock:
             if not self.free:
                 return None
             i = self.free.pop()
-        for dtype, block in self.entries[i][0].items():
-            block.copy_(init[dtype])
+        if init is not None:
+            for dtype, block in self.entries[i][0].items():
+                block.copy_(init[dtype])
         return i
 
     def give(self, i: int) -> None:
@@ -231,19 +286,22 @@ class SlotTable:
     def replay(self, name: str, plan: ImagePlan, source: torch.Tensor) -> Optional[SlotImage]:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
         its tensors may hold a NaN/Inf or a value beyond the slots' range (the full read then settles it)."""
-        srcs, qsrcs = plan.views("src", {torch.uint8: source}), plan.views("qsrc", {torch.uint8: source})
-        if not all(finite_flags(srcs + qsrcs, plan.limits)):
+        src = {torch.uint8: source}
+        if not all(finite_flags(plan.views("screen", src), plan.limits)):
             return None
         pause()
-        entry, host, views = self._entry(plan.template)
+        entry, host, views = self._entry(plan.template if plan.gaps is None else None)
+        if plan.gaps:
+            torch._foreach_copy_(plan.views("gaps", host), plan.views("gaps", plan.template))
+        srcs, qsrcs = plan.views("src", src), plan.views("qsrc", src)
         torch._foreach_copy_(plan.views("dst", host), srcs)
         if qsrcs:
             quantize_fp8_into(plan.views("qdst", host), plan.views("qscale", host), qsrcs)
         return self._finish(name, host, views, entry, plan)
 
-    def _entry(self, init: dict[torch.dtype, torch.Tensor]):
-        """(pool entry or None, blocks, views) of a new image starting as a copy of `init`: pooled memory while the
-        pool has some, new memory beyond it."""
+    def _entry(self, init: Optional[dict[torch.dtype, torch.Tensor]]):
+        """(pool entry or None, blocks, views) of a new image starting as a copy of `init` (None: any contents):
+        pooled memory while the pool has some, new memory beyond it."""
         entry = self._pool.take(init) if self._pool is not None else None
         host, views = blocks(self._template, init) if entry is None else self._pool.entries[entry]
         return entry, host, views
@@ -269,9 +327,9 @@ class SlotTable:
         modules = {m: (tuple(x.a.shape), tuple(x.b.shape)) for m, x in adapter.modules.items()}
         src, dst, qsrc, qdst, qscale = specs
         # Quantization scales values into range: only a NaN/Inf fails it (the file's own dtype's bound).
-        limits = range_limits([sp[1] for sp in dst] + [sp[1] for sp in qsrc])
+        screen, limits = _screen_runs(src + qsrc, range_limits([sp[1] for sp in dst] + [sp[1] for sp in qsrc]).tolist())
         return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst, qsrc, qdst, qscale,
-                         limits)
+                         screen, limits, _gaps(dst + qdst + qscale, host))
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
         if self._pins is None or not self._pins.acquire(blocking=False):
