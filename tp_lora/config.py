@@ -33,8 +33,9 @@ class ParallelConfig:
     # torch's host threads per process: 0 = one on CUDA (the host prepares steps and reads adapters, and measured
     # faster so, as under torchrun's OMP_NUM_THREADS=1), torch's default on CPU (the model computes on them).
     host_threads: int = 0
-    # torch threads for an adapter read (cast and copies of ~20-150 MB), whichever thread runs it; the step loop keeps
-    # host_threads. 0 = on CUDA the rank's share of the host's cores less one (at most 8), on CPU unchanged.
+    # Threads for an adapter read (its file read in pieces; torch's, for its screen and copies), whichever thread runs
+    # it; the step loop keeps host_threads. 0 = on CUDA the rank's share of the host's cores less one (at most 8), on
+    # CPU one for the file and torch's own for the rest.
     read_threads: int = 0
 
 

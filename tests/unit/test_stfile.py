@@ -47,3 +47,22 @@ def test_wrong_tensor_size_is_named(tmp_path):
     path.write_bytes(raw[:8] + body + raw[8 + n:])
     with pytest.raises(stfile.SafetensorsError, match=r"tensor 'a' \(F32 \[4, 8\]\) needs 128 bytes"):
         stfile.read_tensors(str(path))
+
+
+def test_a_file_read_in_pieces_is_the_file(tmp_path, monkeypatch):
+    """A read in pieces on several threads gives the file's bytes; a file shorter than its size was when the read
+    began (cut while being read) is named, however the pieces fall."""
+    monkeypatch.setattr(stfile, "MIN_PIECE", 1000)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    tensors = {f"t{i}": torch.randn(37, 11 + i, generator=gen) for i in range(9)}
+    path = str(tmp_path / "w.safetensors")
+    save_file(tensors, path)
+    size = len(open(path, "rb").read())
+    assert size // stfile.MIN_PIECE >= 4
+    for threads in (1, 3, 4):
+        raw = stfile.read_file(path, threads)
+        assert bytes(raw.data.numpy()) == open(path, "rb").read()
+    real = stfile.os.path.getsize
+    monkeypatch.setattr(stfile.os.path, "getsize", lambda p: real(p) + 3 * stfile.MIN_PIECE)
+    with pytest.raises(stfile.SafetensorsError, match=rf"read {size} of its {size + 3000} bytes"):
+        stfile.read_file(path, 4)

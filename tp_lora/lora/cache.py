@@ -390,7 +390,7 @@ class AdapterCache:
         read and check (which makes the plan)."""
         raw = key = None
         try:
-            raw = stfile.read_file(os.path.join(info.path, WEIGHTS_FILE))
+            raw = stfile.read_file(os.path.join(info.path, WEIGHTS_FILE), self.read_threads or 1)
             with open(os.path.join(info.path, CONFIG_FILE), "rb") as f:
                 key = (raw.header, raw.data.numel(), f.read())
         except (OSError, stfile.SafetensorsError):
