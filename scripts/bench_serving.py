@@ -510,7 +510,7 @@ def parse_args(argv=None):
     p.add_argument("--host-threads", type=int, default=RunConfig().parallel.host_threads,
                    help="parallel.host_threads: torch threads per rank (0: one on CUDA)")
     p.add_argument("--read-threads", type=int, default=RunConfig().parallel.read_threads,
-                   help="parallel.read_threads: torch threads of an adapter read (0: automatic)")
+                   help="parallel.read_threads: threads of a read the step loop waits on (0: auto)")
     p.add_argument("--reader-processes", type=int, default=RunConfig().lora.reader_processes,
                    help="lora.reader_processes: read adapters ahead in worker processes")
     p.add_argument("--fully-sharded", action="store_true")

@@ -33,9 +33,9 @@ class ParallelConfig:
     # torch's host threads per process: 0 = one on CUDA (the host prepares steps and reads adapters, and measured
     # faster so, as under torchrun's OMP_NUM_THREADS=1), torch's default on CPU (the model computes on them).
     host_threads: int = 0
-    # Threads for an adapter read (its file read in pieces; torch's, for its screen and copies), whichever thread runs
-    # it; the step loop keeps host_threads. 0 = on CUDA the rank's share of the host's cores less one (at most 8), on
-    # CPU one for the file and torch's own for the rest.
+    # Threads for an adapter read the step loop waits on (its file read in pieces; torch's, for its screen and
+    # copies); reads ahead of need run on one beside the steps. 0 = on CUDA the rank's share of the host's cores less
+    # one (at most 8), on CPU one for the file and torch's own for the rest.
     read_threads: int = 0
 
 

@@ -226,3 +226,29 @@ def test_read_plans_cast_files_into_the_slots_dtype(bundle, tmp_path, slot_dtype
         assert len(engine.slots._pool.free) == free  # the failed reads gave their pool entries back
     else:  # bfloat16 holds 1e6
         assert cache.fetch("big").plan is images[0].plan
+
+
+def test_reads_waited_on_take_read_threads_and_reads_ahead_one(bundle, monkeypatch):
+    """A read the step loop does itself (nothing read ahead) runs on parallel.read_threads threads, file and torch
+    ops alike; a read ahead, beside the steps, on one; the step loop's own count is left as it was."""
+    model, adapters = bundle
+    cfg = serving_cfg(max_loras=2)
+    cfg.parallel.read_threads = 3
+    engine = Engine(cfg, comm.single_process(), model, adapters)
+    cache = engine.cache
+    assert cache.read_threads == 3
+    seen = {}
+    read_image = cache._read_image
+
+    def spy(info, threads):
+        seen[info.name] = (threads, torch.get_num_threads())
+        return read_image(info, threads)
+
+    monkeypatch.setattr(cache, "_read_image", spy)
+    before = torch.get_num_threads()
+    cache.fetch("r16")
+    assert seen["r16"] == (3, 3) and torch.get_num_threads() == before
+    cache.prefetch(["a9"])
+    cache._staged["a9"].result()
+    cache.fetch("a9")
+    assert seen["a9"] == (1, 1) and cache.stats.prefetched == 1

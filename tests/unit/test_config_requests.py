@@ -46,8 +46,8 @@ def test_host_threads_are_one_on_cuda_unless_set():
 
 
 def test_read_threads_are_the_ranks_cores_less_one_on_cuda():
-    """A read gets the rank's share of the host's cores less the step loop's one, at most MAX_READ_THREADS, and one
-    when the share is one core; an explicit value wins; CPU runs leave the reading thread's own count."""
+    """A read the step loop waits on gets the rank's share of the host's cores less one, at most MAX_READ_THREADS,
+    and one when the share is one core; an explicit value wins; CPU runs leave the reading thread's own count."""
     assert read_threads(0, "cuda", cores=16, local_ranks=1) == MAX_READ_THREADS
     assert read_threads(0, "cuda", cores=16, local_ranks=4) == 3
     assert read_threads(0, "cuda", cores=8, local_ranks=8) == 1

@@ -85,9 +85,9 @@ MAX_READ_THREADS = 8
 
 
 def read_threads(requested: int, device_type: str, cores: int, local_ranks: int) -> Optional[int]:
-    """torch's threads for an adapter read (parallel.read_threads), on whichever thread runs it: `requested`, or for
-    0 on CUDA the rank's share of the host's `cores` less one for its step loop (at most MAX_READ_THREADS), and None
-    (the thread's own) on CPU, where reads share the cores with the model's compute."""
+    """Threads for an adapter read the step loop waits on (parallel.read_threads): `requested`, or for 0 on CUDA the
+    rank's share of the host's `cores` less one (at most MAX_READ_THREADS), and None (the thread's own) on CPU, where
+    reads share the cores with the model's compute."""
     if requested:
         return requested
     if device_type != "cuda":
