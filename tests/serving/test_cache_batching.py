@@ -147,11 +147,11 @@ def _slowed(engine, seconds: float) -> list[float]:
     """SLOW's reads on this engine take `seconds` longer; returns the list their end times go to."""
     ended, read = [], engine.cache._read_safely
 
-    def slow_read(info):
+    def slow_read(info, *threads):
         if info.name != SLOW:
-            return read(info)
+            return read(info, *threads)
         time.sleep(seconds)
-        out = read(info)
+        out = read(info, *threads)
         ended.append(time.perf_counter())
         return out
 
