@@ -32,10 +32,10 @@ from tp_lora import distributed as comm
 from tp_lora.lora import stfile
 from tp_lora.lora.pacing import paced
 from tp_lora.lora.reader import ReaderProcess
-from tp_lora.threadlocal import torch_threads
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
+from tp_lora.threadlocal import torch_threads
 
 
 
