@@ -108,6 +108,11 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path, monkeypatch, max_ga
     header_end = 8 + int.from_bytes(data[:8], "little")
     data[header_end + 40:header_end + 44] = struct.pack("<f", float("nan"))
     weights.write_bytes(bytes(data))
+    shutil.copytree(root / "p0", root / "nan_end")  # in the file's last value: a screen must cover it all
+    weights = root / "nan_end" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = struct.pack("<f", float("nan"))
+    weights.write_bytes(bytes(data))
     engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=8), comm.single_process(), model, str(root))
     cache = engine.cache
 
@@ -137,8 +142,9 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path, monkeypatch, max_ga
     assert got.plan is small.plan
     for dtype in want.blocks:
         assert torch.equal(got.blocks[dtype], want.blocks[dtype]), f"q1: {dtype} block differs"
-    with pytest.raises(AdapterError, match="NaN/Inf"):
-        cache.fetch("nan")
+    for name in ("nan", "nan_end"):
+        with pytest.raises(AdapterError, match="NaN/Inf"):
+            cache.fetch(name)
     # Same header, fewer bytes: not the plan's file any more.
     weights = root / "p2" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4])
