@@ -1,9 +1,11 @@
 """Slot images: an adapter's host image copied into a used slot leaves exactly what emptying the slot and writing
 the adapter module by module leaves (untargeted modules, rank padding and the slot's previous adapter included), with
 B in the model dtype and in fp8; on CUDA from page-locked memory first, then again from the pageable host tier."""
+import math
 import os
 import shutil
 import struct
+import time
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
 from tp_lora.lora.adapter import AdapterError, load_peft_adapter
 from tp_lora.lora.layers import LoRALinear, module_shapes
-from tp_lora.lora import slots as slots_module
+from tp_lora.lora import cache as cache_module, slots as slots_module
 from tp_lora.lora.slots import SlotTable
 from tp_lora.testing import device_under_test
 
@@ -235,8 +237,9 @@ def test_read_plans_cast_files_into_the_slots_dtype(bundle, tmp_path, slot_dtype
 
 
 def test_reads_waited_on_take_read_threads_and_reads_ahead_one(bundle, monkeypatch):
-    """A read the step loop does itself (nothing read ahead) runs on parallel.read_threads threads, file and torch
-    ops alike; a read ahead, beside the steps, on one; the step loop's own count is left as it was."""
+    """A read the step loop does itself runs on parallel.read_threads threads, file and torch ops alike, and so does
+    a read ahead while the step loop waits for reads; other reads ahead, beside the steps, run on one. The step
+    loop's own count is left as it was."""
     model, adapters = bundle
     cfg = serving_cfg(max_loras=2)
     cfg.parallel.read_threads = 3
@@ -252,9 +255,16 @@ def test_reads_waited_on_take_read_threads_and_reads_ahead_one(bundle, monkeypat
 
     monkeypatch.setattr(cache, "_read_image", spy)
     before = torch.get_num_threads()
-    cache.fetch("r16")
+    cache.fetch("r16")  # nothing read ahead: the step loop reads it
     assert seen["r16"] == (3, 3) and torch.get_num_threads() == before
+    cache._waited = -math.inf  # as if that wait were long past
     cache.prefetch(["a9"])
     cache._staged["a9"].result()
-    cache.fetch("a9")
-    assert seen["a9"] == (1, 1) and cache.stats.prefetched == 1
+    monkeypatch.setattr(cache_module, "BEHIND_S", 3600.0)  # "lately", however slow the machine
+    t0 = time.perf_counter()
+    cache.wait_any(["emb"], timeout=0)  # the step loop reads emb itself: it is waiting for reads
+    assert seen["a9"] == (1, 1) and seen["emb"] == (3, 3) and cache._waited >= t0
+    cache.prefetch(["r4"])
+    cache._staged["r4"].result()
+    assert seen["r4"] == (3, 3)
+    assert cache.fetch("a9") is not None and cache.stats.prefetched == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import queue
@@ -45,6 +46,9 @@ PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier un
 # less for reads but slowed the steps more (BENCHMARKS.md, 1000 adapters on an H200: 0.82 vs 0.85 of one adapter).
 READERS = 1
 PAUSE_S = 0.02  # paced reader: longest wait for the step loop to wait before it does one more unit of work anyway
+# A read ahead that starts within BEHIND_S of the step loop waiting for a read takes read_threads (the reads are
+# what holds the steps up); otherwise one, beside the steps.
+BEHIND_S = 0.1
 
 
 def _err(name: str, msg: str) -> AdapterError:
@@ -210,8 +214,10 @@ class AdapterCache:
         # paced: the reader works while the step loop is inside lending() (waiting on the GPU or on a read) and
         # otherwise takes one unit of work per PAUSE_S. The engine sets it on CUDA, where steps are host-bound.
         self.paced = False
-        # Threads for a read the step loop waits on (the engine's read_threads); reads ahead, beside the steps, take one.
+        # Threads for a read the step loop waits on (the engine's read_threads); reads ahead take one, or as many while
+        # the step loop waits for reads (BEHIND_S).
         self.read_threads: Optional[int] = None
+        self._waited = -math.inf  # when the step loop last waited for a read (time.perf_counter)
         self._lent = threading.Event()
         self._lending = 0
         self._procs: list[ReaderProcess] = []
@@ -274,6 +280,8 @@ class AdapterCache:
         staged = self._staged.pop(name, None)
         # Reads here lend the time too: the reader thread goes on with the next read ahead meanwhile.
         with self.lending():
+            if staged is None or not staged.done():
+                self._waited = t0
             if staged is not None and not staged.cancel():
                 self.stats.prefetched += 1
                 adapter, err = staged.result()
@@ -301,7 +309,7 @@ class AdapterCache:
         """Bring this rank closer to having one of `names` ready (see ready): read the first whose read has not
         started here and now (its queued read ahead dropped), else wait up to `timeout` for one under way. The time
         counts as read time."""
-        t0 = time.perf_counter()
+        t0 = self._waited = time.perf_counter()
         with self.lending():
             if any(self.ready(name) for name in names):  # ready here, not yet on every rank: let them catch up
                 time.sleep(min(timeout, 1e-3))
@@ -347,7 +355,8 @@ class AdapterCache:
         with paced(lambda: self._lent.wait(PAUSE_S)) if self.paced else contextlib.nullcontext():
             proc = self._idle.get() if self._procs else None
             if proc is None:
-                return self._read_safely(info)
+                behind = time.perf_counter() - self._waited < BEHIND_S
+                return self._read_safely(info, self.read_threads if behind else 1)
             try:
                 adapter, err = proc.read(info, self.dtype, self.module_shapes, self.max_rank, info.file_bytes)
             except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: read here from now on
@@ -381,7 +390,8 @@ class AdapterCache:
 
     def _read_safely(self, info: AdapterInfo, threads: Optional[int] = 1) -> tuple[Optional[object], Optional[str]]:
         """(slot image or adapter, None) or (None, why); on `threads` threads (None: this thread's torch count). A
-        read ahead takes one: on an H200 host eight made a read ~10 -> 8 ms and the steps beside it ~8% slower."""
+        read ahead takes one unless the step loop waits for reads (BEHIND_S): on an H200 host eight threads on every
+        read made a rank-16 read ~10 -> 8 ms and the steps beside them ~8% slower."""
         if self.images is None:
             return _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes, self.max_rank))
         # Nothing of the read outlives this call (the image is a copy): its buffer serves the next read.
