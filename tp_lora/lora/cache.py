@@ -40,7 +40,7 @@ from tp_lora.threadlocal import torch_threads
 
 
 
-MAX_PLANS = 16  # adapter layouts whose read plans are kept
+MAX_PLANS = 16  # adapter layouts whose read plans are kept (each holds one image as its template)
 PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
 # One reader: reads share the step loop's host (tp_lora.lora.pacing); a second reader thread, with read plans, waited
 # less for reads but slowed the steps more (BENCHMARKS.md, 1000 adapters on an H200: 0.82 vs 0.85 of one adapter).
