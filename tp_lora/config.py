@@ -34,8 +34,9 @@ class ParallelConfig:
     # faster so, as under torchrun's OMP_NUM_THREADS=1), torch's default on CPU (the model computes on them).
     host_threads: int = 0
     # Threads for an adapter read the step loop waits on (its file read in pieces; torch's, for its screen and
-    # copies); reads ahead of need run on one beside the steps. 0 = on CUDA the rank's share of the host's cores less
-    # one (at most 8), on CPU one for the file and torch's own for the rest.
+    # copies), and for a read ahead of need that starts while the step loop waits for reads; other reads ahead run
+    # on one beside the steps. 0 = on CUDA the rank's share of the host's cores less one (at most 8), on CPU one for
+    # the file and torch's own for the rest.
     read_threads: int = 0
 
 
@@ -47,7 +48,8 @@ class LoRAConfig:
     # evicted. Every adapter under adapter_dir is registered at start from its config and safetensors header only.
     max_cpu_loras: int = 64
     # Read adapters ahead of need in this many worker processes (tp_lora/lora/reader.py) instead of a thread of this
-    # process, whose reads share the GIL with the step loop. 0 = the thread. Not yet measured on a GPU.
+    # process, whose reads share the GIL with the step loop. 0 = the thread (on an H200 host two processes measured
+    # slower: BENCHMARKS.md).
     reader_processes: int = 0
     max_rank: int = 16
     fully_sharded: bool = False
