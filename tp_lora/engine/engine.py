@@ -80,6 +80,13 @@ def host_threads(requested: int, device_type: str) -> Optional[int]:
     return 1 if device_type == "cuda" else None
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it, as under a container's cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 # Beyond ~8 threads a read's copies gain little more (host memory bandwidth) and take cores from the other ranks.
 MAX_READ_THREADS = 8
 
@@ -111,7 +118,7 @@ class Engine:
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
         self.cache.paced = ps.device.type == "cuda"
         self.cache.read_threads = read_threads(cfg.parallel.read_threads, ps.device.type,
-                                               len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                                               _usable_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         # Admission waits (boundedly) for reads where they overlap GPU steps. On CPU reads and steps share the cores,
         # and the step loop reading what it admits keeps each run's batches, and so its rounding, the same.
         self.overlap_reads = ps.device.type == "cuda"
