@@ -255,13 +255,13 @@ def test_reads_waited_on_take_read_threads_and_reads_ahead_one(bundle, monkeypat
 
     monkeypatch.setattr(cache, "_read_image", spy)
     before = torch.get_num_threads()
-    cache.fetch("r16")  # nothing read ahead: the step loop reads it
-    assert seen["r16"] == (3, 3) and torch.get_num_threads() == before
+    t0 = time.perf_counter()
+    cache.fetch("r16")  # nothing read ahead: the step loop reads it, and so waits for a read
+    assert seen["r16"] == (3, 3) and torch.get_num_threads() == before and cache._waited >= t0
     cache._waited = -math.inf  # as if that wait were long past
     cache.prefetch(["a9"])
     cache._staged["a9"].result()
     monkeypatch.setattr(cache_module, "BEHIND_S", 3600.0)  # "lately", however slow the machine
-    t0 = time.perf_counter()
     cache.wait_any(["emb"], timeout=0)  # the step loop reads emb itself: it is waiting for reads
     assert seen["a9"] == (1, 1) and seen["emb"] == (3, 3) and cache._waited >= t0
     cache.prefetch(["r4"])
