@@ -21,7 +21,8 @@ from tp_lora.config import ConfigError, RunConfig, resolve_device, resolve_dtype
 from tp_lora.engine.kv_pool import (RowPool, kv_budget_bytes, kv_bytes_per_token, longest_fitting, plan_rows)
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.runner import ModelRunner, StepBatch
-from tp_lora.engine.sampler import sample
+from tp_lora.engine.sampler import sample, top_logprobs
+from tp_lora.engine.tokenizer import Detokenizer, load_tokenizer
 from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler, Sequence, SlotState
 from tp_lora.lora.adapter import AdapterError, discover_adapters
 from tp_lora.lora.cache import PREFETCH_DEPTH, AdapterCache, AdapterInfo
@@ -40,7 +41,7 @@ READ_WAIT_S = 0.1
 ARRIVAL_CHECK_STEPS = 4  # TP ranks busy with work agree on newly arrived requests every this many steps
 INTERRUPTED = "not run: the run was stopped before this request finished (resume=true runs it)"
 
-__all__ = ["Engine", "Sequence", "StepStats", "RUN", "DRAIN", "ABORT"]
+__all__ = ["Engine", "Sequence", "StepOutput", "StepStats", "RUN", "DRAIN", "ABORT"]
 
 
 @dataclass
@@ -62,6 +63,14 @@ class StepStats:
     def slot_hit_rate(self) -> float:
         n = self.slot_hits + self.slot_misses
         return self.slot_hits / n if n else 1.0
+
+
+@dataclass
+class StepOutput:
+    """What one Engine.step() did: the results that got a token (streams read their new tokens) and those that
+    ended (finished, or failed: their adapter could not be loaded)."""
+    advanced: list[Result] = field(default_factory=list)
+    finished: list[Result] = field(default_factory=list)
 
 
 def build_model(hf: dict, tp: comm.Group, dtype, device, rt: Optional[LoRARuntime], targets: Optional[set]):
@@ -149,6 +158,9 @@ class Engine:
             self.cache.attach_model(module_shapes(self.rt), lo.max_rank, self.slots)
             if getattr(self.model, "needs_lockstep", False):
                 self._pin_adapters()
+        self.tokenizer = load_tokenizer(model_dir)
+        # EP over DP replicas steps in lockstep with its peers (every rank of the EP group steps until all idle).
+        self.lockstep = self.model.lockstep if getattr(self.model, "needs_lockstep", False) else None
         eos = self.hf.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_positions = self.hf.get("max_position_embeddings", 4096)
@@ -222,6 +234,12 @@ class Engine:
                 return f"unknown adapter {req.adapter!r}; known adapters: {shown}"
         if not req.prompt_token_ids:
             return "empty prompt"
+        if req.stop and self.tokenizer is None:
+            return "'stop' strings need a tokenizer (tokenizer.json in the model dir)"
+        if req.top_p is not None and not 0 < req.top_p <= 1:
+            return f"top_p={req.top_p}: expected in (0, 1]"
+        if not 0 <= req.logprobs <= self.hf["vocab_size"]:
+            return f"logprobs={req.logprobs}: expected in [0, {self.hf['vocab_size']}]"
         vocab = self.hf["vocab_size"]
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -355,7 +373,126 @@ class Engine:
             row_len = max([n for n in needs if n <= fit], default=0)
         return row_len, rows, fit
 
-    # ---- the loop ---------------------------------------------------------------------------------------------
+    # ---- a run: the scheduler over one KV cache, stepped by a front end's loop ---------------------------------
+    def open(self, rows: int, row_len: int) -> None:
+        """Start a run: a KV cache of `rows` rows of `row_len` positions (from _kv_plan) and a scheduler over it."""
+        sc = self.cfg.scheduler
+        self.kv = self.runner.kv_cache(rows, row_len)
+        self.sched = Scheduler(self.slot_state, RowPool(rows), sc.max_batch_size, sc.max_tokens_per_step,
+                               sc.max_overtakes, admit_batch=sc.admit_batch)
+        self._arrival: dict[int, float] = {}
+        self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
+        self._seeded: dict[int, torch.Generator] = {}  # requests with their own seed: their generator
+
+    def add(self, req: Request, arrival: float) -> None:
+        """Queue a request that passed check_request and fits the run's KV rows; arrival: its perf_counter time."""
+        self._arrival[req.index] = arrival
+        self.sched.add(req)
+
+    def cancel(self, index: int) -> Optional[Result]:
+        """Drop request `index` from the run (its client went away), freeing its slot and KV row; its result so far,
+        or None when the run does not hold it."""
+        out = self.sched.remove(index)
+        if out is None:
+            return None
+        self._arrival.pop(index, None)
+        self._text.pop(index, None)
+        self._seeded.pop(index, None)
+        res = out.result if isinstance(out, Sequence) else Result(out)
+        res.finish_reason = "cancelled"
+        return res
+
+    def close_run(self) -> None:
+        """End the run, after an error too: what it holds is freed, the slots are usable by the next run."""
+        self.sched.abort()
+        st = self.slot_state
+        for slot in range(len(st)):
+            if not st.ready[slot]:
+                st.clear(slot)  # assigned but never copied in
+
+    def idle(self, wait_s: float) -> None:
+        """Nothing to step: take part in the EP peers' steps (lockstep), else sleep up to wait_s (at most 10 ms)."""
+        if self.lockstep is not None:
+            self.lockstep(0)
+        else:
+            with self.cache.lending():
+                time.sleep(min(0.01, max(0.0, wait_s)))
+
+    @torch.no_grad()
+    def step(self) -> StepOutput:
+        """One step of the run: admit waiting requests, copy their adapters into slots, run the model over the
+        batch, sample, and return which results advanced and which ended. The same on every rank of the TP group."""
+        sched, out = self.sched, StepOutput()
+        now = time.perf_counter()
+        hits0, misses0 = sched.slot_hits, sched.slot_misses
+        loadable, unread = self._loadable(sched)
+        plan = sched.schedule(loadable)
+        self.stats.slot_hits += sched.slot_hits - hits0
+        self.stats.slot_misses += sched.slot_misses - misses0
+        for seq in plan.admitted:
+            seq.result.metrics.update(arrival=self._arrival.pop(seq.request.index), admitted=now)
+            self.stats.prompt_tokens += seq.prompt_len
+        failed = set()
+        for slot, name in plan.loads:  # copied in before the step that prefills their requests
+            image = self._fetch(name)  # read already (overlap_reads), else read here; and the ranks' verdict
+            if image is None:
+                failed.add(name)
+                for req in sched.fail_adapter(name):
+                    self._text.pop(req.index, None)
+                    out.finished.append(Result(req, error=self._adapter_failure(name)))
+            else:
+                self._copy_into_slot(slot, image)
+                sched.loaded(slot)
+        work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
+        if self.lockstep is not None:
+            self.lockstep(sum(n for _, n in work))
+        t_step = time.perf_counter()
+        logits = self._step(work, self.kv) if work else None
+        self.cache.prefetch(self._wanted(sched))  # disk reads for what the queue asks next run beside the steps
+        if not work:
+            if unread and not plan.loads:  # nothing to run until an adapter is read: help read one
+                self.cache.wait_any(unread)
+            elif not plan.loads:
+                raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
+                                   f"{len(sched.waiting)} waiting, slots {self.slot_state.names} users "
+                                   f"{self.slot_state.users}, {sched.rows.available} free KV rows")
+            return out
+        self.stats.steps += 1
+        sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
+        if sampled:
+            reqs = [s.request for s, _ in sampled]
+            rows = logits[[i for _, i in sampled]]
+            with self.cache.lending():  # sampling waits for the step on the GPU
+                toks, lps = sample(rows, [self._temperature(r) for r in reqs], self._top_ps(reqs),
+                                   self._generators(reqs))
+            k = max(r.logprobs for r in reqs)
+            tops = top_logprobs(rows, k) if k else None
+        now = time.perf_counter()
+        if self.runner.replayed:
+            self.stats.graph_steps += 1
+            self.stats.graph_seconds += now - t_step
+        else:
+            self.stats.eager_seconds += now - t_step
+        if not sampled:
+            return out
+        for j, ((seq, _), tok, lp) in enumerate(zip(sampled, toks, lps)):
+            seq.tokens.append(tok)
+            res = seq.result
+            res.output_token_ids.append(tok)
+            res.logprobs.append(lp)
+            if seq.request.logprobs:
+                res.top_logprobs.append(tops[j][:seq.request.logprobs])
+            res.metrics.setdefault("first_token", now)
+            self.stats.generated_tokens += 1
+            out.advanced.append(res)
+            if self._finished(seq, tok):
+                sched.finish(seq)
+                res.metrics["finished"] = now
+                self._final_text(res)
+                out.finished.append(res)
+        return out
+
+    # ---- generate(): the offline front end ---------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: list[Request], on_result: Callable[[Result], None] = lambda r: None,
                  progress: Callable[[int, int], None] = lambda done, total: None, *,
@@ -397,30 +534,21 @@ class Engine:
         for req in valid:
             need = len(req.prompt_token_ids) + req.max_new_tokens
             if need > fit:
-                emit(Result(req, error=f"prompt + max_new_tokens = {need} positions of KV cache do not fit the "
-                                       f"{fit} this rank can hold (scheduler.kv_memory_fraction="
-                                       f"{sc.kv_memory_fraction}, scheduler.kv_cache_mb={sc.kv_cache_mb})"))
+                emit(Result(req, error=self.kv_misfit(need, fit)))
             else:
                 pending.append((arrival.get(req.index, 0.0), req))
         pending.sort(key=lambda x: x[0])  # stable: equal times keep request order
 
-        # EP over DP replicas: every rank of the EP group steps until all are idle (a rank out of work still serves
-        # the others' tokens routed to its experts).
-        lockstep = self.model.lockstep if getattr(self.model, "needs_lockstep", False) else None
         interrupted: list[Request] = []
         if pending:
-            cache = self.runner.kv_cache(rows, row_len)
-            sched = Scheduler(self.slot_state, RowPool(rows), sc.max_batch_size, sc.max_tokens_per_step,
-                              sc.max_overtakes, admit_batch=sc.admit_batch)
+            self.open(rows, row_len)
             try:
-                self._loop(sched, cache, pending, t0, emit, interrupted, lockstep, stop)
+                self._loop(pending, t0, emit, interrupted, stop)
             finally:  # after an error too: the slots this run held are free for the next call
-                sched.abort()
-                st = self.slot_state
-                for slot in range(len(st)):
-                    if not st.ready[slot]:
-                        st.clear(slot)  # assigned but never copied in
-        while lockstep is not None and lockstep(0):
+                self.close_run()
+        # EP over DP replicas: every rank of the EP group steps until all are idle (a rank out of work still serves
+        # the others' tokens routed to its experts).
+        while self.lockstep is not None and self.lockstep(0):
             pass
         self.stats.seconds += time.perf_counter() - t0
         self.stats.interrupted += len(interrupted)
@@ -430,26 +558,30 @@ class Engine:
             out.append(res if res is not None else Result(r, error=INTERRUPTED, interrupted=True))
         return out
 
-    def _control(self, arrived: int, level: int) -> tuple[int, int]:
+    def kv_misfit(self, need: int, fit: int) -> str:
+        sc = self.cfg.scheduler
+        return (f"prompt + max_new_tokens = {need} positions of KV cache do not fit the {fit} this rank can hold "
+                f"(scheduler.kv_memory_fraction={sc.kv_memory_fraction}, scheduler.kv_cache_mb={sc.kv_cache_mb})")
+
+    def agree(self, arrived: int, level: int) -> tuple[int, int]:
         """Agree over the TP group: requests arrived on every rank's clock (min) and the stop level (max)."""
         if self.ps.tp.size == 1:
             return arrived, level
         views = comm.all_gather_object((arrived, level), self.ps.tp)
         return min(v[0] for v in views), max(v[1] for v in views)
 
-    def _loop(self, sched: Scheduler, cache, pending: list[tuple[float, Request]], t0: float, emit,
-              interrupted: list[Request], lockstep, stop) -> None:
-        cfg, sc = self.cfg, self.cfg.scheduler
+    def _loop(self, pending: list[tuple[float, Request]], t0: float, emit, interrupted: list[Request],
+              stop) -> None:
+        """generate()'s control plane around step(): requests enter as they arrive and the stop level rises on
+        signals, both agreed by the TP ranks (each idle iteration and every few busy steps while requests are still
+        to arrive: the exchange syncs the host; every stop_check_steps for stopping; one rank: every iteration)."""
+        sc, sched = self.cfg.scheduler, self.sched
         timed = any(at > 0 for at, _ in pending)
         fed = 0  # pending[:fed] handed to the scheduler
         level, drain_deadline = RUN, None
-        hits0, misses0 = sched.slot_hits, sched.slot_misses
-        arrival = {req.index: t0 + at for at, req in pending}
         it = 0
         while True:
             now = time.perf_counter()
-            # The ranks agree on arrivals while some are still to come (each idle iteration, every few busy steps:
-            # the exchange syncs the host), and on stopping every stop_check_steps. One rank: every iteration.
             local = stop() if stop is not None else RUN
             if drain_deadline is not None and now >= drain_deadline:
                 local = max(local, ABORT)
@@ -458,9 +590,9 @@ class Engine:
                 due = fed
                 while due < len(pending) and t0 + pending[due][0] <= now:
                     due += 1
-                due, agreed = self._control(due if timed else len(pending), max(local, level))
+                due, agreed = self.agree(due if timed else len(pending), max(local, level))
                 for at, req in pending[fed:due]:
-                    sched.add(req)
+                    self.add(req, t0 + at)
                 fed = max(fed, due)
                 if agreed > level:
                     level = agreed
@@ -474,67 +606,10 @@ class Engine:
             if not sched.has_work:
                 if fed >= len(pending):
                     break
-                if lockstep is not None:
-                    lockstep(0)
-                else:
-                    with self.cache.lending():
-                        time.sleep(min(0.01, max(0.0, t0 + pending[fed][0] - time.perf_counter())))
+                self.idle(t0 + pending[fed][0] - time.perf_counter())
                 continue
-            loadable, unread = self._loadable(sched)
-            plan = sched.schedule(loadable)
-            for seq in plan.admitted:
-                seq.result.metrics.update(arrival=arrival[seq.request.index], admitted=now)
-                self.stats.prompt_tokens += seq.prompt_len
-            failed = set()
-            for slot, name in plan.loads:  # copied in before the step that prefills their requests
-                image = self._fetch(name)  # read already (overlap_reads), else read here; and the ranks' verdict
-                if image is None:
-                    failed.add(name)
-                    for req in sched.fail_adapter(name):
-                        emit(Result(req, error=self._adapter_failure(name)))
-                else:
-                    self._copy_into_slot(slot, image)
-                    sched.loaded(slot)
-            work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
-            if lockstep is not None:
-                lockstep(sum(n for _, n in work))
-            t_step = time.perf_counter()
-            logits = self._step(work, cache) if work else None
-            self.cache.prefetch(self._wanted(sched))  # disk reads for what the queue asks next run beside the steps
-            if not work:
-                if unread and not plan.loads:  # nothing to run until an adapter is read: help read one
-                    self.cache.wait_any(unread)
-                elif not plan.loads:
-                    raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
-                                       f"{len(sched.waiting)} waiting, slots {self.slot_state.names} users "
-                                       f"{self.slot_state.users}, {sched.rows.available} free KV rows")
-                continue
-            self.stats.steps += 1
-            sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
-            if sampled:
-                temps = [self._temperature(s.request) for s, _ in sampled]
-                with self.cache.lending():  # sampling waits for the step on the GPU
-                    toks, lps = sample(logits[[i for _, i in sampled]], temps, cfg.generation.top_p, self.generator)
-            now = time.perf_counter()
-            if self.runner.replayed:
-                self.stats.graph_steps += 1
-                self.stats.graph_seconds += now - t_step
-            else:
-                self.stats.eager_seconds += now - t_step
-            if not sampled:
-                continue
-            for (seq, _), tok, lp in zip(sampled, toks, lps):
-                seq.tokens.append(tok)
-                seq.result.output_token_ids.append(tok)
-                seq.result.logprobs.append(lp)
-                seq.result.metrics.setdefault("first_token", now)
-                self.stats.generated_tokens += 1
-                if self._finished(seq, tok):
-                    sched.finish(seq)
-                    seq.result.metrics["finished"] = now
-                    emit(seq.result)
-        self.stats.slot_hits += sched.slot_hits - hits0
-        self.stats.slot_misses += sched.slot_misses - misses0
+            for res in self.step().finished:
+                emit(res)
 
     def close(self) -> None:
         """Release CUDA graphs (call before the process group is destroyed) and the adapter reader."""
@@ -544,9 +619,44 @@ class Engine:
     def _temperature(self, req: Request) -> float:
         return req.temperature if req.temperature is not None else self.cfg.generation.temperature
 
+    def _top_ps(self, reqs: list[Request]) -> list[float]:
+        return [r.top_p if r.top_p is not None else self.cfg.generation.top_p for r in reqs]
+
+    def _generators(self, reqs: list[Request]):
+        """The run's generator, or per request where one has its own seed (made at its first sample)."""
+        if all(r.seed is None for r in reqs):
+            return self.generator
+        return [self.generator if r.seed is None else
+                self._seeded.setdefault(r.index, torch.Generator().manual_seed(r.seed)) for r in reqs]
+
     def _finished(self, seq: Sequence, tok: int) -> bool:
-        ignore = seq.request.ignore_eos if seq.request.ignore_eos is not None else self.cfg.generation.ignore_eos
+        req = seq.request
+        ignore = req.ignore_eos if req.ignore_eos is not None else self.cfg.generation.ignore_eos
         if not ignore and tok in self.eos:
             seq.result.finish_reason = "stop"
             return True
-        return seq.generated >= seq.request.max_new_tokens
+        if req.stop and self._stop_string(seq.result, tok):
+            seq.result.finish_reason = "stop"
+            return True
+        return seq.generated >= req.max_new_tokens
+
+    def _stop_string(self, res: Result, tok: int) -> bool:
+        """Whether the text now holds one of the request's stop strings; the result's text then ends before it."""
+        text = self._text.setdefault(res.request.index, Detokenizer(self.tokenizer))
+        before = len(text.text)
+        if not text.add([tok]):
+            return False
+        longest = max(len(s) for s in res.request.stop)
+        window = max(0, before - longest + 1)  # a match must end in the new text
+        hits = [i for i in (text.text.find(s, window) for s in res.request.stop) if i >= 0]
+        if not hits:
+            return False
+        res.text = text.text[:min(hits)]
+        return True
+
+    def _final_text(self, res: Result) -> None:
+        """A finished result's decoded text (with a tokenizer), unless a stop string set it already."""
+        self._text.pop(res.request.index, None)
+        self._seeded.pop(res.request.index, None)
+        if self.tokenizer is not None and res.text is None:
+            res.text = self.tokenizer.decode(res.output_token_ids)

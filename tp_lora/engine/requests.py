@@ -1,8 +1,9 @@
 """Request and output JSONL formats.
 
 Request line: {"id": ..., "adapter": NAME or null, "prompt_token_ids": [...] (or "prompt": text with a tokenizer),
-               "max_new_tokens": N, optional "temperature", "ignore_eos"}
-Output line:  {"id": ..., "adapter": ..., "output_token_ids": [...], "logprobs": [...], "finish_reason": ...}
+               "max_new_tokens": N, optional "temperature", "ignore_eos", "stop": [strings]}
+Output line:  {"id": ..., "adapter": ..., "output_token_ids": [...], "logprobs": [...], "finish_reason": ...,
+               "text": ... (with a tokenizer)}
               or, for a request that could not run, {"id": ..., "adapter": ..., "error": "..."}.
 """
 from __future__ import annotations
@@ -23,6 +24,10 @@ class Request:
     temperature: Optional[float] = None
     ignore_eos: Optional[bool] = None
     error: Optional[str] = None  # set when the request is rejected; it then produces an error line only
+    stop: list[str] = field(default_factory=list)  # generation ends before the first of these in the text
+    top_p: Optional[float] = None  # None: generation.top_p
+    seed: Optional[int] = None  # sampling draws from its own generator seeded so (None: the run's)
+    logprobs: int = 0  # the most likely tokens (with their log-probabilities) to report at each position
 
 
 @dataclass
@@ -32,6 +37,8 @@ class Result:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     error: Optional[str] = None
+    text: Optional[str] = None  # the decoded output (with a tokenizer), ending before a matched stop string
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per position, with request.logprobs
     interrupted: bool = False  # a stop left it unfinished: no output line, so resume=true runs it again
     # perf_counter() times: arrival, admitted, first_token, finished (serving metrics; not written)
     metrics: dict = field(default_factory=dict)
@@ -43,6 +50,8 @@ class Result:
         else:
             out.update(output_token_ids=self.output_token_ids, logprobs=[round(p, 6) for p in self.logprobs],
                        finish_reason=self.finish_reason)
+            if self.text is not None:
+                out["text"] = self.text
         return out
 
 
@@ -83,9 +92,19 @@ def parse_request(index: int, line: str, default_max_new_tokens: int, tokenizer=
             req.temperature = float(t)
         if "ignore_eos" in obj:
             req.ignore_eos = bool(obj["ignore_eos"])
+        if "stop" in obj:
+            req.stop = parse_stop(obj["stop"])
     except ValueError as e:
         req.error = f"request {req.id!r}: {e}"
     return req
+
+
+def parse_stop(stop) -> list[str]:
+    """A request's `stop`: a string, a list of strings, or null -> the list (non-empty strings only)."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise ValueError(f"'stop' must be a non-empty string or a list of them, got {stop!r}")
+    return stops
 
 
 def read_requests(path: str, default_max_new_tokens: int, tokenizer=None) -> list[Request]:

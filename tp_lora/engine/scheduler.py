@@ -279,6 +279,20 @@ class Scheduler:
             self.passed.pop(r.index, None)
         return out
 
+    def remove(self, index: int):
+        """Drop request `index` (its client went away): its running Sequence (row and slot freed) or its waiting
+        Request, or None when neither holds it."""
+        for seq in self.running:
+            if seq.request.index == index:
+                self.finish(seq)
+                return seq
+        for i, req in enumerate(self.waiting):
+            if req.index == index:
+                del self.waiting[i]
+                self.passed.pop(index, None)
+                return req
+        return None
+
     def stop_admitting(self) -> list[Request]:
         """Admit nothing more; returns the requests that were still waiting (they will not run)."""
         self.admitting = False

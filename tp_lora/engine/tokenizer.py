@@ -1,17 +1,77 @@
-"""Optional text prompts: a tokenizer.json in the model dir read with the `tokenizers` package (an optional extra)."""
+"""Text in and out: a tokenizer.json in the model dir read with the `tokenizers` package (an optional extra), its
+chat template from tokenizer_config.json, and incremental detokenization for streams and stop strings."""
 from __future__ import annotations
 
+import json
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 
-def load_tokenizer(model_dir: str) -> Optional[Callable[[str], list[int]]]:
+class TextTokenizer:
+    """encode / decode over a HF tokenizer.json; `chat_template` is the model's Jinja template or None."""
+
+    def __init__(self, path: str, chat_template: Optional[str] = None):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(path)
+        self.chat_template = chat_template
+
+    def __call__(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text for chat `messages` ([{role, content}]), ready for the model's reply."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json)")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+
+
+def load_tokenizer(model_dir: str) -> Optional[TextTokenizer]:
+    """The model dir's tokenizer, or None without tokenizer.json (or without the `tokenizers` package)."""
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         return None
     try:
-        from tokenizers import Tokenizer
+        import tokenizers  # noqa: F401
     except ImportError:
         return None
-    tok = Tokenizer.from_file(path)
-    return lambda text: tok.encode(text).ids
+    template = None
+    config = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    return TextTokenizer(path, template if isinstance(template, str) else None)
+
+
+class Detokenizer:
+    """One sequence's output text, grown token by token. `text` only ever grows by whole characters: while the
+    decoded ids end in an incomplete UTF-8 sequence (U+FFFD at the end) the new text is held back, so streamed
+    pieces concatenate to the final text and never split a multi-byte character."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, ids: list[int]) -> str:
+        """Append token ids; returns the text they completed (possibly empty)."""
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.text):
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
+
+    def flush(self) -> str:
+        """The sequence ended: whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        text = self.tokenizer.decode(self.ids)
+        new = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text += new
+        return new
