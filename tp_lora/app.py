@@ -13,7 +13,7 @@ import threading
 import time
 
 from tp_lora import distributed as comm
-from tp_lora.config import ConfigError, RunConfig, resolve_device, validate
+from tp_lora.config import ConfigError, RunConfig
 
 EXIT_BAD_INPUT, EXIT_LOST_RANKS, EXIT_STOPPED = 2, 3, 130
 # A rank's teardown after losing its peers may itself wait on them (NCCL): the process ends this long after, at most.
@@ -31,13 +31,8 @@ def run(cfg: RunConfig) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        # Everything that can be wrong with the config or files is found here, on every rank, before any
-        # collective: a bad value ends every rank with the same message instead of leaving peers waiting.
-        validate(cfg, world_size)
-        device = resolve_device(cfg.device)
-        model_dir, adapter_dir, requests_path = _resolve_inputs(cfg)
-        ps = comm.init_parallel(cfg.parallel.tp_size, device, cfg.parallel.timeout_s)
-        return _generate(cfg, ps, model_dir, adapter_dir, requests_path)
+        requests_path = _requests_path(cfg)
+        return _generate(cfg, requests_path)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"[tp_lora] rank {rank}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
@@ -70,22 +65,17 @@ def _lost_ranks(rank: int, cfg: RunConfig, e: BaseException) -> int:
     return EXIT_LOST_RANKS
 
 
-def _resolve_inputs(cfg: RunConfig) -> tuple[str, str | None, str]:
-    """Paths the run reads; the embedded default (tiny Llama, adapters, requests) fills in what is not given."""
+def _requests_path(cfg: RunConfig) -> str:
+    """The requests file: the embedded default's for the embedded default model."""
     if cfg.model.path is not None and cfg.requests is None:
         raise ConfigError("model.path is set, so requests=FILE.jsonl is needed too (the embedded default requests "
                           "are for the embedded default model)")
-    default = None
-    if cfg.model.path is None:
-        from tp_lora.assets import ensure_default_assets
-        default = ensure_default_assets()
-    model_dir = cfg.model.path or default["model"]
-    adapter_dir = cfg.lora.adapter_dir or (default["adapter_dir"] if default else None)
-    requests_path = cfg.requests or default["requests"]
-    for what, path in (("model.path", model_dir), ("lora.adapter_dir", adapter_dir), ("requests", requests_path)):
-        if path is not None and not os.path.exists(path):
-            raise FileNotFoundError(f"{what}={path!r} does not exist")
-    return model_dir, adapter_dir, requests_path
+    if cfg.requests is not None:
+        if not os.path.exists(cfg.requests):
+            raise FileNotFoundError(f"requests={cfg.requests!r} does not exist")
+        return cfg.requests
+    from tp_lora.assets import ensure_default_assets
+    return ensure_default_assets()["requests"]
 
 
 class StopSignals:
@@ -123,15 +113,14 @@ class StopSignals:
         return self.level
 
 
-def _generate(cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_dir: str | None,
-              requests_path: str) -> int:
-    from tp_lora.engine.engine import Engine
+def _generate(cfg: RunConfig, requests_path: str) -> int:
+    from tp_lora.api import LLM
     from tp_lora.engine.requests import OutputWriter, read_output_lines, read_requests, split_answered
-    from tp_lora.engine.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
-    engine = Engine(cfg, ps, model_dir, adapter_dir)
-    requests = read_requests(requests_path, cfg.generation.max_new_tokens, load_tokenizer(model_dir))
+    llm = LLM.from_config(cfg)
+    engine, ps, model_dir = llm.engine, llm.ps, llm.model_dir
+    requests = read_requests(requests_path, cfg.generation.max_new_tokens, llm.tokenizer)
     driver = ps.is_driver
     parts = [_part_path(cfg.output, r) for r in range(ps.dp.size)] if ps.dp.size > 1 else []
     kept = []
@@ -148,7 +137,7 @@ def _generate(cfg: RunConfig, ps: comm.ParallelState, model_dir: str, adapter_di
             log(f"resume: {len(answered)} of {len(requests)} requests already answered in {cfg.output}")
     else:
         requests_todo = requests
-    mine = [r for r in requests_todo if r.index % ps.dp.size == ps.dp.rank]  # data-parallel replicas split the work
+    mine = llm.shard(requests_todo)  # data-parallel replicas split the work
     if ps.dp.size == 1:
         writer = OutputWriter(cfg.output, enabled=driver, keep=kept)
     else:  # each replica's first rank appends to its own part file; the driver merges them at the end

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tp_lora.lora.adapter import lora_scale, module_rank_alpha
 from tp_lora.models.checkpoint import load_hf_config
 
-BUNDLE_VERSION = "default-v1"
+BUNDLE_VERSION = "default-v2"  # v2: the model dir has a tokenizer (tokenizer.json, chat template)
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -244,6 +244,43 @@ def write_random_adapter(path: str, model_dir_or_config: Union[str, dict], *, r=
     return path
 
 
+# ---- a tiny tokenizer -------------------------------------------------------------------------------------------
+TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A small model speaks in short words: hello world, good "
+    "morning, thank you, see you soon. Adapters change how it speaks; the base model stays the same. "
+    "Every request picks an adapter by name, or none for the base; tokens stream back one by one until "
+    "a stop string, the end token or the length limit. Numbers 0123456789 and symbols (+-*/=%#@&) appear too. "
+    "Many LoRA adapters share one server: vLLM and SGLang serve them this way, and so do we. "
+    "Caf\u00e9, na\u00efve, \u00fcber, fa\u00e7ade; \u65e5\u672c\u8a9e\u3067\u3059; \u00a1Hola! \U0001F642\n")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def write_tiny_tokenizer(path: str, vocab_size: int = 256) -> str:
+    """tokenizer.json (HF `tokenizers` format) + tokenizer_config.json with a chat template at `path`: a byte-level
+    BPE of `vocab_size` tokens (<unk>=0, <s>=1 prepended to every encoding, </s>=2) trained on TOKENIZER_TEXT,
+    deterministically. Characters outside the text's bytes cannot be encoded; multi-byte characters span several
+    tokens, so the model's output exercises incremental detokenization."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"the tokenizer text yields {tok.get_vocab_size()} tokens, not vocab_size={vocab_size}")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, f"tokenizer.json.tmp-{os.getpid()}")
+    tok.save(tmp)
+    os.replace(tmp, os.path.join(path, "tokenizer.json"))
+    _write_json(os.path.join(path, "tokenizer_config.json"),
+                {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                 "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE})
+    return path
+
+
 # ---- the default bundle ---------------------------------------------------------------------------------------
 # Sized so every shipped layout runs on it: 8 query heads and 2 KV heads split over tp 1..8 (KV heads replicated
 # beyond 2), vocab / intermediate divisible by 8; head_dim 16 suits tensor-core kernels.
@@ -269,7 +306,7 @@ DEFAULT_REQUESTS = [
 
 
 def default_root() -> str:
-    """$TP_LORA_HOME/default-v1, else ~/.cache/tp_lora/default-v1: versioned, so a changed bundle never reuses
+    """$TP_LORA_HOME/<BUNDLE_VERSION>, else ~/.cache/tp_lora/<BUNDLE_VERSION>: versioned, so a changed bundle never reuses
     an older one's files."""
     home = os.environ.get("TP_LORA_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tp_lora")
     return os.path.join(home, BUNDLE_VERSION)
@@ -295,6 +332,7 @@ def _bundle_complete(root: str) -> bool:
 def _write_bundle(tmp: str, final_root: str) -> None:
     model = os.path.join(tmp, "model")
     write_tiny_llama(model, **DEFAULT_MODEL)
+    write_tiny_tokenizer(model, DEFAULT_MODEL["vocab_size"])
     cfg = load_hf_config(model)
     for name, kw in DEFAULT_ADAPTERS.items():
         write_random_adapter(os.path.join(tmp, "adapters", name), cfg,
