@@ -27,6 +27,24 @@ def log(msg: str) -> None:
     print(f"[tp_lora] {msg}", flush=True)
 
 
+def hydra_job(cfg, job) -> None:
+    """A launch script's Hydra main: the composed DictConfig typed as RunConfig (exit 2 naming a bad key or type),
+    job(typed) -> exit code, and the process ends with that code."""
+    from omegaconf import OmegaConf
+    try:
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+    except Exception as e:  # omegaconf's validation errors name the key and the expected type
+        print(f"[tp_lora] rank {os.environ.get('RANK', '0')}: config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+    code = job(typed)
+    # The job has closed its output and torn down its process groups. Leaving through os._exit skips interpreter
+    # teardown, where torch's C++ threads (gloo's, the rendezvous store's) are at times destroyed while still
+    # joinable and abort a finished run ("terminate called without an active exception", exit -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run(cfg: RunConfig) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -94,12 +94,24 @@ class SchedulerConfig:
 
 
 @dataclass
+class ServerConfig:
+    """launch/serve.py's HTTP front end (rank 0)."""
+    host: str = "127.0.0.1"  # 0.0.0.0 to listen on every interface
+    port: int = 8000
+    # Requests admitted beyond the running batch (scheduler.max_batch_size) before new ones get 429 + Retry-After.
+    max_queue: int = 256
+    api_key: Optional[str] = None  # when set, /v1/* need "Authorization: Bearer <api_key>"
+    model_name: Optional[str] = None  # the base model's name in the API; None = the model dir's name
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)  # launch/serve.py only
     requests: Optional[str] = None  # JSONL; None = the embedded default requests
     output: str = "outputs.jsonl"
     resume: bool = False  # keep the lines already in `output` and run only the requests they do not answer
@@ -164,6 +176,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(s.admit_batch >= 1, f"scheduler.admit_batch={s.admit_batch}: expected >= 1")
     _check(s.stop_grace_s >= 0, f"scheduler.stop_grace_s={s.stop_grace_s}: expected >= 0")
     _check(s.stop_check_steps >= 1, f"scheduler.stop_check_steps={s.stop_check_steps}: expected >= 1")
+    v = cfg.server
+    _check(0 <= v.port <= 65535, f"server.port={v.port}: expected 0..65535 (0 = any free port)")
+    _check(v.max_queue >= 0, f"server.max_queue={v.max_queue}: expected >= 0")
+    _check(v.api_key is None or bool(v.api_key), "server.api_key is empty: give a key or null")
 
 
 def validate_for_model(hf: dict, tp_size: int) -> None:

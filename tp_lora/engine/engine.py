@@ -159,6 +159,7 @@ class Engine:
             if getattr(self.model, "needs_lockstep", False):
                 self._pin_adapters()
         self.tokenizer = load_tokenizer(model_dir)
+        self.sched: Optional[Scheduler] = None  # the open run's (open() .. close_run())
         # EP over DP replicas steps in lockstep with its peers (every rank of the EP group steps until all idle).
         self.lockstep = self.model.lockstep if getattr(self.model, "needs_lockstep", False) else None
         eos = self.hf.get("eos_token_id")
@@ -219,6 +220,35 @@ class Engine:
             self.slot_state.clear(slot)
         if self.rt is not None:
             self.slots.names = [None] * len(self.slots.names)
+
+    def load_adapter(self, name: str, path: str) -> Optional[str]:
+        """Register adapter `name` from `path` at run time (every rank, between steps). None, or why not."""
+        if name in self.adapters:
+            return f"adapter {name!r} is already loaded (unload it first)"
+        if self.rt is None:
+            return ("the model has no LoRA layers: this process started without adapters (lora.adapter_dir with at "
+                    "least one adapter makes them, for the modules its adapters target)")
+        if self.slot_state.pinned:
+            return "adapters are pinned in slots here (parallel.ep_attention=dp with ep_size > 1): none can be added"
+        return self.cache.register(name, path)
+
+    def unload_adapter(self, name: str) -> Optional[str]:
+        """Forget adapter `name` (every rank, between steps); refused while requests of the open run use it."""
+        if name not in self.adapters and name not in self.bad_adapters:
+            return f"adapter {name!r} is not loaded"
+        if self.slot_state.pinned:
+            return "adapters are pinned in slots here (parallel.ep_attention=dp with ep_size > 1): none can be removed"
+        sched = self.sched
+        users = 0 if sched is None else (sum(s.request.adapter == name for s in sched.running)
+                                         + sum(r.adapter == name for r in sched.waiting))
+        if users:
+            return f"adapter {name!r} is in use by {users} requests; unload it when they have finished"
+        slot = self.slot_state.slot_of(name)
+        if slot is not None:
+            self.slot_state.clear(slot)
+            self.slots.names[slot] = None
+        self.cache.remove(name)
+        return None
 
     def check_request(self, req: Request, max_len: int) -> Optional[str]:
         """Why this request cannot run, or None."""
@@ -384,6 +414,20 @@ class Engine:
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
         self._seeded: dict[int, torch.Generator] = {}  # requests with their own seed: their generator
 
+    def open_for_serving(self) -> int:
+        """Open a run for requests that come and go (a server): KV rows for scheduler.max_batch_size sequences of the
+        whole context, or of the longest that fits. Returns that length: a request's prompt + max_new_tokens bound."""
+        max_len = self.cfg.model.max_seq_len or self.max_positions
+        batch = self.cfg.scheduler.max_batch_size
+        row_len, rows, fit = self._kv_plan([max_len] * batch)
+        if not rows:
+            row_len, rows, fit = self._kv_plan([min(fit, max_len)] * batch)
+        if not rows:
+            raise ConfigError(f"no KV cache row fits (scheduler.kv_cache_mb={self.cfg.scheduler.kv_cache_mb}, "
+                              f"scheduler.kv_memory_fraction={self.cfg.scheduler.kv_memory_fraction})")
+        self.open(rows, row_len)
+        return row_len
+
     def add(self, req: Request, arrival: float) -> None:
         """Queue a request that passed check_request and fits the run's KV rows; arrival: its perf_counter time."""
         self._arrival[req.index] = arrival
@@ -409,6 +453,7 @@ class Engine:
         for slot in range(len(st)):
             if not st.ready[slot]:
                 st.clear(slot)  # assigned but never copied in
+        self.sched = None
 
     def idle(self, wait_s: float) -> None:
         """Nothing to step: take part in the EP peers' steps (lockstep), else sleep up to wait_s (at most 10 ms)."""

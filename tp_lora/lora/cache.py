@@ -243,6 +243,36 @@ class AdapterCache:
                 self._mark_bad(name, str(e))
         self._agree_registry()
 
+    def register(self, name: str, path: str) -> Optional[str]:
+        """Add adapter `name` at `path` at run time: its header checked against the model (attach_model first) and
+        its weights read into the host tier. None, or why not (the same verdict on every rank); a refused adapter
+        leaves no trace, so a fixed file can be registered again."""
+        try:
+            info = register_adapter(name, path)
+            check_shapes(info, self.module_shapes, self.max_rank)
+            err = None
+        except (AdapterError, ValueError, OSError) as e:
+            err = str(e)
+        err = self._agree(err)
+        if err is None:
+            self.infos[name] = info
+            try:
+                self.fetch(name)
+            except AdapterError as e:
+                err = str(e)
+        if err is not None:
+            self.remove(name)
+        return err
+
+    def remove(self, name: str) -> None:
+        """Forget adapter `name` (registered, bad, read or being read)."""
+        self.infos.pop(name, None)
+        self.bad.pop(name, None)
+        self.host.pop(name, None)
+        staged = self._staged.pop(name, None)
+        if staged is not None:
+            staged.cancel()
+
     def _mark_bad(self, name: str, why: str) -> None:
         self.bad[name] = why
         self.infos.pop(name, None)

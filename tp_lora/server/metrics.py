@@ -1,0 +1,53 @@
+"""The server's Prometheus metrics (GET /metrics), in a registry of their own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tp_lora.engine.requests import Result
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("tp_lora_requests", "Requests by how they ended (finished, error, cancelled, "
+                                "rejected before reaching the engine)", ["status"], registry=r)
+        self.prompt_tokens = Counter("tp_lora_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("tp_lora_generation_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.ttft = Histogram("tp_lora_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tp_lora_time_per_output_token_seconds", "First to last token, per later token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.waiting = Gauge("tp_lora_queue_length", "Requests waiting for admission", registry=r)
+        self.running = Gauge("tp_lora_running", "Sequences in the running batch", registry=r)
+        self.slot_hit_rate = Gauge("tp_lora_slot_hit_rate", "Admissions that found their adapter in a device slot",
+                                   registry=r)
+        self.adapter_reads = Gauge("tp_lora_adapter_reads", "Adapter reads from disk into host memory", registry=r)
+        self.adapter_loads = Gauge("tp_lora_adapter_loads", "Adapter copies into device slots", registry=r)
+
+    def update(self, engine) -> None:
+        """Engine-side gauges (rank 0's engine loop, after each control round)."""
+        sched = engine.sched
+        if sched is not None:
+            self.waiting.set(len(sched.waiting))
+            self.running.set(len(sched.running))
+        self.slot_hit_rate.set(engine.stats.slot_hit_rate)
+        self.adapter_reads.set(engine.cache.stats.host_misses)
+        self.adapter_loads.set(engine.stats.adapter_loads)
+
+    def ended(self, res: Result, status: str) -> None:
+        self.requests.labels(status).inc()
+        if res is None or res.error is not None:
+            return
+        m = res.metrics
+        self.prompt_tokens.inc(len(res.request.prompt_token_ids))
+        self.generation_tokens.inc(len(res.output_token_ids))
+        if "first_token" in m and "arrival" in m:
+            self.ttft.observe(m["first_token"] - m["arrival"])
+        if len(res.output_token_ids) > 1 and "finished" in m:
+            self.tpot.observe((m["finished"] - m["first_token"]) / (len(res.output_token_ids) - 1))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
