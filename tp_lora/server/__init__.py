@@ -118,7 +118,7 @@ def _start_http(loop, llm, cfg: RunConfig):
     try:
         from tp_lora.server.http import Frontend, make_app
         fe = Frontend(loop, llm.tokenizer, model_name(cfg, llm.model_dir), llm.model_dir, cfg)
-        loop.on_step = lambda _: fe.metrics.update(llm.engine)
+        loop.on_step = fe.metrics.update
         http = HttpThread(make_app(fe), cfg.server.host, cfg.server.port)
         http.start()
         return http, None

@@ -247,7 +247,9 @@ class Frontend:
                     text = self._text(res)
                     rest = text[len(emitted[choice]):] if text.startswith(emitted[choice]) else ""
                     emitted[choice] += rest
-                    yield chunk(choice, rest, [], res.finish_reason, None, self._usage([res]))
+                    lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) \
+                        if want_lp and kind == "text_completion" else None
+                    yield chunk(choice, rest, d.token_ids, res.finish_reason, lp, self._usage([res]))
                     continue
                 text = ""
                 dt = detoks[choice]
@@ -267,7 +269,6 @@ class Frontend:
             for choice, req in enumerate(reqs):
                 if choice not in finals:  # the client went away mid-stream: free its slot and KV
                     self.loop.cancel(req.index)
-                    self.metrics.requests.labels("cancelled").inc()
 
 
 def make_app(fe: Frontend) -> FastAPI:

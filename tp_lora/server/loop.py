@@ -49,6 +49,7 @@ class ServingLoop:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self.in_flight = 0  # rank 0: submitted requests not yet ended
+        self.cancelled = 0  # requests dropped from the engine because their client went away
 
     # ---- rank 0's front end (any thread) ------------------------------------------------------------------------
     def submit(self, req: Request, deliver: Callable[[Delta], None], stream: bool) -> None:
@@ -147,6 +148,7 @@ class ServingLoop:
                     engine.add(req, arrival)
             elif op == "cancel":
                 if engine.cancel(msg[1]) is not None:
+                    self.cancelled += 1
                     self._end(None, msg[1])
             elif op in ("load", "unload"):
                 err = engine.load_adapter(*msg[2:]) if op == "load" else engine.unload_adapter(*msg[2:])
@@ -161,10 +163,11 @@ class ServingLoop:
 
     # ---- rank 0: results back to the front end -------------------------------------------------------------------
     def _send(self, advanced: list[Result], finished: list[Result]) -> None:
+        ended = {id(r) for r in finished}
         for res in advanced:
             index = res.request.index
             deliver, stream = self._deliver.get(index, (None, False))
-            if stream:
+            if stream and id(res) not in ended:  # an ending stream gets its last tokens with its result
                 n = self._sent.get(index, 0)
                 self._sent[index] = len(res.output_token_ids)
                 deliver(Delta(res.output_token_ids[n:], res.logprobs[n:], res.top_logprobs[n:]))
@@ -172,7 +175,8 @@ class ServingLoop:
             self._end(res)
 
     def _end(self, res: Optional[Result], index: Optional[int] = None) -> None:
-        """Request ended: deliver its result (None: cancelled, nothing to deliver) and forget it."""
+        """Request ended: deliver its result (None: cancelled, nothing to deliver), with the tokens its stream has
+        not had yet, and forget it."""
         if not self.driver:
             return
         index = res.request.index if res is not None else index
@@ -180,6 +184,6 @@ class ServingLoop:
             entry = self._deliver.pop(index, None)
             if entry is not None:
                 self.in_flight -= 1
-        self._sent.pop(index, None)
+        n = self._sent.pop(index, 0)
         if entry is not None and res is not None:
-            entry[0](Delta(final=res))
+            entry[0](Delta(res.output_token_ids[n:], res.logprobs[n:], res.top_logprobs[n:], final=res))

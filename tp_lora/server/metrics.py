@@ -26,10 +26,14 @@ class Metrics:
                                    registry=r)
         self.adapter_reads = Gauge("tp_lora_adapter_reads", "Adapter reads from disk into host memory", registry=r)
         self.adapter_loads = Gauge("tp_lora_adapter_loads", "Adapter copies into device slots", registry=r)
+        self._cancelled = 0
 
-    def update(self, engine) -> None:
-        """Engine-side gauges (rank 0's engine loop, after each control round)."""
-        sched = engine.sched
+    def update(self, loop) -> None:
+        """Engine-side values (rank 0's engine loop, after each control round)."""
+        engine, sched = loop.engine, loop.engine.sched
+        if loop.cancelled > self._cancelled:
+            self.requests.labels("cancelled").inc(loop.cancelled - self._cancelled)
+            self._cancelled = loop.cancelled
         if sched is not None:
             self.waiting.set(len(sched.waiting))
             self.running.set(len(sched.running))

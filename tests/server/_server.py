@@ -1,0 +1,122 @@
+"""Helpers of the server tests: start launch/serve.py (one process, or ranks under torchrun) on a free port, wait
+for /health, stop it; the offline job's answers to compare against."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tp_lora.testing import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SERVE = os.path.join(ROOT, "launch", "serve.py")
+GENERATE = os.path.join(ROOT, "launch", "generate.py")
+START_S = 180  # model load + first import on a loaded 2-core runner
+BASE = "tiny-llama"
+
+
+def env_for(home) -> dict:
+    return dict(os.environ, TP_LORA_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of `pid` (torchrun's ranks)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return sorted(out)
+
+
+class Server:
+    """launch/serve.py in a process group of its own (so a failed test can end every rank it started)."""
+
+    def __init__(self, args, env, log_path, nproc: int = 1):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = list(args) + [f"server.port={self.port}"]
+        if nproc == 1:
+            cmd = [sys.executable, SERVE] + args
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--master_port={free_port()}", SERVE] + args
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.nproc = nproc
+        deadline = time.monotonic() + START_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} at start:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the server did not answer /health within {START_S}s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def ranks(self) -> list[int]:
+        return [self.proc.pid] if self.nproc == 1 else children(self.proc.pid)
+
+    def terminate(self) -> None:
+        """SIGTERM to every rank (as a container stop reaches each worker)."""
+        for pid in self.ranks():
+            os.kill(pid, signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the server did not exit within {timeout}s:\n{self.log()}")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.terminate()
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def offline_reference(home, out_path) -> list[dict]:
+    """launch/generate.py's answers to the embedded default requests: (request line, output line) pairs."""
+    from tp_lora.assets import ensure_default_assets
+    old = os.environ.get("TP_LORA_HOME")
+    os.environ["TP_LORA_HOME"] = str(home)
+    try:
+        paths = ensure_default_assets()
+    finally:
+        os.environ.pop("TP_LORA_HOME") if old is None else os.environ.update(TP_LORA_HOME=old)
+    r = subprocess.run([sys.executable, GENERATE, f"output={out_path}", "progress=false"], capture_output=True,
+                       text=True, timeout=300, env=env_for(home))
+    assert r.returncode == 0, r.stderr
+    with open(paths["requests"]) as f:
+        reqs = [json.loads(x) for x in f.read().splitlines()]
+    with open(out_path) as f:
+        outs = [json.loads(x) for x in f.read().splitlines()]
+    assert [o["id"] for o in outs] == [q["id"] for q in reqs]
+    return list(zip(reqs, outs))
+
+
+def model_of(req: dict) -> str:
+    return req["adapter"] or BASE
