@@ -39,10 +39,6 @@ def run(cfg: RunConfig) -> int:
         return EXIT_BAD_INPUT
     except Exception as e:
         if world_size > 1 and is_comm_failure(e):
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            print(f"[tp_lora] rank {rank}: error: lost the other ranks: a rank died or a collective did not complete "
-                  f"within parallel.timeout_s={cfg.parallel.timeout_s:g}s ({type(e).__name__}: {first[:300]}); the "
-                  f"server stops", file=sys.stderr, flush=True)
             timer = threading.Timer(LOST_RANKS_EXIT_S, os._exit, args=(EXIT_LOST_RANKS,))
             timer.daemon = True
             timer.start()
@@ -73,13 +69,21 @@ def _serve(llm, cfg: RunConfig) -> int:
     if driver:
         log(f"serving {model_name(cfg, llm.model_dir)!r} and {len(engine.adapters)} adapters at "
             f"http://{cfg.server.host}:{http.port} (tp={tp.size}, context {loop.context} tokens)")
-    try:
-        with StopSignals(announce=driver) as stop:
+    # The handlers stay through the teardown: a signal then (torchrun stopping the ranks) does not cut it short.
+    with StopSignals(announce=driver) as stop:
+        try:
             loop.run(stop, cfg.scheduler.stop_grace_s)
-    finally:
-        engine.close_run()
-        if http is not None:
-            http.stop()
+        except Exception as e:
+            if tp.size > 1 and is_comm_failure(e):  # said at once, before the teardown
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                print(f"[tp_lora] rank {tp.rank}: error: lost the other ranks: a rank died or a collective did not "
+                      f"complete within parallel.timeout_s={cfg.parallel.timeout_s:g}s ({type(e).__name__}: "
+                      f"{first[:300]}); the server stops", file=sys.stderr, flush=True)
+            raise
+        finally:
+            engine.close_run()
+            if http is not None:
+                http.stop()
     if driver:
         log("stopped")
     return 0

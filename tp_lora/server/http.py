@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from tp_lora.engine.engine import DRAIN
 from tp_lora.engine.requests import Request, Result, parse_stop
 from tp_lora.engine.tokenizer import Detokenizer
-from tp_lora.server.loop import SHUTTING_DOWN, Delta, ServingLoop
+from tp_lora.server.loop import SHUTTING_DOWN, ServingLoop
 from tp_lora.server.metrics import Metrics
 
 MAX_LOGPROBS = 5  # as OpenAI's completions
@@ -53,8 +53,8 @@ def _int(body: dict, key: str, default, lo: int, hi: Optional[int] = None):
     if v is None:
         return default
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise APIError(400, f"'{key}' must be an integer in [{lo}, {hi if hi is not None else 'inf'}), got {v!r}"
-                       if hi is None else f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}", key)
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise APIError(400, f"'{key}' must be an integer {bound}, got {v!r}", key)
     return v
 
 
@@ -68,8 +68,11 @@ def _float(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) ->
 
 
 class Frontend:
+    """Rank 0's side of the API: checks requests, hands them to the ServingLoop, shapes the answers."""
+
     def __init__(self, loop: ServingLoop, tokenizer, model_name: str, model_dir: str, cfg):
-        self.loop, self.tokenizer, self.model_name, self.model_dir, self.cfg = loop, tokenizer, model_name, model_dir, cfg
+        self.loop, self.tokenizer, self.cfg = loop, tokenizer, cfg
+        self.model_name, self.model_dir = model_name, model_dir
         self.metrics = Metrics()
         self.created = int(time.time())
         self._index = itertools.count()
@@ -109,10 +112,11 @@ class Frontend:
                                "prompt")
         return out
 
-    def _requests(self, body: dict, prompts: list[list[int]], adapter: Optional[str], max_tokens_key: str
+    def _requests(self, body: dict, prompts: list[list[int]], adapter: Optional[str], logprobs: int = 0
                   ) -> list[Request]:
-        g = self.cfg.generation
-        max_tokens = _int(body, max_tokens_key, g.max_new_tokens, 1)
+        """One engine Request per prompt from the body's sampling parameters (defaults: the generation config)."""
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"  # chat's newer name
+        max_tokens = _int(body, key, self.cfg.generation.max_new_tokens, 1)
         temperature = _float(body, "temperature", 0.0, 2.0)
         top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
         seed = body.get("seed")
@@ -129,23 +133,16 @@ class Frontend:
         ignore_eos = body.get("ignore_eos")
         if ignore_eos is not None and not isinstance(ignore_eos, bool):
             raise APIError(400, f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
-        logprobs = body.get("logprobs")
-        if max_tokens_key == "max_tokens" and "max_completion_tokens" in body:  # chat's newer name
-            max_tokens = _int(body, "max_completion_tokens", max_tokens, 1)
-        if isinstance(logprobs, bool):  # chat: logprobs true + top_logprobs k
-            logprobs = _int(body, "top_logprobs", 0, 0, 20) if logprobs else None
-        if logprobs is not None:
-            logprobs = _int({"logprobs": logprobs}, "logprobs", 0, 0, 20)
         reqs = []
         for ids in prompts:
             if len(ids) + max_tokens > self.loop.context:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
                                     f"{len(ids) + max_tokens} exceeds the context of {self.loop.context} tokens",
-                               max_tokens_key)
+                               key)
             reqs.append(Request(next(self._index), id=f"cmpl-{uuid.uuid4().hex[:16]}", adapter=adapter,
                                 prompt_token_ids=ids, max_new_tokens=max_tokens, temperature=temperature,
                                 ignore_eos=ignore_eos, stop=stop, top_p=top_p, seed=seed,
-                                logprobs=logprobs if logprobs is not None else 0))
+                                logprobs=logprobs))
         return reqs
 
     def _check_capacity(self, n: int) -> None:
@@ -248,7 +245,7 @@ class Frontend:
                     rest = text[len(emitted[choice]):] if text.startswith(emitted[choice]) else ""
                     emitted[choice] += rest
                     lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) \
-                        if want_lp and kind == "text_completion" else None
+                        if want_lp else None
                     yield chunk(choice, rest, d.token_ids, res.finish_reason, lp, self._usage([res]))
                     continue
                 text = ""
@@ -259,7 +256,7 @@ class Frontend:
                     text = ready[len(emitted[choice]):]
                     emitted[choice] = ready
                 lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) \
-                    if want_lp and kind == "text_completion" else None
+                    if want_lp else None
                 yield chunk(choice, text, d.token_ids, None, lp)
             if include_usage:
                 yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
@@ -327,9 +324,8 @@ def make_app(fe: Frontend) -> FastAPI:
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise APIError(400, f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
-        reqs = fe._requests(body, fe._prompts(body.get("prompt")), adapter, "max_tokens")
-        want_lp = logprobs is not None
-        return await respond(body, reqs, "text_completion", want_lp)
+        reqs = fe._requests(body, fe._prompts(body.get("prompt")), adapter, logprobs or 0)
+        return await respond(body, reqs, "text_completion", logprobs is not None)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
@@ -344,9 +340,10 @@ def make_app(fe: Frontend) -> FastAPI:
                 for m in messages):
             raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string content",
                            "messages")
+        if body.get("logprobs"):
+            raise APIError(400, "'logprobs' is not supported on chat completions (use /v1/completions)", "logprobs")
         prompt = fe.tokenizer.encode(fe.tokenizer.apply_chat_template(messages))
-        reqs = fe._requests(body, [prompt], adapter, "max_tokens")
-        return await respond(body, reqs, "chat.completion", bool(body.get("logprobs")))
+        return await respond(body, fe._requests(body, [prompt], adapter), "chat.completion", False)
 
     async def respond(body: dict, reqs: list[Request], kind: str, want_lp: bool):
         model = body["model"]

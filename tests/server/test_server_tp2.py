@@ -1,0 +1,93 @@
+"""The server at tp=2 (two ranks over gloo under torchrun): rank 0 takes the HTTP requests, both ranks step; the
+offline job's tokens, streams, concurrent clients, run-time adapter loads registered on both ranks, a model dir
+without a chat template, a SIGTERM-less end: a lost rank stops the server non-zero within parallel.timeout_s."""
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from _server import Server, env_for
+from tp_lora.assets import ensure_default_assets
+
+TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def default(home):
+    os.environ["TP_LORA_HOME"], old = str(home), os.environ.get("TP_LORA_HOME")
+    try:
+        return ensure_default_assets()
+    finally:
+        os.environ.pop("TP_LORA_HOME") if old is None else os.environ.update(TP_LORA_HOME=old)
+
+
+@pytest.fixture(scope="module")
+def server(home, default, reference, tmp_path_factory):
+    """The default model copied without tokenizer_config.json (a tokenizer, no chat template), at tp=2."""
+    root = tmp_path_factory.mktemp("server2")
+    shutil.copytree(default["model"], root / "plain")
+    os.remove(root / "plain" / "tokenizer_config.json")
+    srv = Server([f"model.path={root / 'plain'}", f"lora.adapter_dir={default['adapter_dir']}", "parallel=tp2",
+                  f"parallel.timeout_s={TIMEOUT_S}"], env_for(home), root / "server.log", nproc=2)
+    yield srv
+    srv.kill()
+
+
+def model_of(req):
+    return req["adapter"] or "plain"
+
+
+def test_tp2_greedy_completions_and_streams_match_the_offline_job(server, reference):
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        picks = reference * 2
+        outs = await asyncio.gather(*[c.completions.create(
+            model=model_of(q), prompt=q["prompt_token_ids"], max_tokens=q["max_new_tokens"], temperature=0,
+            stream=i >= len(reference)) for i, (q, _) in enumerate(picks)])
+        for i, ((q, want), out) in enumerate(zip(picks, outs)):
+            if i >= len(reference):
+                chunks = [ch async for ch in out]
+                tokens = sum([ch.choices[0].token_ids for ch in chunks if ch.choices], [])
+                assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want["text"]
+            else:
+                tokens = out.choices[0].token_ids
+                assert out.choices[0].text == want["text"]
+            assert tokens == want["output_token_ids"], (i, q["id"])
+    asyncio.run(asyncio.wait_for(main(), 240))
+
+
+def test_tp2_load_use_unload(server, reference, default, tmp_path):
+    shutil.copytree(os.path.join(default["adapter_dir"], "gamma"), tmp_path / "g2")
+    q, want = next((q, o) for q, o in reference if q["adapter"] == "gamma")
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "g2", "lora_path": str(tmp_path / "g2")},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    got = c.completions.create(model="g2", prompt=q["prompt_token_ids"], max_tokens=q["max_new_tokens"],
+                               temperature=0)
+    assert got.choices[0].token_ids == want["output_token_ids"]
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "g2"}, timeout=60).status_code == 200
+    assert [m.id for m in c.models.list().data] == ["plain", "alpha", "beta", "gamma"]
+
+
+def test_tp2_chat_without_a_template_is_a_400(server):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def test_tp2_lost_rank_ends_the_server_non_zero(server):
+    """Last: ends the module's server."""
+    rank1 = server.ranks()[1]
+    os.kill(rank1, signal.SIGKILL)
+    t0 = time.monotonic()
+    code = server.wait(TIMEOUT_S + 30)
+    assert code != 0
+    assert time.monotonic() - t0 < TIMEOUT_S + 30
+    log = server.log()
+    assert "lost the other ranks" in log, log[-2000:]
