@@ -75,10 +75,12 @@ class GenerationConfig:
 class SchedulerConfig:
     max_batch_size: int = 32  # sequences per step
     max_tokens_per_step: int = 4096  # tokens per step: one per decoding sequence + prefill chunks
-    # KV cache (one row per running sequence) sized from the memory left after weights and adapter slots: on CUDA
-    # this fraction of torch.cuda.mem_get_info's free bytes; kv_cache_mb caps it (and is the size on CPU).
+    # KV cache (blocks of kv_block_size positions, taken by sequences as they grow) sized from the memory left after
+    # weights and adapter slots: on CUDA this fraction of torch.cuda.mem_get_info's free bytes; kv_cache_mb caps it
+    # (and is the size on CPU). A run allocates no more than its requests can use at once.
     kv_memory_fraction: float = 0.8
     kv_cache_mb: Optional[float] = None  # None: no cap on CUDA, 1024 MiB on CPU
+    kv_block_size: int = 16
     # A request blocked on adapter slots may be overtaken by later requests whose adapter is resident at most this
     # many times; then nothing passes it until it is admitted (no starvation).
     max_overtakes: int = 16
@@ -172,6 +174,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"{s.max_batch_size} (every running sequence decodes one token per step)")
     _check(0 < s.kv_memory_fraction <= 1, f"scheduler.kv_memory_fraction={s.kv_memory_fraction}: expected in (0, 1]")
     _check(s.kv_cache_mb is None or s.kv_cache_mb > 0, f"scheduler.kv_cache_mb={s.kv_cache_mb}: expected null or > 0")
+    _check(s.kv_block_size >= 1, f"scheduler.kv_block_size={s.kv_block_size}: expected >= 1")
     _check(s.max_overtakes >= 0, f"scheduler.max_overtakes={s.max_overtakes}: expected >= 0")
     _check(s.admit_batch >= 1, f"scheduler.admit_batch={s.admit_batch}: expected >= 1")
     _check(s.stop_grace_s >= 0, f"scheduler.stop_grace_s={s.stop_grace_s}: expected >= 0")

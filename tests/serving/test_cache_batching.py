@@ -52,7 +52,7 @@ def test_continuous_batching_equals_alone_with_slot_and_host_churn(bundle, alone
     # warm-up (the compile pass CUDA engines run at start) through a slot that holds an adapter.
     engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=3, admit_batch=4), comm.single_process(), model, adapters)
     engine.generate(reqs[:1])
-    engine.runner.warm_up([3, 17])
+    engine.runner.warm_up([3, 17], 16)
     _check_same(engine.generate(reqs), alone, "tp=1 admit_batch=4, after a warm-up")
     # Reads ahead in worker processes (lora.reader_processes) give the same adapters.
     cfg = serving_cfg(max_loras=2, max_cpu_loras=3)
@@ -98,22 +98,26 @@ def test_arrivals_over_time(bundle, alone):
 
 
 def test_kv_memory_bounds_the_batch(bundle, alone):
-    """A KV budget of a few rows: requests queue for rows instead of failing, and one that cannot fit at all fails
-    alone."""
+    """A KV budget of a few blocks: requests queue for blocks, running ones are preempted and recomputed when they
+    cannot grow, with the same tokens; one that cannot fit at all fails alone."""
     model, adapters = bundle
     reqs = make_requests(N)
     longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in reqs)
-    engine = Engine(serving_cfg(batch=6), comm.single_process(), model, adapters)
+    cfg = serving_cfg(batch=6)
+    cfg.scheduler.kv_block_size = 4
+    engine = Engine(cfg, comm.single_process(), model, adapters)
     m = engine.model
-    per_token = 2 * len(m.layers) * m.kv_heads * m.head_dim * 4
-    engine.cfg.scheduler.kv_cache_mb = 3.5 * longest * per_token / 2**20  # 3 rows, one of them scratch
-    _check_same(engine.generate(reqs), alone, "3 rows")
-    assert engine.runner.cache.max_seqs == 3  # 2 usable rows + the scratch row
-    engine.cfg.scheduler.kv_cache_mb = 2.5 * 20 * per_token / 2**20  # the longest row that fits: 25 positions
+    block_bytes = 4 * 2 * len(m.layers) * m.kv_heads * m.head_dim * 4
+    blocks = -(-(longest + 1) // 4) + 2  # the longest request and two blocks more
+    engine.cfg.scheduler.kv_cache_mb = (blocks + 1.5) * block_bytes / 2**20  # + the scratch block
+    _check_same(engine.generate(reqs), alone, f"{blocks} blocks")
+    assert engine.runner.cache.num_blocks == blocks
+    assert engine.stats.preemptions > 0
+    engine.cfg.scheduler.kv_cache_mb = (7 + 1.5) * block_bytes / 2**20  # 7 blocks: the longest fitting need is 27
     res = engine.generate(reqs)
     for r, ref in zip(res, (alone[i] for i in range(N))):
         need = len(r.request.prompt_token_ids) + r.request.max_new_tokens
-        if need > 25:
+        if need > 27:
             assert "do not fit" in r.error, r.error
         else:
             assert r.output_token_ids == ref.output_token_ids

@@ -23,25 +23,32 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decode_kernel", [False, True])
 @pytest.mark.parametrize("lengths, window", [([1, 5, 1, 3, 1], None), ([1, 1, 1], None), ([4, 2], None),
                                              ([1, 6, 1], 3)])
-def test_mixed_step_matches_per_token_attention(lengths, window, device):
+def test_mixed_step_matches_per_token_attention(lengths, window, device, decode_kernel):
     gen = torch.Generator().manual_seed(len(lengths) * 7 + (window or 0))
-    heads, kv_heads, d = 6, 2, 8  # rep 3 != kv 2: a mixed-up head layout cannot pass by symmetry
+    heads, kv_heads, d, bs = 6, 2, 8, 4  # rep 3 != kv 2: a mixed-up head layout cannot pass by symmetry
     starts = [int(torch.randint(0, 6, (1,), generator=gen)) for _ in lengths]
-    rows = torch.randperm(len(lengths) + 2, generator=gen)[:len(lengths)].tolist()
-    cache = KVCache(1, len(lengths) + 2, 16, kv_heads, d, torch.float32, device)
+    # Each sequence's blocks, shuffled over a pool with spare blocks (a table is not a contiguous range).
+    need = [-(-(st + n) // bs) for st, n in zip(starts, lengths)]
+    ids = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    cache = KVCache(1, sum(need) + 3, bs, kv_heads, d, torch.float32, device)
+    for layer in (cache.k[0], cache.v[0]):
+        layer.fill_(1e4)  # a slot attended to that is neither written now nor history poisons the output
     # History already in the cache (positions < start), random per sequence.
     k_all = [torch.randn(st + n, kv_heads, d, generator=gen) for st, n in zip(starts, lengths)]
     v_all = [torch.randn(st + n, kv_heads, d, generator=gen) for st, n in zip(starts, lengths)]
-    for r, st, k, v in zip(rows, starts, k_all, v_all):
-        cache.k[0][r, :st], cache.v[0][r, :st] = k[:st].to(device), v[:st].to(device)
+    for t, st, k, v in zip(tables, starts, k_all, v_all):
+        for p in range(st):
+            cache.k[0][t[p // bs], p % bs], cache.v[0][t[p // bs], p % bs] = k[p].to(device), v[p].to(device)
     seq_of_token = [s for s, n in enumerate(lengths) for _ in range(n)]
     pos_of_token = [starts[s] + j for s, n in enumerate(lengths) for j in range(n)]
     q = torch.randn(len(seq_of_token), heads, d, generator=gen)
     k_new = torch.cat([k[st:] for k, st in zip(k_all, starts)])
     v_new = torch.cat([v[st:] for v, st in zip(v_all, starts)])
-    meta = build_attn_meta(rows, starts, lengths, device, window)
+    meta = build_attn_meta(tables, starts, lengths, bs, device, window, decode_kernel=decode_kernel)
     assert len(meta.groups) == (2 if 1 in lengths and any(n > 1 for n in lengths) else 1)
     got = attend(q.to(device), k_new.to(device), v_new.to(device), cache, 0, meta, 0.3).cpu()
     want = _reference(q, k_all, v_all, [st + n for st, n in zip(starts, lengths)], seq_of_token, pos_of_token, 0.3,

@@ -1,11 +1,11 @@
-"""The continuous-batching scheduler without a model: admission order, batch / KV-row / token-budget limits, chunked
-prefill, adapter slots (never more distinct adapters than slots, loads before use, LRU + lookahead victims),
+"""The continuous-batching scheduler without a model: admission order, batch / KV-block / token-budget limits,
+chunked prefill, growth across blocks and preemption, adapter slots (never more distinct adapters than slots, loads before use, LRU + lookahead victims),
 bounded overtaking (no starvation), failing adapters, stopping."""
 import random
 
 import pytest
 
-from tp_lora.engine.kv_pool import RowPool, longest_fitting, plan_rows
+from tp_lora.engine.kv_pool import BlockPool, plan_blocks
 from tp_lora.engine.requests import Request
 from tp_lora.engine.scheduler import Scheduler, SlotState
 
@@ -14,8 +14,9 @@ def req(i, adapter=None, prompt=4, new=3):
     return Request(i, id=i, adapter=adapter, prompt_token_ids=[1] * prompt, max_new_tokens=new)
 
 
-def make(slots=2, rows=8, batch=8, budget=64, overtakes=16, admit_batch=1):
-    return Scheduler(SlotState(slots), RowPool(rows), batch, budget, overtakes, admit_batch=admit_batch)
+def make(slots=2, rows=8, batch=8, budget=64, overtakes=16, admit_batch=1, block_size=8):
+    """rows: KV blocks; of 8 positions by default, one holds a whole default request (4 prompt + 3 new)."""
+    return Scheduler(SlotState(slots), BlockPool(rows, block_size), batch, budget, overtakes, admit_batch=admit_batch)
 
 
 def step(s: Scheduler, finished: list | None = None, loadable: set | None = None):
@@ -42,7 +43,10 @@ def check_invariants(s: Scheduler, plan):
     assert len(running_adapters) <= len(s.slots)
     assert len(s.running) <= s.max_batch_size
     assert plan.num_tokens <= s.max_tokens_per_step
-    assert len({q.row for q in s.running}) == len(s.running)
+    held = [b for q in s.running for b in q.blocks]
+    assert len(set(held)) == len(held) and len(held) + s.blocks.available == s.blocks.blocks
+    for q in s.running:  # after the step: every computed position has its block
+        assert len(q.blocks) * s.blocks.block_size >= q.computed, "a step wrote past a sequence's blocks"
     for q in s.running:
         if q.slot >= 0:
             assert s.slots.names[q.slot] == q.request.adapter
@@ -57,11 +61,11 @@ def test_fcfs_admission_bounded_by_rows_and_batch():
         s.add(req(i))
     plan = s.schedule()
     assert [q.request.index for q in plan.admitted] == [0, 1, 2]
-    assert [q.row for q in plan.admitted] == [0, 1, 2]
+    assert [q.blocks for q in plan.admitted] == [[0], [1], [2]]
     s.finish(plan.admitted[1])
     plan = s.schedule()
     assert [q.request.index for q in plan.admitted] == [3]
-    assert plan.admitted[0].row == 1  # the freed row
+    assert plan.admitted[0].blocks == [1]  # the freed block
     s2 = make(rows=8, batch=2)
     for i in range(4):
         s2.add(req(i))
@@ -69,7 +73,7 @@ def test_fcfs_admission_bounded_by_rows_and_batch():
 
 
 def test_budget_decodes_first_then_chunked_prefill():
-    s = make(budget=8, batch=4, rows=4)
+    s = make(budget=8, batch=4, rows=8)
     s.add(req(0, prompt=3, new=10))
     s.add(req(1, prompt=3, new=10))
     plan = step(s)
@@ -167,7 +171,7 @@ def test_fail_adapter_drops_its_requests_and_frees_the_slot():
     assert plan.loads == [(0, "x")]
     dropped = s.fail_adapter("x")
     assert [r.index for r in dropped] == [0, 1]
-    assert s.slots.names == [None] and s.rows.available == 8 - 1  # the no-adapter request kept its row
+    assert s.slots.names == [None] and s.blocks.available == 8 - 1  # the no-adapter request kept its block
     plan = s.schedule()
     assert plan.loads == [(0, "y")] and [q.request.index for q in plan.admitted] == [2]
 
@@ -182,7 +186,7 @@ def test_stop_admitting_and_abort():
     assert not s.schedule().admitted
     dropped = s.abort()
     assert [q.request.index for q in dropped] == [0, 1]
-    assert s.rows.available == 2 and s.slots.users == [0, 0] and not s.has_work
+    assert s.blocks.available == 2 and s.slots.users == [0, 0] and not s.has_work
 
 
 def test_admit_batch_groups_admissions_while_decoding():
@@ -194,7 +198,7 @@ def test_admit_batch_groups_admissions_while_decoding():
     running = list(s.running)
     for q in running[:2]:
         s.finish(q)
-    assert s.schedule().admitted == []  # 2 rows free, 3 wanted together, the others decode
+    assert s.schedule().admitted == []  # 2 blocks free, 3 wanted together, the others decode
     s.finish(running[2])
     assert [q.request.index for q in s.schedule().admitted] == [4, 5, 6]  # first come, first served, as a group
     s2 = make(rows=8, batch=4, admit_batch=3)
@@ -267,19 +271,78 @@ def test_random_workload_every_request_finishes_within_bound(seed, admit_batch, 
         passed_by = sum(1 for j in order[:pos] if j > idx)
         assert passed_by <= k, f"request {idx} was passed {passed_by} times"
     assert sorted(finished) == list(range(n))
-    assert s.rows.available == 6 and s.slots.users == [0, 0, 0]
+    assert s.blocks.available == 6 and s.slots.users == [0, 0, 0]
 
 
-def test_kv_row_planning():
-    assert plan_rows(10 * 100 * 8, row_len=100, bytes_per_token=8, max_rows=32) == 9  # one row is scratch
-    assert plan_rows(10 * 100 * 8, row_len=100, bytes_per_token=8, max_rows=4) == 4
-    assert plan_rows(100 * 8, row_len=100, bytes_per_token=8, max_rows=4) == 0
-    assert longest_fitting(2 * 100 * 8, 8) == 100
-    pool = RowPool(2)
-    assert [pool.alloc(), pool.alloc()] == [0, 1]
-    pool.release(0)
-    assert pool.alloc() == 0
-    with pytest.raises(RuntimeError, match="all 2 KV rows"):
-        pool.alloc()
+def test_kv_block_planning_and_pool():
+    assert plan_blocks(10 * 16 * 8, block_size=16, bytes_per_token=8, wanted=32) == 9  # one block is scratch
+    assert plan_blocks(10 * 16 * 8, block_size=16, bytes_per_token=8, wanted=4) == 4
+    assert plan_blocks(16 * 8, block_size=16, bytes_per_token=8, wanted=4) == 0
+    pool = BlockPool(4, 16)
+    a, b = [], []
+    pool.grow(a, 16)  # exactly one block
+    pool.grow(b, 17)  # one position over: two
+    assert (a, b) == ([0], [1, 2])
+    pool.grow(a, 16)  # already held
+    assert a == [0]
+    pool.release(b)
+    assert b == [] and pool.available == 3
+    pool.grow(a, 33)  # grows across two boundaries, lowest free first
+    assert a == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="2 KV blocks wanted, 1 of 4 free"):
+        pool.grow(b, 20)
     with pytest.raises(ValueError, match="not in use"):
-        RowPool(3).release(1)
+        pool.release([3])
+
+
+def _run(s: Scheduler, reqs) -> dict:
+    """Drive the scheduler to the end with a deterministic fake model (next token = f(tokens so far)); returns
+    request index -> generated tokens, checking the invariants every step."""
+    for r in reqs:
+        s.add(r)
+    out, steps = {}, 0
+    while s.has_work:
+        plan = s.schedule()
+        check_invariants(s, plan)
+        for slot, _ in plan.loads:
+            s.loaded(slot)
+        for seq, n in plan.work:
+            seq.computed += n
+            if seq.computed == len(seq.tokens):
+                seq.tokens.append(sum(seq.tokens) % 97)
+                if seq.generated >= seq.request.max_new_tokens:
+                    s.finish(seq)
+                    out[seq.request.index] = seq.tokens[seq.prompt_len:]
+        steps += 1
+        assert steps < 10_000, "no progress"
+    return out
+
+
+def test_growth_and_preemption_keep_outputs_and_free_every_block():
+    """A pool far smaller than the requests' total need: sequences grow block by block, the newest are preempted and
+    recomputed, and every request still gets the tokens it gets with room to spare; every block comes back."""
+    rng = random.Random(5)
+    reqs = lambda: [Request(i, id=i, adapter=None, prompt_token_ids=[rng.randrange(90) for _ in range(rng.randrange(1, 9))],  # noqa: E731
+                            max_new_tokens=rng.randrange(1, 14)) for i in range(12)]
+    state = rng.getstate()
+    roomy = _run(make(rows=64, batch=8, block_size=4), reqs())
+    rng.setstate(state)
+    tight = make(rows=6, batch=8, block_size=4)  # 24 positions; a lone request needs at most 8 + 13 + 1
+    got = _run(tight, reqs())
+    assert got == roomy
+    assert tight.preemptions > 0
+    assert tight.blocks.available == 6 and not tight.preempted
+
+
+def test_preempted_request_can_be_cancelled_or_abandoned():
+    s = make(rows=2, batch=4, block_size=4)
+    a, b = req(0, prompt=3, new=8), req(1, prompt=3, new=8)
+    s.add(a)
+    s.add(b)
+    for _ in range(3):  # both admitted (one block each); then a needs a second block: b (newest) is preempted
+        step(s)
+    assert s.preemptions == 1 and [q.request.index for q in s.running] == [0] and s.waiting == [b]
+    seq = s.remove(1)
+    assert seq.request is b and seq.generated >= 1 and not s.preempted  # its tokens so far come back
+    assert s.stop_admitting() == [] and [q.request.index for q in s.abort()] == [0]
+    assert s.blocks.available == 2

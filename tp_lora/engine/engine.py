@@ -4,7 +4,7 @@ the step loop.
 Every rank of a TP group runs this same deterministic loop on the same requests, so they agree on every batch
 without exchanging control messages; only the model's collectives cross ranks, plus three small agreements where a
 rank's local view could differ: a lazy adapter read (the file may be corrupt on one read and not another), the KV
-rows that fit (free memory differs per GPU), and -- every few steps, or each step while requests are still arriving
+blocks that fit (free memory differs per GPU), and -- every few steps, or each step while requests are still arriving
 by wall clock -- how many requests have arrived and whether a stop signal came.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, resolve_device, resolve_dtype, validate_for_model
-from tp_lora.engine.kv_pool import (RowPool, kv_budget_bytes, kv_bytes_per_token, longest_fitting, plan_rows)
+from tp_lora.engine.kv_pool import BlockPool, blocks_for, kv_budget_bytes, kv_bytes_per_token, plan_blocks
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.runner import ModelRunner, StepBatch
 from tp_lora.engine.sampler import sample, top_logprobs
@@ -57,6 +57,7 @@ class StepStats:
     slot_hits: int = 0  # admissions that found their adapter in a slot
     slot_misses: int = 0
     interrupted: int = 0  # requests a stop left unfinished
+    preemptions: int = 0  # running sequences sent back to the queue for want of KV blocks (recomputed later)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -173,7 +174,8 @@ class Engine:
         sizes = getattr(self.rt.ops, "warm_up_sizes", None) if self.rt is not None else None
         # EP over DP replicas steps in lockstep with its peers: no solo steps there.
         if sizes is not None and ps.device.type == "cuda" and not getattr(self.model, "needs_lockstep", False):
-            self.runner.warm_up([min(n, self.max_positions) for n in sizes(cfg.scheduler.max_tokens_per_step)])
+            self.runner.warm_up([min(n, self.max_positions) for n in sizes(cfg.scheduler.max_tokens_per_step)],
+                                cfg.scheduler.kv_block_size)
         # Set for serving, after the start-up's big host copies (weights, the image pool), which gain from threads.
         threads = host_threads(cfg.parallel.host_threads, ps.device.type)
         if threads is not None:
@@ -329,7 +331,7 @@ class Engine:
         """work: (sequence, number of its new tokens). Returns logits [N, V] of each sequence's last new token."""
         step = StepBatch()
         for seq, n in work:
-            step.add(seq.tokens[seq.computed:seq.computed + n], seq.row, seq.computed, seq.slot)
+            step.add(seq.tokens[seq.computed:seq.computed + n], seq.blocks, seq.computed, seq.slot)
         if self._copies_pending:  # adapter copies issued on the side stream land before any slot is read
             torch.cuda.current_stream(self.ps.device).wait_stream(self.copy_stream)
             self._copies_pending = False
@@ -373,63 +375,66 @@ class Engine:
             slot_of[name] = slot
         for s in slot_of.values():
             st.release(s)
-        seqs = [Sequence(req, row, slot_of.get(req.adapter, -1), list(req.prompt_token_ids),
-                         len(req.prompt_token_ids)) for row, req in enumerate(requests)]
-        cache = self.model.new_cache(len(seqs), max(s.prompt_len for s in seqs))
+        bs = self.cfg.scheduler.kv_block_size
+        seqs, used = [], 0
+        for req in requests:
+            n = blocks_for(len(req.prompt_token_ids), bs)
+            seqs.append(Sequence(req, list(range(used, used + n)), slot_of.get(req.adapter, -1),
+                                 list(req.prompt_token_ids), len(req.prompt_token_ids)))
+            used += n
+        cache = self.model.new_cache(used, bs)
         step = StepBatch(all_logits=True)
         for s in seqs:
-            step.add(s.tokens, s.row, 0, s.slot)
+            step.add(s.tokens, s.blocks, 0, s.slot)
         if self._copies_pending:
             torch.cuda.current_stream(self.ps.device).wait_stream(self.copy_stream)
             self._copies_pending = False
         return list(self.runner.execute(step, cache).split([s.prompt_len for s in seqs]))
 
-    # ---- KV rows ----------------------------------------------------------------------------------------------
-    def _kv_plan(self, needs: list[int]) -> tuple[int, int, int]:
-        """(row_len, rows, longest fitting need) for requests needing `needs` positions each, from the memory this
-        rank has left; the TP ranks take the smallest plan so they schedule alike."""
+    # ---- KV blocks --------------------------------------------------------------------------------------------
+    def _kv_plan(self, needs: list[int]) -> tuple[int, int]:
+        """(blocks, longest fitting need) for requests needing `needs` positions each: as many blocks as the
+        max_batch_size largest requests use at once, or as the memory this rank has left holds; the TP ranks take
+        the smallest plan so they schedule alike."""
         s = self.cfg.scheduler
         m = self.model
+        bs = s.kv_block_size
         bpt = kv_bytes_per_token(len(m.layers), m.kv_heads, m.head_dim, m.dtype)
         old = self.runner.cache
-        reusable = 0 if old is None else old.max_seqs * old.max_len * bpt
+        reusable = 0 if old is None else (old.num_blocks + 1) * old.block_size * bpt
         budget = kv_budget_bytes(self.ps.device, s.kv_memory_fraction, s.kv_cache_mb, reusable)
-        fit = longest_fitting(budget, bpt)
-        row_len = max([n for n in needs if n <= fit], default=0)
-        rows = plan_rows(budget, row_len, bpt, min(s.max_batch_size, len(needs))) if row_len else 0
+        wanted = sum(sorted(blocks_for(n + 1, bs) for n in needs)[-s.max_batch_size:])  # +1: the admission's
+        blocks = plan_blocks(budget, bs, bpt, wanted)
         if self.ps.tp.size > 1:
-            plans = comm.all_gather_object((rows, fit), self.ps.tp)
-            rows, fit = min(p[0] for p in plans), min(p[1] for p in plans)
-            row_len = max([n for n in needs if n <= fit], default=0)
-        return row_len, rows, fit
+            blocks = min(comm.all_gather_object(blocks, self.ps.tp))
+        return blocks, max(0, blocks * bs - 1)
 
     # ---- a run: the scheduler over one KV cache, stepped by a front end's loop ---------------------------------
-    def open(self, rows: int, row_len: int) -> None:
-        """Start a run: a KV cache of `rows` rows of `row_len` positions (from _kv_plan) and a scheduler over it."""
+    def open(self, blocks: int, max_len: int) -> None:
+        """Start a run: a KV cache of `blocks` blocks (from _kv_plan) for sequences of up to `max_len` positions, and
+        a scheduler over it."""
         sc = self.cfg.scheduler
-        self.kv = self.runner.kv_cache(rows, row_len)
-        self.sched = Scheduler(self.slot_state, RowPool(rows), sc.max_batch_size, sc.max_tokens_per_step,
-                               sc.max_overtakes, admit_batch=sc.admit_batch)
+        self.kv = self.runner.kv_cache(blocks, sc.kv_block_size, max_len)
+        self.sched = Scheduler(self.slot_state, BlockPool(blocks, sc.kv_block_size), sc.max_batch_size,
+                               sc.max_tokens_per_step, sc.max_overtakes, admit_batch=sc.admit_batch)
         self._arrival: dict[int, float] = {}
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
         self._seeded: dict[int, torch.Generator] = {}  # requests with their own seed: their generator
 
     def open_for_serving(self) -> int:
-        """Open a run for requests that come and go (a server): KV rows for scheduler.max_batch_size sequences of the
-        whole context, or of the longest that fits. Returns that length: a request's prompt + max_new_tokens bound."""
+        """Open a run for requests that come and go (a server): KV blocks for scheduler.max_batch_size sequences of
+        the whole context, or as many as fit. Returns the longest request (prompt + max_new_tokens) it can hold."""
         max_len = self.cfg.model.max_seq_len or self.max_positions
-        batch = self.cfg.scheduler.max_batch_size
-        row_len, rows, fit = self._kv_plan([max_len] * batch)
-        if not rows:
-            row_len, rows, fit = self._kv_plan([min(fit, max_len)] * batch)
-        if not rows:
-            raise ConfigError(f"no KV cache row fits (scheduler.kv_cache_mb={self.cfg.scheduler.kv_cache_mb}, "
+        blocks, fit = self._kv_plan([max_len] * self.cfg.scheduler.max_batch_size)
+        if not blocks:
+            raise ConfigError(f"no KV cache block fits (scheduler.kv_cache_mb={self.cfg.scheduler.kv_cache_mb}, "
                               f"scheduler.kv_memory_fraction={self.cfg.scheduler.kv_memory_fraction})")
-        self.open(rows, row_len)
-        return row_len
+        fit = min(fit, max_len)
+        self.open(blocks, fit)
+        return fit
 
     def add(self, req: Request, arrival: float) -> None:
-        """Queue a request that passed check_request and fits the run's KV rows; arrival: its perf_counter time."""
+        """Queue a request that passed check_request and fits the run's KV cache; arrival: its perf_counter time."""
         self._arrival[req.index] = arrival
         self.sched.add(req)
 
@@ -469,11 +474,12 @@ class Engine:
         batch, sample, and return which results advanced and which ended. The same on every rank of the TP group."""
         sched, out = self.sched, StepOutput()
         now = time.perf_counter()
-        hits0, misses0 = sched.slot_hits, sched.slot_misses
+        hits0, misses0, pre0 = sched.slot_hits, sched.slot_misses, sched.preemptions
         loadable, unread = self._loadable(sched)
         plan = sched.schedule(loadable)
         self.stats.slot_hits += sched.slot_hits - hits0
         self.stats.slot_misses += sched.slot_misses - misses0
+        self.stats.preemptions += sched.preemptions - pre0
         for seq in plan.admitted:
             seq.result.metrics.update(arrival=self._arrival.pop(seq.request.index), admitted=now)
             self.stats.prompt_tokens += seq.prompt_len
@@ -500,7 +506,7 @@ class Engine:
             elif not plan.loads:
                 raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
                                    f"{len(sched.waiting)} waiting, slots {self.slot_state.names} users "
-                                   f"{self.slot_state.users}, {sched.rows.available} free KV rows")
+                                   f"{self.slot_state.users}, {sched.blocks.available} free KV blocks")
             return out
         self.stats.steps += 1
         sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
@@ -572,8 +578,8 @@ class Engine:
                 emit(Result(req, error=err))
             else:
                 valid.append(req)
-        row_len, rows, fit = self._kv_plan([len(r.prompt_token_ids) + r.max_new_tokens for r in valid]) \
-            if valid else (0, 0, 0)
+        blocks, fit = self._kv_plan([len(r.prompt_token_ids) + r.max_new_tokens for r in valid]) \
+            if valid else (0, 0)
         arrival = {r.index: float(t) for r, t in zip(requests, arrival_times)} if arrival_times is not None else {}
         pending = []  # (arrival, request) not yet handed to the scheduler
         for req in valid:
@@ -586,7 +592,7 @@ class Engine:
 
         interrupted: list[Request] = []
         if pending:
-            self.open(rows, row_len)
+            self.open(blocks, max(len(r.prompt_token_ids) + r.max_new_tokens for _, r in pending))
             try:
                 self._loop(pending, t0, emit, interrupted, stop)
             finally:  # after an error too: the slots this run held are free for the next call

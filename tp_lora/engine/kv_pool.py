@@ -1,9 +1,9 @@
-"""KV-cache memory per sequence: how many rows the cache can have, and which rows are free.
+"""KV-cache memory: how many blocks the cache can have, and which blocks are free.
 
-The cache (tp_lora.models.attention.KVCache) gives each running sequence one row of `row_len` positions in every
-layer, so memory is rows x row_len x bytes_per_token, plus the scratch row the ModelRunner adds for padded CUDA-graph
-slots. Rows are sized from the memory left once the weights and the adapter slots are allocated: a request that
-finds no free row waits in the scheduler instead of failing an allocation mid-run.
+The cache (tp_lora.models.attention.KVCache) is a pool of blocks of `block_size` positions in every layer, plus a
+scratch block for padded CUDA-graph rows; a running sequence holds the blocks its positions need so far (its block
+table) and takes more as it grows. Blocks are sized from the memory left once the weights and the adapter slots are
+allocated: a request that finds too few free blocks waits in the scheduler instead of failing an allocation mid-run.
 """
 from __future__ import annotations
 
@@ -31,36 +31,50 @@ def kv_budget_bytes(device: torch.device, fraction: float, cap_mb: float | None,
     return cap if cap is not None else int(CPU_DEFAULT_MB * (1 << 20))
 
 
-def plan_rows(budget_bytes: int, row_len: int, bytes_per_token: int, max_rows: int) -> int:
-    """Rows of row_len positions that fit the budget together with the runner's scratch row, at most max_rows."""
-    per_row = max(1, row_len * bytes_per_token)
-    return max(0, min(max_rows, budget_bytes // per_row - 1))
+def plan_blocks(budget_bytes: int, block_size: int, bytes_per_token: int, wanted: int) -> int:
+    """Blocks that fit the budget together with the cache's scratch block, at most `wanted`."""
+    per_block = max(1, block_size * bytes_per_token)
+    return max(0, min(wanted, budget_bytes // per_block - 1))
 
 
-def longest_fitting(budget_bytes: int, bytes_per_token: int) -> int:
-    """The longest row (prompt + new tokens) for which one row and the scratch row fit the budget."""
-    return budget_bytes // (2 * max(1, bytes_per_token))
+def blocks_for(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
 
 
-class RowPool:
-    """Free cache rows; the lowest free row first, so every rank of a TP group hands out the same rows."""
+class BlockPool:
+    """Free KV-cache blocks of `block_size` positions; the lowest free first, so every rank of a TP group hands out
+    the same blocks."""
 
-    def __init__(self, rows: int):
-        if rows < 1:
-            raise ValueError(f"a KV row pool needs at least one row, got {rows}")
-        self.rows = rows
-        self._free = list(range(rows))
+    def __init__(self, blocks: int, block_size: int):
+        if blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV block pool needs blocks >= 1 and block_size >= 1, got {blocks}, {block_size}")
+        self.blocks, self.block_size = blocks, block_size
+        self._free = list(range(blocks))
+        self._held = [False] * blocks
 
     @property
     def available(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int:
-        if not self._free:
-            raise RuntimeError(f"all {self.rows} KV rows are in use")
-        return heapq.heappop(self._free)
+    def needed(self, table: list[int], positions: int) -> int:
+        """More blocks a sequence holding `table` needs to hold `positions` positions."""
+        return max(0, blocks_for(positions, self.block_size) - len(table))
 
-    def release(self, row: int) -> None:
-        if not 0 <= row < self.rows or row in self._free:
-            raise ValueError(f"KV row {row} is not in use (pool of {self.rows})")
-        heapq.heappush(self._free, row)
+    def grow(self, table: list[int], positions: int) -> None:
+        """Extend `table` in place to hold `positions` positions."""
+        n = self.needed(table, positions)
+        if n > len(self._free):
+            raise RuntimeError(f"{n} KV blocks wanted, {len(self._free)} of {self.blocks} free")
+        for _ in range(n):
+            b = heapq.heappop(self._free)
+            self._held[b] = True
+            table.append(b)
+
+    def release(self, table: list[int]) -> None:
+        """Return every block of `table` (emptied in place)."""
+        for b in table:
+            if not 0 <= b < self.blocks or not self._held[b]:
+                raise ValueError(f"KV block {b} is not in use (pool of {self.blocks})")
+            self._held[b] = False
+            heapq.heappush(self._free, b)
+        table.clear()

@@ -1,11 +1,15 @@
 """Continuous batching: which sequences run in the next step with how many tokens, and which adapters must be
-copied into device slots first. Pure bookkeeping over requests, slots and KV rows (no model, no tensors), so every
+copied into device slots first. Pure bookkeeping over requests, slots and KV blocks (no model, no tensors), so every
 rank of a TP group, given the same calls, makes the same plans.
 
 Each step (schedule()):
 1. Every running decoding sequence gets one token (max_tokens_per_step >= max_batch_size, so they always fit), then
    sequences still in their prompt get chunks of what is left of the budget, oldest first (chunked prefill).
-2. Waiting requests are admitted first come, first served while the batch, the free KV rows and the budget last.
+2. Waiting requests are admitted first come, first served while the batch, the free KV blocks and the budget last;
+   an admitted request takes the blocks of its prompt (and first new token), and a running sequence takes one
+   more block whenever its next token crosses into one. When none is free, the newest running sequence is preempted:
+   its blocks and slot are freed and it goes back to the head of the queue, to recompute its prompt and the tokens
+   it generated when readmitted (the same tokens, greedy or seeded: they are kept, not sampled again).
    A request needs its adapter in a slot: if resident it joins that slot; otherwise a slot no running sequence uses is
    reassigned (empty first, then the least recently used whose adapter none of the next waiting requests wants) and
    returned in the plan's `loads`, which the engine copies in before the plan's step runs: the admitted request
@@ -13,7 +17,7 @@ Each step (schedule()):
    names the adapters it can copy in at once (`loadable`: read into host memory); a request whose adapter is still
    being read waits like one without a free slot, so a read never stalls the batch.
    With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
-   (rows and batch room) and have their adapters resident or loadable: each admission turns a decode-only step,
+   (blocks and batch room) and have their adapters resident or loadable: each admission turns a decode-only step,
    which a CUDA graph replays, into a mixed step that runs eagerly, so under a full batch admissions are grouped
    instead of trickling in one per step.
 3. No free slot (or its adapter not loadable yet) for a request R: later requests whose adapter is resident (or
@@ -34,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tp_lora.engine.kv_pool import RowPool
+from tp_lora.engine.kv_pool import BlockPool
 from tp_lora.engine.requests import Request, Result
 
 LOOKAHEAD = 64  # waiting requests whose adapters a victim choice tries not to evict
@@ -43,7 +47,7 @@ LOOKAHEAD = 64  # waiting requests whose adapters a victim choice tries not to e
 @dataclass
 class Sequence:
     request: Request
-    row: int  # KV-cache row
+    blocks: list[int]  # KV-cache blocks holding positions 0, 1, ... (its block table)
     slot: int  # adapter slot, -1 for none
     tokens: list[int]
     prompt_len: int
@@ -56,7 +60,8 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < self.prompt_len
+        """More than one token to compute (a prompt, or the recompute of a preempted sequence)."""
+        return self.computed < len(self.tokens) - 1
 
 
 class SlotState:
@@ -124,12 +129,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, slots: SlotState, rows: RowPool, max_batch_size: int, max_tokens_per_step: int,
+    def __init__(self, slots: SlotState, blocks: BlockPool, max_batch_size: int, max_tokens_per_step: int,
                  max_overtakes: int = 16, lookahead: int = LOOKAHEAD, admit_batch: int = 1):
         if max_tokens_per_step < max_batch_size:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} < max_batch_size={max_batch_size}: every "
                              f"running sequence decodes one token per step")
-        self.slots, self.rows = slots, rows
+        self.slots, self.blocks = slots, blocks
         self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
         self.max_overtakes, self.lookahead = max_overtakes, lookahead
         if admit_batch < 1:
@@ -138,6 +143,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Sequence] = []
         self.passed: dict[int, int] = {}  # request index -> times a later request was admitted before it
+        self.preempted: dict[int, Sequence] = {}  # request index -> its sequence, waiting to be readmitted
+        self.preemptions = 0
         self.admitting = True
         self.slot_hits = 0  # admissions whose adapter was resident
         self.slot_misses = 0  # admissions that needed a copy into a slot
@@ -152,15 +159,18 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------------------------
     def may_admit(self) -> bool:
-        """Whether the next schedule() may admit anything (room in the batch, in the KV rows, for a group)."""
+        """Whether the next schedule() may admit anything (room in the batch, in the KV blocks, for a group)."""
         decoding = any(self._ready(s) and not s.prefilling for s in self.running)
         return (self.admitting and bool(self.waiting) and len(self.running) < self.max_batch_size
-                and self.rows.available > 0 and self._room_for_a_group(decoding))
+                and self._fitting(1) == 1 and self._room_for_a_group(decoding))
 
     def schedule(self, loadable: Optional[set[str]] = None) -> StepPlan:
         """loadable: the adapters not in a slot that may be copied into one for this step (None: any)."""
         plan = StepPlan()
         budget = self.max_tokens_per_step
+        for seq in [s for s in self.running if self._ready(s) and not s.prefilling]:
+            if seq in self.running:  # not preempted for an older one's room
+                self._make_room(seq)
         decoding = [s for s in self.running if self._ready(s) and not s.prefilling]
         for seq in decoding:
             plan.work.append((seq, 1))
@@ -180,7 +190,7 @@ class Scheduler:
         if self.admit_batch == 1 or not decoding:
             return True
         group = self.group_size
-        if min(self.max_batch_size - len(self.running), self.rows.available) < group:
+        if min(self.max_batch_size - len(self.running), self._fitting(group)) < group:
             return False
         if loadable is None:
             return True
@@ -194,7 +204,41 @@ class Scheduler:
     @property
     def group_size(self) -> int:
         """How many waiting requests an admission waits for while sequences decode."""
-        return min(self.admit_batch, len(self.waiting), self.rows.rows)
+        return min(self.admit_batch, len(self.waiting))
+
+    def _tokens(self, req: Request) -> list[int]:
+        """What a waiting request computes when admitted: its prompt, or a preempted sequence's tokens so far."""
+        seq = self.preempted.get(req.index)
+        return seq.tokens if seq is not None else req.prompt_token_ids
+
+    def _fitting(self, n: int) -> int:
+        """How many of the first n waiting requests the free KV blocks hold together (with their first new token)."""
+        free, k = self.blocks.available, 0
+        for req in self.waiting[:n]:
+            free -= self.blocks.needed([], len(self._tokens(req)) + 1)
+            if free < 0:
+                break
+            k += 1
+        return k
+
+    def _make_room(self, seq: Sequence) -> None:
+        """Blocks for the decoding sequence's next token, preempting the newest running sequences (possibly seq
+        itself) while none is free."""
+        while self.blocks.needed(seq.blocks, seq.computed + 1) > self.blocks.available:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return
+        self.blocks.grow(seq.blocks, seq.computed + 1)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and slot and queue it first, to be recomputed when readmitted."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.computed = 0
+        self.preempted[seq.request.index] = seq
+        self.waiting.insert(0, seq.request)
+        self.preemptions += 1
 
     def _ready(self, seq: Sequence) -> bool:
         return seq.slot < 0 or self.slots.ready[seq.slot]
@@ -204,7 +248,7 @@ class Scheduler:
         worst = 0  # the most any of them has been passed
         i = 0
         while (i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size
-               and self.rows.available):
+               and self.blocks.needed([], len(self._tokens(self.waiting[i])) + 1) <= self.blocks.available):
             if blocked and (worst >= self.max_overtakes or blocked > self.lookahead):
                 break  # a request passed max_overtakes times is a barrier; and the scan stays short
             req = self.waiting[i]
@@ -222,12 +266,16 @@ class Scheduler:
                 worst += 1
             if slot >= 0:
                 self.slots.acquire(slot)
-            seq = Sequence(req, self.rows.alloc(), slot, list(req.prompt_token_ids), len(req.prompt_token_ids),
-                           result=Result(req))
+            seq = self.preempted.pop(req.index, None)
+            if seq is None:
+                seq = Sequence(req, [], slot, list(req.prompt_token_ids), len(req.prompt_token_ids),
+                               result=Result(req))
+                plan.admitted.append(seq)
+            seq.slot = slot
+            self.blocks.grow(seq.blocks, len(seq.tokens) + 1)
             self.running.append(seq)
-            plan.admitted.append(seq)
             if self._ready(seq) or any(slot == s for s, _ in plan.loads):
-                n = min(seq.prompt_len, budget)
+                n = min(len(seq.tokens), budget)
                 plan.work.append((seq, n))
                 budget -= n
 
@@ -259,7 +307,7 @@ class Scheduler:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.rows.release(seq.row)
+        self.blocks.release(seq.blocks)
         if seq.slot >= 0:
             self.slots.release(seq.slot)
 
@@ -277,11 +325,12 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if r.adapter != name]
         for r in out:
             self.passed.pop(r.index, None)
+            self.preempted.pop(r.index, None)
         return out
 
     def remove(self, index: int):
-        """Drop request `index` (its client went away): its running Sequence (row and slot freed) or its waiting
-        Request, or None when neither holds it."""
+        """Drop request `index` (its client went away): its running Sequence (blocks and slot freed), or its waiting
+        Request (a preempted one's Sequence), or None when neither holds it."""
         for seq in self.running:
             if seq.request.index == index:
                 self.finish(seq)
@@ -290,7 +339,7 @@ class Scheduler:
             if req.index == index:
                 del self.waiting[i]
                 self.passed.pop(index, None)
-                return req
+                return self.preempted.pop(index, req)
         return None
 
     def stop_admitting(self) -> list[Request]:
@@ -298,10 +347,11 @@ class Scheduler:
         self.admitting = False
         out, self.waiting = self.waiting, []
         self.passed.clear()
+        self.preempted.clear()
         return out
 
     def abort(self) -> list[Sequence]:
-        """Drop every running sequence (returned) and free its row and slot."""
+        """Drop every running sequence (returned) and free its blocks and slot."""
         out, self.running = self.running, []
         for seq in out:
             self._free(seq)

@@ -1,7 +1,9 @@
-"""Attention over a per-sequence KV cache for a step that may mix prefill and decode.
+"""Attention over a paged KV cache for a step that may mix prefill and decode.
 
-A step's tokens come grouped by sequence (each sequence's new tokens contiguous, in position order). The
-metadata below is built once per step on the host and shared by every layer.
+The cache is a pool of fixed-size blocks; a sequence's positions live in the blocks of its block table (position p
+in block table[p // block_size] at offset p % block_size). A step's tokens come grouped by sequence (each
+sequence's new tokens contiguous, in position order). The metadata below is built once per step on the host and
+shared by every layer.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tp_lora.hostcopy import to_device
+from tp_lora.ops.paged_attention import paged_decode
 
 # cuDNN's attention is left out: it builds a plan per new shape, and eager steps (prefill, mixed) change shape
 # every step: profiled on an H100 at ~6.5 ms of host time per call.
@@ -20,13 +23,15 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 @dataclass
 class AttnGroup:
-    """Sequences attended together in one padded [n, max_q] query layout."""
-    cache_rows: torch.Tensor  # [n] KV-cache row of each sequence
-    pad_index: torch.Tensor  # [n, max_q] step token index of each (sequence, query) cell, T for padding
-    flat_index: torch.Tensor  # [t] cell s * max_q + j of each of the group's tokens
-    mask: torch.Tensor  # [n, 1, max_q, max_kv] True where the query may attend
-    max_kv: int
+    """Sequences attended together: decodes through the paged decode kernel (block_table set), or, on CPU and for
+    prefill chunks, gathered into one padded [n, max_q] query layout over [n, max_kv] keys (kv_index set)."""
     tokens: torch.Tensor | None  # [t] step index of each of the group's tokens; None: every token, in order
+    block_table: torch.Tensor | None = None  # [n, W] blocks of each sequence (paged decode)
+    context_lens: torch.Tensor | None = None  # [n] positions each sequence attends over (paged decode)
+    kv_index: torch.Tensor | None = None  # [n, max_kv] cache slot of each sequence's positions 0..max_kv-1
+    pad_index: torch.Tensor | None = None  # [n, max_q] step token index of each (sequence, query) cell, T for padding
+    flat_index: torch.Tensor | None = None  # [t] cell s * max_q + j of each of the group's tokens
+    mask: torch.Tensor | None = None  # [n, 1, max_q, max_kv] True where the query may attend
     _sdpa_masks: dict = field(default_factory=dict, repr=False)
 
     def sdpa_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
@@ -43,43 +48,65 @@ class AttnGroup:
 
 @dataclass
 class AttnMeta:
-    token_rows: torch.Tensor  # [T] cache row of each token
+    slots: torch.Tensor  # [T] cache slot (block * block_size + offset) each token's K and V are written to
     positions: torch.Tensor  # [T] position of each token
     groups: list[AttnGroup]
     last_token: torch.Tensor  # [N] index of each sequence's last token in the step (its logits are sampled)
+    window: int = 0  # sliding window (0: none)
 
 
-def build_attn_meta(cache_rows: list[int], starts: list[int], lengths: list[int], device,
-                    sliding_window: int | None = None) -> AttnMeta:
-    """Sequence n has `lengths[n]` new tokens at positions starts[n] .. starts[n]+lengths[n]-1.
+def build_attn_meta(block_tables: list[list[int]], starts: list[int], lengths: list[int], block_size: int, device,
+                    sliding_window: int | None = None, decode_kernel: bool | None = None) -> AttnMeta:
+    """Sequence n has `lengths[n]` new tokens at positions starts[n] .. starts[n]+lengths[n]-1, kept in the blocks
+    block_tables[n] (covering every position up to its last new token).
 
     Decoding sequences (one new token) and prefill chunks are attended as two groups: padded together, every
-    decode row would carry the longest chunk's query length, and a mixed step of 64 sequences with one 256-token
-    chunk would compute (and copy) 64x the attention it needs. Built on the host, moved in one pinned copy."""
+    decode row would carry the longest chunk's query length. Decodes go through the paged decode kernel when
+    `decode_kernel` (default: on CUDA), else with the chunks through the gathered layout. Built on the host, moved in
+    one pinned copy."""
+    device = torch.device(device)
+    if decode_kernel is None:
+        decode_kernel = device.type == "cuda"
     offs = [0]
     for n in lengths:
         offs.append(offs[-1] + n)
     total = offs[-1]
-    parts = [p for p in ([i for i, n in enumerate(lengths) if n == 1], [i for i, n in enumerate(lengths) if n != 1])
-             if p]
-    groups = [_group(p, cache_rows, starts, lengths, offs, total, sliding_window) for p in parts]
-    lens = torch.tensor(lengths)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lens)
-    j_of_token = torch.arange(total) - torch.tensor(offs[:-1])[seq_of_token]
-    host = [torch.tensor(cache_rows)[seq_of_token], torch.tensor(starts)[seq_of_token] + j_of_token,
-            torch.tensor(offs[1:]) - 1]
-    for g in groups:
-        host += [g.cache_rows, g.pad_index, g.flat_index, g.mask] + ([g.tokens] if len(groups) > 1 else [])
+    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    chunks = [i for i, n in enumerate(lengths) if n != 1]
+    parts = [p for p in (decodes, chunks) if p]
+    groups = [_decode_group(p, block_tables, starts, offs) if p is decodes and decode_kernel
+              else _group(p, block_tables, starts, lengths, offs, total, block_size, sliding_window) for p in parts]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    positions = torch.tensor(starts)[seq_of_token] + torch.arange(total) - torch.tensor(offs[:-1])[seq_of_token]
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    host = [slots, positions, torch.tensor(offs[1:]) - 1]
+    names = ("tokens", "block_table", "context_lens", "kv_index", "pad_index", "flat_index", "mask")
+    fields = [[n for n in names if getattr(g, n) is not None and (n != "tokens" or len(groups) > 1)] for g in groups]
+    for g, f in zip(groups, fields):
+        host += [getattr(g, n) for n in f]
     dev = iter(to_device(host, device))
-    token_rows, positions, last_token = next(dev), next(dev), next(dev)
-    for g in groups:
-        g.cache_rows, g.pad_index, g.flat_index, g.mask = next(dev), next(dev), next(dev), next(dev)
-        g.tokens = next(dev) if len(groups) > 1 else None  # one group covers every token, in order
-    return AttnMeta(token_rows=token_rows, positions=positions, groups=groups, last_token=last_token)
+    meta = AttnMeta(slots=next(dev), positions=next(dev), groups=groups, last_token=next(dev),
+                    window=sliding_window or 0)
+    for g, f in zip(groups, fields):
+        for n in f:
+            setattr(g, n, next(dev))
+        if len(groups) == 1:
+            g.tokens = None  # one group covers every token, in order
+    return meta
 
 
-def _group(seqs: list[int], cache_rows, starts, lengths, offs, total: int, sliding_window) -> AttnGroup:
-    """The group's layout, on the host."""
+def _decode_group(seqs: list[int], block_tables, starts, offs) -> AttnGroup:
+    width = max(len(block_tables[i]) for i in seqs)
+    table = torch.tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in seqs], dtype=torch.int32)
+    return AttnGroup(tokens=torch.tensor([offs[i] for i in seqs]), block_table=table,
+                     context_lens=torch.tensor([starts[i] + 1 for i in seqs], dtype=torch.int32))
+
+
+def _group(seqs: list[int], block_tables, starts, lengths, offs, total: int, block_size: int,
+           sliding_window) -> AttnGroup:
+    """The gathered layout of a group, on the host."""
     lens = torch.tensor([lengths[i] for i in seqs])
     st = torch.tensor([starts[i] for i in seqs])
     first = torch.tensor([offs[i] for i in seqs])
@@ -93,42 +120,59 @@ def _group(seqs: list[int], cache_rows, starts, lengths, offs, total: int, slidi
     mask = k_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    # Positions past a sequence's own are masked: they read its first block, whatever it holds.
+    blocks = [torch.tensor(block_tables[i])[torch.clamp(k_pos // block_size, max=len(block_tables[i]) - 1)]
+              for i in seqs]
+    kv_index = torch.stack(blocks) * block_size + k_pos[None] % block_size
     cells = torch.arange(len(seqs) * max_q).view(len(seqs), max_q)
-    return AttnGroup(cache_rows=torch.tensor([cache_rows[i] for i in seqs]), pad_index=pad_index,
-                     flat_index=cells[valid], mask=mask[:, None], max_kv=max_kv, tokens=pad_index[valid])
+    return AttnGroup(tokens=pad_index[valid], kv_index=kv_index, pad_index=pad_index, flat_index=cells[valid],
+                     mask=mask[:, None])
 
 
 class KVCache:
-    """Per layer K and V of shape [max_seqs, max_len, kv_heads_local, head_dim]; a sequence owns one row."""
+    """Per layer K and V of shape [num_blocks + 1, block_size, kv_heads_local, head_dim]: `num_blocks` for the
+    sequences' block tables, and a last, scratch block that padded CUDA-graph rows write to."""
 
-    def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int, dtype, device):
-        shape = (max_seqs, max_len, kv_heads, head_dim)
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype,
+                 device):
+        shape = (num_blocks + 1, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_seqs, self.max_len = max_seqs, max_len
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def scratch(self) -> int:
+        return self.num_blocks
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int, meta: AttnMeta,
            scale: float) -> torch.Tensor:
     """q [T, H, d], k/v [T, KV, d] for the step's tokens -> [T, H*d]."""
     kc, vc = cache.k[layer], cache.v[layer]
-    kc[meta.token_rows, meta.positions] = k
-    vc[meta.token_rows, meta.positions] = v
+    kc.view(-1, *kc.shape[2:])[meta.slots] = k
+    vc.view(-1, *vc.shape[2:])[meta.slots] = v
     heads, d = q.shape[1], q.shape[2]
+    if len(meta.groups) == 1 and meta.groups[0].block_table is not None:
+        g = meta.groups[0]
+        return paged_decode(q, kc, vc, g.block_table, g.context_lens, scale, meta.window).view(-1, heads * d)
     q_ext = torch.cat([q, q.new_zeros(1, heads, d)])  # the padding cell's index T reads zeros
     if len(meta.groups) == 1:
         return _attend_group(q_ext, kc, vc, meta.groups[0], scale)
     out = q.new_empty(q.shape[0], heads * d)
     for g in meta.groups:
-        out[g.tokens] = _attend_group(q_ext, kc, vc, g, scale)
+        if g.block_table is not None:
+            out[g.tokens] = paged_decode(q[g.tokens], kc, vc, g.block_table, g.context_lens, scale,
+                                         meta.window).view(-1, heads * d)
+        else:
+            out[g.tokens] = _attend_group(q_ext, kc, vc, g, scale)
     return out
 
 
 def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
     heads, d = q_ext.shape[1], q_ext.shape[2]
     n, max_q = g.pad_index.shape
-    keys = kc[g.cache_rows, :g.max_kv].transpose(1, 2)  # [n, KV, max_kv, d]
-    vals = vc[g.cache_rows, :g.max_kv].transpose(1, 2)
+    keys = kc.view(-1, *kc.shape[2:])[g.kv_index].transpose(1, 2)  # [n, KV, max_kv, d]
+    vals = vc.view(-1, *vc.shape[2:])[g.kv_index].transpose(1, 2)
     kv = keys.shape[1]
     rep = heads // kv
     # The `rep` query heads of one KV head (heads h = kv_i * rep + r) share its keys: folded into the query length,

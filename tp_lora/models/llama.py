@@ -170,8 +170,8 @@ class CausalLM(nn.Module):
         self.sliding_window = window if (window and use_window) else None
         self.dtype, self.device = dtype, torch.device(device)
 
-    def new_cache(self, max_seqs: int, max_len: int) -> KVCache:
-        return KVCache(len(self.layers), max_seqs, max_len, self.kv_heads, self.head_dim, self.dtype, self.device)
+    def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        return KVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H]."""
