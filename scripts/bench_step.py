@@ -1,0 +1,225 @@
+"""The engine's decode step against its memory floor, on one GPU (or TP ranks under torchrun).
+
+    python scripts/bench_step.py --out DIR [--shapes llama-2048,llama3-8b] [--batches 1,32,128] [--contexts 128,2048]
+    torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-8b --out DIR
+
+Shapes (random bf16 weights, written once under --cache): llama-2048 (16 layers, hidden 2048, GQA 32/8, vocab 32000)
+and llama3-8b (32 layers, hidden 4096, intermediate 14336, GQA 32/8, vocab 128256). For each batch x context, without
+adapters and with 32 distinct rank-16 adapters on all seven projections (one per sequence, round-robin):
+- decode step: (time of a run generating N tokens - time of one generating 1) / (N - 1), medians of --reps runs, each
+  run one engine.generate() with every prompt `context` tokens long (so the step includes the host's part: schedule,
+  sample, bookkeeping);
+- floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
+  decode's mean context) / the device copy bandwidth measured in the same run (read + written bytes / time);
+- prefill tokens/s from the one-token run.
+With --mixed, also one step of 31 decodes + one 512-token prefill chunk against a 32-sequence decode step (the
+runner alone, CUDA events, medians). Prints a table; writes bench_step.json into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tp_lora import distributed as comm  # noqa: E402
+from tp_lora.assets import write_random_adapter, write_tiny_llama  # noqa: E402
+from tp_lora.config import RunConfig  # noqa: E402
+from tp_lora.engine.engine import Engine  # noqa: E402
+from tp_lora.engine.requests import Request  # noqa: E402
+
+SHAPES = {
+    "llama-2048": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+    "smoke": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTERS, RANK = 32, 16
+
+
+def assets(cache: str, shape: str, max_pos: int) -> tuple[str, str]:
+    model, adapters = os.path.join(cache, shape), os.path.join(cache, f"{shape}-adapters-{ADAPTERS}x{RANK}")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        write_tiny_llama(model, dtype=torch.bfloat16, max_position_embeddings=max_pos, shards=8, **SHAPES[shape])
+    for i in range(ADAPTERS):
+        path = os.path.join(adapters, f"a{i:03d}")
+        if not os.path.exists(os.path.join(path, "adapter_model.safetensors")):
+            write_random_adapter(path, model, r=RANK, lora_alpha=2 * RANK, seed=i, target_modules=TARGETS,
+                                 dtype=torch.bfloat16)
+    return model, adapters
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a device-to-device copy of 1 GiB (median of 20)."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * (1 << 30) / statistics.median(times[5:])
+
+
+def weight_bytes(model) -> int:
+    """Bytes of this rank's weights a decode step reads: all but the embedding table (only B rows of it)."""
+    emb = {id(p) for p in model.embed_tokens.parameters()} if not model.tied else set()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in emb)
+
+
+def kv_bytes(model, batch: int, context: float) -> float:
+    return 2 * len(model.layers) * model.kv_heads * model.head_dim * model.dtype.itemsize * batch * context
+
+
+def requests(batch: int, context: int, new: int, vocab: int, adapters: bool, seed: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(i, id=i, adapter=f"a{i % ADAPTERS:03d}" if adapters else None,
+                    prompt_token_ids=torch.randint(3, vocab, (context,), generator=gen).tolist(),
+                    max_new_tokens=new, ignore_eos=True) for i in range(batch)]
+
+
+def timed(engine, reqs) -> float:
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    res = engine.generate(reqs)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    bad = [r.error for r in res if r.error]
+    if bad:
+        raise RuntimeError(bad[0])
+    return time.perf_counter() - t0
+
+
+def _ms(fn) -> float:
+    """Milliseconds fn() takes on the device (CUDA events), or on the host's clock on CPU."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
+def mixed_step(engine, vocab: int, adapters: bool) -> dict:
+    """Runner-level: one step of 31 decodes (context 128) + one 512-token prefill chunk, against a decode step of
+    32 sequences (a graph replay), CUDA-event medians."""
+    from tp_lora.engine.runner import StepBatch
+    bs = engine.cfg.scheduler.kv_block_size
+    per_seq = -(-(512 + 130) // bs)
+    cache = engine.runner.kv_cache(32 * per_seq, bs, 512 + 130)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(32)]
+    slot = (lambda i: i % engine.cfg.lora.max_loras) if adapters else (lambda i: -1)
+    if adapters:
+        for i in range(engine.cfg.lora.max_loras):  # every slot holds an adapter
+            engine.cache.load_slot(engine.slots, i, engine.cache.fetch(f"a{i:03d}"))
+    gen = torch.Generator().manual_seed(1)
+
+    def batch(mixed: bool) -> StepBatch:
+        step = StepBatch()
+        for i in range(32):
+            n = 512 if mixed and i == 31 else 1
+            step.add(torch.randint(3, vocab, (n,), generator=gen).tolist(), tables[i], 0 if n > 1 else 128, slot(i))
+        return step
+
+    out = {}
+    for name, mixed in (("decode_32", False), ("mixed_31_plus_512", True)):
+        times = [_ms(lambda: engine.runner.execute(batch(mixed), cache)) for _ in range(12)]
+        out[name + "_ms"] = statistics.median(times[2:])
+    out["ratio"] = out["mixed_31_plus_512_ms"] / out["decode_32_ms"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--cache", default=os.path.expanduser("~/.cache/tp_lora/bench_step"))
+    p.add_argument("--shapes", default="llama-2048,llama3-8b")
+    p.add_argument("--batches", default="1,32,128")
+    p.add_argument("--contexts", default="128,2048")
+    p.add_argument("--new", type=int, default=33, help="tokens of the long run (the short one makes 1)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--mixed", action="store_true")
+    p.add_argument("--no-adapters-only", action="store_true")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ps = comm.init_parallel(args.tp, device)
+    bw = copy_bandwidth(ps.device)
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows, extra = [], {}
+    for shape in args.shapes.split(","):
+        model_dir, adapter_dir = assets(args.cache, shape, max(contexts) + args.new + 8)
+        cfg = RunConfig()
+        cfg.parallel.tp_size = ps.tp.size
+        cfg.device = device
+        cfg.dtype = "bfloat16" if device == "cuda" else "float32"
+        cfg.lora.max_loras, cfg.lora.max_rank = ADAPTERS, RANK
+        cfg.scheduler.max_batch_size = max(batches)
+        cfg.scheduler.max_tokens_per_step = max(4096, max(batches))
+        engine = Engine(cfg, ps, model_dir, adapter_dir)
+        vocab = engine.hf["vocab_size"]
+        wb = weight_bytes(engine.model)
+        for with_ad in ([False] if args.no_adapters_only else [False, True]):
+            engine.generate(requests(min(batches), 16, 3, vocab, with_ad, 0))  # warm-up: compile, capture
+            for b in batches:
+                for ctx in contexts:
+                    engine.generate(requests(b, ctx, 3, vocab, with_ad, 1))  # this size's graphs and kernels
+                    ones, longs = [], []
+                    for r in range(args.reps):
+                        ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, 10 + r)))
+                        longs.append(timed(engine, requests(b, ctx, args.new, vocab, with_ad, 10 + r)))
+                    t1, tn = statistics.median(ones), statistics.median(longs)
+                    step = (tn - t1) / (args.new - 1)
+                    floor = (wb + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
+                    rows.append(dict(shape=shape, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
+                                     floor_ms=floor * 1e3, of_floor=floor / step, prefill_tokens_per_s=b * ctx / t1,
+                                     one_token_runs_s=ones, long_runs_s=longs))
+        if args.mixed:
+            extra[shape] = {"no_adapters": mixed_step(engine, vocab, False), "adapters": mixed_step(engine, vocab, True)}
+        engine.close()
+        del engine
+        torch.cuda.empty_cache() if device == "cuda" else None
+    comm.shutdown()
+    if not ps.is_driver:
+        return
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size}, copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s (read + written)")
+    print("| shape | adapters | batch | context | step ms | floor ms | of floor | adapters / none | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = {(r["shape"], r["batch"], r["context"]): r["step_ms"] for r in rows if not r["adapters"]}
+    for r in rows:
+        ratio = r["step_ms"] / base[(r["shape"], r["batch"], r["context"])]
+        r["vs_no_adapters"] = ratio
+        print(f"| {r['shape']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
+              f"{r['floor_ms']:.3f} | {r['of_floor']:.0%} | {ratio:.2f} | {r['prefill_tokens_per_s']:.0f} |")
+    for shape, m in extra.items():
+        for k, v in m.items():
+            print(f"mixed step {shape} {k}: decode 32 {v['decode_32_ms']:.3f} ms, 31 decodes + 512 prefill "
+                  f"{v['mixed_31_plus_512_ms']:.3f} ms ({v['ratio']:.2f}x)")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_step.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,
+                       copy_bandwidth=bw, rows=rows, mixed=extra), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
