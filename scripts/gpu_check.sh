@@ -3,7 +3,7 @@
 # native kernel and CUDA-graph tests, then the benchmarks. Each step has its own time limit so one slow step cannot
 # eat the others; logs and results go under $OUT (default ./gpu_out), packed at the end into $OUT/results.tgz
 # (the lent host returns few files), re-packed after every step so a run cut short still returns what finished.
-# Usage: scripts/gpu_check.sh [tests|bench_generate|bench_moe|bench_serving|bench_ops|all]...
+# Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone, and
 #   serving_readers (reads in worker processes) only alone.
 set -uo pipefail
@@ -37,6 +37,9 @@ for what in "${@:-all}"; do
         run bench_generate_tp2 150 8 torchrun --nproc_per_node=2 scripts/bench_generate.py --tp 2 --no-hf \
           --fully-sharded --out "$RES/gen_tp2"
       fi ;;&
+    bench_step|all)
+      step "bench_step: decode step vs its memory floor (llama-2048), mixed step"
+      run bench_step 400 24 python3 scripts/bench_step.py --shapes llama-2048 --mixed --out "$RES/step" ;;&
     bench_moe|all)
       step "bench_moe on $NGPU GPUs"
       run bench_moe 200 30 torchrun --nproc_per_node="$NGPU" scripts/bench_moe.py --out "$RES/moe" ;;&
