@@ -4,8 +4,8 @@ communicated and memory per rank.
     torchrun --nproc_per_node=4 scripts/bench_moe.py --out bench_results/moe        # 2-4 GPUs, NCCL
     torchrun --nproc_per_node=2 scripts/bench_moe.py --smoke                         # tiny, CPU + gloo (CI check)
 
-Shapes: "mixtral" (8 experts, top-2, hidden 4096, intermediate 14336), "qwen3-64" / "qwen3-128" (64 / 128 experts, top-8, hidden
-2048, intermediate 768, normalised top-k), random bf16 weights. Layouts for W ranks (tp, ep, ep_attention):
+Shapes: "mixtral" (8 experts, top-2, hidden 4096, intermediate 14336), "qwen3-64" / "qwen3-128" (64 / 128 experts,
+top-8, hidden 2048, intermediate 768, normalised top-k), random bf16 weights. Layouts for W ranks (tp, ep, ep_attention):
 TP (W, 1), EP with DP attention (1, W), EP with TP attention (W, W, tp), and on 4+ ranks EP x TP (2, W/2).
 LoRA: none, default, fully sharded; --adapters adapters of rank --rank on w1/w3/w2 of every expert, tokens spread
 round-robin over them. Tokens: --tokens per attention replica per step (decode-sized and prefill-sized by default);
@@ -17,8 +17,8 @@ tokens/s, LoRA overhead against the same layout without adapters, collectives an
 of the local experts the step's tokens are actually routed to / this GPU's measured device copy bandwidth) and bf16
 FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor. --gemms grouped,loop times
 the expert GEMMs both ways in one run: torch's grouped GEMM (the default path) and the per-expert loop over the same
-routing plan (the reference path, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange happens once
-per model step, not per layer: it is excluded here. Writes bench_moe.json and bench_moe.png into --out and prints a
+routing plan (the reference path, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
+happens once per model step, not per layer: it is excluded here. Writes bench_moe.json and bench_moe.png into --out and prints a
 markdown table.
 """
 from __future__ import annotations
@@ -246,7 +246,7 @@ def main() -> None:
                     copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), peak_tflops=args.peak_tflops)
         with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        print(f"measured copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), bf16 peak {args.peak_tflops} TFLOP/s")
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), bf16 peak {args.peak_tflops} TFLOP/s")
         print(table(rows))
         plot(rows, os.path.join(args.out, "bench_moe.png"))
         print(f"\nwrote {args.out}/bench_moe.json and bench_moe.png ({meta['device']}, {world} ranks)")
