@@ -5,8 +5,8 @@ communicated and memory per rank.
     torchrun --nproc_per_node=2 scripts/bench_moe.py --smoke                         # tiny, CPU + gloo (CI check)
 
 Shapes: "mixtral" (8 experts, top-2, hidden 4096, intermediate 14336), "qwen3-64" / "qwen3-128" (64 / 128 experts,
-top-8, hidden 2048, intermediate 768, normalised top-k), random bf16 weights. Layouts for W ranks (tp, ep, ep_attention):
-TP (W, 1), EP with DP attention (1, W), EP with TP attention (W, W, tp), and on 4+ ranks EP x TP (2, W/2).
+top-8, hidden 2048, intermediate 768, normalised top-k), random bf16 weights. Layouts for W ranks
+(tp, ep, ep_attention): TP (W, 1), EP with DP attention (1, W), EP with TP attention (W, W, tp), and on 4+ ranks EP x TP (2, W/2).
 LoRA: none, default, fully sharded; --adapters adapters of rank --rank on w1/w3/w2 of every expert, tokens spread
 round-robin over them. Tokens: --tokens per attention replica per step (decode-sized and prefill-sized by default);
 EP with DP attention serves W replicas, so its global tokens per step are W times those of the TP layouts.
@@ -18,8 +18,8 @@ of the local experts the step's tokens are actually routed to / this GPU's measu
 FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor. --gemms grouped,loop times
 the expert GEMMs both ways in one run: torch's grouped GEMM (the default path) and the per-expert loop over the same
 routing plan (the reference path, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
-happens once per model step, not per layer: it is excluded here. Writes bench_moe.json and bench_moe.png into --out and prints a
-markdown table.
+happens once per model step, not per layer: it is excluded here. Writes bench_moe.json and bench_moe.png into
+--out and prints a markdown table.
 """
 from __future__ import annotations
 
