@@ -6,7 +6,8 @@ communicated and memory per rank.
 
 Shapes: "mixtral" (8 experts, top-2, hidden 4096, intermediate 14336), "qwen3-64" / "qwen3-128" (64 / 128 experts,
 top-8, hidden 2048, intermediate 768, normalised top-k), random bf16 weights. Layouts for W ranks
-(tp, ep, ep_attention): TP (W, 1), EP with DP attention (1, W), EP with TP attention (W, W, tp), and on 4+ ranks EP x TP (2, W/2).
+(tp, ep, ep_attention): TP (W, 1), EP with DP attention (1, W), EP with TP attention (W, W, tp), and on 4+ ranks
+EP x TP (2, W/2).
 LoRA: none, default, fully sharded; --adapters adapters of rank --rank on w1/w3/w2 of every expert, tokens spread
 round-robin over them. Tokens: --tokens per attention replica per step (decode-sized and prefill-sized by default);
 EP with DP attention serves W replicas, so its global tokens per step are W times those of the TP layouts.
