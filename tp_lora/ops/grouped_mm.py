@@ -36,7 +36,8 @@ def torch_grouped_available(device: torch.device, dtype: torch.dtype, k: int, n:
     device and dtype (16-byte aligned rows of K and N elements)."""
     if (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
         return False
-    return _probe(device.type, device.index if device.type == "cuda" else None, dtype)
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
+    return _probe(device.type, index, dtype)
 
 
 @lru_cache(maxsize=None)
