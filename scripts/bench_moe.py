@@ -180,7 +180,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_results/moe")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few iterations (CPU + gloo works)")
-    ap.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)} (default: mixtral,qwen3-64)")
     ap.add_argument("--tokens", default=None, help="tokens per attention replica per step, comma list")
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
@@ -197,7 +197,7 @@ def main() -> None:
     ps0 = comm.init_parallel(1, "cuda" if cuda else "cpu")
     world, device = ps0.world.size, ps0.device
     dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in (args.shapes or ",".join(SHAPES)).split(",")}
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in (args.shapes or "mixtral,qwen3-64").split(",")}
     tokens = [int(t) for t in (args.tokens or ("5,12" if args.smoke else "64,2048")).split(",")]
     iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
     ops = get_backend(args.backend, str(device))
