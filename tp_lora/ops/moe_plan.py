@@ -27,16 +27,12 @@ class MoEPlan:
     expert_ends: torch.Tensor  # [E] int32, cumulative end of each expert's pairs (grouped GEMM offsets)
     groups: torch.Tensor  # [B, 4] int32 LoRA blocks (expert, slot, start, count), count 0 for unused blocks
     num_experts: int  # E
-    lora: bool  # whether the LoRA ops run (a host fact the caller knows: the step has an adapter somewhere)
+    any_lora: bool  # whether the LoRA ops run (a host fact the caller knows: the step has an adapter somewhere)
     max_group: int = LORA_BLOCK  # most pairs in one LoRA block (the kernels' grid reads it; static)
 
     @property
     def num_pairs(self) -> int:
         return self.token.shape[0]
-
-    @property
-    def any_lora(self) -> bool:
-        return self.lora
 
 
 def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: torch.Tensor | None,
@@ -66,7 +62,7 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
     return MoEPlan(token=token, dest=torch.where(on_rank, token, n), weight=topk_weights.reshape(-1)[order].float(),
                    expert=expert, slot=torch.where(on_rank, slot[order], -1).to(torch.int32),
                    expert_ends=expert_ends, groups=_lora_blocks(sorted_key, E, L, cap), num_experts=E,
-                   lora=L > 0)
+                   any_lora=L > 0)
 
 
 def _lora_blocks(sorted_key: torch.Tensor, E: int, L: int, cap: int) -> torch.Tensor:
