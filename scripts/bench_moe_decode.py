@@ -22,6 +22,7 @@ floor / step. Adapters' bytes are not in the floor. Prints a markdown table, wri
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -176,6 +177,7 @@ def main() -> None:
         for n in (0, args.adapters):
             rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
                              **run_case(hf, layout, n, args, device, dtype, ops, bandwidth)))
+            gc.collect()  # the LoRA runtime and its layers reference each other: free the model before the next
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
