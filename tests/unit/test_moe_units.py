@@ -207,3 +207,23 @@ def test_block_matches_per_token_expert_math(routing):
         want = _expected(block, lora, x, slots)
     assert got.shape == (n, 32)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_graph_capture_follows_the_layout():
+    """CUDA graphs only where a decode step has no host sync: not EP over DP replicas (token counts every step), not
+    a chunked shared expert with LoRA, not where the expert GEMMs fall back to the loop."""
+    from tp_lora.ops.grouped_mm import torch_grouped_available
+    grouped = torch_grouped_available(torch.device("cpu"), torch.float32, 16, 16)
+
+    def model(kind="mixtral", ep=1, attn="dp", lora=False):
+        ps = comm.single_process()
+        ps.ep, ps.ep_attention = comm.Group("ep", 0, ep, tuple(range(ep))), attn
+        hf = _hf() if kind == "mixtral" else _hf(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=8,
+                                                 shared_expert_intermediate_size=8)
+        return MoECausalLM(hf, ps, rt=LoRARuntime(2, 8, False, torch_ref) if lora else None, targets=None)
+
+    assert model().cuda_graph_safe == grouped and model(ep=2, attn="tp", lora=True).cuda_graph_safe == grouped
+    assert model("qwen2_moe", lora=True).cuda_graph_safe == grouped  # whole batch: the shared expert reads rt.batch
+    assert not model(ep=2, attn="dp").cuda_graph_safe
+    assert not model("qwen2_moe", ep=2, attn="tp", lora=True).cuda_graph_safe
+    assert model("qwen2_moe", ep=2, attn="tp").cuda_graph_safe == grouped
