@@ -4,18 +4,23 @@ communicated and memory per rank.
     torchrun --nproc_per_node=4 scripts/bench_moe.py --out bench_results/moe        # 2-4 GPUs, NCCL
     torchrun --nproc_per_node=2 scripts/bench_moe.py --smoke                         # tiny, CPU + gloo (CI check)
 
-Shapes: "mixtral" (8 experts, top-2, hidden 4096, intermediate 14336) and "qwen3-64" (64 experts, top-8, hidden
-2048, intermediate 768, normalised top-k), random bf16 weights. Layouts for W ranks (tp, ep, ep_attention):
-TP (W, 1), EP with DP attention (1, W), EP with TP attention (W, W, tp), and on 4+ ranks EP x TP (2, W/2).
+Shapes: "mixtral" (8 experts, top-2, hidden 4096, intermediate 14336), "qwen3-64" / "qwen3-128" (64 / 128 experts,
+top-8, hidden 2048, intermediate 768, normalised top-k), random bf16 weights. Layouts for W ranks
+(tp, ep, ep_attention): TP (W, 1), EP with DP attention (1, W), EP with TP attention (W, W, tp), and on 4+ ranks
+EP x TP (2, W/2).
 LoRA: none, default, fully sharded; --adapters adapters of rank --rank on w1/w3/w2 of every expert, tokens spread
 round-robin over them. Tokens: --tokens per attention replica per step (decode-sized and prefill-sized by default);
 EP with DP attention serves W replicas, so its global tokens per step are W times those of the TP layouts.
 
 Per case, rank 0 reports: median ms per layer step (CUDA events, after warm-up; the slowest rank's median), global
 tokens/s, LoRA overhead against the same layout without adapters, collectives and bytes one rank sends per step
-(distributed.STATS), weight and LoRA MB per rank, peak CUDA memory. The EP-over-DP token-count exchange happens once
-per model step, not per layer: it is excluded here. Writes bench_moe.json and bench_moe.png into --out and prints a
-markdown table.
+(distributed.STATS), weight and LoRA MB per rank, peak CUDA memory, and the floors of the slowest rank: memory (bytes
+of the local experts the step's tokens are actually routed to / this GPU's measured device copy bandwidth) and bf16
+FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor. --gemms grouped,loop times
+the expert GEMMs both ways in one run: torch's grouped GEMM (the default path) and the per-expert loop over the same
+routing plan (the reference path, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
+happens once per model step, not per layer: it is excluded here. Writes bench_moe.json and bench_moe.png into
+--out and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -25,22 +30,27 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tp_lora import distributed as comm  # noqa: E402
+from tp_lora.layers import moe as moe_layers  # noqa: E402
 from tp_lora.lora.batch import build_lora_batch  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
+from tp_lora.ops.grouped_mm import grouped_mm_ref  # noqa: E402
 
 SHAPES = {
     "mixtral": {"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "intermediate_size": 14336},
     "qwen3-64": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 64, "num_experts_per_tok": 8,
                  "moe_intermediate_size": 768, "norm_topk_prob": True},
+    "qwen3-128": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "norm_topk_prob": True},  # Qwen3-30B-A3B's MoE layer
 }
 SMOKE_SHAPES = {
     "mixtral-tiny": {"model_type": "mixtral", "hidden_size": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -55,6 +65,41 @@ def layouts(world: int) -> dict[str, tuple[int, int, str]]:
     if world >= 4 and world % 2 == 0:
         out[f"ep{world // 2}_tp2"] = (2, world // 2, "dp")
     return out
+
+
+def copy_bandwidth(device: torch.device, mb: int = 1024) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (bytes read + bytes written per second); CPU: 0."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.empty(mb * 2**20, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(10):
+        b.copy_(a)
+    t1.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * a.numel() / (t0.elapsed_time(t1) / 1e3)
+
+
+def routed_floors(block, ps, x: torch.Tensor, bandwidth: float, peak_tflops: float) -> tuple[float, float]:
+    """(memory floor ms, FLOP floor ms) of the slowest rank for one step over x: the weight bytes of the local experts
+    the step's tokens are routed to, read once at `bandwidth` (bytes read = half of the copy traffic), and the
+    expert MLP FLOPs of the local pairs at `peak_tflops`."""
+    ex = block.base_experts
+    with torch.no_grad():
+        ids, _ = block.gate(x)
+    if ps.ep.size > 1 and ps.ep_attention == "dp":  # every replica's tokens reach this rank's experts
+        ids = torch.cat([torch.as_tensor(i) for i in comm.all_gather_object(ids.cpu(), ps.ep)])
+    ids = ids.cpu()
+    local = ids[(ids >= ex.e0) & (ids < ex.e1)]
+    per_expert = (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size()
+    mem_ms = 1e3 * local.unique().numel() * per_expert / (bandwidth / 2) if bandwidth else 0.0
+    flop_ms = 1e3 * 2 * local.numel() * (ex.w13[0].numel() + ex.w2[0].numel()) / (peak_tflops * 1e12)
+    mem, flop = zip(*comm.all_gather_object((mem_ms, flop_ms), ps.world))
+    return max(mem), max(flop)
 
 
 def module_mb(m: torch.nn.Module, lora: bool) -> float:
@@ -135,23 +180,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_results/moe")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few iterations (CPU + gloo works)")
-    ap.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)} (default: mixtral,qwen3-64)")
     ap.add_argument("--tokens", default=None, help="tokens per attention replica per step, comma list")
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--backend", default="auto", help="LoRA ops: auto (triton on cuda) | torch | triton")
+    ap.add_argument("--gemms", default=None, help="expert GEMMs to time, comma list of grouped, loop "
+                                                  "(default: both; grouped only with --smoke)")
+    ap.add_argument("--modes", default="none,default,fully_sharded", help="LoRA modes, comma list")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H200: 989)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available() and not args.smoke
     ps0 = comm.init_parallel(1, "cuda" if cuda else "cpu")
     world, device = ps0.world.size, ps0.device
     dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in (args.shapes or ",".join(SHAPES)).split(",")}
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in (args.shapes or "mixtral,qwen3-64").split(",")}
     tokens = [int(t) for t in (args.tokens or ("5,12" if args.smoke else "64,2048")).split(",")]
     iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
     ops = get_backend(args.backend, str(device))
+    gemms = (args.gemms or ("grouped" if args.smoke else "grouped,loop")).split(",")
+    bandwidth = copy_bandwidth(device)
     rows = []
     for lname, (tp, ep, attn) in layouts(world).items():
         ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device)), ep, attn)
@@ -161,31 +212,42 @@ def main() -> None:
                 gen = torch.Generator().manual_seed(100 + ps.dp.rank)
                 x = torch.randn(t, hf["hidden_size"], generator=gen).to(device, dtype)
                 slots = [i % args.adapters for i in range(t)]
-                base_ms = None
-                for mode in ("none", "default", "fully_sharded"):
-                    block, step, rt, _ = build(hf, ps, dtype, device, mode, args.adapters, args.rank, ops)
-                    ms, stats, peak = time_case(block, step, rt, ps, x, slots, iters, warmup, device)
-                    base_ms = ms if mode == "none" else base_ms
-                    global_tokens = t * ps.dp.size
-                    rows.append(dict(
-                        shape=sname, layout=lname, tp=tp, ep=ep, ep_attention=attn, tokens_per_replica=t,
-                        global_tokens=global_tokens, lora=mode, ms=round(ms, 4),
-                        tokens_per_s=round(global_tokens / (ms / 1e3), 1),
-                        lora_overhead_pct=None if mode == "none" else round(100 * (ms / base_ms - 1), 1),
-                        collectives={k: v[0] for k, v in stats.items()},
-                        comm_mb_per_rank=round(sum(v[1] for v in stats.values()) / 2**20, 3),
-                        weights_mb_per_rank=round(module_mb(block, False), 2),
-                        lora_mb_per_rank=round(module_mb(block, True), 2), peak_mb=round(peak, 1),
-                        adapters=args.adapters, rank=args.rank))
-                    del block, step, rt
-                    if cuda:
-                        torch.cuda.empty_cache()
+                mem_ms = flop_ms = None
+                for gemm in gemms:
+                    base_ms = None
+                    for mode in args.modes.split(","):
+                        block, step, rt, _ = build(hf, ps, dtype, device, mode, args.adapters, args.rank, ops)
+                        if mem_ms is None:
+                            mem_ms, flop_ms = routed_floors(block, ps, x, bandwidth, args.peak_tflops)
+                        with expert_gemms(gemm):
+                            ms, stats, peak = time_case(block, step, rt, ps, x, slots, iters, warmup, device)
+                        base_ms = ms if mode == "none" else base_ms
+                        global_tokens = t * ps.dp.size
+                        floor = max(mem_ms, flop_ms) if bandwidth else 0.0  # no floors on the CPU
+                        rows.append(dict(
+                            shape=sname, layout=lname, tp=tp, ep=ep, ep_attention=attn, tokens_per_replica=t,
+                            global_tokens=global_tokens, gemm=gemm, lora=mode, ms=round(ms, 4),
+                            tokens_per_s=round(global_tokens / (ms / 1e3), 1),
+                            lora_overhead_pct=None if base_ms is None or mode == "none"
+                            else round(100 * (ms / base_ms - 1), 1),
+                            mem_floor_ms=round(mem_ms, 4), flop_floor_ms=round(flop_ms, 4),
+                            x_floor=round(ms / floor, 2) if floor else None,
+                            collectives={k: v[0] for k, v in stats.items()},
+                            comm_mb_per_rank=round(sum(v[1] for v in stats.values()) / 2**20, 3),
+                            weights_mb_per_rank=round(module_mb(block, False), 2),
+                            lora_mb_per_rank=round(module_mb(block, True), 2), peak_mb=round(peak, 1),
+                            adapters=args.adapters, rank=args.rank))
+                        del block, step, rt
+                        if cuda:
+                            torch.cuda.empty_cache()
     if ps0.is_driver:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(world=world, device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
-                    backend=ops.__name__, smoke=args.smoke, iters=iters, warmup=warmup)
+                    backend=ops.__name__, smoke=args.smoke, iters=iters, warmup=warmup,
+                    copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), peak_tflops=args.peak_tflops)
         with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), bf16 peak {args.peak_tflops} TFLOP/s")
         print(table(rows))
         plot(rows, os.path.join(args.out, "bench_moe.png"))
         print(f"\nwrote {args.out}/bench_moe.json and bench_moe.png ({meta['device']}, {world} ranks)")
@@ -193,16 +255,32 @@ def main() -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| shape | layout | tokens/replica | LoRA | ms/step | tokens/s | LoRA overhead | collectives "
-            "| comm MB/rank | weights MB/rank | LoRA MB/rank | peak MB |")
+    head = ("| shape | layout | tokens/replica | GEMMs | LoRA | ms/step | x floor | mem floor ms | FLOP floor ms "
+            "| tokens/s | LoRA overhead | collectives | comm MB/rank | weights MB/rank | LoRA MB/rank | peak MB |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         coll = ", ".join(f"{k} x{v}" for k, v in sorted(r["collectives"].items())) or "-"
         over = "-" if r["lora_overhead_pct"] is None else f"{r['lora_overhead_pct']:+.1f}%"
-        lines.append(f"| {r['shape']} | {r['layout']} | {r['tokens_per_replica']} | {r['lora']} | {r['ms']:.3f} | "
+        xf = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
+        lines.append(f"| {r['shape']} | {r['layout']} | {r['tokens_per_replica']} | {r['gemm']} | {r['lora']} | "
+                     f"{r['ms']:.3f} | {xf} | {r['mem_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {over} | {coll} | {r['comm_mb_per_rank']:.3f} | "
                      f"{r['weights_mb_per_rank']:.1f} | {r['lora_mb_per_rank']:.1f} | {r['peak_mb']:.0f} |")
     return "\n".join(lines)
+
+
+@contextmanager
+def expert_gemms(kind: str):
+    """grouped: the layer as it runs; loop: its expert GEMMs through the per-expert reference loop."""
+    if kind not in ("grouped", "loop"):
+        raise ValueError(f"--gemms {kind!r}: expected grouped or loop")
+    saved = moe_layers.grouped_mm
+    if kind == "loop":
+        moe_layers.grouped_mm = grouped_mm_ref
+    try:
+        yield
+    finally:
+        moe_layers.grouped_mm = saved
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -217,7 +295,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     modes = ("none", "default", "fully_sharded")
     for ax, (shape, t) in zip(axes[0], panels):
-        sub = [r for r in rows if r["shape"] == shape and r["tokens_per_replica"] == t]
+        sub = [r for r in rows if r["shape"] == shape and r["tokens_per_replica"] == t and r["gemm"] == "grouped"]
         names = list(dict.fromkeys(r["layout"] for r in sub))
         for j, mode in enumerate(modes):
             vals = [next((r["ms"] for r in sub if r["layout"] == n and r["lora"] == mode), 0) for n in names]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tp_lora.ops import moe_ref
-from tp_lora.ops.moe_ref import build_pairs
+from tp_lora.ops.moe_plan import build_plan
 
 L, E_ALL, K = 3, 8, 2
 
@@ -19,7 +19,7 @@ def _pairs(n: int, e0: int, e_local: int, gen: torch.Generator, device, skew: bo
     w, ids = torch.softmax(logits, -1).topk(K, -1)
     slots = torch.randint(-1, L, (n,), generator=gen)
     slots[slots == 1] = -1  # slot 1 unused: its groups are empty
-    return build_pairs(ids.to(device), w.to(device), slots.to(torch.int32).to(device), e0, e_local, L)
+    return build_plan(ids.to(device), w.to(device), slots.to(torch.int32).to(device), e0, e_local, L, lora=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -33,7 +33,7 @@ def test_moe_lora_matches_reference(device, dtype, case):
                    "no_lora": (0, 8)}[case]
     pairs = _pairs(n, e0, e_local, gen, device, skew=case == "skewed_elsewhere")
     if case == "no_lora":
-        pairs = build_pairs(pairs.expert[:, None] + e0, pairs.weight[:, None], None, e0, e_local, L)
+        pairs = build_plan(pairs.expert[:, None].long() + e0, pairs.weight[:, None], None, e0, e_local, L)
     p = pairs.num_pairs
     # bf16: the rounding of r-term dots of O(1) values
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
@@ -86,8 +86,8 @@ def test_backends_expose_the_moe_ops():
 def test_empty_pairs():
     from tp_lora.ops.triton import moe_lora
 
-    pairs = build_pairs(torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K), torch.zeros(0, dtype=torch.int32),
-                        0, 4, L)
+    pairs = build_plan(torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K), torch.zeros(0, dtype=torch.int32),
+                       0, 4, L, lora=True)
     a = [torch.zeros(L, 4, 8, 16)]
     u = moe_lora.moe_lora_shrink(torch.zeros(0, 16), a, torch.ones(1, L, 4), pairs)
     assert u.shape == (1, 0, 8)

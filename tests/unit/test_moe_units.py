@@ -10,10 +10,11 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, validate
 from tp_lora.layers.moe import Router, pack_tokens, unpack_tokens
 from tp_lora.lora.adapter import AdapterError, load_peft_adapter, validate_adapter
+from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.models.moe import MoECausalLM, validate_moe
 from tp_lora.ops import torch_ref
-from tp_lora.ops.moe_ref import build_pairs
+from tp_lora.ops.moe_plan import LORA_BLOCK, build_plan
 from tp_lora.sharding import take_nd, token_chunk
 
 
@@ -75,16 +76,69 @@ def test_validate_moe_names_the_offending_value():
         validate_moe(_hf(hidden_act="gelu"), comm.single_process())
 
 
-def test_build_pairs_groups_by_expert_then_slot():
+def test_plan_groups_by_expert_then_slot():
     ids = torch.tensor([[2, 0], [3, 2], [0, 1], [-1, -1]])
     w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.0, 0.0]])
     slots = torch.tensor([1, -1, 1, 0], dtype=torch.int32)
-    p = build_pairs(ids, w, slots, expert_start=2, num_local=2, max_loras=2)  # experts 2, 3 are local
-    assert p.token.tolist() == [1, 0, 1]  # expert 2: token 1 (no adapter) then token 0 (slot 1); expert 3: token 1
-    assert p.expert.tolist() == [0, 0, 1] and p.slot.tolist() == [-1, 1, -1]
-    torch.testing.assert_close(p.weight, torch.tensor([0.3, 0.6, 0.7]))
-    assert p.host_expert_counts == (2, 1)
-    assert p.host_groups == ((0, 1, 1, 1),) and p.groups.tolist() == [[0, 1, 1, 1]]
+    p = build_plan(ids, w, slots, expert_start=2, num_local=2, max_loras=2, lora=True)  # experts 2, 3 are local
+    assert p.num_pairs == 8  # static capacity: 4 tokens x min(k=2, 2 local experts)
+    # expert 2: token 1 (no adapter) then token 0 (slot 1); expert 3: token 1; then the pairs of other ranks.
+    assert p.token[:3].tolist() == [1, 0, 1] and p.dest.tolist()[:3] == [1, 0, 1] and set(p.dest[3:].tolist()) == {4}
+    assert p.expert.tolist() == [0, 0, 1] + [2] * 5 and p.slot.tolist() == [-1, 1, -1] + [-1] * 5
+    torch.testing.assert_close(p.weight[:3], torch.tensor([0.3, 0.6, 0.7]))
+    assert p.expert_ends.tolist() == [2, 3] and p.expert_ends.dtype == torch.int32
+    assert [b for b in p.groups.tolist() if b[3]] == [[0, 1, 1, 1]]
+    assert build_plan(ids, w, slots, 2, 2, 2, lora=False).groups.shape == (0, 4)  # no LoRA this step: no blocks
+
+
+def _plan_cases():
+    """(name, topk ids [N, k], expert_start, num_local) edge cases over 8 global experts."""
+    g = torch.Generator().manual_seed(3)
+    rand = torch.rand(40, 8, generator=g).topk(3, -1).indices
+    return [("random", rand, 0, 8), ("half_of_the_experts", rand, 4, 4),
+            ("all_to_one_expert", torch.tensor([[5, 0, 1]] * 37), 0, 8),
+            ("rank_receives_nothing", torch.tensor([[0, 1, 2]] * 9), 4, 4),
+            ("padding_rows", torch.full((6, 3), -1), 0, 8), ("no_tokens", torch.zeros(0, 3, dtype=torch.long), 0, 8),
+            ("one_local_expert", rand, 7, 1)]
+
+
+@pytest.mark.parametrize("name,ids,e0,n_local", _plan_cases(), ids=[c[0] for c in _plan_cases()])
+def test_plan_covers_each_local_pair_once_in_expert_slot_order(name, ids, e0, n_local):
+    n, k, L = ids.shape[0], ids.shape[1], 3
+    g = torch.Generator().manual_seed(len(name))
+    slots = torch.randint(-1, L, (n,), generator=g, dtype=torch.int32)
+    w = torch.rand(n, k, generator=g)
+    p = build_plan(ids, w, slots, e0, n_local, L, lora=True)
+    want = sorted((int(ids[t, j]) - e0, int(slots[t]), t, j) for t in range(n) for j in range(k)
+                  if e0 <= ids[t, j] < e0 + n_local)
+    used = int(p.expert_ends[-1]) if n_local else 0
+    assert p.num_pairs == n * min(k, n_local) and used == len(want)
+    got = [(int(p.expert[i]), int(p.slot[i]), int(p.token[i])) for i in range(used)]
+    assert got == [(e, s, t) for e, s, t, _ in want]  # stable: tokens in order inside an (expert, slot) group
+    torch.testing.assert_close(p.weight[:used], torch.tensor([float(w[t, j]) for *_, t, j in want]))
+    assert (p.dest[used:] == n).all() and torch.equal(p.dest[:used], p.token[:used])
+    counts = torch.bincount(torch.tensor([e for e, *_ in want], dtype=torch.long), minlength=n_local)
+    assert p.expert_ends.tolist() == torch.cumsum(counts, 0).tolist()
+    # LoRA blocks: each pair with an adapter in exactly one block of its (expert, slot), none longer than the limit.
+    seen = []
+    for e, s, start, count in p.groups.tolist():
+        assert 0 <= count <= LORA_BLOCK
+        for i in range(start, start + count):
+            assert (int(p.expert[i]), int(p.slot[i])) == (e, s)
+            seen.append(i)
+    assert sorted(seen) == [i for i in range(used) if p.slot[i] >= 0]
+
+
+def test_plan_has_no_host_sync_or_data_dependent_shape():
+    """Shapes depend on (N, k, E, L) only: two routings of the same sizes give plans of identical shapes."""
+    shapes = set()
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 8, (11, 2), generator=g)
+        ids[:, 1] = (ids[:, 0] + 1) % 8
+        p = build_plan(ids, torch.rand(11, 2, generator=g), torch.randint(-1, 4, (11,), generator=g), 0, 8, 4, True)
+        shapes.add(tuple(tuple(getattr(p, f).shape) for f in ("token", "dest", "weight", "expert_ends", "groups")))
+    assert len(shapes) == 1
 
 
 def test_pack_unpack_is_exact():
@@ -213,3 +267,91 @@ def test_checkpoint_shape_errors_are_clear():
         class Per(Reader):
             t = {"model.layers.0.block_sparse_moe.gate.weight": torch.zeros(4, 16)}
         model.layers[0].mlp.load(Per(), "model.layers.0.mlp.")
+
+
+def _block_with_lora(hf, seed, ops):
+    """A single-process Mixtral-shaped SparseMoE, random weights, slot 0 LoRA on every expert's w1/w3/w2 (rank 4),
+    slot 1 on w2 only."""
+    from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE
+    g = torch.Generator().manual_seed(seed)
+    rt = LoRARuntime(2, 4, False, ops)
+    block = SparseMoE(hf, MoEShape.from_hf(hf), 0, comm.single_process(), MoEStep(), torch.float32, "cpu", rt, None)
+    ex = block.experts.base
+    for p in (ex.w13, ex.w2, block.gate.weight):
+        p.data.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    h, i = hf["hidden_size"], hf["intermediate_size"]
+    lora = {}
+    for e in range(hf["num_local_experts"]):
+        for slot, kinds in ((0, ("w1", "w3", "w2")), (1, ("w2",))):
+            for kind in kinds:
+                fin, fout = (i, h) if kind == "w2" else (h, i)
+                a, b = torch.randn(4, fin, generator=g) * fin ** -0.5, torch.randn(fout, 4, generator=g)
+                block.experts.set_slot(slot, (kind, e), a, b, 0.5 + slot)
+                lora[slot, kind, e] = (0.5 + slot) * b @ a
+    return block, rt, lora
+
+
+def _expected(block, lora, x, slots):
+    """Per token, per top-k pair: the expert MLP with the token's adapter merged into the expert's weights."""
+    ex = block.experts.base
+    il = ex.inter
+    ids, w = block.gate(x)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e, s = int(ids[t, j]), int(slots[t])
+            w1, w3, w2 = ex.w13[e, :il], ex.w13[e, il:], ex.w2[e]
+            if s >= 0:
+                zero = torch.zeros_like
+                w1 = w1 + lora.get((s, "w1", e), zero(w1))
+                w3 = w3 + lora.get((s, "w3", e), zero(w3))
+                w2 = w2 + lora.get((s, "w2", e), zero(w2))
+            out[t] += w[t, j] * ((torch.nn.functional.silu(x[t] @ w1.t()) * (x[t] @ w3.t())) @ w2.t())
+    return out
+
+
+@pytest.mark.parametrize("routing", ["random", "all_to_one_expert", "topk_ties", "one_token", "no_tokens"])
+def test_block_matches_per_token_expert_math(routing):
+    """The grouped path (plan -> grouped GEMMs -> LoRA blocks -> combine) against the per-token, per-expert math,
+    with experts that receive nothing, one expert receiving every token, and tied router logits (the Triton LoRA
+    kernels are checked against the torch ops on the same plans in tests/kernels/test_moe_lora_kernel.py)."""
+    hf = _hf(num_local_experts=8, num_experts_per_tok=3, hidden_size=32, intermediate_size=16)
+    block, rt, lora = _block_with_lora(hf, 7, torch_ref)
+    n = {"one_token": 1, "no_tokens": 0}.get(routing, 13)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, 32, generator=g)
+    gate = block.gate.weight.data
+    if routing == "all_to_one_expert":  # expert 5 wins every token by a wide margin; experts 0-2 and 6-7 get none
+        x = x.abs()
+        gate[5] = 100.0
+        gate[[0, 1, 2, 6, 7]] = -100.0
+    if routing == "topk_ties":  # experts 1, 4 and 6 have identical logits on every token
+        gate[4] = gate[6] = gate[1]
+    slots = torch.randint(-1, 2, (n,), generator=g)
+    rt.batch = build_lora_batch(slots.tolist(), 2, "cpu")
+    block.step.owned, block.step.rows, block.step.slots, block.step.batch = (0, n), n, rt.batch.token_slot, rt.batch
+    with torch.no_grad():
+        got = block(x)
+        want = _expected(block, lora, x, slots)
+    assert got.shape == (n, 32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_graph_capture_follows_the_layout():
+    """CUDA graphs only where a decode step has no host sync: not EP over DP replicas (token counts every step), not
+    a chunked shared expert with LoRA, not where the expert GEMMs fall back to the loop."""
+    from tp_lora.ops.grouped_mm import torch_grouped_available
+    grouped = torch_grouped_available(torch.device("cpu"), torch.float32, 16, 16)
+
+    def model(kind="mixtral", ep=1, attn="dp", lora=False):
+        ps = comm.single_process()
+        ps.ep, ps.ep_attention = comm.Group("ep", 0, ep, tuple(range(ep))), attn
+        hf = _hf() if kind == "mixtral" else _hf(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=8,
+                                                 shared_expert_intermediate_size=8)
+        return MoECausalLM(hf, ps, rt=LoRARuntime(2, 8, False, torch_ref) if lora else None, targets=None)
+
+    assert model().cuda_graph_safe == grouped and model(ep=2, attn="tp", lora=True).cuda_graph_safe == grouped
+    assert model("qwen2_moe", lora=True).cuda_graph_safe == grouped  # whole batch: the shared expert reads rt.batch
+    assert not model(ep=2, attn="dp").cuda_graph_safe
+    assert not model("qwen2_moe", ep=2, attn="tp", lora=True).cuda_graph_safe
+    assert model("qwen2_moe", ep=2, attn="tp").cuda_graph_safe == grouped

@@ -166,9 +166,9 @@ class Engine:
         eos = self.hf.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_positions = self.hf.get("max_position_embeddings", 4096)
-        # MoE routing reads expert counts on the host every layer: not capturable in a CUDA graph.
-        moe = self.hf.get("model_type") in MOE_TYPES
-        self.runner = ModelRunner(self.model, self.rt, ps.device, cfg.cuda_graphs and not moe)
+        # MoE models say whether their decode step is free of host syncs (capturable) in their layout and dtype.
+        graphs = cfg.cuda_graphs and getattr(self.model, "cuda_graph_safe", True)
+        self.runner = ModelRunner(self.model, self.rt, ps.device, graphs)
         self.generator = torch.Generator().manual_seed(cfg.generation.seed)
         self.stats = StepStats()
         sizes = getattr(self.rt.ops, "warm_up_sizes", None) if self.rt is not None else None

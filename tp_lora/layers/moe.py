@@ -15,7 +15,8 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.linear import column_spec, row_spec
-from tp_lora.ops.moe_ref import MoEPairs
+from tp_lora.ops.grouped_mm import grouped_mm
+from tp_lora.ops.moe_plan import MoEPlan
 from tp_lora.sharding import even_range, expert_range, shard_weight, take_nd
 
 
@@ -45,8 +46,8 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """This rank's experts: w13 [E_local, S * I_local, H] (S = 2 gate|up slices when gated, 1 otherwise) and
-    w2 [E_local, H, I_local]. `forward(xp, pairs)` computes every pair's expert MLP in pair order, as a partial sum
-    over the moe-tp group."""
+    w2 [E_local, H, I_local]. `forward(xp, plan)` computes every pair's expert MLP in pair order (one grouped GEMM
+    for gate_up, one for down), as a partial sum over the moe-tp group."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, ep: comm.Group, moe_tp: comm.Group,
                  gated: bool = True, dtype=torch.float32, device: Any = "cpu"):
@@ -91,15 +92,9 @@ class Experts(nn.Module):
             _copy(self.w13.data[:, s * il:(s + 1) * il], part, f"fused gate_up_proj slice {s}")
         _copy(self.w2.data, take_nd(down, [experts, None, (self.i0, self.i1)]), "fused down_proj")
 
-    def up(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
-        """xp [P, H] in pair order -> [P, S * I_local]."""
-        out = xp.new_empty(xp.shape[0], self.w13.shape[1])
-        start = 0
-        for e, count in enumerate(pairs.host_expert_counts):
-            if count:
-                out[start:start + count] = xp[start:start + count] @ self.w13[e].t()
-            start += count
-        return out
+    def up(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+        """xp [C, H] in pair order -> [C, S * I_local] (rows past the plan's last expert undefined)."""
+        return grouped_mm(xp, self.w13, plan.expert_ends)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
         if not self.gated:
@@ -107,18 +102,12 @@ class Experts(nn.Module):
         gate, up = z.chunk(2, -1)
         return F.silu(gate) * up
 
-    def down(self, h: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
-        """h [P, I_local] in pair order -> [P, H] (partial over moe-tp)."""
-        out = h.new_empty(h.shape[0], self.hidden)
-        start = 0
-        for e, count in enumerate(pairs.host_expert_counts):
-            if count:
-                out[start:start + count] = h[start:start + count] @ self.w2[e].t()
-            start += count
-        return out
+    def down(self, h: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+        """h [C, I_local] in pair order -> [C, H] (partial over moe-tp)."""
+        return grouped_mm(h, self.w2, plan.expert_ends)
 
-    def forward(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
-        return self.down(self.act(self.up(xp, pairs)), pairs)
+    def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+        return self.down(self.act(self.up(xp, plan)), plan)
 
 
 def pack_tokens(x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,

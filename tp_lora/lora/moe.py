@@ -18,7 +18,7 @@ from torch import nn
 from tp_lora import distributed as comm
 from tp_lora.layers.moe import Experts
 from tp_lora.lora.layers import Copy, LoRARuntime, SlotBuffers, _pad, copy_into
-from tp_lora.ops.moe_ref import MoEPairs
+from tp_lora.ops.moe_plan import MoEPlan
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
 
 # Target kinds: one expert's w1 (gate) / w3 (up) / w2 (down), or PEFT's fused gate_up (one A for both, B [2I, r]).
@@ -100,22 +100,23 @@ class LoRAExperts(SlotBuffers, nn.Module):
             copy(b13[s][e], shard_lora_b(spec, s, bs, *size))
             scales[s, e] = scale
 
-    def forward(self, xp: torch.Tensor, pairs: MoEPairs) -> torch.Tensor:
-        """xp [P, H] in pair order -> [P, H] partial over moe-tp, with each pair's adapter."""
+    def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+        """xp [C, H] in pair order -> [C, H] partial over moe-tp, with each pair's adapter. The LoRA ops read the
+        base GEMMs' routing plan (its LoRA block table): no second sort."""
         base, ops = self.base, self.rt.ops
-        z = base.up(xp, pairs)
-        if pairs.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
-            u = ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], pairs)
+        z = base.up(xp, plan)
+        if plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
+            u = ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan)
             if self.fully_sharded:
                 u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
-            ops.moe_lora_expand(u, list(self.lora_b13), pairs, z)
+            ops.moe_lora_expand(u, list(self.lora_b13), plan, z)
         h = base.act(z)
-        y = base.down(h, pairs)
-        if pairs.any_lora:
-            u = ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], pairs)
+        y = base.down(h, plan)
+        if plan.any_lora:
+            u = ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], plan)
             if self.fully_sharded:
                 u = comm.all_reduce(u, self.tp)
-            ops.moe_lora_expand(u, [self.lora_b2], pairs, y, offset=self.out_offset)
+            ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset)
         return y
 
 

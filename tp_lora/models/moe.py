@@ -37,7 +37,8 @@ from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.lora.layers import LoRALinear, LoRARuntime
 from tp_lora.lora.moe import wrap_experts
 from tp_lora.models.llama import CausalLM, _maybe_wrap
-from tp_lora.ops.moe_ref import build_pairs
+from tp_lora.ops.grouped_mm import torch_grouped_available
+from tp_lora.ops.moe_plan import build_plan
 from tp_lora.sharding import token_chunk
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -103,7 +104,8 @@ class MoEStep:
     owned: tuple[int, int] = (0, 0)  # tokens [c0, c1) of the step this rank routes
     rows: int = 0  # rows each EP rank contributes to the dispatch all-gather (max owned tokens over the EP group)
     slots: torch.Tensor | None = None  # [c1 - c0] int32 adapter slot per owned token (None: no LoRA runtime)
-    batch: LoRABatch | None = None  # LoRA metadata of the owned tokens (shared expert)
+    batch: LoRABatch | None = None  # LoRA metadata of the owned tokens (shared expert; None without one)
+    shared_expert: bool = False  # whether a block has a shared expert (set by SparseMoE; it reads `batch`)
     counts: list[int] | None = field(default=None)  # token counts of the EP group, stashed by lockstep()
 
 
@@ -132,8 +134,12 @@ def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, 
                            f"the MoE step {num_tokens}")
     else:
         step.slots = rt.batch.token_slot[c0:c1]
-        whole = (c0, c1) == (0, num_tokens)
-        step.batch = rt.batch if whole else build_lora_batch(rt.batch.token_slot[c0:c1].cpu(), rt.max_loras, device)
+        if (c0, c1) == (0, num_tokens):
+            step.batch = rt.batch
+        elif step.shared_expert:  # a chunk's batch is built on the host (a sync)
+            step.batch = build_lora_batch(rt.batch.token_slot[c0:c1].cpu(), rt.max_loras, device)
+        else:
+            step.batch = None
 
 
 class SparseMoE(nn.Module):
@@ -163,6 +169,7 @@ class SparseMoE(nn.Module):
             self.experts = wrap_experts(experts, rt, paths)
         self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
         if shape.shared_inter:
+            step.shared_expert = True
             p = f"model.layers.{idx}.mlp."
             si = shape.shared_inter
             self.shared_gate_up = _maybe_wrap(ParallelLinear(column_spec(hidden, si, si), ps.moe_tp, False, dtype,
@@ -194,12 +201,14 @@ class SparseMoE(nn.Module):
             xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
         else:
             xg = xs
-        max_loras = self.rt.max_loras if self.rt is not None else 0
-        pairs = build_pairs(ids, w, tags, ex.e0, ex.num_local, max_loras)
-        y = xg.new_zeros(xg.shape[0], self.hidden)
-        if pairs.num_pairs:
-            yp = self.experts(xg[pairs.token], pairs)
-            y.index_add_(0, pairs.token, (yp.float() * pairs.weight[:, None]).to(y.dtype))
+        plan = build_plan(ids, w, tags, ex.e0, ex.num_local, self.rt.max_loras if self.rt is not None else 0,
+                          self._expert_lora(tags))
+        n = xg.shape[0]
+        y = xg.new_zeros(n + 1, self.hidden)  # row n: scratch for pairs this rank does not compute
+        if plan.num_pairs:
+            yp = self.experts(xg[plan.token], plan)
+            y.index_add_(0, plan.dest, (yp.float() * plan.weight[:, None]).to(y.dtype))
+        y = y[:n]
         if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention
             if shared is not None:
                 y[c0:c1] += shared
@@ -211,6 +220,15 @@ class SparseMoE(nn.Module):
         if self.moe_tp.size > 1 and c1 > c0:  # the moe-tp ranks own the same tokens: all skip or none
             y = comm.all_reduce(y, self.moe_tp)
         return y
+
+    def _expert_lora(self, tags: torch.Tensor | None) -> bool:
+        """Whether the expert LoRA ops run this step, the same on every rank of the EP group. TP and EP/TP: the step's
+        LoRA batch (host facts, replicated). EP over DP replicas: the gathered tags (one sync; that layout is eager)."""
+        if tags is None or not hasattr(self.experts, "base"):
+            return False
+        if self.ep.size > 1 and not self.chunked:
+            return bool((tags >= 0).any())
+        return self.rt.active()
 
     def _shared(self, xs: torch.Tensor) -> torch.Tensor:
         """sigmoid(x g^T) * shared_expert(x), as a partial sum over moe-tp (reduced with the experts' sum)."""
@@ -302,6 +320,18 @@ class MoECausalLM(CausalLM):
             self.sliding_window = hf.get("sliding_window") or None
         # EP over DP replicas: every rank of the EP group takes part in every step's dispatch collectives.
         self.needs_lockstep = ps.ep.size > 1 and ps.ep_attention == "dp"
+        self.step_chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a decode step runs with no host sync, so the runner may capture it in a CUDA graph: the expert
+        GEMMs take torch's grouped GEMM (the loop fallback reads offsets on the host), and the layout is not EP over
+        DP replicas (token counts exchanged every step) nor a chunked shared expert with LoRA (its batch is built
+        on the host)."""
+        if self.needs_lockstep or (self.step_chunked and self.moe_shape.shared_inter and self.rt is not None):
+            return False
+        ex = next((layer.mlp.base_experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)), None)
+        return ex is None or all(torch_grouped_available(self.device, self.dtype, w.shape[2], w.shape[1]) for w in (ex.w13, ex.w2))
 
     def _begin_step(self, num_tokens: int, counts: list[int] | None = None) -> None:
         prepare_step(self.step, self.ps, self.rt, num_tokens, self.device, counts)

@@ -2,13 +2,13 @@
 tp_lora.ops.moe_ref (read its docstring for the pair order and shapes).
 
 One launch per call covers every (local expert, adapter slot) group and every slice (w1 and w3 together). The grid is
-(groups, token blocks of the largest group, slices x output blocks); a program reads its group's row of the
-[G, 4] (expert, slot, start, count) table and walks rows start .. start + count of the pair-ordered input, so it reads
-one expert's weights of one adapter only. Pairs of tokens without an adapter belong to no group: shrink leaves their
-rows 0 and expand never touches them.
+(LoRA blocks of the routing plan, token blocks of the largest block, slices x output blocks); a program reads its
+block's row of the plan's [B, 4] (expert, slot, start, count) table and walks rows start .. start + count of the
+pair-ordered input, so it reads one expert's weights of one adapter only. Pairs of tokens without an adapter belong
+to no block: shrink leaves their rows 0 and expand never touches them.
 
-Grids come from host-side sizes (the group count and largest group MoEPairs keeps on the host): no device value is
-read here. Runs natively on CUDA and, under TRITON_INTERPRET=1, on the CPU.
+Grids come from the plan's static sizes (block count, block size): no device value is read here, so the calls are
+capturable in a CUDA graph. Runs natively on CUDA and, under TRITON_INTERPRET=1, on the CPU.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.moe_ref import MoEPairs
+from tp_lora.ops.moe_plan import MoEPlan
 
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
@@ -159,7 +159,7 @@ def _launches(weights: Sequence[torch.Tensor]):
 
 
 def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,
-                    pairs: MoEPairs) -> torch.Tensor:
+                    pairs: MoEPlan) -> torch.Tensor:
     """x [P, in] in pair order, lora_a S x [L, E, r, in], scales [S, L, E] float32 -> [S, P, r] float32;
     rows of pairs without an adapter are 0."""
     rank = lora_a[0].shape[2]
@@ -188,7 +188,7 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
     return out
 
 
-def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: MoEPairs, out: torch.Tensor,
+def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: MoEPlan, out: torch.Tensor,
                     offset: int = 0, add: bool = True) -> None:
     """buf [S, P, r], lora_b S x [L, E, out_s, r], out [P, O] in pair order:
     out[p, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s, p] @ B_s[slot_p, e_p]^T for pairs with an

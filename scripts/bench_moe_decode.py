@@ -1,0 +1,208 @@
+"""End-to-end MoE decode step (every layer, attention + MoE + LM head) at a fixed batch, with and without adapters,
+in each 2-GPU layout, against the step's active-weight floor.
+
+    torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model qwen3-30b-a3b --out bench_results/moe_decode
+    torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model mixtral-8x7b --layers 16
+    torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --smoke                  # tiny, CPU + gloo
+
+Models (random bf16 weights, built in memory, no checkpoint): "qwen3-30b-a3b" (48 layers, hidden 2048, 128 experts,
+top-8, expert intermediate 768, GQA 32/4, head_dim 128, vocab 151936) and "mixtral-8x7b" (32 layers, hidden 4096,
+8 experts, top-2, intermediate 14336, GQA 32/8, vocab 32000); --layers cuts the depth (the step time and the floor
+scale together). Layouts: tp2 (experts' intermediate split), ep2 (EP over two DP replicas, each serving --batch
+sequences: eager, it exchanges token counts every step), tp2_ep2 (EP over the attention TP group). LoRA: none, or
+--adapters adapters of rank --rank on every attention and expert projection, sequences round-robin over them.
+
+A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
+capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
+warm-up (and capture); the slowest rank's median. Floor: the bytes one rank must read in the step (its attention,
+norm and LM-head weights, and the weights of its experts that the step's tokens are actually routed to, measured on
+one eager step) over the measured device copy bandwidth (read bytes = half of the copy traffic); "% of floor" is
+floor / step. Adapters' bytes are not in the floor. Prints a markdown table, writes bench_moe_decode.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_moe import copy_bandwidth  # noqa: E402
+from tp_lora import distributed as comm  # noqa: E402
+from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
+from tp_lora.layers.moe import Router  # noqa: E402
+from tp_lora.lora.layers import LoRARuntime  # noqa: E402
+from tp_lora.models.moe import MoECausalLM, SparseMoE  # noqa: E402
+from tp_lora.ops import get_backend  # noqa: E402
+
+COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
+              tie_word_embeddings=False)
+MODELS = {
+    "qwen3-30b-a3b": dict(COMMON, model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+                          norm_topk_prob=True),
+    "mixtral-8x7b": dict(COMMON, model_type="mixtral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_local_experts=8,
+                         num_experts_per_tok=2, intermediate_size=14336, sliding_window=None),
+    "tiny": dict(COMMON, model_type="qwen3_moe", vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True),
+}
+LAYOUTS = {"tp2": (2, 1, "dp"), "ep2": (1, 2, "dp"), "tp2_ep2": (2, 2, "tp")}
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, device) -> None:
+    """Weights ~ N(0, 1/in), norms 1, LoRA small, scales 1; each tensor from a generator seeded by its name, so
+    replicated tensors (routers, norms) are equal on every rank."""
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if not p.is_floating_point():
+            continue
+        if name.endswith("scales"):
+            p.fill_(1.0)
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+            std = (1.0 if "lora_b" in name else p.shape[-1] ** -0.5) * (0.1 if "lora_" in name else 1.0)
+            p.normal_(0.0, std, generator=g)
+
+
+def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> int:
+    """Bytes this rank reads in one decode step of `step`: every non-expert, non-LoRA weight except the embedding
+    table (one row per token), plus its experts that the step's tokens are routed to (one eager step, every rank's
+    routing gathered)."""
+    routed: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: routed.append(out[0].flatten().cpu()))
+             for m in model.modules() if isinstance(m, Router)]
+    runner_eager.execute(step, cache)
+    for h in hooks:
+        h.remove()
+    ids = [torch.cat(layer) for layer in zip(*comm.all_gather_object(routed, ps.world))]  # per layer, all ranks
+    total = 0
+    for name, p in model.named_parameters():
+        if "lora_" in name or "embed_tokens" in name or ".experts." in name:
+            continue
+        total += p.numel() * p.element_size()
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    for block, layer_ids in zip(blocks, ids):
+        ex = block.base_experts
+        hit = layer_ids[(layer_ids >= ex.e0) & (layer_ids < ex.e1)].unique().numel()
+        total += hit * (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size()
+    return total
+
+
+def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwidth: float) -> dict:
+    tp, ep, attn = LAYOUTS[layout]
+    ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device)), ep, attn)
+    rt = LoRARuntime(n_adapters, args.rank, False, ops) if n_adapters else None
+    model = MoECausalLM(hf, ps, dtype, device, rt, None)
+    randomize(model, device)
+    graphs = args.graphs and device.type == "cuda" and model.cuda_graph_safe
+    runner = ModelRunner(model, rt, device, graphs)
+    eager = ModelRunner(model, rt, device, False)
+    cache = runner.kv_cache(args.batch, args.context + 2)
+    gen = torch.Generator().manual_seed(7 + ps.dp.rank)
+    step = StepBatch()
+    for i, tok in enumerate(torch.randint(0, hf["vocab_size"], (args.batch,), generator=gen).tolist()):
+        step.add([tok], i, args.context, i % n_adapters if n_adapters else -1)
+    nbytes = floor_bytes(model, eager, step, cache, ps)
+    floor = nbytes / (bandwidth / 2) * 1e3 if bandwidth else 0.0
+    cuda = device.type == "cuda"
+    for _ in range(args.warmup):
+        runner.execute(step, cache)
+    replayed = runner.replayed
+    times = []
+    for _ in range(args.iters):
+        comm.all_reduce(torch.zeros(1, device=device), ps.world)  # start every rank's step together
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.execute(step, cache)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    ms = max(comm.all_gather_object(statistics.median(times), ps.world))
+    floor, nbytes = max(comm.all_gather_object((floor, nbytes), ps.world))
+    runner.release_graphs()
+    tokens = args.batch * ps.dp.size
+    return dict(layout=layout, adapters=n_adapters, rank=args.rank if n_adapters else 0, batch_per_replica=args.batch,
+                global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
+                floor_mb=round(nbytes / 2**20, 1), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
+                peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    ap.add_argument("--layouts", default="tp2,ep2,tp2_ep2")
+    ap.add_argument("--batch", type=int, default=32, help="decode sequences per attention replica")
+    ap.add_argument("--context", type=int, default=512, help="position of the decoded token")
+    ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false")
+    ap.add_argument("--out", default="bench_results/moe_decode")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU + gloo works)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.batch, args.context, args.adapters, args.rank = "tiny", 4, 8, 2, 4
+        args.iters, args.warmup = 2, 1
+    cuda = torch.cuda.is_available() and not args.smoke
+    ps0 = comm.init_parallel(1, "cuda" if cuda else "cpu")
+    device = ps0.device
+    if ps0.world.size != 2:
+        raise SystemExit(f"run on 2 ranks (torchrun --nproc_per_node=2), got {ps0.world.size}")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    hf = dict(MODELS[args.model])
+    if args.layers:
+        hf["num_hidden_layers"] = args.layers
+    ops = get_backend("triton" if cuda else "torch", str(device))
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for layout in args.layouts.split(","):
+        if layout not in LAYOUTS:
+            raise SystemExit(f"--layouts {layout!r}: expected names from {sorted(LAYOUTS)}")
+        for n in (0, args.adapters):
+            rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
+                             **run_case(hf, layout, n, args, device, dtype, ops, bandwidth)))
+            gc.collect()  # the LoRA runtime and its layers reference each other: free the model before the next
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+    if ps0.is_driver:
+        os.makedirs(args.out, exist_ok=True)
+        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=2,
+                    copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), context=args.context)
+        with open(os.path.join(args.out, "bench_moe_decode.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(f"{meta['device']}, copy bandwidth {meta['copy_bandwidth_gb_s']} GB/s (read + write)")
+        print(table(rows))
+    comm.shutdown()
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | layers | layout | adapters | graphs | batch/replica | ms/step | tokens/s | floor MB/rank "
+            "| floor ms | % of floor | peak MB |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        pct = "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.1f}%"
+        lines.append(f"| {r['model']} | {r['layers']} | {r['layout']} | {r['adapters']} x r{r['rank']} | "
+                     f"{'yes' if r['graphs'] else 'no'} | {r['batch_per_replica']} | {r['ms']:.3f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | {r['peak_mb']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Grouped expert GEMM: one launch for every local expert over the pair-ordered rows of a routing plan.
+
+    grouped_mm(x [C, K], w [E, N, K], ends [E] int32) -> [C, N],  rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+
+Rows past ends[-1] are left undefined (the plan never reads them). torch's grouped GEMM (`F.grouped_mm`) where the
+installed torch runs it for the device and dtype (CUDA: bf16 on sm90+; CPU builds that have it), else the per-expert
+loop `grouped_mm_ref`, which reads the offsets on the host (a sync: eager only).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The per-expert loop (reference and fallback); rows past ends[-1] are 0."""
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e].t()
+        start = end
+    return out
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
+        return grouped_mm_ref(x, w, ends)
+    return F.grouped_mm(x.contiguous(), w.transpose(1, 2), offs=ends)
+
+
+def torch_grouped_available(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
+    """Whether grouped_mm runs torch's grouped GEMM (one launch, no host sync) for x [*, k] and w [E, n, k] of this
+    device and dtype (16-byte aligned rows of K and N elements)."""
+    if (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
+        return False
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
+    return _probe(device.type, index, dtype)
+
+
+@lru_cache(maxsize=None)
+def _probe(kind: str, index: int | None, dtype: torch.dtype) -> bool:
+    """One tiny call against the loop, once per (device, dtype): capability, not version numbers."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if kind == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(index) < (9, 0)):
+        return False
+    dev = torch.device(kind, index) if index is not None else torch.device(kind)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 16, generator=g).to(dtype).to(dev)
+    w = torch.randn(3, 8, 16, generator=g).to(dtype).to(dev)
+    for ends in ([8, 8, 24], [8, 8, 20]):  # every row routed; rows past the last expert
+        ends = torch.tensor(ends, dtype=torch.int32, device=dev)
+        used = int(ends[-1])
+        try:
+            got = F.grouped_mm(x, w.transpose(1, 2), offs=ends)[:used]
+        except (RuntimeError, NotImplementedError):
+            return False
+        if not torch.allclose(got.float(), grouped_mm_ref(x, w, ends)[:used].float(), rtol=2e-2, atol=2e-2):
+            return False
+    return True

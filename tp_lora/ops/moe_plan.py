@@ -1,0 +1,84 @@
+"""The routing plan of one MoE layer: the (token, top-k) pairs a rank computes, sorted once by (local expert, adapter
+slot), with everything the base grouped GEMMs and the fused MoE LoRA kernels read. Built on the device with no host
+sync and no data-dependent shape, so a step that routes is capturable in a CUDA graph.
+
+Shapes: N dispatched tokens, k top-k, E local experts, L adapter slots (0 without LoRA), C = N * min(k, E) the static
+capacity (a token sends at most min(k, E) pairs to this rank's experts), B the static number of LoRA blocks.
+
+Pair order: the first expert_ends[-1] of the C pairs are this rank's, sorted stably by (expert, slot); the rest are
+pairs of other ranks' experts (or of padding rows), which no GEMM reads and whose combine row is N (a scratch row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LORA_BLOCK = 16  # pairs per LoRA block: one (expert, slot) group is cut into blocks of at most this many pairs
+
+
+@dataclass
+class MoEPlan:
+    token: torch.Tensor  # [C] int64, row of the pair's token in the dispatched batch (valid for every pair)
+    dest: torch.Tensor  # [C] int64, combine row: the token for this rank's pairs, N for the others
+    weight: torch.Tensor  # [C] float32, router weight of the pair
+    expert: torch.Tensor  # [C] int32, local expert (E for pairs not on this rank)
+    slot: torch.Tensor  # [C] int32, adapter slot of the pair's token (-1 none)
+    expert_ends: torch.Tensor  # [E] int32, cumulative end of each expert's pairs (grouped GEMM offsets)
+    groups: torch.Tensor  # [B, 4] int32 LoRA blocks (expert, slot, start, count), count 0 for unused blocks
+    num_experts: int  # E
+    any_lora: bool  # whether the LoRA ops run (a host fact the caller knows: the step has an adapter somewhere)
+    max_group: int = LORA_BLOCK  # most pairs in one LoRA block (the kernels' grid reads it; static)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.token.shape[0]
+
+
+def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: torch.Tensor | None,
+               expert_start: int, num_local: int, max_loras: int = 0, lora: bool = False) -> MoEPlan:
+    """topk_ids [N, k] global expert ids (-1 = padding row), topk_weights [N, k], token_slot [N] int (or None: no
+    LoRA); this rank holds experts [expert_start, expert_start + num_local). lora: build the LoRA block table."""
+    n, k = topk_ids.shape
+    dev = topk_ids.device
+    E = num_local
+    L = max_loras if (lora and token_slot is not None) else 0
+    per_expert = L + 1  # keys per expert: no adapter, then slots 0..L-1
+    local = topk_ids.long().reshape(-1) - expert_start
+    mine = (local >= 0) & (local < E)
+    if L:
+        slot = token_slot.long().reshape(n, 1).expand(n, k).reshape(-1)
+    else:
+        slot = torch.full_like(local, -1)
+    key = torch.where(mine, local * per_expert + slot + 1, E * per_expert)
+    sorted_key, order = torch.sort(key, stable=True)
+    cap = n * min(k, E)
+    sorted_key, order = sorted_key[:cap], order[:cap]
+    token = order // k
+    on_rank = sorted_key < E * per_expert
+    bounds = torch.arange(1, E + 1, device=dev) * per_expert
+    expert_ends = torch.searchsorted(sorted_key, bounds, out_int32=True)
+    expert = torch.where(on_rank, sorted_key // per_expert, E).to(torch.int32)
+    return MoEPlan(token=token, dest=torch.where(on_rank, token, n), weight=topk_weights.reshape(-1)[order].float(),
+                   expert=expert, slot=torch.where(on_rank, slot[order], -1).to(torch.int32),
+                   expert_ends=expert_ends, groups=_lora_blocks(sorted_key, E, L, cap), num_experts=E,
+                   any_lora=L > 0)
+
+
+def _lora_blocks(sorted_key: torch.Tensor, E: int, L: int, cap: int) -> torch.Tensor:
+    """[B, 4] (expert, slot, start, count) blocks of at most LORA_BLOCK pairs covering every (expert, slot) group,
+    B = cap / LORA_BLOCK + min(E * L, cap) + 1 (static; unused blocks have count 0)."""
+    dev = sorted_key.device
+    if L == 0:
+        return torch.zeros(0, 4, dtype=torch.int32, device=dev)
+    g = torch.arange(E * L, device=dev)
+    key = (g // L) * (L + 1) + g % L + 1
+    start = torch.searchsorted(sorted_key, key)
+    count = torch.searchsorted(sorted_key, key, right=True) - start
+    blocks = (count + LORA_BLOCK - 1) // LORA_BLOCK
+    ends = torch.cumsum(blocks, 0)
+    b = torch.arange(cap // LORA_BLOCK + min(E * L, cap) + 1, device=dev)
+    gb = torch.searchsorted(ends, b, right=True).clamp_(max=E * L - 1)
+    m = b - (ends[gb] - blocks[gb])  # block index inside its group
+    n = (count[gb] - m * LORA_BLOCK).clamp(0, LORA_BLOCK) * (b < ends[-1])
+    return torch.stack([gb // L, gb % L, start[gb] + m * LORA_BLOCK, n], 1).to(torch.int32)
