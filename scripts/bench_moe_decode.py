@@ -110,11 +110,12 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     graphs = args.graphs and device.type == "cuda" and model.cuda_graph_safe
     runner = ModelRunner(model, rt, device, graphs)
     eager = ModelRunner(model, rt, device, False)
-    cache = runner.kv_cache(args.batch, args.context + 2)
+    bs, per_seq = 16, -(-(args.context + 2) // 16)
+    cache = runner.kv_cache(args.batch * per_seq, bs, args.context + 2)
     gen = torch.Generator().manual_seed(7 + ps.dp.rank)
     step = StepBatch()
     for i, tok in enumerate(torch.randint(0, hf["vocab_size"], (args.batch,), generator=gen).tolist()):
-        step.add([tok], i, args.context, i % n_adapters if n_adapters else -1)
+        step.add([tok], list(range(i * per_seq, (i + 1) * per_seq)), args.context, i % n_adapters if n_adapters else -1)
     nbytes = floor_bytes(model, eager, step, cache, ps)
     floor = nbytes / (bandwidth / 2) * 1e3 if bandwidth else 0.0
     cuda = device.type == "cuda"

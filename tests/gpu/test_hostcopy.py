@@ -18,7 +18,7 @@ def test_to_device_keeps_values_shapes_and_order_without_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         dev = to_device(host, "cuda")
-        build_attn_meta([3, 0, 5], [4, 0, 9], [1, 6, 1], "cuda")
+        build_attn_meta([[3], [0], [5]], [4, 0, 9], [1, 6, 1], 16, "cuda")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for h, d in zip(host, dev):
