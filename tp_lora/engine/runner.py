@@ -131,9 +131,9 @@ class ModelRunner:
         key = (size, lora)
         g = self.graphs.get(key) or self._capture(size, slots, lora)
         host = torch.tensor([step.ids + [0] * pad, step.starts + [0] * pad], dtype=torch.long)
-        table = torch.full(tuple(g.block_table.shape), self.cache.scratch, dtype=torch.int32)
-        for i, blocks in enumerate(step.blocks):
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        width = g.block_table.shape[1]
+        scratch = [self.cache.scratch] * width
+        table = torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32)
         dev, dev_table = to_device([host, table], self.device)
         g.ids.copy_(dev[0])
         g.positions.copy_(dev[1])

@@ -44,7 +44,7 @@ from tp_lora.engine.requests import Request, Result
 LOOKAHEAD = 64  # waiting requests whose adapters a victim choice tries not to evict
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list lookups must not compare token lists
 class Sequence:
     request: Request
     blocks: list[int]  # KV-cache blocks holding positions 0, 1, ... (its block table)

@@ -29,8 +29,9 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """The Triton kernel on CUDA, the reference elsewhere."""
-    if q.is_cuda:
+    """The Triton kernel on CUDA (head_dim a power of two >= 16, what tl.dot takes), the reference elsewhere."""
+    d = q.shape[-1]
+    if q.is_cuda and d >= 16 and not d & (d - 1):
         from tp_lora.ops.triton.paged_attention import paged_decode as kernel  # noqa: PLC0415 - CUDA only
         return kernel(q, k_cache, v_cache, block_table, context_lens, scale, window)
     return paged_decode_ref(q, k_cache, v_cache, block_table, context_lens, scale, window)
