@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over tensor-parallel layers, built from a HF config.json.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over tensor-parallel layers, built from a HF config.json.
 
 Module names mirror transformers' so a PEFT module path ("model.layers.3.self_attn.q_proj") maps onto a
 (LoRA layer, slice) of this model: q/k/v are slices of one packed qkv_proj, gate/up of one gate_up_proj.
@@ -18,7 +18,7 @@ from tp_lora.lora.layers import LoRARuntime, wrap
 from tp_lora.models.attention import AttnMeta, KVCache, attend
 from tp_lora.sharding import unit_range
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on q and k
 
