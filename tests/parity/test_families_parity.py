@@ -25,8 +25,15 @@ FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True,
                                               rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                                "rope_theta": 5000.0}),
+    # partial rotary, longrope (short factors: every position below original_max_position_embeddings), a window
+    # on every layer, fused qkv_proj / gate_up_proj tensors
+    "phi3": lambda: transformers.Phi3Config(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False,
+                                            original_max_position_embeddings=32, rope_parameters={
+                                                "rope_type": "longrope", "rope_theta": 5000.0,
+                                                "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                "long_factor": [2.0, 3.0, 5.0, 8.0]}),
 }
-TARGETS = {"qwen3": LINEAR}
+TARGETS = {"qwen3": LINEAR, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
 def _make(kind: str, root):

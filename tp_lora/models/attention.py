@@ -29,16 +29,25 @@ class AttnGroup:
     tokens: torch.Tensor | None  # [t] step index of each of the group's tokens; None: every token, in order
     _sdpa_masks: dict = field(default_factory=dict, repr=False)
 
-    def sdpa_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+    def sdpa_mask(self, rep: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """The mask as attention takes it with `rep` query heads folded into the query length: additive, in the
         activations' dtype, built by the first layer of the step and reused by the others (SDPA would convert a
-        boolean mask again in every layer)."""
-        key = (rep, dtype)
+        boolean mask again in every layer). window: a layer's own sliding window over the step's causal mask."""
+        key = (rep, dtype, window)
         if key not in self._sdpa_masks:
-            allowed = self.mask if rep == 1 else self.mask.repeat(1, 1, rep, 1)
+            allowed = self.mask if window is None else within_window(self.mask, window)
+            allowed = allowed if rep == 1 else allowed.repeat(1, 1, rep, 1)
             self._sdpa_masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
                 ~allowed, float("-inf"))
         return self._sdpa_masks[key]
+
+
+def within_window(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """mask [..., max_kv] of causal rows -> only the last `window` keys up to each query (a query's position is its
+    last allowed key: it always sees itself)."""
+    k_pos = torch.arange(mask.shape[-1], device=mask.device)
+    q_pos = torch.where(mask, k_pos, -1).amax(-1, keepdim=True)
+    return mask & (k_pos > q_pos - window)
 
 
 @dataclass
@@ -109,22 +118,25 @@ class KVCache:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int, meta: AttnMeta,
-           scale: float) -> torch.Tensor:
-    """q [T, H, d], k/v [T, KV, d] for the step's tokens -> [T, H*d]."""
+           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, d], k/v [T, KV, d] for the step's tokens -> [T, H*d]. window: this layer's sliding window (models
+    whose layers differ; a window shared by every layer is in the step's mask already). softcap: scores become
+    softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     kc, vc = cache.k[layer], cache.v[layer]
     kc[meta.token_rows, meta.positions] = k
     vc[meta.token_rows, meta.positions] = v
     heads, d = q.shape[1], q.shape[2]
     q_ext = torch.cat([q, q.new_zeros(1, heads, d)])  # the padding cell's index T reads zeros
     if len(meta.groups) == 1:
-        return _attend_group(q_ext, kc, vc, meta.groups[0], scale)
+        return _attend_group(q_ext, kc, vc, meta.groups[0], scale, window, softcap)
     out = q.new_empty(q.shape[0], heads * d)
     for g in meta.groups:
-        out[g.tokens] = _attend_group(q_ext, kc, vc, g, scale)
+        out[g.tokens] = _attend_group(q_ext, kc, vc, g, scale, window, softcap)
     return out
 
 
-def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
+def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float, window: int | None, softcap: float | None
+                  ) -> torch.Tensor:
     heads, d = q_ext.shape[1], q_ext.shape[2]
     n, max_q = g.pad_index.shape
     keys = kc[g.cache_rows, :g.max_kv].transpose(1, 2)  # [n, KV, max_kv, d]
@@ -134,7 +146,20 @@ def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
     # The `rep` query heads of one KV head (heads h = kv_i * rep + r) share its keys: folded into the query length,
     # they attend to K and V as stored instead of to `rep` copies of them.
     qp = q_ext[g.pad_index].view(n, max_q, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(n, kv, rep * max_q, d)
-    with sdpa_kernel(_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.sdpa_mask(rep, qp.dtype), scale=scale)
+    mask = g.sdpa_mask(rep, qp.dtype, window)
+    if softcap is not None:
+        out = softcapped_attention(qp, keys, vals, mask, scale, softcap)
+    else:
+        with sdpa_kernel(_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=scale)
     out = out.view(n, kv, rep, max_q, d).permute(0, 3, 1, 2, 4).reshape(n * max_q, heads * d)
     return out[g.flat_index]
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """Attention with capped scores, in plain torch (SDPA has no soft-cap): q [n, KV, Q, d], k/v [n, KV, K, d],
+    additive mask [n, 1, Q, K] -> [n, KV, Q, d]. Softmax in float32, as transformers' eager Gemma 2."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
