@@ -32,8 +32,18 @@ FAMILIES = {
                                                 "rope_type": "longrope", "rope_theta": 5000.0,
                                                 "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.5, 2.0, 3.0],
                                                 "long_factor": [2.0, 3.0, 5.0, 8.0]}),
+    # sliding / global layers, attention and final soft-caps small enough to bite, query_pre_attn_scalar, GeLU-tanh
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    # its own RoPE base for sliding layers, linear scaling on global ones, q/k norm
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
 }
-TARGETS = {"qwen3": LINEAR, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+TARGETS = {"qwen3": LINEAR, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], "gemma2": LINEAR,
+           "gemma3_text": LINEAR}
 
 
 def _make(kind: str, root):
@@ -70,7 +80,8 @@ def _reference(model_dir, adapter_dir, reqs):
     """transformers + PEFT, each request alone: (greedy tokens, their logprobs) per request."""
     out = []
     for adapter, prompt in reqs:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                  attn_implementation="eager")
         if adapter is not None:
             model = peft.PeftModel.from_pretrained(model, adapter_dir / adapter)
         ids = torch.tensor([prompt])
