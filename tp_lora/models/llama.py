@@ -53,13 +53,12 @@ def rope_params(hf: dict, layer_type: str | None = None) -> dict:
         return dict(rp[layer_type])
     if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
         return {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
-    params = dict(hf.get("rope_scaling") or {})
+    flat = isinstance(rp, dict) and not any(isinstance(v, dict) for v in rp.values())  # transformers 5
+    params = dict(rp) if flat else dict(hf.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):  # top level in older configs
         if key not in params and key in hf:
             params[key] = hf[key]
-    if "partial_rotary_factor" not in params and isinstance(rp, dict) and "partial_rotary_factor" in rp:
-        params["partial_rotary_factor"] = rp["partial_rotary_factor"]
     return params
 
 
