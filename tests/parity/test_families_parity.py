@@ -21,8 +21,9 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
               num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1, bos_token_id=0, pad_token_id=0)
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FAMILIES = {
-    # head_dim 32 != hidden / heads; linear RoPE scaling; tied embeddings
+    # head_dim 32 != hidden / heads; linear RoPE scaling; tied embeddings; a window on layer 1 only (layer_types)
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True,
+                                              use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
                                               rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                                "rope_theta": 5000.0}),
     # partial rotary, longrope (short factors: every position below original_max_position_embeddings), a window

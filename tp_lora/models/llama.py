@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over tensor-parallel layers, built from a HF config.json.
+"""Llama-family decoder over tensor-parallel layers, built from a HF config.json: Llama, Mistral, Qwen2, Qwen3, Phi-3
+(fused qkv / gate_up modules, longrope), Gemma 2 / Gemma 3 text ((1 + w) norms, soft-caps, per-layer windows and
+RoPE bases).
 
 Module names mirror transformers' so a PEFT module path ("model.layers.3.self_attn.q_proj") maps onto a
 (LoRA layer, slice) of this model: q/k/v are slices of one packed qkv_proj, gate/up of one gate_up_proj.
