@@ -1,6 +1,7 @@
 """Model families against the outside world: for Qwen3 (dense), Phi-3 and Gemma 2 / Gemma 3 text, a tiny random
 checkpoint saved by transformers (windows shorter than the prompts, RoPE scaling on where the family has it) and
-random PEFT adapters (init_lora_weights=False, every projection; Phi-3's fused qkv_proj / gate_up_proj) give the
+random PEFT adapters (init_lora_weights=False, every projection; Phi-3's fused qkv_proj / gate_up_proj; embed_tokens and
+lm_head, tied or not, in the second adapter) give the
 greedy tokens and logprobs of transformers + PEFT running each request alone, at tp=1 and over real ranks at tp=2
 (one spawned group per family for both LoRA modes; tp=4 for one family)."""
 import pytest
@@ -62,7 +63,7 @@ def _make(kind: str, root):
     model.save_pretrained(model_dir, safe_serialization=True)
     specs = {"a": peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=TARGETS[kind]),
              "b": peft.LoraConfig(r=4, lora_alpha=8, use_rslora=True, init_lora_weights=False,
-                                  target_modules=TARGETS[kind][::2])}
+                                  target_modules=TARGETS[kind][::2] + ["embed_tokens", "lm_head"])}
     for name, lc in specs.items():
         pm = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                                  lc)
