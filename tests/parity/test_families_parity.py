@@ -1,9 +1,9 @@
 """Model families against the outside world: for Qwen3 (dense), Phi-3 and Gemma 2 / Gemma 3 text, a tiny random
 checkpoint saved by transformers (windows shorter than the prompts, RoPE scaling on where the family has it) and
-random PEFT adapters (init_lora_weights=False, every projection; Phi-3's fused qkv_proj / gate_up_proj; embed_tokens and
-lm_head, tied or not, in the second adapter) give the
-greedy tokens and logprobs of transformers + PEFT running each request alone, at tp=1 and over real ranks at tp=2
-(one spawned group per family for both LoRA modes; tp=4 for one family)."""
+random PEFT adapters (init_lora_weights=False, every projection; Phi-3's fused qkv_proj / gate_up_proj; embed_tokens
+and lm_head, tied or not, in the second adapter) give the greedy tokens and logprobs of transformers + PEFT running
+each request alone, at tp=1 and over real ranks at tp=2 (one spawned group per family for both LoRA modes; tp=4 for
+one family). TP_LORA_TEST_DEVICE=cuda / TP_LORA_TEST_BACKEND=triton run the same on GPUs."""
 import pytest
 import torch
 
@@ -14,7 +14,7 @@ from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.config import RunConfig  # noqa: E402
 from tp_lora.engine.engine import Engine  # noqa: E402
 from tp_lora.engine.requests import Request  # noqa: E402
-from tp_lora.testing import run_ranks  # noqa: E402
+from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks  # noqa: E402
 
 NEW_TOKENS = 5
 WINDOW = 4  # shorter than every prompt below: a wrong window changes the logits
@@ -102,7 +102,7 @@ def _ours(ps, model_dir, adapter_dir, reqs, modes):
     results = []
     for fully in modes:
         cfg = RunConfig()
-        cfg.device, cfg.dtype = "cpu", "float32"
+        cfg.device, cfg.dtype, cfg.lora.backend = device_under_test(), "float32", backend_under_test()
         cfg.lora.max_loras, cfg.lora.max_rank, cfg.lora.fully_sharded = 3, 16, fully
         cfg.generation.ignore_eos = True
         engine = Engine(cfg, ps, str(model_dir), str(adapter_dir))
@@ -130,7 +130,9 @@ def test_family_matches_transformers_peft(tmp_path, kind):
     base_only = _reference(model_dir, adapter_dir, [(None, p) for _, p in reqs])
     assert any(e[0] != b[0] for e, b, (a, _) in zip(expected, base_only, reqs) if a), \
         "adapters did not change any greedy output: the test would not see a LoRA bug"
-    _check(_ours(comm.single_process(), model_dir, adapter_dir, reqs, [False])[0], expected, "tp=1")
-    tp = 4 if kind == "qwen3" else 2
+    _check(_ours(comm.single_process(device_under_test()), model_dir, adapter_dir, reqs, [False])[0], expected, "tp=1")
+    tp = 4 if kind == "qwen3" and enough_devices(4) else 2
+    if not enough_devices(tp):
+        pytest.skip(f"tp={tp} needs {tp} GPUs")
     for fully, got in zip([False, True], run_ranks(_ours, tp, model_dir, adapter_dir, reqs, [False, True])):
         _check(got, expected, f"tp={tp} fully_sharded={fully}")
