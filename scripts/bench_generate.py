@@ -3,8 +3,10 @@
 
     python scripts/bench_generate.py --out DIR                      # one GPU
     torchrun --nproc_per_node=2 scripts/bench_generate.py --out DIR --tp 2 --no-hf
+    python scripts/bench_generate.py --out DIR --model qwen3-8b       # another family at a real model's shape
 
-Model: Llama-shaped, 16 layers, hidden 2048, 32 query / 8 KV heads, random bf16 weights (written once under --cache).
+Model (--model): llama (default): Llama-shaped, 16 layers, hidden 2048, 32 query / 8 KV heads; qwen3-8b, gemma2-9b,
+phi3-mini: those models' shapes (FAMILY_SHAPES), written by transformers. Random bf16 weights (once under --cache).
 Workload: batch 32, 32 distinct rank-16 adapters on all seven projections, 128-token prompts, 64 new tokens.
 Prints a table and writes bench_generate.json into --out.
 """
@@ -29,9 +31,64 @@ from tp_lora.engine.requests import Request  # noqa: E402
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Other families at a real model's shape: (transformers config class, its arguments, LoRA target modules).
+FAMILY_SHAPES = {
+    "qwen3-8b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                     rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False),
+                 TARGETS),
+    "gemma2-9b": ("Gemma2Config", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                                       num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0), TARGETS),
+    "phi3-mini": ("Phi3Config", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                                     sliding_window=2047, tie_word_embeddings=False),
+                  ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+}
+SMOKE = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024)
 
 
-def make_assets(cache: str, n_adapters: int, rank: int, smoke: bool) -> tuple[str, str]:
+def make_family_assets(name: str, model: str, adapters: str, n_adapters: int, rank: int, smoke: bool) -> None:
+    """A FAMILY_SHAPES model saved by transformers (random weights, on the GPU when there is one) and random PEFT
+    adapters on its projections (PEFT names the modules: Phi-3's are fused)."""
+    import peft
+    import transformers
+    cls, kw, targets = FAMILY_SHAPES[name]
+    paths = [os.path.join(adapters, f"a{i:03d}") for i in range(n_adapters)]
+    if os.path.exists(os.path.join(model, "config.json")) and all(
+            os.path.exists(os.path.join(p, "adapter_model.safetensors")) for p in paths):
+        return
+    if smoke:
+        kw = dict(kw, **SMOKE, num_attention_heads=4, num_key_value_heads=2 if kw["num_key_value_heads"] < 32 else 4,
+                  **({"head_dim": 64} if "head_dim" in kw else {}))
+    cfg = getattr(transformers, cls)(**kw, eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    hf.save_pretrained(model)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                                                 init_lora_weights=False))
+    gen = torch.Generator(device).manual_seed(0)
+    for path in paths:
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_A" in n:
+                    p.normal_(0, p.shape[1] ** -0.5, generator=gen)
+                elif "lora_B" in n:
+                    p.normal_(0, 0.02, generator=gen)
+        pm.save_pretrained(path)
+    del pm, hf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_assets(cache: str, n_adapters: int, rank: int, smoke: bool, family: str = "llama") -> tuple[str, str]:
+    if family != "llama":
+        model = os.path.join(cache, f"{family}{'-smoke' if smoke else ''}")
+        adapters = os.path.join(cache, f"{family}-adapters{'-smoke' if smoke else ''}-{n_adapters}x{rank}")
+        make_family_assets(family, model, adapters, n_adapters, rank, smoke)
+        return model, adapters
     shape = dict(SHAPE, num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024) if smoke \
         else SHAPE
     model = os.path.join(cache, "model-smoke" if smoke else "model")
@@ -110,6 +167,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/tp_lora/bench"))
+    p.add_argument("--model", default="llama", choices=["llama"] + list(FAMILY_SHAPES))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=128)
@@ -127,9 +185,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ps = comm.init_parallel(args.tp, device)
     model, adapters = make_assets(args.cache + f"-r{ps.rank}" if device == "cpu" and ps.world.size > 1
-                                  else args.cache, 32, args.rank, args.smoke)
-    vocab = 1024 if args.smoke else SHAPE["vocab_size"]
-    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,
+                                  else args.cache, 32, args.rank, args.smoke, args.model)
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=args.model, tp=ps.tp.size,
                   fully_sharded=args.fully_sharded, kernel=args.kernel, cuda_graphs=not args.no_graphs,
                   workload=dict(batch=args.batch, prompt=args.prompt, new=args.new, rank=args.rank, adapters=32),
                   ours=run_ours(ps, model, adapters, args, vocab))

@@ -86,6 +86,13 @@ class LinearSpec:
     def local_out_widths(self, rank: int, size: int) -> tuple[int, ...]:
         return tuple(b - a for a, b in self.slice_ranges(rank, size))
 
+    def fused_rows(self, slice_idx: int, rank: int, size: int) -> Range:
+        """Rows rank holds of slice `slice_idx` inside a fused checkpoint tensor, the slices concatenated on the
+        output dim (Phi-3's qkv_proj [q+k+v, in], gate_up_proj [2I, in])."""
+        start = sum(self.out_widths[:slice_idx])
+        a, b = self.slice_ranges(rank, size)[slice_idx]
+        return start + a, start + b
+
     def in_range(self, rank: int, size: int) -> Range:
         if self.kind != "row":
             return 0, self.in_features

@@ -41,19 +41,22 @@ def test_reference_matches_dense_attention():
         torch.testing.assert_close(got[b], want)
 
 
-@pytest.mark.parametrize("lens, bs, window", [
-    ([1], 16, 0),  # one position
-    ([16, 17, 3], 16, 0),  # exactly a block, a block + 1, ragged
-    ([70, 5, 33], 16, 20),  # sliding window shorter than the context
-    ([130, 1], 8, 0),  # several inner iterations
+@pytest.mark.parametrize("lens, bs, window, softcap", [
+    ([1], 16, 0, 0.0),  # one position
+    ([16, 17, 3], 16, 0, 0.0),  # exactly a block, a block + 1, ragged
+    ([70, 5, 33], 16, 20, 0.0),  # sliding window shorter than the context
+    ([130, 1], 8, 0, 0.0),  # several inner iterations
+    ([40, 9], 16, 0, 1.5),  # soft-capped scores (Gemma 2), a cap small enough to change them
 ])
-def test_kernel_matches_reference(device, lens, bs, window):
+def test_kernel_matches_reference(device, lens, bs, window, softcap):
     from tp_lora.ops.triton.paged_attention import paged_decode
     gen = torch.Generator().manual_seed(sum(lens) + bs + window)
     heads, kv, d = 8, 2, 16  # rep 4: the query heads of one KV head in one tile
     args = _case(gen, lens, heads, kv, d, bs, torch.float32, device)
-    got = paged_decode(*args, 0.25, window)
-    want = paged_decode_ref(*args, 0.25, window)
+    got = paged_decode(*args, 0.25, window, softcap)
+    want = paged_decode_ref(*args, 0.25, window, softcap)
+    if softcap:
+        assert not torch.allclose(want, paged_decode_ref(*args, 0.25, window)), "the cap changed nothing"
     tol = 1e-5 if device == "cpu" else 3e-3  # tf32 dots on GPU
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tp_lora import distributed as comm
-from tp_lora.sharding import LinearSpec, OutSlice, shard_weight
+from tp_lora.sharding import LinearSpec, OutSlice, shard_weight, take
 
 
 class ParallelLinear(nn.Module):
@@ -48,6 +48,23 @@ class ParallelLinear(nn.Module):
             else:
                 _copy_checked(self.bias.data[row0:row0 + rows],
                               shard_weight(self.spec, slice_idx, bias, self.tp.rank, self.tp.size), "bias")
+
+    def load_fused(self, weight: Any, bias: Any = None) -> None:
+        """Copy this rank's rows of every slice from one fused checkpoint tensor [out_features, in] (slices
+        concatenated, e.g. Phi-3's qkv_proj), reading only those rows of a lazy safetensors slice."""
+        shape = tuple(getattr(weight, "shape", None) or weight.get_shape())
+        if self.spec.kind != "column" or shape != (self.spec.out_features, self.spec.in_features):
+            raise ValueError(f"fused checkpoint tensor of shape {shape}: expected a column layer's "
+                             f"{(self.spec.out_features, self.spec.in_features)} (slices {self.spec.out_widths})")
+        if bias is not None and self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
+        row0 = 0
+        for s, rows in enumerate(self.local_out_widths):
+            rng = self.spec.fused_rows(s, self.tp.rank, self.tp.size)
+            _copy_checked(self.weight.data[row0:row0 + rows], take(weight, rng, 0), f"fused slice {s} weight")
+            if bias is not None:
+                _copy_checked(self.bias.data[row0:row0 + rows], take(bias, rng, 0), f"fused slice {s} bias")
+            row0 += rows
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.weight.t()

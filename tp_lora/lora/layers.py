@@ -41,6 +41,10 @@ class LoRARuntime:
         return self.batch is not None and self.batch.any_lora
 
 
+# The key of a PEFT module that covers every packed slice of a layer (Phi-3's qkv_proj / gate_up_proj): one A over the
+# input, one B over the concatenated outputs.
+FUSED = "fused"
+
 # copy(dst, src) puts src into dst; copy(dst, src, scales) quantizes src per channel into dst (fp8) and scales.
 Copy = Callable[..., None]
 
@@ -154,7 +158,12 @@ class LoRALinear(SlotBuffers, nn.Module):
 
     def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:
-        """One slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard."""
+        """One slice of an adapter, given whole: a [r, in], b [out_s, r]; this rank keeps its shard. slice_idx FUSED:
+        b [out, r] spans every slice: each slice gets A and its rows of B (the same delta, cut at slice bounds)."""
+        if slice_idx == FUSED:
+            for s, b_s in enumerate(b.split(self.spec.out_widths)):
+                self.write(views, s, a, b_s, scale, copy)
+            return
         n = len(self.lora_a)
         dev = views[0].device
         r, size = a.shape[0], (self.tp.rank, self.tp.size)
@@ -222,9 +231,14 @@ class LoRAEmbedding(SlotBuffers, nn.Module):
         return self.base.finish(z)
 
 
-def wrap(base: nn.Module, rt: LoRARuntime, module_paths: list[str]) -> nn.Module:
-    """Wrap a base layer and register the PEFT module paths its slices answer to (q/k/v -> slices 0/1/2)."""
+def wrap(base: nn.Module, rt: LoRARuntime, module_paths: list[str], fused: bool = False) -> nn.Module:
+    """Wrap a base layer and register the PEFT module paths its slices answer to (q/k/v -> slices 0/1/2); fused: one
+    path answering for every slice (qkv_proj)."""
     layer = LoRAEmbedding(base, rt) if isinstance(base, VocabParallelEmbedding) else LoRALinear(base, rt)
+    if fused:
+        (path,) = module_paths
+        rt.targets[path] = (layer, FUSED)
+        return layer
     for slice_idx, path in enumerate(module_paths):
         rt.targets[path] = (layer, slice_idx)
     return layer
@@ -239,6 +253,7 @@ def module_shapes(rt: LoRARuntime) -> dict[str, tuple[int, int]]:
         elif hasattr(layer, "module_shape"):  # layers whose targets are not LinearSpec slices (MoE experts)
             shapes[path] = layer.module_shape(s)
         else:
-            shapes[path] = (layer.spec.in_features, layer.spec.slices[s].width)
+            out = layer.spec.out_features if s == FUSED else layer.spec.slices[s].width
+            shapes[path] = (layer.spec.in_features, out)
     return shapes
 

@@ -34,16 +34,25 @@ class AttnGroup:
     mask: torch.Tensor | None = None  # [n, 1, max_q, max_kv] True where the query may attend
     _sdpa_masks: dict = field(default_factory=dict, repr=False)
 
-    def sdpa_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+    def sdpa_mask(self, rep: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """The mask as attention takes it with `rep` query heads folded into the query length: additive, in the
         activations' dtype, built by the first layer of the step and reused by the others (SDPA would convert a
-        boolean mask again in every layer)."""
-        key = (rep, dtype)
+        boolean mask again in every layer). window: a layer's own sliding window over the step's causal mask."""
+        key = (rep, dtype, window)
         if key not in self._sdpa_masks:
-            allowed = self.mask if rep == 1 else self.mask.repeat(1, 1, rep, 1)
+            allowed = self.mask if window is None else within_window(self.mask, window)
+            allowed = allowed if rep == 1 else allowed.repeat(1, 1, rep, 1)
             self._sdpa_masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
                 ~allowed, float("-inf"))
         return self._sdpa_masks[key]
+
+
+def within_window(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """mask [..., max_kv] of causal rows -> only the last `window` keys up to each query (a query's position is its
+    last allowed key: it always sees itself)."""
+    k_pos = torch.arange(mask.shape[-1], device=mask.device)
+    q_pos = torch.where(mask, k_pos, -1).amax(-1, keepdim=True)
+    return mask & (k_pos > q_pos - window)
 
 
 @dataclass
@@ -146,29 +155,35 @@ class KVCache:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int, meta: AttnMeta,
-           scale: float) -> torch.Tensor:
-    """q [T, H, d], k/v [T, KV, d] for the step's tokens -> [T, H*d]."""
+           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, d], k/v [T, KV, d] for the step's tokens -> [T, H*d]. window: this layer's sliding window (models
+    whose layers differ; a window shared by every layer is the step's, meta.window). softcap: scores become
+    softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     kc, vc = cache.k[layer], cache.v[layer]
     kc.view(-1, *kc.shape[2:])[meta.slots] = k
     vc.view(-1, *vc.shape[2:])[meta.slots] = v
     heads, d = q.shape[1], q.shape[2]
+
+    def decode(g: AttnGroup, qs: torch.Tensor) -> torch.Tensor:
+        return paged_decode(qs, kc, vc, g.block_table, g.context_lens, scale, window or meta.window,
+                            softcap or 0.0).view(-1, heads * d)
+
     if len(meta.groups) == 1 and meta.groups[0].block_table is not None:
-        g = meta.groups[0]
-        return paged_decode(q, kc, vc, g.block_table, g.context_lens, scale, meta.window).view(-1, heads * d)
+        return decode(meta.groups[0], q)
     q_ext = torch.cat([q, q.new_zeros(1, heads, d)])  # the padding cell's index T reads zeros
     if len(meta.groups) == 1:
-        return _attend_group(q_ext, kc, vc, meta.groups[0], scale)
+        return _attend_group(q_ext, kc, vc, meta.groups[0], scale, window, softcap)
     out = q.new_empty(q.shape[0], heads * d)
     for g in meta.groups:
         if g.block_table is not None:
-            out[g.tokens] = paged_decode(q[g.tokens], kc, vc, g.block_table, g.context_lens, scale,
-                                         meta.window).view(-1, heads * d)
+            out[g.tokens] = decode(g, q[g.tokens])
         else:
-            out[g.tokens] = _attend_group(q_ext, kc, vc, g, scale)
+            out[g.tokens] = _attend_group(q_ext, kc, vc, g, scale, window, softcap)
     return out
 
 
-def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
+def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float, window: int | None, softcap: float | None
+                  ) -> torch.Tensor:
     heads, d = q_ext.shape[1], q_ext.shape[2]
     n, max_q = g.pad_index.shape
     keys = kc.view(-1, *kc.shape[2:])[g.kv_index].transpose(1, 2)  # [n, KV, max_kv, d]
@@ -178,7 +193,20 @@ def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float) -> torch.Tensor:
     # The `rep` query heads of one KV head (heads h = kv_i * rep + r) share its keys: folded into the query length,
     # they attend to K and V as stored instead of to `rep` copies of them.
     qp = q_ext[g.pad_index].view(n, max_q, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(n, kv, rep * max_q, d)
-    with sdpa_kernel(_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.sdpa_mask(rep, qp.dtype), scale=scale)
+    mask = g.sdpa_mask(rep, qp.dtype, window)
+    if softcap is not None:
+        out = softcapped_attention(qp, keys, vals, mask, scale, softcap)
+    else:
+        with sdpa_kernel(_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=scale)
     out = out.view(n, kv, rep, max_q, d).permute(0, 3, 1, 2, 4).reshape(n * max_q, heads * d)
     return out[g.flat_index]
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """Attention with capped scores, in plain torch (SDPA has no soft-cap): q [n, KV, Q, d], k/v [n, KV, K, d],
+    additive mask [n, 1, Q, K] -> [n, KV, Q, d]. Softmax in float32, as transformers' eager Gemma 2."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over tensor-parallel layers, built from a HF config.json.
+"""Llama-family decoder over tensor-parallel layers, built from a HF config.json: Llama, Mistral, Qwen2, Qwen3, Phi-3
+(fused qkv / gate_up modules, longrope), Gemma 2 / Gemma 3 text ((1 + w) norms, soft-caps, per-layer windows and
+RoPE bases).
 
 Module names mirror transformers' so a PEFT module path ("model.layers.3.self_attn.q_proj") maps onto a
 (LoRA layer, slice) of this model: q/k/v are slices of one packed qkv_proj, gate/up of one gate_up_proj.
@@ -18,76 +20,170 @@ from tp_lora.lora.layers import LoRARuntime, wrap
 from tp_lora.models.attention import AttnMeta, KVCache, attend
 from tp_lora.sharding import unit_range
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on q and k
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # per-head RMSNorm on q and k
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + weight) norms, scaled embeddings, norms around attention and MLP
+FUSED_TYPES = ("phi3",)  # checkpoints and PEFT adapters name one qkv_proj and one gate_up_proj module
+ACTIVATIONS = {"silu": torch.nn.functional.silu,
+               "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype, device):
+    """offset (Gemma): the weight is stored as w - 1 and applied, in float32, as (1 + w)."""
+
+    def __init__(self, dim: int, eps: float, dtype, device, offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 and cast back before the weight, as transformers does: bit-parity in low precision.
+        # In float32 and cast back as transformers does (Llama before the weight, Gemma after): bit-parity in
+        # low precision.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(hf: dict, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for rope_scaling types default, linear and llama3."""
-    theta = hf.get("rope_theta", 10000.0)
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    scaling = hf.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+def rope_params(hf: dict, layer_type: str | None = None) -> dict:
+    """RoPE settings {rope_theta, rope_type, factor, ...} of one layer type. Gemma 3 gives sliding layers their own
+    (rope_parameters per layer type in transformers 5 configs, rope_local_base_freq in older ones)."""
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get(layer_type), dict):
+        return dict(rp[layer_type])
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+        return {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    flat = isinstance(rp, dict) and not any(isinstance(v, dict) for v in rp.values())  # transformers 5
+    params = dict(rp) if flat else dict(hf.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):  # top level in older configs
+        if key not in params and key in hf:
+            params[key] = hf[key]
+    return params
+
+
+def rope_inv_freq(params: dict, dim: int) -> torch.Tensor:
+    """Inverse frequencies [dim/2] for rope types default, linear and llama3 (longrope: see Rotary)."""
+    theta = params.get("rope_theta", 10000.0)
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return inv.float()
     if kind == "linear":
-        return (inv / scaling["factor"]).float()
+        return (inv / params["factor"]).float()
     if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old = scaling["original_max_position_embeddings"]
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old = params["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
         smooth = (old / wavelen - low) / (high - low)
         scaled = torch.where(wavelen > old / low, inv / factor, inv)
         mid = (wavelen <= old / low) & (wavelen >= old / high)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
-    raise ConfigError(f"rope_scaling type {kind!r} is not supported (expected default, linear or llama3)")
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported (expected default, linear, llama3 or longrope)")
+
+
+class Rotary(nn.Module):
+    """RoPE of one layer type: cos/sin [T, 1, rotary_dim] for a step's positions (rotary_dim < head_dim with
+    partial_rotary_factor: the rest of each head passes through).
+
+    longrope (Phi-3's "su"): short_factor below original_max_position_embeddings, long_factor from there on, per
+    token as vLLM does (transformers switches a whole sequence once it is longer), cos/sin times attention_factor."""
+
+    def __init__(self, hf: dict, head_dim: int, layer_type: str | None, device):
+        super().__init__()
+        p = rope_params(hf, layer_type)
+        self.rotary_dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+        kind = p.get("rope_type", p.get("type", "default"))
+        self.attention_factor, self.original = 1.0, None
+        if kind in ("longrope", "su"):
+            orig = p["original_max_position_embeddings"]
+            factor = p.get("factor") or hf["max_position_embeddings"] / orig
+            self.attention_factor = p.get("attention_factor") or (
+                1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+            base = rope_inv_freq({"rope_theta": p["rope_theta"]}, self.rotary_dim)
+            short, long = (torch.tensor(p[k], dtype=torch.float32) for k in ("short_factor", "long_factor"))
+            self.original = orig
+            inv, long_inv = base / short, base / long
+        else:
+            inv, long_inv = rope_inv_freq(p, self.rotary_dim), None
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)
+        self.register_buffer("long_inv_freq", None if long_inv is None else long_inv.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = positions.float()[:, None]
+        freqs = pos * self.inv_freq[None]
+        if self.long_inv_freq is not None:
+            freqs = torch.where(pos >= self.original, pos * self.long_inv_freq[None], freqs)
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, 1, d] (the rotate-half convention of HF checkpoints)."""
-    half = x.shape[-1] // 2
+    """x [T, heads, d]; cos/sin [T, 1, r], r <= d (the rotate-half convention of HF checkpoints on the first r)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], -1)
+    half = r // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rot * sin
+
+
+def layer_types(hf: dict) -> list[str]:
+    """'sliding_attention' or 'full_attention' per layer: the config's layer_types where the family has them
+    (Qwen3, Gemma), else Gemma's rule (Gemma 2 alternates, Gemma 3 has one global layer in sliding_window_pattern),
+    else one kind for every layer (Mistral and Phi-3 slide whenever sliding_window is set, Qwen2 with
+    use_sliding_window)."""
+    n, kind = hf["num_hidden_layers"], hf.get("model_type")
+    if kind in ("qwen3",) + GEMMA_TYPES and hf.get("layer_types"):
+        types = list(hf["layer_types"])
+        if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ConfigError(f"layer_types={types}: expected {n} entries of sliding_attention / full_attention")
+        return types
+    if kind == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if kind == "gemma3_text":
+        pattern = hf.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    slide = hf.get("sliding_window") and hf.get("use_sliding_window", kind in ("mistral", "phi3"))
+    return ["sliding_attention" if slide else "full_attention"] * n
+
+
+def layer_windows(hf: dict) -> list[int | None]:
+    return [hf.get("sliding_window") if t == "sliding_attention" else None for t in layer_types(hf)]
 
 
 class Attention(nn.Module):
     def __init__(self, hf: dict, idx: int, tp: comm.Group, dtype, device, rt: LoRARuntime | None, targets):
         super().__init__()
+        kind = hf.get("model_type")
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         kv = hf.get("num_key_value_heads") or heads
         self.head_dim = hf.get("head_dim") or hidden // heads
         self.heads = heads // tp.size
         k0, k1 = unit_range(kv, tp.rank, tp.size, "num_key_value_heads")
         self.kv_heads = k1 - k0
-        self.scale = self.head_dim ** -0.5
-        bias = hf.get("model_type") == "qwen2" or hf.get("attention_bias", False) or hf.get("qkv_bias", False)
+        self.scale = (hf["query_pre_attn_scalar"] if kind in GEMMA_TYPES else self.head_dim) ** -0.5
+        self.softcap = hf.get("attn_logit_softcapping") if kind in GEMMA_TYPES else None
+        windows = layer_windows(hf)  # a window shared by every layer is in the step's mask instead
+        self.window = windows[idx] if len(set(windows)) > 1 else None
+        bias = kind == "qwen2" or hf.get("attention_bias", False) or hf.get("qkv_bias", False)
         prefix = f"model.layers.{idx}.self_attn."
+        fused = kind in FUSED_TYPES
         self.qkv_proj = _maybe_wrap(
             ParallelLinear(qkv_spec(hidden, heads, kv, self.head_dim), tp, bias, dtype, device), rt,
-            [prefix + n for n in ("q_proj", "k_proj", "v_proj")], targets)
+            [prefix + "qkv_proj"] if fused else [prefix + n for n in ("q_proj", "k_proj", "v_proj")], targets, fused)
         self.o_proj = _maybe_wrap(ParallelLinear(row_spec(heads * self.head_dim, hidden), tp,
-                                                 hf.get("attention_bias", False) and hf.get("model_type") != "qwen2",
+                                                 hf.get("attention_bias", False) and kind != "qwen2",
                                                  dtype, device), rt, [prefix + "o_proj"], targets)
         self.layer_idx = idx
-        # Qwen3(-MoE): RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing).
-        qk_norm = hf.get("model_type") in QK_NORM_TYPES
-        eps = hf.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
+        # Qwen3(-MoE), Gemma 3: RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing).
+        qk_norm = kind in QK_NORM_TYPES
+        eps, offset = hf.get("rms_norm_eps", 1e-6), kind in GEMMA_TYPES
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, offset) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype, device, offset) if qk_norm else None
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta):
         qkv = self.qkv_proj(x)
@@ -98,48 +194,65 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
-        out = attend(q, k, v.view(-1, self.kv_heads, d), cache, self.layer_idx, meta, self.scale)
+        out = attend(q, k, v.view(-1, self.kv_heads, d), cache, self.layer_idx, meta, self.scale, self.window,
+                     self.softcap)
         return self.o_proj(out)
 
 
 class MLP(nn.Module):
     def __init__(self, hf: dict, idx: int, tp: comm.Group, dtype, device, rt, targets):
         super().__init__()
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act={hf.get('hidden_act')!r} is not supported (expected silu)")
+        act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act={act!r} is not supported (expected one of {sorted(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[act]
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         prefix = f"model.layers.{idx}.mlp."
+        fused = hf.get("model_type") in FUSED_TYPES
         self.gate_up_proj = _maybe_wrap(ParallelLinear(column_spec(hidden, inter, inter), tp, False, dtype, device),
-                                        rt, [prefix + "gate_proj", prefix + "up_proj"], targets)
+                                        rt, [prefix + "gate_up_proj"] if fused else
+                                        [prefix + "gate_proj", prefix + "up_proj"], targets, fused)
         self.down_proj = _maybe_wrap(ParallelLinear(row_spec(inter, hidden), tp, False, dtype, device), rt,
                                      [prefix + "down_proj"], targets)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(torch.nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block. Gemma also norms the attention output (post_attention_layernorm) and both sides of
+    the MLP (pre_ / post_feedforward_layernorm); elsewhere post_attention_layernorm is the MLP's input norm."""
+
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None):
         super().__init__()
-        eps = hf.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(hf["hidden_size"], eps, dtype, device)
+        eps, h = hf.get("rms_norm_eps", 1e-6), hf["hidden_size"]
+        self.gemma = hf.get("model_type") in GEMMA_TYPES
+        self.input_layernorm = RMSNorm(h, eps, dtype, device, self.gemma)
         self.self_attn = Attention(hf, idx, tp, dtype, device, rt, targets)
-        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, self.gemma)
+        if self.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
         self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets)
 
     def forward(self, x, cos, sin, cache, meta):
+        if self.gemma:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _maybe_wrap(base: nn.Module, rt: LoRARuntime | None, paths: list[str], targets: set[str] | None) -> nn.Module:
-    """Wrap when LoRA is on and some adapter targets one of the layer's modules (targets None = wrap all)."""
+def _maybe_wrap(base: nn.Module, rt: LoRARuntime | None, paths: list[str], targets: set[str] | None,
+                fused: bool = False) -> nn.Module:
+    """Wrap when LoRA is on and some adapter targets one of the layer's modules (targets None = wrap all); fused:
+    one module path answering for every slice (Phi-3's qkv_proj)."""
     if rt is None:
         return base
     if targets is not None and not any(p.rsplit(".", 1)[-1] in targets for p in paths):
         return base
-    return wrap(base, rt, paths)
+    return wrap(base, rt, paths, fused)
 
 
 class CausalLM(nn.Module):
@@ -158,16 +271,23 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList([
             DecoderLayer(hf, i, tp, dtype, device, rt, targets, mlp_factory(i) if mlp_factory else None)
             for i in range(hf["num_hidden_layers"])])
-        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6), dtype, device)
+        kind = hf.get("model_type")
+        gemma = kind in GEMMA_TYPES
+        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6), dtype, device, gemma)
         self.tied = bool(hf.get("tie_word_embeddings", False))
         head = ParallelLMHead(vocab, hidden, tp, dtype, device, tied_to=embed if self.tied else None)
         self.lm_head = _maybe_wrap(head, rt, ["lm_head"], targets if targets is not None else set())
         attn = self.layers[0].self_attn
         self.head_dim, self.kv_heads = attn.head_dim, attn.kv_heads
-        self.register_buffer("inv_freq", rope_inv_freq(hf, self.head_dim).to(device), persistent=False)
-        window = hf.get("sliding_window")
-        use_window = hf.get("use_sliding_window", hf.get("model_type") == "mistral")
-        self.sliding_window = window if (window and use_window) else None
+        # Gemma: embeddings times sqrt(hidden) rounded to the model dtype, as transformers does.
+        self.embed_scale = torch.tensor(hidden ** 0.5, dtype=dtype).item() if gemma else None
+        self.final_softcap = hf.get("final_logit_softcapping") if gemma else None
+        # RoPE per layer type: Gemma 3's sliding layers have their own base; every other family one for all.
+        self.layer_types = layer_types(hf) if kind == "gemma3_text" else ["full_attention"] * len(self.layers)
+        self.rotary = nn.ModuleDict({t: Rotary(hf, self.head_dim, t if kind == "gemma3_text" else None, device)
+                                     for t in sorted(set(self.layer_types))})
+        windows = layer_windows(hf)
+        self.sliding_window = windows[0] if len(set(windows)) == 1 else None  # per-layer windows: in Attention
         self.dtype, self.device = dtype, torch.device(device)
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
@@ -175,14 +295,17 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H]."""
-        freqs = meta.positions.float()[:, None] * self.inv_freq[None]
-        emb = torch.cat([freqs, freqs], -1)
-        cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]
+        tables = {t: rope(meta.positions, self.dtype) for t, rope in self.rotary.items()}
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, meta)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for layer, t in zip(self.layers, self.layer_types):
+            x = layer(x, *tables[t], cache, meta)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] (gathered over the TP group), float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, H] -> logits [N, V] (gathered over the TP group), float32; Gemma's final soft-cap applied."""
+        logits = self.lm_head(hidden).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

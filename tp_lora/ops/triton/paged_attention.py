@@ -19,7 +19,7 @@ MIN_PART = 256  # positions per partition at least (fewer: the merge costs more 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                   scale, window, part_len,
+                   scale, window, softcap, part_len,
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, PARTS: tl.constexpr, F32_DOT: tl.constexpr):
@@ -51,6 +51,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale
+        if softcap > 0:
+            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -99,7 +101,7 @@ def partitions(batch: int, kv_heads: int, max_context: int) -> tuple[int, int]:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
     if d & (d - 1) or k_cache.stride(3) != 1 or q.stride(2) != 1:
@@ -114,7 +116,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_acc = part_ml = out
     f32 = type(_decode_kernel).__name__ == "InterpretedFunction" or q.dtype == torch.float32
     _decode_kernel[(b, kv, parts)](
-        q, k_cache, v_cache, block_table, context_lens, out, part_acc, part_ml, scale, int(window or 0), part_len,
+        q, k_cache, v_cache, block_table, context_lens, out, part_acc, part_ml, scale, int(window or 0),
+        float(softcap or 0.0), part_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=BLOCK_N, PARTS=parts, F32_DOT=f32)
