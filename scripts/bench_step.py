@@ -118,13 +118,14 @@ def _ms(fn) -> float:
     return s.elapsed_time(e)
 
 
-def mixed_step(engine, vocab: int, adapters: bool) -> dict:
+def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
     """Runner-level: one step of 31 decodes (context 128) + one 512-token prefill chunk, against a decode step of
-    32 sequences (a graph replay), CUDA-event medians."""
+    32 sequences (a graph replay) at context 128 and 2048, CUDA-event medians. profile: the kernels of the decode
+    step at context 2048 (torch.profiler over graph replays), printed."""
     from tp_lora.engine.runner import StepBatch
     bs = engine.cfg.scheduler.kv_block_size
-    per_seq = -(-(512 + 130) // bs)
-    cache = engine.runner.kv_cache(32 * per_seq, bs, 512 + 130)
+    per_seq = -(-(2048 + 2) // bs)
+    cache = engine.runner.kv_cache(32 * per_seq, bs, 2048 + 2)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(32)]
     slot = (lambda i: i % engine.cfg.lora.max_loras) if adapters else (lambda i: -1)
     if adapters:
@@ -132,18 +133,28 @@ def mixed_step(engine, vocab: int, adapters: bool) -> dict:
             engine.cache.load_slot(engine.slots, i, engine.cache.fetch(f"a{i:03d}"))
     gen = torch.Generator().manual_seed(1)
 
-    def batch(mixed: bool) -> StepBatch:
+    def batch(mixed: bool, context: int = 128) -> StepBatch:
         step = StepBatch()
         for i in range(32):
             n = 512 if mixed and i == 31 else 1
-            step.add(torch.randint(3, vocab, (n,), generator=gen).tolist(), tables[i], 0 if n > 1 else 128, slot(i))
+            step.add(torch.randint(3, vocab, (n,), generator=gen).tolist(), tables[i], 0 if n > 1 else context,
+                     slot(i))
         return step
 
     out = {}
-    for name, mixed in (("decode_32", False), ("mixed_31_plus_512", True)):
-        times = [_ms(lambda: engine.runner.execute(batch(mixed), cache)) for _ in range(12)]
+    for name, mixed, context in (("decode_32", False, 128), ("mixed_31_plus_512", True, 128),
+                                 ("decode_32_ctx2048", False, 2048)):
+        times = [_ms(lambda: engine.runner.execute(batch(mixed, context), cache)) for _ in range(12)]
         out[name + "_ms"] = statistics.median(times[2:])
     out["ratio"] = out["mixed_31_plus_512_ms"] / out["decode_32_ms"]
+    if profile and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                engine.runner.execute(batch(False, 2048), cache)
+            torch.cuda.synchronize()
+        print(f"kernels of 3 decode steps at context 2048 ({'with' if adapters else 'no'} adapters):")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     return out
 
 
@@ -158,6 +169,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--mixed", action="store_true")
+    p.add_argument("--profile", action="store_true", help="with --mixed: print the decode step's kernels")
     p.add_argument("--no-adapters-only", action="store_true")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -194,7 +206,8 @@ def main() -> None:
                                      floor_ms=floor * 1e3, of_floor=floor / step, prefill_tokens_per_s=b * ctx / t1,
                                      one_token_runs_s=ones, long_runs_s=longs))
         if args.mixed:
-            extra[shape] = {"no_adapters": mixed_step(engine, vocab, False), "adapters": mixed_step(engine, vocab, True)}
+            extra[shape] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
+                            "adapters": mixed_step(engine, vocab, True, args.profile)}
         engine.close()
         del engine
         torch.cuda.empty_cache() if device == "cuda" else None
@@ -213,8 +226,9 @@ def main() -> None:
               f"{r['floor_ms']:.3f} | {r['of_floor']:.0%} | {ratio:.2f} | {r['prefill_tokens_per_s']:.0f} |")
     for shape, m in extra.items():
         for k, v in m.items():
-            print(f"mixed step {shape} {k}: decode 32 {v['decode_32_ms']:.3f} ms, 31 decodes + 512 prefill "
-                  f"{v['mixed_31_plus_512_ms']:.3f} ms ({v['ratio']:.2f}x)")
+            print(f"runner {shape} {k}: decode 32 at context 128 {v['decode_32_ms']:.3f} ms, at 2048 "
+                  f"{v['decode_32_ctx2048_ms']:.3f} ms; 31 decodes + 512 prefill {v['mixed_31_plus_512_ms']:.3f} ms "
+                  f"({v['ratio']:.2f}x the decode step)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_step.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,

@@ -13,22 +13,26 @@ import torch
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """Sequence by sequence: gather its keys from its blocks, softmax in float32."""
-    bs, kv = k_cache.shape[1], k_cache.shape[2]
+    """Every position of every block table gathered and masked beyond each context (or before its window), softmax
+    in float32: no host sync, so a CUDA graph can capture it too."""
+    b, width = block_table.shape
+    bs, kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rep = q.shape[1] // kv
-    out = torch.empty_like(q)
-    for b in range(q.shape[0]):
-        n = int(context_lens[b])
-        pos = torch.arange(max(0, n - window) if window else 0, n, device=q.device)
-        slots = block_table[b, pos // bs].long() * bs + pos % bs
-        k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(rep, 1)  # [n, H, d]
-        v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(rep, 1)
-        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        w = torch.softmax(scores, -1)
-        out[b] = torch.einsum("hn,nhd->hd", w, v).to(q.dtype)
-    return out
+    pos = torch.arange(width * bs, device=q.device)
+    slots = block_table.long()[:, pos // bs] * bs + pos % bs  # [B, P]
+    k = k_cache.flatten(0, 1)[slots].float()  # [B, P, KV, d]
+    v = v_cache.flatten(0, 1)[slots].float()
+    scores = torch.einsum("bgrd,bpgd->bgrp", q.view(b, kv, rep, d).float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    ctx = context_lens.long()[:, None]
+    keep = pos[None] < ctx
+    if window:
+        keep &= pos[None] >= ctx - window
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    v = v.masked_fill(~keep[:, :, None, None], 0.0)  # padding blocks may hold anything
+    out = torch.einsum("bgrp,bpgd->bgrd", torch.softmax(scores, -1), v)
+    return out.reshape(b, kv * rep, d).to(q.dtype)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
