@@ -11,13 +11,15 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
   sample, bookkeeping);
 - floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
   decode's mean context) / the device copy bandwidth measured in the same run (read + written bytes / time);
-- prefill tokens/s from the one-token run.
+- prefill tokens/s from the one-token run; the long run's decode steps replayed from CUDA graphs and their mean
+  wall time (launch to sampled tokens on the host).
 With --mixed, also one step of 31 decodes + one 512-token prefill chunk against a 32-sequence decode step (the
 runner alone, CUDA events, medians). Prints a table; writes bench_step.json into --out.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,10 +48,50 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 ADAPTERS, RANK = 32, 16
 
 
+def write_random_llama(path: str, shape: dict, max_pos: int, dev: str = "cuda") -> None:
+    """A bf16 Llama checkpoint with random weights drawn on the GPU (write_tiny_llama draws on the CPU: minutes for
+    an 8B model), one safetensors file per layer."""
+    from safetensors.torch import save_file
+    from tp_lora.assets import tiny_llama_config
+    cfg = tiny_llama_config(dtype=torch.bfloat16, max_position_embeddings=max_pos, **shape)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // heads
+
+    def rnd(*dims, std=0.02, mean=0.0):
+        return (torch.randn(*dims, device=dev, dtype=torch.bfloat16) * std + mean).cpu()
+
+    os.makedirs(path, exist_ok=True)
+    files = {"model-embed.safetensors": {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": rnd(h, mean=1.0),
+                                         "lm_head.weight": rnd(v, h, std=2 * h ** -0.5)}}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        files[f"model-layer{i:03d}.safetensors"] = {
+            p + "input_layernorm.weight": rnd(h, mean=1.0), p + "post_attention_layernorm.weight": rnd(h, mean=1.0),
+            p + "self_attn.q_proj.weight": rnd(heads * hd, h, std=h ** -0.5),
+            p + "self_attn.k_proj.weight": rnd(kv * hd, h, std=h ** -0.5),
+            p + "self_attn.v_proj.weight": rnd(kv * hd, h, std=h ** -0.5),
+            p + "self_attn.o_proj.weight": rnd(h, heads * hd, std=h ** -0.5),
+            p + "mlp.gate_proj.weight": rnd(inter, h, std=h ** -0.5),
+            p + "mlp.up_proj.weight": rnd(inter, h, std=h ** -0.5),
+            p + "mlp.down_proj.weight": rnd(h, inter, std=inter ** -0.5)}
+    weight_map = {}
+    for name, tensors in files.items():
+        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
 def assets(cache: str, shape: str, max_pos: int) -> tuple[str, str]:
     model, adapters = os.path.join(cache, shape), os.path.join(cache, f"{shape}-adapters-{ADAPTERS}x{RANK}")
     if not os.path.exists(os.path.join(model, "config.json")):
-        write_tiny_llama(model, dtype=torch.bfloat16, max_position_embeddings=max_pos, shards=8, **SHAPES[shape])
+        if torch.cuda.is_available():
+            write_random_llama(model, SHAPES[shape], max_pos)
+        else:
+            write_tiny_llama(model, dtype=torch.bfloat16, max_position_embeddings=max_pos, **SHAPES[shape])
     for i in range(ADAPTERS):
         path = os.path.join(adapters, f"a{i:03d}")
         if not os.path.exists(os.path.join(path, "adapter_model.safetensors")):
@@ -198,12 +240,17 @@ def main() -> None:
                     ones, longs = [], []
                     for r in range(args.reps):
                         ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, 10 + r)))
+                        st = dataclasses.replace(engine.stats)
                         longs.append(timed(engine, requests(b, ctx, args.new, vocab, with_ad, 10 + r)))
+                    # The last long run's decode steps replayed from graphs: count and mean wall time (host included).
+                    graph_steps = engine.stats.graph_steps - st.graph_steps
+                    graph_ms = 1e3 * (engine.stats.graph_seconds - st.graph_seconds) / max(1, graph_steps)
                     t1, tn = statistics.median(ones), statistics.median(longs)
                     step = (tn - t1) / (args.new - 1)
                     floor = (wb + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
                     rows.append(dict(shape=shape, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
                                      floor_ms=floor * 1e3, of_floor=floor / step, prefill_tokens_per_s=b * ctx / t1,
+                                     graph_steps=graph_steps, graph_step_ms=graph_ms,
                                      one_token_runs_s=ones, long_runs_s=longs))
         if args.mixed:
             extra[shape] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
@@ -216,14 +263,16 @@ def main() -> None:
         return
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size}, copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (read + written)")
-    print("| shape | adapters | batch | context | step ms | floor ms | of floor | adapters / none | prefill tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | adapters | batch | context | step ms | floor ms | of floor | adapters / none | prefill tok/s | "
+          "graph steps | graph step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["shape"], r["batch"], r["context"]): r["step_ms"] for r in rows if not r["adapters"]}
     for r in rows:
         ratio = r["step_ms"] / base[(r["shape"], r["batch"], r["context"])]
         r["vs_no_adapters"] = ratio
         print(f"| {r['shape']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
-              f"{r['floor_ms']:.3f} | {r['of_floor']:.0%} | {ratio:.2f} | {r['prefill_tokens_per_s']:.0f} |")
+              f"{r['floor_ms']:.3f} | {r['of_floor']:.0%} | {ratio:.2f} | {r['prefill_tokens_per_s']:.0f} | "
+              f"{r['graph_steps']} | {r['graph_step_ms']:.3f} |")
     for shape, m in extra.items():
         for k, v in m.items():
             print(f"runner {shape} {k}: decode 32 at context 128 {v['decode_32_ms']:.3f} ms, at 2048 "

@@ -57,7 +57,7 @@ def test_kernel_matches_reference(device, lens, bs, window, softcap):
     want = paged_decode_ref(*args, 0.25, window, softcap)
     if softcap:
         assert not torch.allclose(want, paged_decode_ref(*args, 0.25, window)), "the cap changed nothing"
-    tol = 1e-5 if device == "cpu" else 3e-3  # tf32 dots on GPU
+    tol = 1e-5 if device == "cpu" else 1e-4  # float32 dots in full precision on GPU too
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
@@ -71,7 +71,7 @@ def test_kernel_partitions_merge(device, monkeypatch):
     assert pa.partitions(2, kv, 16 * bs)[0] > 1
     got = pa.paged_decode(*args, 0.5, 0)
     want = paged_decode_ref(*args, 0.5, 0)
-    tol = 1e-5 if device == "cpu" else 3e-3
+    tol = 1e-5 if device == "cpu" else 1e-4
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 

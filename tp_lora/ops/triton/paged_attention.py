@@ -50,7 +50,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
+        if F32_DOT:  # float32 operands: full precision (tl.dot takes tf32 by default)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         if softcap > 0:
             s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -58,7 +61,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     heads = g * REP + r
     if PARTS == 1:
