@@ -252,6 +252,8 @@ def main() -> None:
                                      floor_ms=floor * 1e3, of_floor=floor / step, prefill_tokens_per_s=b * ctx / t1,
                                      graph_steps=graph_steps, graph_step_ms=graph_ms,
                                      one_token_runs_s=ones, long_runs_s=longs))
+                    if ps.is_driver:  # as measured, so a run cut short still shows its rows
+                        print("row", json.dumps(rows[-1]), flush=True)
         if args.mixed:
             extra[shape] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
                             "adapters": mixed_step(engine, vocab, True, args.profile)}
