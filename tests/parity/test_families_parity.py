@@ -79,7 +79,8 @@ def _make(kind: str, root):
 
 
 def _reference(model_dir, adapter_dir, reqs):
-    """transformers + PEFT, each request alone: (greedy tokens, their logprobs) per request."""
+    """transformers + PEFT, each request alone: (greedy tokens, their logprobs, every step's logprobs [V]) per
+    request."""
     out = []
     for adapter, prompt in reqs:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -92,8 +93,8 @@ def _reference(model_dir, adapter_dir, reqs):
                                       min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                                       output_logits=True, return_dict_in_generate=True)
         tokens = g.sequences[0, ids.shape[1]:].tolist()
-        lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(g.logits, tokens)]
-        out.append((tokens, lps))
+        full = [torch.log_softmax(lg[0].float(), -1) for lg in g.logits]
+        out.append((tokens, [f[t].item() for f, t in zip(full, tokens)], full))
     return out
 
 
@@ -117,10 +118,18 @@ def _ours(ps, model_dir, adapter_dir, reqs, modes):
 
 
 def _check(got, expected, what):
-    for i, ((tokens, lps), (ref_tokens, ref_lps)) in enumerate(zip(got, expected)):
-        assert tokens == ref_tokens, f"{what}: request {i}: tokens {tokens} != transformers + PEFT {ref_tokens}"
-        err = max(abs(a - b) for a, b in zip(lps, ref_lps))
-        assert err < 1e-3, f"{what}: request {i}: logprobs differ by {err:.2e}"
+    """Same greedy tokens and logprobs within 1e-3. Fresh random models can have near-ties: a different token is
+    accepted only where transformers gives it within 1e-3 of its own choice, and the request is compared up to
+    there (the continuations differ)."""
+    for i, ((tokens, lps), (ref_tokens, ref_lps, ref_full)) in enumerate(zip(got, expected)):
+        assert len(tokens) == len(ref_tokens), f"{what}: request {i}: {len(tokens)} tokens"
+        for pos, (t, r, lp, ref_lp) in enumerate(zip(tokens, ref_tokens, lps, ref_lps)):
+            assert abs(lp - ref_full[pos][t].item()) < 1e-3, \
+                f"{what}: request {i}: logprob of token {pos} differs by {abs(lp - ref_full[pos][t].item()):.2e}"
+            if t != r:
+                gap = (ref_lp - ref_full[pos][t]).item()
+                assert gap < 1e-3, f"{what}: request {i}: tokens {tokens} != transformers + PEFT {ref_tokens}"
+                break
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
