@@ -14,19 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _server import BASE, Server, env_for, model_of
-from tp_lora.assets import ensure_default_assets, write_random_adapter, write_tiny_llama
+from tp_lora.assets import write_random_adapter, write_tiny_llama
 from tp_lora.engine.tokenizer import load_tokenizer
 
 BATCH, QUEUE = 8, 40
-
-
-@pytest.fixture(scope="module")
-def default(home):
-    os.environ["TP_LORA_HOME"], old = str(home), os.environ.get("TP_LORA_HOME")
-    try:
-        return ensure_default_assets()
-    finally:
-        os.environ.pop("TP_LORA_HOME") if old is None else os.environ.update(TP_LORA_HOME=old)
 
 
 @pytest.fixture(scope="module")

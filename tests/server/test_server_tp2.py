@@ -12,18 +12,8 @@ import openai
 import pytest
 
 from _server import Server, env_for
-from tp_lora.assets import ensure_default_assets
 
 TIMEOUT_S = 20
-
-
-@pytest.fixture(scope="module")
-def default(home):
-    os.environ["TP_LORA_HOME"], old = str(home), os.environ.get("TP_LORA_HOME")
-    try:
-        return ensure_default_assets()
-    finally:
-        os.environ.pop("TP_LORA_HOME") if old is None else os.environ.update(TP_LORA_HOME=old)
 
 
 @pytest.fixture(scope="module")
