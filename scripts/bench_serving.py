@@ -7,6 +7,11 @@ popularity, mixed ranks, prompt / output lengths drawn from ranges. Measures, in
             continuously batched group, then the next adapter (what serving without multi-LoRA kernels does)
   peft      transformers + PEFT, every used adapter loaded, static batches with `adapter_names` (one process only,
             and only up to --peft-max-adapters adapters)
+  server    (--server) the same trace through launch/serve.py (tp=--tp ranks, the same engine settings) with the
+            async `openai` client streaming each request; TTFT and TPOT measured at the client. The server is started
+            once per adapter count and warmed up with the trace on the base model; its adapter cache is not reset
+            between rates (the first rate's reads are cold, later ones warm). Run the bench as one process for it:
+            the bench starts the server's ranks itself (so `ours` there runs at tp=1 only).
 
 and reports throughput (generated tokens/s over the whole trace), time to first token and time per output token
 (mean, p50, p99), end-to-end latency, slot hit rate and swap time. Writes bench_serving.json, bench_serving.md and
@@ -15,6 +20,10 @@ bench_serving.png into --out.
     python scripts/bench_serving.py --smoke --out /tmp/bs                                  # CPU, < 1 minute
     python scripts/bench_serving.py --model llama-2048 --adapters 1,100,1000 --ranks 16 --out DIR
     torchrun --nproc_per_node=2 scripts/bench_serving.py --model llama-2048 --tp 2 --adapters 1,100,1000 --out DIR
+    python scripts/bench_serving.py --server --systems ours,server --rate 4,16,0 --out DIR     # HTTP vs offline
+    python scripts/bench_serving.py --server --systems server --tp 2 --rate 4,16,0 --out DIR   # HTTP at tp=2
+
+--rate takes several rates (0 = all at once): every system runs the trace at each.
 
 Adapters are real PEFT dirs: --distinct-weights random ones per rank written with tp_lora.assets.
 write_random_adapter, the others hard links to them under their own names (same format, same bytes on disk; each
@@ -32,6 +41,7 @@ import random
 import shutil
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -55,7 +65,9 @@ PRESETS = {
                  num_key_value_heads=2, max_position_embeddings=512),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SYSTEMS = ("ours", "merged", "peft")
+SYSTEMS = ("ours", "merged", "peft", "server")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_START_S = 1200.0  # checkpoint load, CUDA graph capture
 
 
 def log(msg: str) -> None:
@@ -416,6 +428,112 @@ def run_peft(args, model: str, adapters: str, reqs, arrivals) -> dict:
 
 
 # ---- report ---------------------------------------------------------------------------------------------------
+def _server_overrides(args, model: str, adapters: str, port: int) -> list[str]:
+    """launch/serve.py overrides for engine_cfg's settings."""
+    c = engine_cfg(args, comm.single_process("cpu"), True)
+    o = [f"model.path={model}", f"lora.adapter_dir={adapters}", f"server.port={port}",
+         f"server.max_queue={args.requests}", f"parallel.tp_size={args.tp}", "progress=false",
+         "device=cuda" if torch.cuda.is_available() else "device=cpu", f"dtype={c.dtype}" if not
+         torch.cuda.is_available() else "dtype=bfloat16"]
+    for section, keys in (("parallel", ("timeout_s", "host_threads", "read_threads")),
+                          ("lora", ("max_loras", "max_cpu_loras", "max_rank", "fully_sharded", "dtype",
+                                    "reader_processes")),
+                          ("scheduler", ("max_batch_size", "max_tokens_per_step", "kv_cache_mb", "admit_batch"))):
+        for k in keys:
+            v = getattr(getattr(c, section), k)
+            o.append(f"{section}.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}")
+    o.append(f"cuda_graphs={str(c.cuda_graphs).lower()}")
+    return o
+
+
+class ServerProcess:
+    """launch/serve.py (under torchrun for --tp > 1) in a process group of its own."""
+
+    def __init__(self, args, model: str, adapters: str):
+        import subprocess
+        from tp_lora.testing import free_port
+        self.port = free_port()
+        serve = os.path.join(ROOT, "launch", "serve.py")
+        cmd = [sys.executable, serve] if args.tp == 1 else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.tp}",
+            f"--master_port={free_port()}", serve]
+        self.log_path = os.path.join(args.out, f"server-{os.path.basename(adapters)}.log")
+        os.makedirs(args.out, exist_ok=True)
+        self.proc = subprocess.Popen(cmd + _server_overrides(args, model, adapters, self.port),
+                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        import httpx
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > SERVER_START_S:
+                self.stop()
+                raise RuntimeError(f"the server did not start within {SERVER_START_S:g}s; see {self.log_path}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        import signal
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except Exception:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+async def _drive(url: str, reqs, arrivals, base: Optional[str] = None) -> tuple[list[dict], float, list, list]:
+    """Send each request at its arrival time (streamed, greedy); per request {arrival, first_token, finished,
+    tokens} at the client, the start time, and the token ids. base: send every request to this model instead."""
+    import asyncio
+    import httpx
+    import openai
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600,
+                                http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(reqs) + 8)))
+    t0 = time.perf_counter()
+
+    async def one(req, at):
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        t = dict(arrival=t0 + at, first_token=None, finished=None, tokens=0)
+        ids = []
+        stream = await client.completions.create(model=base or req.adapter, prompt=req.prompt_token_ids,
+                                                 max_tokens=req.max_new_tokens, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].token_ids:
+                if t["first_token"] is None:
+                    t["first_token"] = time.perf_counter()
+                ids += chunk.choices[0].token_ids
+        t.update(finished=time.perf_counter(), tokens=len(ids))
+        return t, ids
+
+    outs = await asyncio.gather(*[one(r, a) for r, a in zip(reqs, arrivals)], return_exceptions=True)
+    await client.close()
+    timings = [o[0] if not isinstance(o, BaseException) else {} for o in outs]
+    errors = sorted({f"{type(o).__name__}: {o}"[:200] for o in outs if isinstance(o, BaseException)})
+    return timings, t0, [o[1] if not isinstance(o, BaseException) else [] for o in outs], errors
+
+
+def run_server(args, model: str, adapters: str, reqs, arrivals, server: "ServerProcess") -> dict:
+    import asyncio
+    import httpx
+    timings, t0, tokens, errors = asyncio.run(_drive(server.url, reqs, arrivals))
+    out = summarize(timings, t0)
+    metrics = httpx.get(server.url + "/metrics").text
+    values = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in metrics.splitlines()
+              if ln and not ln.startswith("#") and " " in ln}
+    out.update(slot_hit_rate=values.get("tp_lora_slot_hit_rate"), slot_loads=values.get("tp_lora_adapter_loads"),
+               disk_reads=values.get("tp_lora_adapter_reads"), errors=errors[:3], _tokens=tokens)
+    return out
+
+
 def _fmt(x, scale=1.0, digits=1):
     return "-" if x is None else f"{x * scale:.{digits}f}"
 
@@ -449,22 +567,23 @@ def plot(report: dict, path: str) -> bool:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ns = [int(n) for n in report["results"]]
+    keys = list(report["results"])  # "N" or "N @ rate"
+    series = sorted({(system, k.partition(" @ ")[2]) for k in keys for system in report["results"][k]})
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     panels = [("tokens_per_s", None, "generated tokens/s"), ("ttft_s", "p50", "TTFT p50 (s)"),
               ("ttft_s", "p99", "TTFT p99 (s)"), ("tpot_s", "mean", "time per output token, mean (s)")]
     for ax, (key, sub, title) in zip(axes, panels):
-        for system in SYSTEMS:
+        for system, rate in series:
             xs, ys = [], []
-            for n in ns:
-                r = report["results"][str(n)].get(system)
-                if r and "skipped" not in r:
+            for k in keys:
+                r = report["results"][k].get(system)
+                if k.partition(" @ ")[2] == rate and r and "skipped" not in r:
                     v = r[key] if sub is None else r[key][sub]
                     if v is not None:
-                        xs.append(n)
+                        xs.append(int(k.partition(" @ ")[0]))
                         ys.append(v)
             if xs:
-                ax.plot(xs, ys, marker="o", label=system)
+                ax.plot(xs, ys, marker="o", label=f"{system} {rate}".strip())
         ax.set_xscale("log")
         ax.set_xlabel("adapters")
         ax.set_title(title)
@@ -472,7 +591,7 @@ def plot(report: dict, path: str) -> bool:
     axes[0].legend()
     w = report["workload"]
     fig.suptitle(f"{report['model']} tp={report['tp']} on {report['device']}: {w['requests']} requests at "
-                 f"{w['rate']}/s, {w['popularity']} popularity, ranks {w['ranks']}")
+                 f"{w['rates']}/s, {w['popularity']} popularity, ranks {w['ranks']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -495,7 +614,10 @@ def parse_args(argv=None):
     p.add_argument("--popularity", default="powerlaw", choices=["powerlaw", "uniform"])
     p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent: P(adapter i) ~ 1/(i+1)^alpha")
     p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s); 0 = all at once")
+    p.add_argument("--rate", default="8", help="Poisson arrival rates (requests/s), comma-separated, each a run; "
+                                               "0 = all at once")
+    p.add_argument("--server", action="store_true", help="also run the trace through launch/serve.py (system "
+                                                         "'server'); the bench must then be one process")
     p.add_argument("--prompt-len", default="16:256", help="MIN:MAX, uniform")
     p.add_argument("--output-len", default="16:128", help="MIN:MAX, uniform")
     p.add_argument("--max-loras", type=int, default=64, help="lora.max_loras (64: a slot per row of --batch 64)")
@@ -527,7 +649,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.adapters, args.ranks = "tiny", "1,8,40", "8,16,32,64"
-        args.requests, args.rate, args.prompt_len, args.output_len = 24, 100.0, "4:24", "2:10"
+        args.requests, args.prompt_len, args.output_len = 24, "4:24", "2:10"
+        args.rate = args.rate if args.rate != "8" else "100"
         args.max_loras, args.max_cpu_loras, args.batch, args.tokens_per_step = 4, 8, 8, 64
         args.distinct_weights, args.peft_max_adapters = 2, 8
         args.assets = os.path.join(args.out, "assets")
@@ -535,10 +658,45 @@ def parse_args(argv=None):
     args.adapter_counts = [int(x) for x in args.adapters.split(",")]
     args.ranks = [int(x) for x in str(args.ranks).split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
+    args.rates = [float(x) for x in str(args.rate).split(",")]
+    if args.server and "server" not in args.systems:
+        args.systems.append("server")
+    if "server" in args.systems:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            p.error("the server system starts its own ranks: run the bench as one process (python, not torchrun)")
+        if args.tp > 1 and set(args.systems) - {"server", "peft"}:
+            p.error(f"--tp {args.tp} with 'server' runs the server at tp={args.tp}; ours / merged need torchrun: run "
+                    f"them in a separate command (or --systems server)")
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"--systems: unknown {sorted(unknown)}; expected some of {SYSTEMS}")
     return args
+
+
+def _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, used, server) -> None:
+    if system == "peft" and ps.world.size > 1:
+        res[system] = dict(skipped="one process only")
+    elif system == "peft" and used > args.peft_max_adapters:
+        res[system] = dict(skipped=f"{used} adapters > --peft-max-adapters={args.peft_max_adapters}")
+    elif system == "peft" and not ps.is_driver:
+        return
+    else:
+        t = time.perf_counter()
+        if system == "server":
+            res[system] = run_server(args, model, adapters, reqs, arrivals, server)
+        elif system == "peft":
+            res[system] = run_peft(args, model, adapters, reqs, arrivals)
+        else:
+            res[system] = {"ours": run_ours, "merged": run_merged}[system](args, ps, model, adapters, reqs, arrivals,
+                                                                          vocab)
+        r = res[system]
+        log(f"  {system}: {_fmt(r['tokens_per_s'])} tokens/s, TTFT p50 {_fmt(r['ttft_s']['p50'], 1e3)} "
+            f"ms, TPOT mean {_fmt(r['tpot_s']['mean'], 1e3, 2)} ms ({time.perf_counter() - t:.1f}s)"
+            + (f", errors {r['errors']}" if r.get("errors") else ""))
+    if "ours" in res and "_tokens" in res["ours"] and "_tokens" in res.get(system, {}) and system != "ours":
+        # Same greedy tokens as ours: a check of the other systems (bf16 rounding may flip a few).
+        a, b = res["ours"]["_tokens"], res[system]["_tokens"]
+        res[system]["same_tokens_as_ours"] = sum(x == y for x, y in zip(a, b)) / len(a)
 
 
 def main(argv=None) -> dict:
@@ -549,16 +707,16 @@ def main(argv=None) -> dict:
     os.makedirs(args.assets, exist_ok=True)
     model = prepare_model(args.assets, args.model, dtype)
     adapter_dtype = dtype if args.adapter_dtype == "model" else getattr(torch, args.adapter_dtype)
-    ps = comm.init_parallel(args.tp, device, args.timeout)
+    ps = comm.init_parallel(1 if "server" in args.systems else args.tp, device, args.timeout)
     vocab = PRESETS[args.model]["vocab_size"]
-    report = dict(model=args.model, tp=ps.tp.size, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    report = dict(model=args.model, tp=args.tp, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   fully_sharded=args.fully_sharded, cuda_graphs=not args.no_graphs,
                   adapter_dtype=str(adapter_dtype).removeprefix("torch."), lora_dtype=args.lora_dtype,
                   reader_threads=args.reader_threads, host_threads=args.host_threads,
                   read_threads=args.read_threads,
                   engine=dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, batch=args.batch,
                               tokens_per_step=args.tokens_per_step, admit_batch=args.admit_batch),
-                  workload=dict(requests=args.requests, rate=args.rate, popularity=args.popularity,
+                  workload=dict(requests=args.requests, rates=args.rates, popularity=args.popularity,
                                 alpha=args.alpha, ranks=args.ranks, prompt_len=args.prompt_len,
                                 output_len=args.output_len, distinct_weights=args.distinct_weights, seed=args.seed),
                   results={})
@@ -566,33 +724,29 @@ def main(argv=None) -> dict:
         for n in args.adapter_counts:
             adapters = prepare_adapters(args.assets, model, n, args.ranks, args.distinct_weights, adapter_dtype,
                                         args.seed)
-            reqs, arrivals = make_trace(args, n, vocab)
-            used = len({r.adapter for r in reqs})
-            log(f"{n} adapters ({used} used by {len(reqs)} requests over {arrivals[-1]:.1f}s)")
-            res = report["results"][str(n)] = {}
+            # The in-process systems at every rate first, then the server (which holds its GPU memory meanwhile).
             for system in args.systems:
-                if system == "peft" and ps.world.size > 1:
-                    res[system] = dict(skipped="one process only")
-                elif system == "peft" and used > args.peft_max_adapters:
-                    res[system] = dict(skipped=f"{used} adapters > --peft-max-adapters={args.peft_max_adapters}")
-                elif system == "peft" and not ps.is_driver:
-                    continue
-                else:
-                    t = time.perf_counter()
-                    fn = {"ours": run_ours, "merged": run_merged}.get(system)
-                    res[system] = fn(args, ps, model, adapters, reqs, arrivals, vocab) if fn else \
-                        run_peft(args, model, adapters, reqs, arrivals)
-                    r = res[system]
-                    log(f"  {system}: {_fmt(r['tokens_per_s'])} tokens/s, TTFT p50 {_fmt(r['ttft_s']['p50'], 1e3)} "
-                        f"ms, TPOT mean {_fmt(r['tpot_s']['mean'], 1e3, 2)} ms ({time.perf_counter() - t:.1f}s)")
-                if "ours" in res and "_tokens" in res["ours"] and "_tokens" in res.get(system, {}) and \
-                        system != "ours":
-                    # Same greedy tokens as ours: a check of the baselines (bf16 rounding may flip a few).
-                    a, b = res["ours"]["_tokens"], res[system]["_tokens"]
-                    res[system]["same_tokens_as_ours"] = sum(x == y for x, y in zip(a, b)) / len(a)
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                server = ServerProcess(args, model, adapters) if system == "server" else None
+                try:
+                    for i, rate in enumerate(args.rates):
+                        args.rate = rate
+                        reqs, arrivals = make_trace(args, n, vocab)
+                        used = len({r.adapter for r in reqs})
+                        key = str(n) if len(args.rates) == 1 else \
+                            f"{n} @ {'all at once' if rate == 0 else f'{rate:g}/s'}"
+                        log(f"{key}: {n} adapters, {used} used by {len(reqs)} requests "
+                            f"{'all at once' if rate == 0 else f'over {arrivals[-1]:.1f}s'}")
+                        if server is not None and i == 0:  # warm-up: the trace's shapes on the base model, untimed
+                            import asyncio
+                            asyncio.run(_drive(server.url, reqs, [0.0] * len(reqs), base=os.path.basename(model)))
+                        res = report["results"].setdefault(key, {})
+                        _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, used, server)
+                        gc.collect()
+                        if device == "cuda":
+                            torch.cuda.empty_cache()
+                finally:
+                    if server is not None:
+                        server.stop()
     finally:
         comm.shutdown()
     for systems in report["results"].values():
