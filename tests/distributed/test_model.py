@@ -1,5 +1,7 @@
 """A whole model at tp=2 and tp=4, both LoRA sharding modes, against one process: logits within 1e-4 relative,
 greedy tokens identical, and the exact number of collectives per forward pass."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -99,7 +101,9 @@ def test_adapters_change_outputs_and_none_matches_base(bundle):
             enumerate([None, "a8", "b4", "c16"])]
     ps = comm.single_process(device_under_test())
     with_lora = Engine(_cfg(False, 1), ps, model_dir, adapter_dir).prompt_logits(reqs)
-    base = Engine(_cfg(False, 1), ps, model_dir, None).prompt_logits(reqs[:1])[0]
+    # The same batch without adapters: the no-adapter row must match bit for bit (a batch of a different size may
+    # take another GEMM kernel, whose rounding differs).
+    base = Engine(_cfg(False, 1), ps, model_dir, None).prompt_logits([replace(r, adapter=None) for r in reqs])[0]
     torch.testing.assert_close(with_lora[0], base, rtol=0, atol=0)
     for i in (1, 2, 3):
         assert _relerr(with_lora[i], base) > 1e-3, f"adapter {reqs[i].adapter} did not change the logits"
