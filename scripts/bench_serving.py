@@ -202,7 +202,6 @@ def engine_cfg(args, ps: comm.ParallelState, lora: bool) -> RunConfig:
     cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step = args.batch, args.tokens_per_step
     cfg.scheduler.kv_cache_mb = args.kv_cache_mb
     cfg.scheduler.admit_batch = args.admit_batch
-    cfg.lora.reader_processes = args.reader_processes
     validate(cfg, ps.world.size)
     return cfg
 
@@ -436,8 +435,7 @@ def _server_overrides(args, model: str, adapters: str, port: int) -> list[str]:
          "device=cuda" if torch.cuda.is_available() else "device=cpu", f"dtype={c.dtype}" if not
          torch.cuda.is_available() else "dtype=bfloat16"]
     for section, keys in (("parallel", ("timeout_s", "host_threads", "read_threads")),
-                          ("lora", ("max_loras", "max_cpu_loras", "max_rank", "fully_sharded", "dtype",
-                                    "reader_processes")),
+                          ("lora", ("max_loras", "max_cpu_loras", "max_rank", "fully_sharded", "dtype")),
                           ("scheduler", ("max_batch_size", "max_tokens_per_step", "kv_cache_mb", "admit_batch"))):
         for k in keys:
             v = getattr(getattr(c, section), k)
@@ -633,8 +631,6 @@ def parse_args(argv=None):
                    help="parallel.host_threads: torch threads per rank (0: one on CUDA)")
     p.add_argument("--read-threads", type=int, default=RunConfig().parallel.read_threads,
                    help="parallel.read_threads: threads of a read the step loop waits on (0: auto)")
-    p.add_argument("--reader-processes", type=int, default=RunConfig().lora.reader_processes,
-                   help="lora.reader_processes: read adapters ahead in worker processes")
     p.add_argument("--fully-sharded", action="store_true")
     p.add_argument("--lora-dtype", default="auto", choices=["auto", "fp8"], help="lora.dtype: fp8 stores B as fp8")
     p.add_argument("--no-graphs", action="store_true")

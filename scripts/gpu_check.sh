@@ -4,8 +4,7 @@
 # eat the others; logs and results go under $OUT (default ./gpu_out), packed at the end into $OUT/results.tgz
 # (the lent host returns few files), re-packed after every step so a run cut short still returns what finished.
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
-#   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone, and
-#   serving_readers (reads in worker processes) only alone.
+#   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -51,10 +50,6 @@ for what in "${@:-all}"; do
       step "bench_serving tp=1, admissions not grouped (scheduler.admit_batch=1)"
       run bench_serving_admit1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
         --systems ours --admit-batch 1 --out "$RES/serv_tp1_admit1" ;;&
-    serving_readers)  # reads in worker processes (lora.reader_processes), to compare with serving_tp1
-      step "bench_serving tp=1, adapter reads in 2 worker processes"
-      run bench_serving_readers 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
-        --systems ours --reader-processes 2 --out "$RES/serv_tp1_readers" ;;&
     bench_serving|serving_tp2|all)
       if [ "$NGPU" -ge 2 ]; then
         step "bench_serving tp=2"

@@ -47,10 +47,6 @@ class LoRAConfig:
     # Host tier of the adapter cache: adapters read from disk and kept in host memory, least recently used
     # evicted. Every adapter under adapter_dir is registered at start from its config and safetensors header only.
     max_cpu_loras: int = 64
-    # Read adapters ahead of need in this many worker processes (tp_lora/lora/reader.py) instead of a thread of this
-    # process, whose reads share the GIL with the step loop. 0 = the thread (on an H200 host two processes measured
-    # slower: BENCHMARKS.md).
-    reader_processes: int = 0
     max_rank: int = 16
     fully_sharded: bool = False
     backend: str = "auto"  # auto | torch | triton
@@ -150,7 +146,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(lo.max_loras >= 1, f"lora.max_loras={lo.max_loras}: expected >= 1")
     _check(lo.max_rank >= 1, f"lora.max_rank={lo.max_rank}: expected >= 1")
     _check(lo.max_cpu_loras >= 1, f"lora.max_cpu_loras={lo.max_cpu_loras}: expected >= 1")
-    _check(lo.reader_processes >= 0, f"lora.reader_processes={lo.reader_processes}: expected >= 0")
     _check(lo.backend in ("auto", "torch", "triton"), f"lora.backend={lo.backend!r}: expected auto, torch or triton")
     _check(lo.kernel in ("sorted", "chunked"), f"lora.kernel={lo.kernel!r}: expected sorted or chunked")
     _check(lo.segment_size is None or (lo.segment_size >= 16 and lo.segment_size & (lo.segment_size - 1) == 0),

@@ -54,13 +54,6 @@ def test_continuous_batching_equals_alone_with_slot_and_host_churn(bundle, alone
     engine.generate(reqs[:1])
     engine.runner.warm_up([3, 17], 16)
     _check_same(engine.generate(reqs), alone, "tp=1 admit_batch=4, after a warm-up")
-    # Reads ahead in worker processes (lora.reader_processes) give the same adapters.
-    cfg = serving_cfg(max_loras=2, max_cpu_loras=3)
-    cfg.lora.reader_processes = 2
-    engine = Engine(cfg, comm.single_process(), model, adapters)
-    _check_same(engine.generate(reqs), alone, "tp=1 reader processes")
-    assert engine.cache.stats.prefetched > 0 and len(engine.cache._procs) == 2, "the workers served the reads"
-    engine.close()
 
 
 def _tp2(ps, model, adapters):

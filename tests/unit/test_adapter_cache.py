@@ -36,11 +36,8 @@ def _cache(zoo):
     return c
 
 
-@pytest.mark.parametrize("processes", [0, 2])
-def test_prefetched_adapters_equal_direct_reads_and_bad_files_fail_alike(zoo, processes):
+def test_prefetched_adapters_equal_direct_reads_and_bad_files_fail_alike(zoo):
     direct, ahead = _cache(zoo), _cache(zoo)
-    if processes:  # lora.reader_processes: the reads in worker processes, handed back through a file
-        ahead.start_reader_processes(processes)
     ahead.prefetch(["a1", "a5", "nope", "a2"])
     for read in list(ahead._staged.values()):
         read.result(timeout=60)
@@ -140,16 +137,3 @@ def test_pause_points_run_only_under_paced():
         pacing.pause()
     pacing.pause()
     assert calls == [1, 1]
-
-
-def test_a_dead_reader_process_falls_back_to_reading_here(zoo):
-    direct, ahead = _cache(zoo), _cache(zoo)
-    ahead.start_reader_processes(1)
-    ahead._procs[0].proc.kill()
-    ahead._procs[0].proc.wait()
-    ahead.prefetch(["a3"])
-    got, want = ahead.fetch("a3"), direct.fetch("a3")
-    for key, m in want.modules.items():
-        assert torch.equal(got.modules[key].a, m.a) and torch.equal(got.modules[key].b, m.b)
-    assert not ahead._procs and "a3" not in ahead.bad
-    ahead.close()

@@ -132,8 +132,6 @@ class Engine:
         # Admission waits (boundedly) for reads where they overlap GPU steps. On CPU reads and steps share the cores,
         # and the step loop reading what it admits keeps each run's batches, and so its rounding, the same.
         self.overlap_reads = ps.device.type == "cuda"
-        if lo.reader_processes and self.adapter_paths:
-            self.cache.start_reader_processes(lo.reader_processes)
         self.rt = None
         if self.cache.infos:
             ops = get_backend(lo.backend, self.device)

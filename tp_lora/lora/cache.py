@@ -18,8 +18,6 @@ import contextlib
 import json
 import math
 import os
-import pickle
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -32,7 +30,6 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.lora import stfile
 from tp_lora.lora.pacing import paced
-from tp_lora.lora.reader import ReaderProcess
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
@@ -220,8 +217,6 @@ class AdapterCache:
         self._waited = -math.inf  # when the step loop last waited for a read (time.perf_counter)
         self._lent = threading.Event()
         self._lending = 0
-        self._procs: list[ReaderProcess] = []
-        self._idle: queue.SimpleQueue = queue.SimpleQueue()  # reader processes not serving a read
         self.stats = CacheStats()
         self.module_shapes: Optional[dict] = None
         self.max_rank: Optional[int] = None
@@ -364,7 +359,7 @@ class AdapterCache:
             if name in self._staged or name in self.host or name in self.bad or name not in self.infos:
                 continue
             if self._reader is None:
-                self._reader = ThreadPoolExecutor(max_workers=max(READERS, len(self._procs)),
+                self._reader = ThreadPoolExecutor(max_workers=READERS,
                                                   thread_name_prefix="tp_lora-adapter-read")
             self._staged[name] = self._reader.submit(self._read_ahead, self.infos[name])
 
@@ -381,26 +376,10 @@ class AdapterCache:
                 self._lent.clear()
 
     def _read_ahead(self, info: AdapterInfo):
-        """On a reader thread: through a reader process when there are any (then only the image is made here)."""
+        """On a reader thread."""
         with paced(lambda: self._lent.wait(PAUSE_S)) if self.paced else contextlib.nullcontext():
-            proc = self._idle.get() if self._procs else None
-            if proc is None:
-                behind = time.perf_counter() - self._waited < BEHIND_S
-                return self._read_safely(info, self.read_threads if behind else 1)
-            try:
-                adapter, err = proc.read(info, self.dtype, self.module_shapes, self.max_rank, info.file_bytes)
-            except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: read here from now on
-                self._procs = []
-                return self._read_safely(info)
-            finally:
-                self._idle.put(proc)
-            return (None, err) if err else self._prepared(info, adapter)
-
-    def start_reader_processes(self, n: int) -> None:
-        """Read ahead in `n` worker processes (tp_lora.lora.reader) instead of on this process's reader thread."""
-        self._procs = [ReaderProcess() for _ in range(n)]
-        for proc in self._procs:
-            self._idle.put(proc)
+            behind = time.perf_counter() - self._waited < BEHIND_S
+            return self._read_safely(info, self.read_threads if behind else 1)
 
     def forget(self) -> None:
         """Drop the host tier and any prefetches (a cold start for benchmarks)."""
@@ -410,9 +389,6 @@ class AdapterCache:
     def close(self) -> None:
         self._lending += 1  # for good: a read still running finishes at full speed instead of paced
         self._lent.set()
-        procs, self._procs = self._procs, []
-        for proc in procs:
-            proc.close()
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._reader = None
@@ -451,12 +427,6 @@ class AdapterCache:
             while len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
         return image
-
-    def _prepared(self, info: AdapterInfo, adapter: LoRAAdapter) -> tuple[Optional[object], Optional[str]]:
-        if self.images is None:
-            return adapter, None
-        with torch_threads(1):  # on the reader thread, beside the steps (see _read_safely)
-            return _safely(info.name, lambda: self.images.image(adapter))
 
     # ---- device tier -----------------------------------------------------------------------------------------
     def load_slot(self, slots, slot: int, image, stream: Optional[torch.cuda.Stream] = None) -> None:
