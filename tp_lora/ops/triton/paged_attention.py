@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # positions per inner iteration
+BLOCK_N = 128  # positions per inner iteration
 TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200
 MIN_PART = 256  # positions per partition at least (fewer: the merge costs more than it gains)
+NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel (a sweep on an H200: scripts/bench_attention.py --sweep)
 
 
 @triton.jit
@@ -126,7 +127,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         float(softcap or 0.0), part_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
-        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=BLOCK_N, PARTS=parts, F32_DOT=f32)
+        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=BLOCK_N, PARTS=parts, F32_DOT=f32,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if parts > 1:
         _merge_kernel[(b, heads)](part_acc, part_ml, out, out.stride(0), out.stride(1), H=heads, D=d, PARTS=parts,
                                   PARTS_PAD=max(2, triton.next_power_of_2(parts)))
