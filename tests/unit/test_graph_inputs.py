@@ -22,12 +22,14 @@ def test_small_step_exact():
 
 
 def test_block_crossing_slot_and_padding_slots():
-    got = pad_mixed_step([1, 2, 3], [[3, 8]], [3], [3], tokens=4, seqs=1, width=2, block_size=4, scratch=9)
+    # A table longer than the graph's width (a block for a position it never serves) is cut.
+    got = pad_mixed_step([1, 2, 3], [[3, 8, 5]], [3], [3], tokens=4, seqs=1, width=2, block_size=4, scratch=9)
     assert got.kv_slots.tolist() == [3 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, -1]
     assert got.positions.tolist() == [3, 4, 5, 0]
+    assert got.block_table.tolist() == [[3, 8]]
 
 
-@pytest.mark.parametrize("kwargs", [dict(tokens=3), dict(seqs=1), dict(width=1)])
+@pytest.mark.parametrize("kwargs", [dict(tokens=3), dict(seqs=1)])
 def test_too_big_for_the_graph_is_named(kwargs):
     args = dict(tokens=8, seqs=4, width=4, block_size=4, scratch=9) | kwargs
     with pytest.raises(ValueError, match="expected at most"):

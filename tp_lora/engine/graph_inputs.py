@@ -46,19 +46,19 @@ class MixedInputs:
 def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], lens: list[int], tokens: int,
                    seqs: int, width: int, block_size: int, scratch: int) -> MixedInputs:
     """Sequence n has lens[n] >= 1 new tokens (its run of `ids`) at positions starts[n].., kept in the blocks
-    blocks[n] (covering at least its last new position). -> host tensors padded to `tokens` x `seqs` x `width`."""
+    blocks[n] (covering at least its last new position; entries past `width`, for positions the graph does not
+    serve, are dropped). -> host tensors padded to `tokens` x `seqs` x `width`."""
     n, t = len(lens), len(ids)
-    if t != sum(lens) or t > tokens or n > seqs or any(len(b) > width for b in blocks) or min(lens, default=1) < 1:
-        raise ValueError(f"a step of {t} tokens ({sum(lens)} by lens), {n} sequences, tables up to "
-                         f"{max(map(len, blocks), default=0)} wide, lens >= {min(lens, default=1)}: expected at "
-                         f"most {tokens} tokens, {seqs} sequences, {width} wide, every len >= 1")
+    if t != sum(lens) or t > tokens or n > seqs or min(lens, default=1) < 1:
+        raise ValueError(f"a step of {t} tokens ({sum(lens)} by lens), {n} sequences, lens >= "
+                         f"{min(lens, default=1)}: expected at most {tokens} tokens, {seqs} sequences, every len >= 1")
     lens_t = torch.tensor(lens, dtype=torch.int64)
     ends = torch.cumsum(lens_t, 0)
     seq = torch.repeat_interleave(torch.arange(n), lens_t)
     pos = torch.tensor(starts, dtype=torch.int64)[seq] + torch.arange(t) - (ends - lens_t)[seq]
     table = torch.full((seqs, width), scratch, dtype=torch.int32)
     for i, b in enumerate(blocks):
-        table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+        table[i, :min(len(b), width)] = torch.tensor(b[:width], dtype=torch.int32)
     out = MixedInputs.zeros(tokens, seqs, width, "cpu")
     out.ids[:t] = torch.tensor(ids, dtype=torch.int64)
     out.positions[:t] = pos
