@@ -22,13 +22,13 @@ class _Rerun:
         self.out.copy_(self.forward())
 
 
-def _engine(model, adapters, graphs: bool) -> Engine:
+def _engine(model, adapters, graphs: bool, device: str) -> Engine:
     cfg = RunConfig()
-    cfg.device, cfg.dtype, cfg.cuda_graphs, cfg.progress = "cpu", "float32", False, False
+    cfg.device, cfg.dtype, cfg.cuda_graphs, cfg.progress = device, "float32", False, False
     cfg.lora.backend, cfg.lora.max_loras, cfg.lora.max_rank = "triton", 3, 8
     cfg.generation.ignore_eos = True
     cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step, cfg.scheduler.admit_batch = 3, 16, 1
-    engine = Engine(cfg, comm.single_process("cpu"), str(model), str(adapters))
+    engine = Engine(cfg, comm.single_process(device), str(model), str(adapters))
     if graphs:
         r = engine.runner
         r.use_graphs, r.mixed_sizes = True, mixed_sizes(16, 3)
@@ -36,7 +36,7 @@ def _engine(model, adapters, graphs: bool) -> Engine:
     return engine
 
 
-def test_mixed_and_decode_graph_path_matches_eager(tmp_path):
+def test_mixed_and_decode_graph_path_matches_eager(tmp_path, device):
     write_tiny_llama(tmp_path / "m", num_hidden_layers=1, seed=2, hidden_size=32, intermediate_size=64)
     write_random_adapter(tmp_path / "a" / "a0", tmp_path / "m", r=4, seed=0)
     # a1 on the embedding and the LM head too: the logits rows take their own LoRA batch.
@@ -46,7 +46,7 @@ def test_mixed_and_decode_graph_path_matches_eager(tmp_path):
     reqs = [Request(i, id=i, adapter=a, max_new_tokens=3 + i % 2,
                     prompt_token_ids=torch.randint(0, 256, (n,), generator=gen).tolist())
             for i, (n, a) in enumerate(zip([5, 21, 1, 9], ["a0", None, "a1", "a1"]))]
-    eager, graphed = _engine(tmp_path / "m", tmp_path / "a", False), _engine(tmp_path / "m", tmp_path / "a", True)
+    eager, graphed = (_engine(tmp_path / "m", tmp_path / "a", graphs, device) for graphs in (False, True))
     assert graphed.runner.mixed_sizes == [(16, 3)]
     for w, g in zip(eager.generate(reqs), graphed.generate(reqs)):
         assert g.output_token_ids == w.output_token_ids, f"request {w.id}"
