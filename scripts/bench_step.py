@@ -14,7 +14,8 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
 - prefill tokens/s from the one-token run; the long run's decode steps replayed from CUDA graphs and their mean
   wall time (launch to sampled tokens on the host).
 With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replayed from its CUDA graph and run eagerly,
-against a 32-sequence decode step (the runner alone, CUDA events, medians; whether each replayed a graph). Prints a table; writes bench_step.json into --out.
+against a 32-sequence decode step (the runner alone, CUDA events, medians; whether each replayed a graph). Prints a
+table; writes bench_step.json into --out.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The runner's graph path without a GPU: capture replaced by a stand-in that reruns the captured forward on each
 replay, so every step goes through the static buffers, their refresh (inputs, the tokens' and the logits rows' LoRA
 batches) and the padded layout, with the varlen reference attending. Its tokens must be the eager engine's."""
-import pytest
 import torch
 
 from tp_lora import distributed as comm
