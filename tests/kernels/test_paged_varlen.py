@@ -41,8 +41,11 @@ def _case(gen, seqs, heads, kv, d, bs, dtype, device, pad_seqs=0, pad_tokens=0, 
     ([(17, 40), (1, 9)], 16, 1, 0, 1.5, 3, 0),  # soft-capped scores (Gemma 2), a cap small enough to matter
     ([(70, 130)], 8, 3, 0, 0.0, 0, 2),  # rep 3: query blocks of 5 tokens in 16-row tiles; several key tiles
 ])
-def test_kernel_matches_reference(device, seqs, bs, rep, window, softcap, pad_seqs, pad_tokens):
-    from tp_lora.ops.triton.paged_varlen import paged_varlen
+@pytest.mark.parametrize("rows", [16, 64])
+def test_kernel_matches_reference(device, monkeypatch, seqs, bs, rep, window, softcap, pad_seqs, pad_tokens, rows):
+    from tp_lora.ops.triton import paged_varlen as pv
+    monkeypatch.setattr(pv, "tile", lambda rep, t, s: (rows // rep, rows))  # both tile shapes on every case
+    paged_varlen = pv.paged_varlen
     gen = torch.Generator().manual_seed(sum(n + c for n, c in seqs) + bs + rep)
     kv, d = 2, 16
     args = _case(gen, seqs, kv * rep, kv, d, bs, torch.float32, device, pad_seqs, pad_tokens)
@@ -116,3 +119,11 @@ def test_reference_matches_gathered_sdpa(lengths, starts, window, softcap):
     cu_q = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     got = paged_varlen_ref(q, cache.k[0], cache.v[0], table, ctx, cu_q, 0.3, window or 0, softcap or 0.0)
     torch.testing.assert_close(got.reshape(t, -1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tile_shapes():
+    from tp_lora.ops.triton.paged_varlen import tile
+    assert tile(4, 64, 32) == (4, 16)  # mostly decodes: 4 tokens x 4 heads
+    assert tile(4, 768, 32) == (16, 64)  # room for chunks
+    assert tile(3, 64, 32) == (5, 16)  # rows past 5 x 3 stay empty
+    assert tile(32, 64, 32) == (1, 32)  # every head of a KV head in one tile

@@ -15,6 +15,7 @@ import triton.language as tl
 
 BLOCK_N = 64  # key positions per inner iteration
 MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: what tl.dot takes
+CHUNK_ROWS = 64  # tile rows when the step's shapes leave room for chunks (16+ query tokens per sequence on average)
 
 
 @triton.jit
@@ -101,9 +102,12 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def tile(rep: int) -> tuple[int, int]:
-    """(query tokens per block, tile rows) for `rep` query heads per KV head."""
-    rows = max(MIN_ROWS, triton.next_power_of_2(rep))
+def tile(rep: int, tokens: int, seqs: int) -> tuple[int, int]:
+    """(query tokens per block, tile rows) for `rep` query heads per KV head, in a step of `tokens` query rows over
+    `seqs` sequences: small tiles where most sequences may be decodes (a decode fills `rep` rows of its tile, and
+    streams its whole context through them), larger ones where chunks must be there (fewer re-reads of their keys,
+    fuller dots)."""
+    rows = max(MIN_ROWS if tokens < 16 * seqs else CHUNK_ROWS, triton.next_power_of_2(rep))
     return rows // rep, rows
 
 
@@ -118,8 +122,8 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"cu_q has {cu_q.shape[0]} entries for {context_lens.shape[0]} sequences, expected "
                          f"{context_lens.shape[0] + 1}")
     rep = heads // kv
-    block_q, rows = tile(rep)
     seqs = context_lens.shape[0]
+    block_q, rows = tile(rep, t, seqs)
     out = torch.empty_like(q)
     if t == 0 or seqs == 0:
         return out
