@@ -60,8 +60,8 @@ def mixed_sizes(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
     """(tokens, sequences) of the mixed-step graphs for a scheduler of these limits: the token buckets up to
     max_tokens (itself the last one, unless past the largest bucket), each for up to min(max_seqs, tokens)
     sequences."""
-    sizes = [t for t in MIXED_TOKEN_SIZES if t < max_tokens] + [min(max_tokens, MIXED_TOKEN_SIZES[-1])]
-    return [(t, min(max_seqs, t)) for t in sizes]
+    sizes = {t for t in MIXED_TOKEN_SIZES if t < max_tokens} | {min(max_tokens, MIXED_TOKEN_SIZES[-1])}
+    return [(t, min(max_seqs, t)) for t in sorted(sizes)]
 
 
 class ModelRunner:
