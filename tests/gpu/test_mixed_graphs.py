@@ -47,7 +47,7 @@ def test_mixed_graphs_match_eager(tmp_path, dtype, heads, kv):
         for w, g in zip(eager.generate(reqs), graphed.generate(reqs)):
             assert not w.error and not g.error
             if dtype == "float32":  # eager chunks attend through SDPA, graphed ones through the varlen kernel
-                assert g.output_token_ids == w.output_token_ids, f"request {w.id}"
+                assert g.output_token_ids == w.output_token_ids, f"request {w.request.id}"
                 assert max(abs(a - b) for a, b in zip(w.logprobs, g.logprobs)) < 1e-3
             same += sum(a == b for a, b in zip(w.output_token_ids, g.output_token_ids))
             total += len(w.output_token_ids)
