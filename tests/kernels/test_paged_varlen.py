@@ -44,7 +44,7 @@ def _case(gen, seqs, heads, kv, d, bs, dtype, device, pad_seqs=0, pad_tokens=0, 
 @pytest.mark.parametrize("rows", [16, 64])
 def test_kernel_matches_reference(device, monkeypatch, seqs, bs, rep, window, softcap, pad_seqs, pad_tokens, rows):
     from tp_lora.ops.triton import paged_varlen as pv
-    monkeypatch.setattr(pv, "tile", lambda rep, t, s: (rows // rep, rows))  # both tile shapes on every case
+    monkeypatch.setattr(pv, "tile", lambda rep, t, s, d: (rows // rep, rows))  # both tile shapes on every case
     paged_varlen = pv.paged_varlen
     gen = torch.Generator().manual_seed(sum(n + c for n, c in seqs) + bs + rep)
     kv, d = 2, 16
@@ -123,7 +123,8 @@ def test_reference_matches_gathered_sdpa(lengths, starts, window, softcap):
 
 def test_tile_shapes():
     from tp_lora.ops.triton.paged_varlen import tile
-    assert tile(4, 64, 32) == (4, 16)  # mostly decodes: 4 tokens x 4 heads
-    assert tile(4, 768, 32) == (16, 64)  # room for chunks
-    assert tile(3, 64, 32) == (5, 16)  # rows past 5 x 3 stay empty
-    assert tile(32, 64, 32) == (1, 32)  # every head of a KV head in one tile
+    assert tile(4, 64, 32, 128) == (4, 16)  # mostly decodes: 4 tokens x 4 heads
+    assert tile(4, 768, 32, 128) == (16, 64)  # room for chunks
+    assert tile(4, 768, 32, 256) == (4, 16)  # a wide head keeps the small tile
+    assert tile(3, 64, 32, 128) == (5, 16)  # rows past 5 x 3 stay empty
+    assert tile(32, 64, 32, 128) == (1, 32)  # every head of a KV head in one tile

@@ -16,6 +16,7 @@ import triton.language as tl
 BLOCK_N = 64  # key positions per inner iteration
 MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: what tl.dot takes
 CHUNK_ROWS = 64  # tile rows when the step's shapes leave room for chunks (16+ query tokens per sequence on average)
+CHUNK_MAX_D = 128  # ... and the head is small enough for [CHUNK_ROWS, d] float32 accumulators in registers
 
 
 @triton.jit
@@ -102,12 +103,13 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def tile(rep: int, tokens: int, seqs: int) -> tuple[int, int]:
+def tile(rep: int, tokens: int, seqs: int, head_dim: int) -> tuple[int, int]:
     """(query tokens per block, tile rows) for `rep` query heads per KV head, in a step of `tokens` query rows over
     `seqs` sequences: small tiles where most sequences may be decodes (a decode fills `rep` rows of its tile, and
     streams its whole context through them), larger ones where chunks must be there (fewer re-reads of their keys,
     fuller dots)."""
-    rows = max(MIN_ROWS if tokens < 16 * seqs else CHUNK_ROWS, triton.next_power_of_2(rep))
+    chunky = tokens >= 16 * seqs and head_dim <= CHUNK_MAX_D
+    rows = max(CHUNK_ROWS if chunky else MIN_ROWS, triton.next_power_of_2(rep))
     return rows // rep, rows
 
 
@@ -123,7 +125,7 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                          f"{context_lens.shape[0] + 1}")
     rep = heads // kv
     seqs = context_lens.shape[0]
-    block_q, rows = tile(rep, t, seqs)
+    block_q, rows = tile(rep, t, seqs, d)
     out = torch.empty_like(q)
     if t == 0 or seqs == 0:
         return out
