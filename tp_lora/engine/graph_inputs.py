@@ -57,8 +57,10 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
     seq = torch.repeat_interleave(torch.arange(n), lens_t)
     pos = torch.tensor(starts, dtype=torch.int64)[seq] + torch.arange(t) - (ends - lens_t)[seq]
     table = torch.full((seqs, width), scratch, dtype=torch.int32)
-    for i, b in enumerate(blocks):
-        table[i, :min(len(b), width)] = torch.tensor(b[:width], dtype=torch.int32)
+    kept = torch.tensor([min(len(b), width) for b in blocks], dtype=torch.int64)  # one scatter of the real entries
+    row = torch.repeat_interleave(torch.arange(n), kept)
+    table[row, torch.arange(row.numel()) - (torch.cumsum(kept, 0) - kept)[row]] = torch.tensor(
+        [x for b in blocks for x in b[:width]], dtype=torch.int32)
     out = MixedInputs.zeros(tokens, seqs, width, "cpu")
     out.ids[:t] = torch.tensor(ids, dtype=torch.int64)
     out.positions[:t] = pos
