@@ -13,8 +13,9 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
   decode's mean context) / the device copy bandwidth measured in the same run (read + written bytes / time);
 - prefill tokens/s from the one-token run; the long run's decode steps replayed from CUDA graphs and their mean
   wall time (launch to sampled tokens on the host).
-With --mixed, also one step of 31 decodes + one 512-token prefill chunk against a 32-sequence decode step (the
-runner alone, CUDA events, medians). Prints a table; writes bench_step.json into --out.
+With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replayed from its CUDA graph and run eagerly,
+against a 32-sequence decode step (the runner alone, CUDA events, medians; whether each replayed a graph). Prints a
+table; writes bench_step.json into --out.
 """
 from __future__ import annotations
 
@@ -161,9 +162,10 @@ def _ms(fn) -> float:
 
 
 def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
-    """Runner-level: one step of 31 decodes (context 128) + one 512-token prefill chunk, against a decode step of
-    32 sequences (a graph replay) at context 128 and 2048, CUDA-event medians. profile: the kernels of the decode
-    step at context 2048 (torch.profiler over graph replays), printed."""
+    """Runner-level: one step of 31 decodes (context 128) + one 512-token prefill chunk, replayed from a graph and run
+    eagerly (mixed graphs off), against a decode step of 32 sequences (a graph replay) at context 128 and 2048,
+    CUDA-event medians, each with whether its last run replayed a graph. profile: the kernels of the decode step at
+    context 2048 and of the graphed mixed step (torch.profiler over replays), printed."""
     from tp_lora.engine.runner import StepBatch
     bs = engine.cfg.scheduler.kv_block_size
     per_seq = -(-(2048 + 2) // bs)
@@ -184,19 +186,29 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
         return step
 
     out = {}
-    for name, mixed, context in (("decode_32", False, 128), ("mixed_31_plus_512", True, 128),
-                                 ("decode_32_ctx2048", False, 2048)):
-        times = [_ms(lambda: engine.runner.execute(batch(mixed, context), cache)) for _ in range(12)]
+    runner = engine.runner
+    graphed_sizes = runner.mixed_sizes
+    for name, mixed, context, sizes in (("decode_32", False, 128, graphed_sizes),
+                                        ("mixed_31_plus_512", True, 128, graphed_sizes),
+                                        ("mixed_31_plus_512_eager", True, 128, []),
+                                        ("decode_32_ctx2048", False, 2048, graphed_sizes)):
+        runner.mixed_sizes = sizes
+        times = [_ms(lambda: runner.execute(batch(mixed, context), cache)) for _ in range(12)]
         out[name + "_ms"] = statistics.median(times[2:])
+        out[name + "_replayed"] = runner.replayed
+    runner.mixed_sizes = graphed_sizes
     out["ratio"] = out["mixed_31_plus_512_ms"] / out["decode_32_ms"]
+    out["eager_ratio"] = out["mixed_31_plus_512_eager_ms"] / out["decode_32_ms"]
     if profile and torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                engine.runner.execute(batch(False, 2048), cache)
-            torch.cuda.synchronize()
-        print(f"kernels of 3 decode steps at context 2048 ({'with' if adapters else 'no'} adapters):")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        for what, mixed, context in (("decode steps at context 2048", False, 2048),
+                                     ("graphed mixed steps (31 decodes + 512 prefill)", True, 128)):
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    runner.execute(batch(mixed, context), cache)
+                torch.cuda.synchronize()
+            print(f"kernels of 3 {what} ({'with' if adapters else 'no'} adapters):")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     return out
 
 
@@ -279,7 +291,8 @@ def main() -> None:
         for k, v in m.items():
             print(f"runner {shape} {k}: decode 32 at context 128 {v['decode_32_ms']:.3f} ms, at 2048 "
                   f"{v['decode_32_ctx2048_ms']:.3f} ms; 31 decodes + 512 prefill {v['mixed_31_plus_512_ms']:.3f} ms "
-                  f"({v['ratio']:.2f}x the decode step)")
+                  f"({v['ratio']:.2f}x the decode step, graph replayed: {v['mixed_31_plus_512_replayed']}), eagerly "
+                  f"{v['mixed_31_plus_512_eager_ms']:.3f} ms ({v['eager_ratio']:.2f}x)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_step.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,

@@ -81,8 +81,8 @@ class SchedulerConfig:
     # many times; then nothing passes it until it is admitted (no starvation).
     max_overtakes: int = 16
     # While sequences decode, admit only when this many waiting requests (or all of them, if fewer; at most
-    # max_batch_size) fit at once: every admission makes its step mix prefill and decode, which runs eagerly, while a
-    # decode-only step replays a CUDA graph. 1 = admit as soon as any room frees. 8 measured 1.3-3.2x the tokens/s
+    # max_batch_size) fit at once: every admission makes its step mix prefill and decode, a costlier step than a
+    # decode-only one. 1 = admit as soon as any room frees. 8 measured 1.3-3.2x the tokens/s
     # of 1 on a saturated serving trace (H200, benchmarks/serving_*).
     admit_batch: int = 8
     # Ctrl-C / SIGTERM: stop admitting, finish in-flight sequences for up to this long, then abandon them

@@ -47,9 +47,9 @@ __all__ = ["Engine", "Sequence", "StepOutput", "StepStats", "RUN", "DRAIN", "ABO
 @dataclass
 class StepStats:
     steps: int = 0
-    graph_steps: int = 0  # decode steps replayed from a CUDA graph (the others ran eagerly)
+    graph_steps: int = 0  # steps replayed from a CUDA graph (the others ran eagerly)
     graph_seconds: float = 0.0  # wall time of those steps, from launch to the sampled tokens on the host
-    eager_seconds: float = 0.0  # the same for the eager steps (prefill or mixed)
+    eager_seconds: float = 0.0  # the same for the eager steps
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -166,7 +166,8 @@ class Engine:
         self.max_positions = self.hf.get("max_position_embeddings", 4096)
         # MoE models say whether their decode step is free of host syncs (capturable) in their layout and dtype.
         graphs = cfg.cuda_graphs and getattr(self.model, "cuda_graph_safe", True)
-        self.runner = ModelRunner(self.model, self.rt, ps.device, graphs)
+        self.runner = ModelRunner(self.model, self.rt, ps.device, graphs, cfg.scheduler.max_tokens_per_step,
+                                  cfg.scheduler.max_batch_size)
         self.generator = torch.Generator().manual_seed(cfg.generation.seed)
         self.stats = StepStats()
         sizes = getattr(self.rt.ops, "warm_up_sizes", None) if self.rt is not None else None

@@ -1,10 +1,12 @@
 """Executes one model step from a host-side description: builds the step's metadata once (attention layout, LoRA
 batches for the tokens and for the sampled rows) and runs the forward pass and the LM head.
 
-Decode steps on CUDA can replay a captured CUDA graph: one per padded batch size and per "any LoRA" flag. The
-step's inputs and metadata (token ids, positions, block tables) are copied into the graph's static buffers, so a new
-batch of the same padded size, with any mix of adapters and context lengths, replays without capture or host syncs;
-the paged decode kernel reads each sequence's real context only.
+Steps on CUDA can replay a captured CUDA graph, per "any LoRA" flag: decode-only steps one per padded batch size
+(the paged decode kernel), other steps one per padded token count (the varlen paged kernel over every token, so any
+mix of prefill chunks and decodes). The step's inputs and metadata (token ids, positions, KV slots, block tables,
+query offsets, LoRA batches) are copied into the graph's static buffers, so a new step of the same padded size, with
+any mix of adapters and context lengths, replays without capture or host syncs; the kernels read each sequence's
+real queries and context only. Scoring steps (logits of every token) and steps past the largest bucket run eagerly.
 """
 from __future__ import annotations
 
@@ -12,11 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tp_lora.engine.graph_inputs import MixedInputs, pad_mixed_step
 from tp_lora.hostcopy import to_device
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
+from tp_lora.ops.paged_attention import kernel_takes
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIXED_TOKEN_SIZES = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 @dataclass
@@ -46,19 +51,31 @@ class StepBatch:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [B] static inputs, refreshed before each replay
-    positions: torch.Tensor
-    block_table: torch.Tensor  # [B, W] int32
-    lora: LoRABatch | None
-    logits: torch.Tensor  # [B, V] static output
+    inputs: list[torch.Tensor]  # static inputs, refreshed (in this order) before each replay
+    loras: list[LoRABatch]  # static LoRA batches (of the tokens, then of the logits' rows if they differ); [] for none
+    logits: torch.Tensor  # [rows, V] static output
+
+
+def mixed_sizes(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the mixed-step graphs for a scheduler of these limits: the token buckets up to
+    max_tokens (itself the last one, unless past the largest bucket), each for up to min(max_seqs, tokens)
+    sequences."""
+    sizes = {t for t in MIXED_TOKEN_SIZES if t < max_tokens} | {min(max_tokens, MIXED_TOKEN_SIZES[-1])}
+    return [(t, min(max_seqs, t)) for t in sorted(sizes)]
 
 
 class ModelRunner:
-    def __init__(self, model, rt, device, cuda_graphs: bool = False):
+    def __init__(self, model, rt, device, cuda_graphs: bool = False, max_tokens: int = 4096, max_seqs: int = 256):
+        """max_tokens / max_seqs: the most tokens / sequences of a step (the scheduler's limits), which size the
+        mixed-step graphs."""
         self.model, self.rt, self.device = model, rt, torch.device(device)
         # Graphs need device-side metadata end to end: the torch reference backend loops on the host.
         self.use_graphs = (cuda_graphs and self.device.type == "cuda" and
                            (rt is None or hasattr(rt.ops, "refresh_static_batch")))
+        # Mixed steps need the varlen kernel (the reference gathers every table's positions for every token), and a
+        # model whose forward over any tokens has no host sync.
+        mixed = self.use_graphs and kernel_takes(model.head_dim) and getattr(model, "mixed_graph_safe", True)
+        self.mixed_sizes = mixed_sizes(max_tokens, max_seqs) if mixed else []
         self.graphs: dict[tuple, _Graph] = {}
         self.cache: KVCache | None = None
         self.max_len = 0  # the longest sequence the cache serves (graphs' block tables are this wide)
@@ -84,10 +101,16 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, step: StepBatch, cache: KVCache) -> torch.Tensor:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
-        self.replayed = self.use_graphs and step.is_decode and len(step.lens) <= GRAPH_BATCH_SIZES[-1] and \
-            cache is self.cache
-        if self.replayed:
-            return self._replay(step)
+        n = len(step.lens)
+        graphed = self.use_graphs and not step.all_logits and cache is self.cache
+        if graphed and step.is_decode and n <= GRAPH_BATCH_SIZES[-1]:
+            self.replayed = True
+            return self._replay_decode(step)
+        size = next((sz for sz in self.mixed_sizes if sz[0] >= len(step.ids) and sz[1] >= n), None) \
+            if graphed else None
+        self.replayed = size is not None
+        if size is not None:
+            return self._replay_mixed(step, *size)
         meta = build_attn_meta(step.blocks, step.starts, step.lens, cache.block_size, self.device,
                                self.model.sliding_window)
         token_slots = [s for s, n in zip(step.slots, step.lens) for _ in range(n)]
@@ -122,40 +145,58 @@ class ModelRunner:
                         last_token=torch.arange(table.shape[0], device=self.device),
                         window=self.model.sliding_window or 0)
 
-    def _replay(self, step: StepBatch) -> torch.Tensor:
+    def _replay_decode(self, step: StepBatch) -> torch.Tensor:
         n = len(step.lens)
         size = next(s for s in GRAPH_BATCH_SIZES if s >= n)
         pad = size - n
         slots = step.slots + [-1] * pad
         lora = self.rt is not None and any(s >= 0 for s in step.slots)
-        key = (size, lora)
-        g = self.graphs.get(key) or self._capture(size, slots, lora)
-        host = torch.tensor([step.ids + [0] * pad, step.starts + [0] * pad], dtype=torch.long)
-        width = g.block_table.shape[1]
+        g = self.graphs.get(("decode", size, lora)) or self._capture_decode(size, slots, lora)
+        width = g.inputs[2].shape[1]
         scratch = [self.cache.scratch] * width
-        table = torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32)
-        dev, dev_table = to_device([host, table], self.device)
-        g.ids.copy_(dev[0])
-        g.positions.copy_(dev[1])
-        g.block_table.copy_(dev_table)
-        if g.lora is not None:
-            self.rt.ops.refresh_static_batch(g.lora, build_lora_batch(slots, self.rt.max_loras, self.device))
+        host = [torch.tensor(step.ids + [0] * pad), torch.tensor(step.starts + [0] * pad),
+                torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32)]
+        return self._replay(g, host, [slots], n)
+
+    def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int) -> torch.Tensor:
+        n = len(step.lens)
+        token_slots = [s for s, k in zip(step.slots, step.lens) for _ in range(k)]
+        lora_slots = [token_slots + [-1] * (tokens - len(token_slots)), step.slots + [-1] * (seqs - n)]
+        lora = self.rt is not None and any(s >= 0 for s in step.slots)
+        g = self.graphs.get(("mixed", tokens, lora)) or self._capture_mixed(tokens, seqs, lora_slots, lora)
+        host = pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
+                              self.cache.block_size, self.cache.scratch)
+        return self._replay(g, host.tensors(), lora_slots, n)
+
+    def _replay(self, g: _Graph, host: list[torch.Tensor], lora_slots: list[list[int]], n: int) -> torch.Tensor:
+        """Copy the step's host tensors into g's static inputs (one host->device copy per dtype), its adapter slots
+        (per token, then per logits row) into g's LoRA batches, replay; -> the first n rows of the logits."""
+        for static, new in zip(g.inputs, to_device(host, self.device)):
+            static.copy_(new)
+        for static, slots in zip(g.loras, lora_slots):
+            self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
         g.graph.replay()
         return g.logits[:n]
 
-    def _capture(self, size: int, slots: list[int], lora: bool) -> _Graph:
+    def _table_width(self) -> int:
+        return -(-self.max_len // self.cache.block_size)
+
+    def _static_lora(self, slots: list[int], lora: bool) -> LoRABatch | None:
+        """A LoRA batch whose buffers a graph reads (None without a LoRA runtime): of `slots` when lora, else of
+        none (the LoRA layers then skip their work, decided on the host at capture)."""
+        if self.rt is None:
+            return None
+        batch = build_lora_batch(slots if lora else [-1] * len(slots), self.rt.max_loras, self.device)
+        if lora:
+            self.rt.ops.refresh_static_batch(batch, batch)  # builds the per-step tables once
+        return batch
+
+    def _capture_decode(self, size: int, slots: list[int], lora: bool) -> _Graph:
         dev = self.device
         ids = torch.zeros(size, dtype=torch.long, device=dev)
         positions = torch.zeros(size, dtype=torch.long, device=dev)
-        width = -(-self.max_len // self.cache.block_size)
-        table = torch.full((size, width), self.cache.scratch, dtype=torch.int32, device=dev)
-        static_lora = None
-        if self.rt is not None:
-            static_lora = build_lora_batch(slots if lora else [-1] * size, self.rt.max_loras, dev)
-            if lora:
-                self.rt.ops.refresh_static_batch(static_lora, static_lora)  # builds the per-step tables once
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        table = torch.full((size, self._table_width()), self.cache.scratch, dtype=torch.int32, device=dev)
+        static_lora = self._static_lora(slots, lora)
 
         def forward():
             if self.rt is not None:
@@ -163,6 +204,34 @@ class ModelRunner:
             meta = self._decode_meta(table, positions)
             return self.model.logits(self.model(ids, self.cache, meta))
 
+        graph, logits = self._record(forward)
+        g = _Graph(graph, [ids, positions, table], [static_lora] if lora else [], logits)
+        self.graphs[("decode", size, lora)] = g
+        return g
+
+    def _capture_mixed(self, tokens: int, seqs: int, lora_slots: list[list[int]], lora: bool) -> _Graph:
+        inputs = MixedInputs.zeros(tokens, seqs, self._table_width(), self.device)
+        inputs.kv_slots.fill_(-1)  # until the first refresh, every row is padding
+        inputs.block_table.fill_(self.cache.scratch)
+        token_lora, row_lora = (self._static_lora(s, lora) for s in lora_slots)
+
+        def forward():
+            if self.rt is not None:
+                self.rt.batch = token_lora
+            hidden = self.model(inputs.ids, self.cache, inputs.meta(self.model.sliding_window))
+            if self.rt is not None:
+                self.rt.batch = row_lora
+            return self.model.logits(hidden[inputs.last_token])
+
+        graph, logits = self._record(forward)
+        g = _Graph(graph, inputs.tensors(), [token_lora, row_lora] if lora else [], logits)
+        self.graphs[("mixed", tokens, lora)] = g
+        return g
+
+    def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """forward() captured in a graph of the runner's memory pool -> (graph, its output)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         # Warm up on a side stream (allocator and Triton autotuning settle before capture), then capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -174,9 +243,7 @@ class ModelRunner:
         # events) would otherwise invalidate a capture that happens while it runs.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = forward()
-        g = _Graph(graph, ids, positions, table, static_lora if lora else None, logits)
-        self.graphs[(size, lora)] = g
-        return g
+        return graph, logits
 
     def release_graphs(self) -> None:
         """Drop captured graphs (before the process group goes away: a live captured NCCL graph can hang teardown)."""

@@ -17,9 +17,9 @@ Each step (schedule()):
    names the adapters it can copy in at once (`loadable`: read into host memory); a request whose adapter is still
    being read waits like one without a free slot, so a read never stalls the batch.
    With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
-   (blocks and batch room) and have their adapters resident or loadable: each admission turns a decode-only step,
-   which a CUDA graph replays, into a mixed step that runs eagerly, so under a full batch admissions are grouped
-   instead of trickling in one per step.
+   (blocks and batch room) and have their adapters resident or loadable: each admission turns a decode-only step
+   into a costlier mixed step (its prefill chunk), so under a full batch admissions are grouped instead of trickling
+   in one per step.
 3. No free slot (or its adapter not loadable yet) for a request R: later requests whose adapter is resident (or
    loadable) may pass it (they batch with sequences already running: adapter-aware grouping), and each admission
    that passes R charges R once. Once R has been charged max_overtakes times nothing behind it is admitted until it

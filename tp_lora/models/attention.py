@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tp_lora.hostcopy import to_device
-from tp_lora.ops.paged_attention import paged_decode
+from tp_lora.ops.paged_attention import paged_decode, paged_varlen
 
 # cuDNN's attention is left out: it builds a plan per new shape, and eager steps (prefill, mixed) change shape
 # every step: profiled on an H100 at ~6.5 ms of host time per call.
@@ -23,11 +23,14 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 @dataclass
 class AttnGroup:
-    """Sequences attended together: decodes through the paged decode kernel (block_table set), or, on CPU and for
-    prefill chunks, gathered into one padded [n, max_q] query layout over [n, max_kv] keys (kv_index set)."""
+    """Sequences attended together: decodes through the paged decode kernel (block_table set); any mix of new
+    tokens through the varlen paged kernel (cu_q set too: a CUDA graph's step, every token of the step); or, on CPU
+    and for eager prefill chunks, gathered into one padded [n, max_q] query layout over [n, max_kv] keys (kv_index
+    set)."""
     tokens: torch.Tensor | None  # [t] step index of each of the group's tokens; None: every token, in order
-    block_table: torch.Tensor | None = None  # [n, W] blocks of each sequence (paged decode)
-    context_lens: torch.Tensor | None = None  # [n] positions each sequence attends over (paged decode)
+    block_table: torch.Tensor | None = None  # [n, W] blocks of each sequence (paged kernels)
+    context_lens: torch.Tensor | None = None  # [n] positions each sequence attends over (paged kernels)
+    cu_q: torch.Tensor | None = None  # [n+1] int32 first step token of each sequence, then the end (varlen kernel)
     kv_index: torch.Tensor | None = None  # [n, max_kv] cache slot of each sequence's positions 0..max_kv-1
     pad_index: torch.Tensor | None = None  # [n, max_q] step token index of each (sequence, query) cell, T for padding
     flat_index: torch.Tensor | None = None  # [t] cell s * max_q + j of each of the group's tokens
@@ -168,6 +171,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
         return paged_decode(qs, kc, vc, g.block_table, g.context_lens, scale, window or meta.window,
                             softcap or 0.0).view(-1, heads * d)
 
+    if meta.groups and meta.groups[0].cu_q is not None:  # the only group: every token of the step
+        g = meta.groups[0]
+        return paged_varlen(q, kc, vc, g.block_table, g.context_lens, g.cu_q, scale, window or meta.window,
+                            softcap or 0.0).view(-1, heads * d)
     if len(meta.groups) == 1 and meta.groups[0].block_table is not None:
         return decode(meta.groups[0], q)
     q_ext = torch.cat([q, q.new_zeros(1, heads, d)])  # the padding cell's index T reads zeros

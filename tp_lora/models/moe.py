@@ -322,6 +322,9 @@ class MoECausalLM(CausalLM):
         self.needs_lockstep = ps.ep.size > 1 and ps.ep_attention == "dp"
         self.step_chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
 
+    # Mixed steps (prefill chunks) stay eager: their padded token rows would be routed to experts like real ones.
+    mixed_graph_safe = False
+
     @property
     def cuda_graph_safe(self) -> bool:
         """Whether a decode step runs with no host sync, so the runner may capture it in a CUDA graph: the expert

@@ -1,10 +1,16 @@
-"""Decode attention over a paged KV cache: the torch reference (test oracle) and the dispatcher the model calls.
+"""Attention over a paged KV cache: the torch references (test oracles) and the dispatchers the model calls.
 
-Shapes: q [B, H, d] (one new token per sequence, already written into the cache); k_cache / v_cache
+Decode (paged_decode): q [B, H, d] (one new token per sequence, already written into the cache); k_cache / v_cache
 [num_blocks, block_size, KV, d]; block_table [B, W] int (block ids of each sequence, padded with any valid id);
 context_lens [B] int (positions 0 .. len-1 are the sequence's keys, the last one its own); window: attend only to the
 last `window` positions (0: all); softcap: scores become softcap * tanh(scores / softcap) (0: none, Gemma 2). Query
 head h reads KV head h // (H / KV). Returns [B, H, d].
+
+Varlen (paged_varlen): the same with the new tokens of S sequences packed, any number each: q [T, H, d]; cu_q [S+1]
+int32, sequence s owns query rows cu_q[s] .. cu_q[s+1]-1, its last q_len = cu_q[s+1] - cu_q[s] positions (causal:
+query j of the q_len sits at position context_lens[s] - q_len + j); block_table [S, W], context_lens [S]. A sequence
+may have q_len 0 (padding: it reads and writes nothing); rows past cu_q[S] belong to no sequence and come back
+undefined (zeros from the reference). Returns [T, H, d].
 """
 from __future__ import annotations
 
@@ -35,11 +41,56 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.reshape(b, kv * rep, d).to(q.dtype)
 
 
+def paged_varlen_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     context_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """Each token's sequence found by a search over cu_q, every position of that sequence's block table gathered
+    and masked to the causal (windowed) range, softmax in float32. No host sync; memory O(T x W x block_size)."""
+    t, heads, d = q.shape
+    width = block_table.shape[1]
+    bs, kv = k_cache.shape[1], k_cache.shape[2]
+    rep = heads // kv
+    cu = cu_q.long()
+    tok = torch.arange(t, device=q.device)
+    covered = tok < cu[-1]
+    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=block_table.shape[0] - 1)
+    q_pos = context_lens.long()[seq] - (cu[seq + 1] - tok)  # [T] position of each query
+    pos = torch.arange(width * bs, device=q.device)
+    slots = block_table.long()[:, pos // bs] * bs + pos % bs  # [S, P]
+    in_ctx = pos[None] < context_lens.long()[:, None]  # [S, P]
+    k = k_cache.flatten(0, 1)[slots].float()  # [S, P, KV, d]
+    v = v_cache.flatten(0, 1)[slots].float().masked_fill(~in_ctx[:, :, None, None], 0.0)  # padding may hold NaN
+    scores = torch.einsum("tgrd,tpgd->tgrp", q.view(t, kv, rep, d).float(), k[seq]) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    keep = (pos[None] <= q_pos[:, None]) & covered[:, None]
+    if window:
+        keep &= pos[None] > q_pos[:, None] - window
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    out = torch.einsum("tgrp,tpgd->tgrd", torch.softmax(scores, -1), v[seq])
+    out = torch.where(covered[:, None, None, None], out, 0.0)  # rows of no sequence: all-masked softmax is NaN
+    return out.reshape(t, heads, d).to(q.dtype)
+
+
+def kernel_takes(head_dim: int) -> bool:
+    """Whether the Triton attention kernels take this head_dim (a power of two >= 16, what tl.dot takes)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """The Triton kernel on CUDA (head_dim a power of two >= 16, what tl.dot takes), the reference elsewhere."""
-    d = q.shape[-1]
-    if q.is_cuda and d >= 16 and not d & (d - 1):
+    """The Triton kernel on CUDA (head_dim as kernel_takes), the reference elsewhere."""
+    if q.is_cuda and kernel_takes(q.shape[-1]):
         from tp_lora.ops.triton.paged_attention import paged_decode as kernel  # noqa: PLC0415 - CUDA only
         return kernel(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
     return paged_decode_ref(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
+
+
+def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor:
+    """The Triton kernel on CUDA (head_dim as kernel_takes), the reference elsewhere."""
+    if q.is_cuda and kernel_takes(q.shape[-1]):
+        from tp_lora.ops.triton.paged_varlen import paged_varlen as kernel  # noqa: PLC0415 - CUDA only
+        return kernel(q, k_cache, v_cache, block_table, context_lens, cu_q, scale, window, softcap)
+    return paged_varlen_ref(q, k_cache, v_cache, block_table, context_lens, cu_q, scale, window, softcap)

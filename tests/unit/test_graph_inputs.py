@@ -1,0 +1,69 @@
+"""The padded inputs of a mixed-step CUDA graph: exact tensors for a small step, the same layout as the eager
+metadata, and the same attention output through the varlen path (its torch reference on CPU)."""
+import pytest
+import torch
+
+from tp_lora.engine.graph_inputs import pad_mixed_step
+from tp_lora.models.attention import KVCache, attend, build_attn_meta
+
+
+def test_small_step_exact():
+    # seq 0: decode at position 5 (blocks [7, 2], bs 4); seq 1: a 3-token chunk at positions 1..3 (block [4]).
+    got = pad_mixed_step([11, 21, 22, 23], [[7, 2], [4]], [5, 1], [1, 3], tokens=6, seqs=3, width=3, block_size=4,
+                         scratch=9)
+    assert got.ids.tolist() == [11, 21, 22, 23, 0, 0]
+    assert got.positions.tolist() == [5, 1, 2, 3, 0, 0]
+    assert got.kv_slots.tolist() == [2 * 4 + 1, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, -1, -1]
+    assert got.last_token.tolist() == [0, 3, 0]
+    assert got.cu_q.tolist() == [0, 1, 4, 4]
+    assert got.context_lens.tolist() == [6, 4, 0]
+    assert got.block_table.tolist() == [[7, 2, 9], [4, 9, 9], [9, 9, 9]]
+    assert got.cu_q.dtype == got.context_lens.dtype == got.block_table.dtype == torch.int32
+
+
+def test_block_crossing_slot_and_padding_slots():
+    # A table longer than the graph's width (a block for a position it never serves) is cut.
+    got = pad_mixed_step([1, 2, 3], [[3, 8, 5]], [3], [3], tokens=4, seqs=1, width=2, block_size=4, scratch=9)
+    assert got.kv_slots.tolist() == [3 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, -1]
+    assert got.positions.tolist() == [3, 4, 5, 0]
+    assert got.block_table.tolist() == [[3, 8]]
+
+
+@pytest.mark.parametrize("kwargs", [dict(tokens=3), dict(seqs=1)])
+def test_too_big_for_the_graph_is_named(kwargs):
+    args = dict(tokens=8, seqs=4, width=4, block_size=4, scratch=9) | kwargs
+    with pytest.raises(ValueError, match="expected at most"):
+        pad_mixed_step([1, 2, 3, 4], [[0, 1], [2]], [0, 0], [3, 1], **args)
+
+
+def test_matches_eager_metadata_and_attention():
+    gen = torch.Generator().manual_seed(4)
+    heads, kv, d, bs = 4, 2, 8, 4
+    lengths, starts = [1, 6, 1, 3], [9, 0, 2, 5]
+    need = [-(-(st + n) // bs) for st, n in zip(starts, lengths)]
+    pool = torch.randperm(sum(need), generator=gen).tolist()
+    tables = [pool[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    t = sum(lengths)
+    ids = torch.randint(0, 100, (t,), generator=gen).tolist()
+    padded = pad_mixed_step(ids, tables, starts, lengths, tokens=t + 5, seqs=6, width=max(need) + 1,
+                            block_size=bs, scratch=sum(need))
+    eager = build_attn_meta(tables, starts, lengths, bs, "cpu", decode_kernel=False)
+    assert torch.equal(padded.kv_slots[:t], eager.slots) and torch.equal(padded.positions[:t], eager.positions)
+    assert torch.equal(padded.last_token[:len(lengths)], eager.last_token)
+    cache = KVCache(1, sum(need), bs, kv, d, torch.float32, "cpu")
+    cache.k[0].normal_(generator=gen)
+    cache.v[0].normal_(generator=gen)
+    q = torch.randn(t + 5, heads, d, generator=gen)
+    k, v = torch.randn(t + 5, kv, d, generator=gen), torch.randn(t + 5, kv, d, generator=gen)
+    want = attend(q[:t], k[:t], v[:t], cache, 0, eager, 0.4)
+    got = attend(q, k, v, cache, 0, padded.meta(None), 0.4)  # writes padding rows to the scratch block
+    torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_graph_sizes():
+    from tp_lora.engine.runner import mixed_sizes
+    assert mixed_sizes(4096, 32) == [(64, 32), (128, 32), (256, 32), (512, 32), (768, 32), (1024, 32), (1536, 32),
+                                     (2048, 32), (3072, 32), (4096, 32)]
+    assert mixed_sizes(300, 256) == [(64, 64), (128, 128), (256, 256), (300, 256)]  # the budget itself is the last
+    assert mixed_sizes(16, 4) == [(16, 4)]
+    assert mixed_sizes(8192, 8)[-2:] == [(3072, 8), (4096, 8)]  # past 4096 tokens steps run eagerly

@@ -1,0 +1,139 @@
+"""Varlen paged attention in Triton, with the signature of tp_lora.ops.paged_attention.paged_varlen_ref.
+
+One program per (query block, KV head): a query block is up to BLOCK_Q consecutive new tokens of one sequence, and
+its tile holds those tokens times the REP query heads of the KV head ([BLOCK_Q * REP, d] rows), so each K/V position
+is loaded once for all of them. Sequence s's blocks are numbered from cu_q[s] // BLOCK_Q + s on, which leaves it
+room for cdiv(q_len, BLOCK_Q) blocks; so T // BLOCK_Q + S programs cover any split of T tokens between S sequences,
+and a program finds its sequence with a binary search over cu_q on the device. The grid depends on the shapes only
+(T, S, KV heads): a captured CUDA graph replays it for any mix of prefill chunks and decodes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # key positions per inner iteration
+MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: what tl.dot takes
+CHUNK_ROWS = 64  # tile rows when the step's shapes leave room for chunks (16+ query tokens per sequence on average)
+CHUNK_MAX_D = 128  # ... and the head is small enough for [CHUNK_ROWS, d] float32 accumulators in registers
+
+
+@triton.jit
+def _find_sequence(cu_q_ptr, prog, num_seqs, BLOCK_Q: tl.constexpr, STEPS: tl.constexpr):
+    """The last s in [0, num_seqs) whose first query block cu_q[s] // BLOCK_Q + s is <= prog (a fixed number of
+    halvings: STEPS >= bit length of num_seqs)."""
+    lo = prog * 0
+    hi = lo + num_seqs
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        active = lo < hi
+        new_lo = tl.where(active & (start <= prog), mid + 1, lo)
+        hi = tl.where(active & (start > prog), mid, hi)
+        lo = new_lo
+    return lo - 1
+
+
+@triton.jit
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_seqs,
+                   scale, window, softcap,
+                   s_qt, s_qh, s_kb, s_ks, s_kh, s_btb, s_ot, s_oh,
+                   REP: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                   BLOCK: tl.constexpr, STEPS: tl.constexpr, F32_DOT: tl.constexpr):
+    prog = tl.program_id(0)
+    g = tl.program_id(1)
+    seq = _find_sequence(cu_q_ptr, prog, num_seqs, BLOCK_Q, STEPS)
+    q_begin = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+    first = (prog - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # the block's first query, counted in the sequence
+    if first >= q_len:  # past the sequence's queries (padding sequences have none)
+        return
+    ctx = tl.load(ctx_ptr + seq).to(tl.int32)
+    r = tl.arange(0, ROWS)
+    qi = first + r // REP  # query of each row, in the sequence
+    heads = g * REP + r % REP
+    row_ok = (r // REP < BLOCK_Q) & (qi < q_len)
+    q_pos = ctx - q_len + qi  # position of each row's query
+    last = ctx - q_len + tl.minimum(first + BLOCK_Q, q_len) - 1  # the block's last query position
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(ctx - q_len + first - window + 1, 0)
+    hi = last + 1
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (q_begin + qi)[:, None] * s_qt + heads[:, None] * s_qh + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    if F32_DOT:
+        q = q.to(tl.float32)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for t0 in range(lo - lo % BLOCK, hi, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        valid = (t >= lo) & (t < hi)
+        blk = tl.load(bt_ptr + seq * s_btb + t // BS, mask=valid, other=0).to(tl.int64)
+        place = blk * s_kb + (t % BS) * s_ks + g * s_kh
+        k = tl.load(k_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if F32_DOT:  # float32 operands: full precision (tl.dot takes tf32 by default)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        if softcap > 0:
+            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
+        allowed = valid[None, :] & (t[None, :] <= q_pos[:, None])
+        if window > 0:
+            allowed = allowed & (t[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row whose keys all lie in later tiles (its window starts there) still has m = -inf: keep it at 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l_sum[:, None]
+    tl.store(out_ptr + (q_begin + qi)[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def tile(rep: int, tokens: int, seqs: int, head_dim: int) -> tuple[int, int]:
+    """(query tokens per block, tile rows) for `rep` query heads per KV head, in a step of `tokens` query rows over
+    `seqs` sequences: small tiles where most sequences may be decodes (a decode fills `rep` rows of its tile, and
+    streams its whole context through them), larger ones where chunks must be there (fewer re-reads of their keys,
+    fuller dots)."""
+    chunky = tokens >= 16 * seqs and head_dim <= CHUNK_MAX_D
+    rows = max(CHUNK_ROWS if chunky else MIN_ROWS, triton.next_power_of_2(rep))
+    return rows // rep, rows
+
+
+def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor:
+    t, heads, d = q.shape
+    _, bs, kv, _ = k_cache.shape
+    if d & (d - 1) or k_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError(f"paged_varlen needs a power-of-two head_dim and contiguous heads, got d={d}")
+    if cu_q.shape[0] != context_lens.shape[0] + 1:
+        raise ValueError(f"cu_q has {cu_q.shape[0]} entries for {context_lens.shape[0]} sequences, expected "
+                         f"{context_lens.shape[0] + 1}")
+    rep = heads // kv
+    seqs = context_lens.shape[0]
+    block_q, rows = tile(rep, t, seqs, d)
+    out = torch.empty_like(q)
+    if t == 0 or seqs == 0:
+        return out
+    f32 = type(_varlen_kernel).__name__ == "InterpretedFunction" or q.dtype == torch.float32
+    _varlen_kernel[(triton.cdiv(t, block_q) + seqs, kv)](
+        q, k_cache, v_cache, block_table, context_lens, cu_q, out, seqs, scale, int(window or 0),
+        float(softcap or 0.0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1),
+        REP=rep, BLOCK_Q=block_q, ROWS=rows, D=d, BS=bs, BLOCK=BLOCK_N, STEPS=seqs.bit_length(), F32_DOT=f32)
+    return out
