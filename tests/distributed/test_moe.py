@@ -410,3 +410,72 @@ def test_moe_layouts_match_single_process(bundle, world):
     n_layouts = len(LAYOUTS[world])
     assert len(blocks) == 2 * 2 * n_layouts * 2
     assert len(engines) == n_layouts * 2 * (len(cases) + 1)
+
+
+# ---- lora.dtype=fp8 on the experts -------------------------------------------------------------------------------
+FP8_BOUND = 0.05  # the dense fp8 bound (tests/unit/test_fp8_lora.py): error relative to what the adapters change
+
+
+def _fp8_cfg(tp: int, ep: int, attn: str, fully: bool) -> RunConfig:
+    cfg = _cfg(tp, ep, attn, fully)
+    cfg.lora.dtype = "fp8"
+    return cfg
+
+
+def _fp8_layouts(ps_world: comm.ParallelState, world: int, case, requests, want):
+    """Every layout x LoRA mode with fp8 slots against one process with fp8 slots: a B row is quantized whole on
+    every layout (B is cut by rows: per-channel scales are the same), so the logits agree as tightly as in fp32."""
+    checked = []
+    for name, (tp, ep, attn) in LAYOUTS[world].items():
+        ps = comm.init_parallel(tp, str(ps_world.device))
+        for fully in (False, True):
+            engine = Engine(_fp8_cfg(tp, ep, attn, fully), ps, *case)
+            mine = _mine(ps, requests)
+            for r, got in zip(mine, engine.prompt_logits(mine)):
+                err = float((got.cpu() - want[r.index]).abs().max() / want[r.index].abs().max())
+                assert err < 1e-4, f"fp8 {name} fully_sharded={fully}: request {r.index} prompt logits differ by {err:.2e}"
+            checked.append(f"{name} fully_sharded={fully}")
+    return checked
+
+
+def _expert_b(engine) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(B, its fp8 channel scales or None) of every expert LoRA stack of the model, all slots."""
+    out = []
+    for layer in engine.model.layers:
+        ex = getattr(layer.mlp, "experts", None)
+        if ex is not None and hasattr(ex, "lora_b2"):
+            scales = ex.b13_scales + [ex.b2_scales] if ex.b2_scales is not None else [None] * (len(ex.lora_b13) + 1)
+            out += list(zip([b.data for b in ex.lora_b13] + [ex.lora_b2.data], scales))
+    return out
+
+
+def test_moe_fp8_expert_lora_every_layout(bundle):
+    """lora.dtype=fp8 with adapters on attention and every expert (both PEFT formats), loaded through slot images:
+    every expert B in the slots is the float32 B quantized per output channel (tp_lora.ops.fp8); an expert-only
+    adapter's effect on the logits is within FP8_BOUND of the float32 one's (adapters on attention too compound
+    the dense layers' fp8 error, and a top-k near-tie at the second MoE layer may flip); and every 2-rank layout and
+    LoRA mode gives the one-process fp8 logits."""
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    case, requests = bundle["mixtral"], bundle["requests"][:4]
+    requests = requests + [Request(9, id=9, adapter="w2", prompt_token_ids=requests[0].prompt_token_ids),
+                           Request(10, id=10, adapter="w2", prompt_token_ids=list(range(5, 14)))]
+    ps = comm.single_process(device_under_test())
+    fp8, full = Engine(_fp8_cfg(1, 1, "dp", False), ps, *case), Engine(_cfg(1, 1, "dp", False), ps, *case)
+    got = [x.cpu() for x in fp8.prompt_logits(requests)]
+    ref = [x.cpu() for x in full.prompt_logits(requests)]
+    for (b8, sc), (b, _) in zip(_expert_b(fp8), _expert_b(full), strict=True):
+        assert b8.dtype == torch.float8_e4m3fn and sc.shape == b.shape[:-1]
+        amax = b.float().abs().amax(-1)
+        torch.testing.assert_close(sc, torch.where(amax > 0, amax / 448.0, 1.0), rtol=1e-6, atol=0)
+        back = b8.float() * sc[..., None]
+        assert float((back - b).norm() / b.norm()) < 0.05  # e4m3: 3 mantissa bits
+    base = [x.cpu() for x in Engine(_cfg(1, 1, "dp", False), ps, case[0], None).prompt_logits(
+        [Request(r.index, id=r.id, adapter=None, prompt_token_ids=r.prompt_token_ids) for r in requests])]
+    experts_only = [i for i, r in enumerate(requests) if r.adapter == "w2"]
+    num = sum(float((got[i] - ref[i]).norm() ** 2) for i in experts_only) ** 0.5
+    den = sum(float((ref[i] - base[i]).norm() ** 2) for i in experts_only) ** 0.5
+    assert 0 < num / den < FP8_BOUND, f"fp8 expert LoRA: error {num / den:.3f} of the adapter's effect"
+    want = {r.index: x for r, x in zip(requests, got)}
+    checked = run_ranks(_fp8_layouts, 2, 2, case, requests, want, tp_size=1, timeout_s=240)
+    assert len(checked) == len(LAYOUTS[2]) * 2
