@@ -23,7 +23,7 @@ from tp_lora.engine.engine import Engine
 from tp_lora.engine.requests import Request
 from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime
-from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, prepare_step
+from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, capacity, prepare_step
 from tp_lora.ops import get_backend
 from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks
 
@@ -410,6 +410,89 @@ def test_moe_layouts_match_single_process(bundle, world):
     n_layouts = len(LAYOUTS[world])
     assert len(blocks) == 2 * 2 * n_layouts * 2
     assert len(engines) == n_layouts * 2 * (len(cases) + 1)
+
+
+# ---- EP over DP replicas at a fixed capacity (what a CUDA graph replays) ----------------------------------------
+GRAPH_SIZES = (1, 2, 4, 8, 16)
+
+
+def _fixed_capacity_cases(ps_world, world, seed):
+    """EP over DP replicas, the SparseMoE block with LoRA on every expert, uneven token counts per replica and one
+    replica with none. Today's dispatch (rows = the group's largest count) against the fixed-capacity one: rows
+    rounded up to a graph size, and half the replicas forwarding a graph's padded rows (junk beyond the `valid`
+    real ones) while the others step eagerly, in the same step, then the other way round. Every replica's real rows
+    must come out the same, and each rank must compute the same expert pairs (padding routed nowhere)."""
+    checked = []
+    dev = ps_world.device
+    ops = get_backend(backend_under_test(), str(dev))
+    for kind in ("mixtral", "qwen2_moe"):
+        hf = moe_config(kind)
+        t = moe_tensors(hf, seed, fused=kind == "qwen2_moe")
+        g = torch.Generator().manual_seed(seed + 2)
+        lseed = int(torch.randint(0, 2**31 - 1, (), generator=g))
+        for name, (tp, ep, attn) in LAYOUTS[world].items():
+            if ep == 1 or attn != "dp":
+                continue
+            ps = comm.init_parallel(tp, str(dev))
+            comm.init_expert_parallel(ps, ep, attn)
+            counts = [int(n) for n in torch.randint(1, 7, (ps.dp.size,), generator=g)]
+            counts[-1] = 0
+            xs = [torch.randn(n, H, generator=g) for n in counts]
+            tags = [torch.randint(-1, MAX_LORAS, (n,), generator=g) for n in counts]
+            size = capacity(max(counts), GRAPH_SIZES)
+            junk = torch.randn(size, H, generator=g) * 10  # whatever a graph's padding rows hold
+            x, slots, n = xs[ps.dp.rank].to(dev), tags[ps.dp.rank], counts[ps.dp.rank]
+            for fully in (False, True):
+                rt = LoRARuntime(MAX_LORAS, MAX_RANK, fully, ops)
+                block, step = _block(hf, ps, rt, t)
+                _set_block_lora(rt, lseed, kind)
+                pairs = []
+                inner = block.experts.forward
+
+                def counted(xp, plan, inner=inner, pairs=pairs):
+                    pairs.append(int(plan.expert_ends[-1]))  # pairs on this rank's experts
+                    return inner(xp, plan)
+
+                block.experts.forward = counted
+                rt.batch = build_lora_batch(slots.tolist(), MAX_LORAS, dev)
+                prepare_step(step, ps, rt, n, dev)  # today: exchanges the counts, rows = their max
+                with torch.no_grad():
+                    want = block(x).cpu()
+                want_pairs = pairs.pop()
+                step.buckets = GRAPH_SIZES
+                for padded_parity in (0, 1):
+                    padded = ps.dp.rank % 2 == padded_parity
+                    rt.batch = build_lora_batch(slots.tolist(), MAX_LORAS, dev)
+                    # lockstep: counts and the LoRA flag agreed once, before the forward
+                    step.counts, step.lora = comm.all_gather_counts(n, ps.ep, dev, rt.active())
+                    if padded:
+                        xp = torch.cat([x, junk[n:].to(dev)])
+                        rt.batch = build_lora_batch(slots.tolist() + [-1] * (size - n), MAX_LORAS, dev)
+                        step.valid = torch.tensor([n], device=dev)
+                        prepare_step(step, ps, rt, size, dev)
+                    else:
+                        xp = x
+                        prepare_step(step, ps, rt, n, dev)
+                    assert step.rows == size, (step.rows, size)
+                    with torch.no_grad():
+                        got = block(xp)[:n].cpu()
+                    step.valid = None
+                    what = f"fixed capacity {kind}/{name}/fully={fully}/{'padded' if padded else 'eager'} ({counts})"
+                    err = float((got - want).abs().max() / max(float(want.abs().max()), 1e-6)) if n else 0.0
+                    assert got.shape == want.shape and err < 1e-5, f"{what}: rel err {err:.2e}"
+                    assert pairs.pop() == want_pairs, f"{what}: padding rows were routed to experts"
+                    checked.append(what)
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_dp_fixed_capacity_matches_todays_dispatch(world):
+    if not enough_devices(world):
+        pytest.skip(f"{world} ranks need {world} GPUs")
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    checked = run_ranks(_fixed_capacity_cases, world, world, seed, tp_size=1, timeout_s=240)
+    layouts = [n for n, (_, ep, attn) in LAYOUTS[world].items() if ep > 1 and attn == "dp"]
+    assert len(checked) == 2 * len(layouts) * 2 * 2
 
 
 # ---- lora.dtype=fp8 on the experts -------------------------------------------------------------------------------

@@ -375,8 +375,9 @@ def test_block_fp8_expert_lora():
 
 
 def test_graph_capture_follows_the_layout():
-    """CUDA graphs only where a decode step has no host sync: not EP over DP replicas (token counts every step), not
-    a chunked shared expert with LoRA, not where the expert GEMMs fall back to the loop."""
+    """CUDA graphs only where a decode step has no host sync: not a chunked shared expert with LoRA, not where the
+    expert GEMMs fall back to the loop. EP over DP replicas is capturable: counts agreed before the forward, fixed
+    capacity (its graph sizing: test_ep_dp_graph_sizing)."""
     from tp_lora.ops.grouped_mm import torch_grouped_available
     grouped = torch_grouped_available(torch.device("cpu"), torch.float32, 16, 16)
 
@@ -389,6 +390,34 @@ def test_graph_capture_follows_the_layout():
 
     assert model().cuda_graph_safe == grouped and model(ep=2, attn="tp", lora=True).cuda_graph_safe == grouped
     assert model("qwen2_moe", lora=True).cuda_graph_safe == grouped  # whole batch: the shared expert reads rt.batch
-    assert not model(ep=2, attn="dp").cuda_graph_safe
+    assert model(ep=2, attn="dp").cuda_graph_safe == grouped
+    assert model("qwen2_moe", ep=2, attn="dp", lora=True).cuda_graph_safe == grouped
     assert not model("qwen2_moe", ep=2, attn="tp", lora=True).cuda_graph_safe
     assert model("qwen2_moe", ep=2, attn="tp").cuda_graph_safe == grouped
+
+
+def test_ep_dp_graph_sizing():
+    """EP over DP replicas: a decode graph covers the EP group's largest count and LoRA flag (agreed by lockstep),
+    not the rank's own, and dispatch rows round up to the graph sizes in use, so graphed and eager peers agree."""
+    from tp_lora.models.moe import capacity
+    assert [capacity(n, (1, 2, 4, 8)) for n in (0, 1, 3, 8, 9)] == [1, 1, 4, 8, 9]
+    assert capacity(5, ()) == 5
+
+    def model(ep, attn):
+        ps = comm.single_process()
+        ps.ep, ps.ep_attention = comm.Group("ep", 0, ep, tuple(range(ep))), attn
+        return MoECausalLM(_hf(), ps, rt=LoRARuntime(2, 8, False, torch_ref), targets=None)
+
+    m = model(2, "dp")
+    m.pad_to_graph_sizes((1, 2, 4))
+    assert m.step.buckets == (1, 2, 4)
+    m.step.counts, m.step.lora = [1, 3], True
+    assert m.graph_batch(1, False) == (3, True)
+    with m.graph_rows(torch.ones(1, dtype=torch.long)):
+        assert m.step.valid is not None
+    assert m.step.valid is None and m.step.counts is None  # a replay spends the stashed counts
+    with pytest.raises(RuntimeError, match="lockstep"):
+        m.graph_batch(1, False)
+    other = model(2, "tp")
+    other.pad_to_graph_sizes((1, 2, 4))
+    assert other.step.buckets == () and other.graph_batch(3, False) == (3, False)
