@@ -91,7 +91,7 @@ def test_moe_lora_fp8_b(device, dtype):
     from tp_lora.ops.triton import moe_lora
 
     gen = torch.Generator().manual_seed(hash(("fp8", str(dtype))) % 2**31)
-    n, hidden, inter, rank, e0, e_local = 29, 40, 24, 12, 0, 8
+    n, inter, rank, e0, e_local = 29, 24, 12, 0, 8
     pairs = _pairs(n, e0, e_local, gen, device)
     p = pairs.num_pairs
     lora_rows = pairs.slot >= 0
