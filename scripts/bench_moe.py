@@ -143,7 +143,9 @@ def time_case(block, step, rt, ps, x, slots, iters: int, warmup: int, device) ->
     def one():
         if rt is not None:
             rt.batch = build_lora_batch(slots, rt.max_loras, device)
-        prepare_step(step, ps, rt, n, device, counts if ps.ep_attention == "dp" else None)
+        if ps.ep_attention == "dp":  # what lockstep would have agreed: no counts exchange inside the timed step
+            step.counts, step.lora = counts, rt is not None and rt.active()
+        prepare_step(step, ps, rt, n, device)
         return block(x)
 
     cuda = device.type == "cuda"

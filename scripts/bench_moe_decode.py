@@ -9,7 +9,8 @@ Models (random bf16 weights, built in memory, no checkpoint): "qwen3-30b-a3b" (4
 top-8, expert intermediate 768, GQA 32/4, head_dim 128, vocab 151936) and "mixtral-8x7b" (32 layers, hidden 4096,
 8 experts, top-2, intermediate 14336, GQA 32/8, vocab 32000); --layers cuts the depth (the step time and the floor
 scale together). Layouts: tp2 (experts' intermediate split), ep2 (EP over two DP replicas, each serving --batch
-sequences: eager, it exchanges token counts every step), tp2_ep2 (EP over the attention TP group). LoRA: none, or
+sequences; the replicas agree on their token counts once per step, before it, timed with it), tp2_ep2 (EP over the
+attention TP group). LoRA: none, or
 --adapters adapters of rank --rank on every attention and expert projection, sequences round-robin over them.
 
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
@@ -77,6 +78,13 @@ def randomize(model: torch.nn.Module, device) -> None:
             p.normal_(0.0, std, generator=g)
 
 
+def execute(runner: ModelRunner, model: MoECausalLM, step: StepBatch, cache) -> torch.Tensor:
+    """One step; EP over DP replicas first agrees on the step's token counts and LoRA flag (the engine's lockstep)."""
+    if model.needs_lockstep:
+        model.lockstep(len(step.ids), any(s >= 0 for s in step.slots))
+    return runner.execute(step, cache)
+
+
 def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> int:
     """Bytes this rank reads in one decode step of `step`: every non-expert, non-LoRA weight except the embedding
     table (one row per token), plus its experts that the step's tokens are routed to (one eager step, every rank's
@@ -84,7 +92,7 @@ def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, 
     routed: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: routed.append(out[0].flatten().cpu()))
              for m in model.modules() if isinstance(m, Router)]
-    runner_eager.execute(step, cache)
+    execute(runner_eager, model, step, cache)
     for h in hooks:
         h.remove()
     ids = [torch.cat(layer) for layer in zip(*comm.all_gather_object(routed, ps.world))]  # per layer, all ranks
@@ -120,7 +128,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     floor = nbytes / (bandwidth / 2) * 1e3 if bandwidth else 0.0
     cuda = device.type == "cuda"
     for _ in range(args.warmup):
-        runner.execute(step, cache)
+        execute(runner, model, step, cache)
     replayed = runner.replayed
     times = []
     for _ in range(args.iters):
@@ -128,7 +136,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.execute(step, cache)
+        execute(runner, model, step, cache)
         if cuda:
             torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - t0))

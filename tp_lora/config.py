@@ -52,8 +52,8 @@ class LoRAConfig:
     backend: str = "auto"  # auto | torch | triton
     kernel: str = "chunked"  # chunked | sorted (triton scheduling scheme)
     segment_size: Optional[int] = None  # tokens per segment for kernel=chunked; None = chosen per step
-    # auto (the model's) | fp8: B stored as float8_e4m3 with per-channel scales (attention and dense MLP layers;
-    # MoE expert LoRA stays in the model's dtype)
+    # auto (the model's) | fp8: B stored as float8_e4m3 with per-channel scales (attention, dense MLP and MoE
+    # expert layers)
     dtype: str = "auto"
     lora_embeddings: bool = True  # also wrap embed_tokens / lm_head (only when an adapter targets them)
 

@@ -255,14 +255,17 @@ def _my_group(name: str, groups: list[tuple[int, ...]], rank: int, timeout_s: fl
     return mine
 
 
-def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu") -> list[int]:
-    """Every rank's integer n (rank order): the once-per-step token-count exchange of expert parallelism over DP
-    ranks. Counted as "counts" so per-layer collective counts stay readable."""
+def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu",
+                      flag: bool = False) -> tuple[list[int], bool]:
+    """(every rank's integer n in rank order, whether any rank's flag is set): the once-per-step exchange of expert
+    parallelism over DP ranks (token counts, and whether any token of the group has an adapter). Counted as
+    "counts" so per-layer collective counts stay readable."""
     if group.size == 1:
-        return [n]
-    t = torch.tensor([n], dtype=torch.int64, device=device)
+        return [n], flag
+    t = torch.tensor([n, int(flag)], dtype=torch.int64, device=device)
     STATS.record("counts", group, t)
-    return _gathered(t, group).flatten().tolist()
+    got = _gathered(t, group)
+    return got[:, 0].tolist(), bool(got[:, 1].any())
 
 
 def expert_mesh_groups(world_size: int, tp_size: int, ep_size: int, ep_attention: str) -> list[tuple[int, ...]]:

@@ -23,7 +23,7 @@ from tp_lora.engine.engine import Engine
 from tp_lora.engine.requests import Request
 from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime
-from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, prepare_step
+from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, capacity, prepare_step
 from tp_lora.ops import get_backend
 from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks
 
@@ -410,3 +410,155 @@ def test_moe_layouts_match_single_process(bundle, world):
     n_layouts = len(LAYOUTS[world])
     assert len(blocks) == 2 * 2 * n_layouts * 2
     assert len(engines) == n_layouts * 2 * (len(cases) + 1)
+
+
+# ---- EP over DP replicas at a fixed capacity (what a CUDA graph replays) ----------------------------------------
+GRAPH_SIZES = (1, 2, 4, 8, 16)
+
+
+def _fixed_capacity_cases(ps_world, world, seed):
+    """EP over DP replicas, the SparseMoE block with LoRA on every expert, uneven token counts per replica and one
+    replica with none. Today's dispatch (rows = the group's largest count) against the fixed-capacity one: rows
+    rounded up to a graph size, and half the replicas forwarding a graph's padded rows (junk beyond the `valid`
+    real ones) while the others step eagerly, in the same step, then the other way round. Every replica's real rows
+    must come out the same, and each rank must compute the same expert pairs (padding routed nowhere)."""
+    checked = []
+    dev = ps_world.device
+    ops = get_backend(backend_under_test(), str(dev))
+    for kind in ("mixtral", "qwen2_moe"):
+        hf = moe_config(kind)
+        t = moe_tensors(hf, seed, fused=kind == "qwen2_moe")
+        g = torch.Generator().manual_seed(seed + 2)
+        lseed = int(torch.randint(0, 2**31 - 1, (), generator=g))
+        for name, (tp, ep, attn) in LAYOUTS[world].items():
+            if ep == 1 or attn != "dp":
+                continue
+            ps = comm.init_parallel(tp, str(dev))
+            comm.init_expert_parallel(ps, ep, attn)
+            counts = [int(n) for n in torch.randint(1, 7, (ps.dp.size,), generator=g)]
+            counts[-1] = 0
+            xs = [torch.randn(n, H, generator=g) for n in counts]
+            tags = [torch.randint(-1, MAX_LORAS, (n,), generator=g) for n in counts]
+            size = capacity(max(counts), GRAPH_SIZES)
+            junk = torch.randn(size, H, generator=g) * 10  # whatever a graph's padding rows hold
+            x, slots, n = xs[ps.dp.rank].to(dev), tags[ps.dp.rank], counts[ps.dp.rank]
+            for fully in (False, True):
+                rt = LoRARuntime(MAX_LORAS, MAX_RANK, fully, ops)
+                block, step = _block(hf, ps, rt, t)
+                _set_block_lora(rt, lseed, kind)
+                pairs = []
+                inner = block.experts.forward
+
+                def counted(xp, plan, inner=inner, pairs=pairs):
+                    pairs.append(int(plan.expert_ends[-1]))  # pairs on this rank's experts
+                    return inner(xp, plan)
+
+                block.experts.forward = counted
+                rt.batch = build_lora_batch(slots.tolist(), MAX_LORAS, dev)
+                prepare_step(step, ps, rt, n, dev)  # today: exchanges the counts, rows = their max
+                with torch.no_grad():
+                    want = block(x).cpu()
+                want_pairs = pairs.pop()
+                step.buckets = GRAPH_SIZES
+                for padded_parity in (0, 1):
+                    padded = ps.dp.rank % 2 == padded_parity
+                    rt.batch = build_lora_batch(slots.tolist(), MAX_LORAS, dev)
+                    # lockstep: counts and the LoRA flag agreed once, before the forward
+                    step.counts, step.lora = comm.all_gather_counts(n, ps.ep, dev, rt.active())
+                    if padded:
+                        xp = torch.cat([x, junk[n:].to(dev)])
+                        rt.batch = build_lora_batch(slots.tolist() + [-1] * (size - n), MAX_LORAS, dev)
+                        step.valid = torch.tensor([n], device=dev)
+                        prepare_step(step, ps, rt, size, dev)
+                    else:
+                        xp = x
+                        prepare_step(step, ps, rt, n, dev)
+                    assert step.rows == size, (step.rows, size)
+                    with torch.no_grad():
+                        got = block(xp)[:n].cpu()
+                    step.valid = None
+                    what = f"fixed capacity {kind}/{name}/fully={fully}/{'padded' if padded else 'eager'} ({counts})"
+                    err = float((got - want).abs().max() / max(float(want.abs().max()), 1e-6)) if n else 0.0
+                    assert got.shape == want.shape and err < 1e-5, f"{what}: rel err {err:.2e}"
+                    assert pairs.pop() == want_pairs, f"{what}: padding rows were routed to experts"
+                    checked.append(what)
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_dp_fixed_capacity_matches_todays_dispatch(world):
+    if not enough_devices(world):
+        pytest.skip(f"{world} ranks need {world} GPUs")
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    checked = run_ranks(_fixed_capacity_cases, world, world, seed, tp_size=1, timeout_s=240)
+    layouts = [n for n, (_, ep, attn) in LAYOUTS[world].items() if ep > 1 and attn == "dp"]
+    assert len(checked) == 2 * len(layouts) * 2 * 2
+
+
+# ---- lora.dtype=fp8 on the experts -------------------------------------------------------------------------------
+FP8_BOUND = 0.05  # the dense fp8 bound (tests/unit/test_fp8_lora.py): error relative to what the adapters change
+
+
+def _fp8_cfg(tp: int, ep: int, attn: str, fully: bool) -> RunConfig:
+    cfg = _cfg(tp, ep, attn, fully)
+    cfg.lora.dtype = "fp8"
+    return cfg
+
+
+def _fp8_layouts(ps_world: comm.ParallelState, world: int, case, requests, want):
+    """Every layout x LoRA mode with fp8 slots against one process with fp8 slots: a B row is quantized whole on
+    every layout (B is cut by rows: per-channel scales are the same), so the logits agree as tightly as in fp32."""
+    checked = []
+    for name, (tp, ep, attn) in LAYOUTS[world].items():
+        ps = comm.init_parallel(tp, str(ps_world.device))
+        for fully in (False, True):
+            engine = Engine(_fp8_cfg(tp, ep, attn, fully), ps, *case)
+            mine = _mine(ps, requests)
+            for r, got in zip(mine, engine.prompt_logits(mine)):
+                err = float((got.cpu() - want[r.index]).abs().max() / want[r.index].abs().max())
+                assert err < 1e-4, f"fp8 {name} fully_sharded={fully}: request {r.index} prompt logits differ by {err:.2e}"
+            checked.append(f"{name} fully_sharded={fully}")
+    return checked
+
+
+def _expert_b(engine) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(B, its fp8 channel scales or None) of every expert LoRA stack of the model, all slots."""
+    out = []
+    for layer in engine.model.layers:
+        ex = getattr(layer.mlp, "experts", None)
+        if ex is not None and hasattr(ex, "lora_b2"):
+            scales = ex.b13_scales + [ex.b2_scales] if ex.b2_scales is not None else [None] * (len(ex.lora_b13) + 1)
+            out += list(zip([b.data for b in ex.lora_b13] + [ex.lora_b2.data], scales))
+    return out
+
+
+def test_moe_fp8_expert_lora_every_layout(bundle):
+    """lora.dtype=fp8 with adapters on attention and every expert (both PEFT formats), loaded through slot images:
+    every expert B in the slots is the float32 B quantized per output channel (tp_lora.ops.fp8); an expert-only
+    adapter's effect on the logits is within FP8_BOUND of the float32 one's (adapters on attention too compound
+    the dense layers' fp8 error, and a top-k near-tie at the second MoE layer may flip); and every 2-rank layout and
+    LoRA mode gives the one-process fp8 logits."""
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    case, requests = bundle["mixtral"], bundle["requests"][:4]
+    requests = requests + [Request(9, id=9, adapter="w2", prompt_token_ids=requests[0].prompt_token_ids),
+                           Request(10, id=10, adapter="w2", prompt_token_ids=list(range(5, 14)))]
+    ps = comm.single_process(device_under_test())
+    fp8, full = Engine(_fp8_cfg(1, 1, "dp", False), ps, *case), Engine(_cfg(1, 1, "dp", False), ps, *case)
+    got = [x.cpu() for x in fp8.prompt_logits(requests)]
+    ref = [x.cpu() for x in full.prompt_logits(requests)]
+    for (b8, sc), (b, _) in zip(_expert_b(fp8), _expert_b(full), strict=True):
+        assert b8.dtype == torch.float8_e4m3fn and sc.shape == b.shape[:-1]
+        amax = b.float().abs().amax(-1)
+        torch.testing.assert_close(sc, torch.where(amax > 0, amax / 448.0, 1.0), rtol=1e-6, atol=0)
+        back = b8.float() * sc[..., None]
+        assert float((back - b).norm() / b.norm()) < 0.05  # e4m3: 3 mantissa bits
+    base = [x.cpu() for x in Engine(_cfg(1, 1, "dp", False), ps, case[0], None).prompt_logits(
+        [Request(r.index, id=r.id, adapter=None, prompt_token_ids=r.prompt_token_ids) for r in requests])]
+    experts_only = [i for i, r in enumerate(requests) if r.adapter == "w2"]
+    num = sum(float((got[i] - ref[i]).norm() ** 2) for i in experts_only) ** 0.5
+    den = sum(float((ref[i] - base[i]).norm() ** 2) for i in experts_only) ** 0.5
+    assert 0 < num / den < FP8_BOUND, f"fp8 expert LoRA: error {num / den:.3f} of the adapter's effect"
+    want = {r.index: x for r, x in zip(requests, got)}
+    checked = run_ranks(_fp8_layouts, 2, 2, case, requests, want, tp_size=1, timeout_s=240)
+    assert len(checked) == len(LAYOUTS[2]) * 2

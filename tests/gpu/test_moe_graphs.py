@@ -1,5 +1,6 @@
 """MoE decode steps replayed from CUDA graphs give the eager tokens: one GPU (TP layout, Mixtral and Qwen2-MoE with
-its shared expert) and, on 2 GPUs over NCCL, TP (tp2) and EP over the attention TP group (tp2_ep2). Adapters on
+its shared expert) and, on 2 GPUs over NCCL, TP (tp2), EP over the attention TP group (tp2_ep2) and EP over DP
+replicas (ep2: each rank its own requests, uneven counts, a rank idle while the other decodes). Adapters on
 attention and every expert, mixed with requests without one. bf16 (torch's grouped GEMM on sm90+)."""
 import os
 import sys
@@ -26,26 +27,27 @@ def _engine(model, adapters, tp: int, ep: int, attn: str, graphs: bool) -> Engin
     cfg.parallel.tp_size, cfg.parallel.ep_size, cfg.parallel.ep_attention = tp, ep, attn
     cfg.lora.max_loras, cfg.lora.max_rank = 4, 16
     cfg.generation.ignore_eos = True
-    ps = comm.single_process("cuda") if tp == 1 else comm.init_parallel(tp, "cuda")
+    ps = comm.single_process("cuda") if tp * ep == 1 else comm.init_parallel(tp, "cuda")
     return Engine(cfg, ps, model, adapters)
 
 
 def _requests(seed: int):
     gen = torch.Generator().manual_seed(seed)
     batches = []
-    for mix in (["pe", None, "tp", "w2", "pe"], [None] * 3, ["tp"] * 7):
+    for mix in (["pe", None, "tp", "w2", "pe"], [None] * 3, ["tp"] * 7, ["w2"]):
         batches.append([Request(i, id=i, adapter=a, max_new_tokens=6, ignore_eos=True,
                                 prompt_token_ids=torch.randint(2, V, (3 + i,), generator=gen).tolist())
                         for i, a in enumerate(mix)])
     return batches
 
 
-def _compare(model, adapters, tp, ep, attn, seed):
-    """Eager vs graphed tokens for every batch; returns the graphed engine's graph step count."""
+def _compare(model, adapters, tp, ep, attn, seed, mine=lambda reqs: reqs):
+    """Eager vs graphed tokens for every batch (this rank's share: `mine`); returns the graphed engine's graph step
+    count."""
     eager = _engine(model, adapters, tp, ep, attn, False)
     graphed = _engine(model, adapters, tp, ep, attn, True)
     assert graphed.runner.use_graphs, f"tp={tp} ep={ep} {attn}: CUDA graphs not enabled for this MoE layout"
-    for reqs in _requests(seed):
+    for reqs in map(mine, _requests(seed)):
         for w, g in zip(eager.generate(reqs), graphed.generate(reqs)):
             assert g.output_token_ids == w.output_token_ids, f"tp={tp} ep={ep} {attn}: request {w.id}"
     steps = graphed.stats.graph_steps
@@ -62,11 +64,14 @@ def test_moe_graph_decode_matches_eager_one_gpu(tmp_path, kind):
 
 
 def _two_ranks(ps, model, adapters):
-    return [_compare(model, adapters, 2, ep, attn, 1) for ep, attn in ((1, "dp"), (2, "tp"))]
+    steps = [_compare(model, adapters, 2, ep, attn, 1) for ep, attn in ((1, "dp"), (2, "tp"))]
+    # EP over DP replicas: rank r serves requests r, r + 2, ... (the last batch leaves rank 1 idle).
+    rank = ps.world.rank
+    return steps + [_compare(model, adapters, 1, 2, "dp", 1, lambda reqs: [q for q in reqs if q.index % 2 == rank])]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_moe_graph_decode_matches_eager_tp2_and_tp2_ep2(tmp_path, monkeypatch):
+def test_moe_graph_decode_matches_eager_tp2_tp2_ep2_and_ep2(tmp_path, monkeypatch):
     monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")  # the spawned ranks run NCCL, one GPU each
     model = write_moe(tmp_path / "mixtral", "mixtral", seed=5)
     adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral"), seed=15)

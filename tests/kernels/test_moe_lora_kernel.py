@@ -76,6 +76,55 @@ def test_moe_lora_matches_reference(device, dtype, case):
     torch.testing.assert_close(y[:, :16], y_ref[:, :16], rtol=0, atol=0)
 
 
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_lora_fp8_b(device, dtype):
+    """lora.dtype=fp8: expert B as e4m3 with per-output-channel scales (tp_lora.ops.fp8, the dense layers' helper).
+    Triton matches the reference on the very same fp8 weights, untouched rows stay untouched (NaN), and both are
+    within the dense fp8 bound (tests/kernels/test_lora_ops.py::test_fp8_weights) of the unquantised B. An expert
+    with an all-zero B (an empty slot) keeps scale 1 and adds exact zeros."""
+    from tp_lora.ops import fp8 as fp8_lib
+    from tp_lora.ops.triton import moe_lora
+
+    gen = torch.Generator().manual_seed(hash(("fp8", str(dtype))) % 2**31)
+    n, inter, rank, e0, e_local = 29, 24, 12, 0, 8
+    pairs = _pairs(n, e0, e_local, gen, device)
+    p = pairs.num_pairs
+    lora_rows = pairs.slot >= 0
+    u = torch.randn(2, p, rank, generator=gen).to(device) * lora_rows[None, :, None].to(device)
+    b_hi = [torch.randn(L, e_local, w, rank, generator=gen) * torch.rand(L, e_local, w, 1, generator=gen)
+            for w in (inter, inter)]
+    b_hi[1][0, 3] = 0.0  # an empty expert of one slot: exact zeros
+    b8, b_sc = zip(*(fp8_lib.quantize_fp8_per_channel(b) for b in b_hi))
+    b8, b_sc = [b.to(device) for b in b8], [s.to(device) for s in b_sc]
+    assert all(b.dtype == torch.float8_e4m3fn for b in b8) and b_sc[0].shape == (L, e_local, inter)
+    assert (b_sc[1][0, 3] == 1).all()
+
+    out0 = (torch.randn(p, 2 * inter, generator=gen)).to(dtype).to(device)
+    out0[~lora_rows] = float("nan")
+    got, ref, hi = out0.clone(), out0.clone(), out0.clone()
+    moe_lora.moe_lora_expand(u, b8, pairs, got, b_scales=b_sc)
+    moe_ref.moe_lora_expand(u, b8, pairs, ref, b_scales=b_sc)
+    moe_ref.moe_lora_expand(u, [b.to(device) for b in b_hi], pairs, hi)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+    torch.testing.assert_close(got, ref, equal_nan=True, **tol)
+    assert torch.isnan(got[~lora_rows]).all(), "rows of pairs without an adapter were written"
+    has = lora_rows
+    assert _rel(got[has] - out0[has], hi[has] - out0[has]) < 0.08  # fp8 rounding of B
+    assert _rel(ref[has] - out0[has], hi[has] - out0[has]) < 0.08
+    # One slice alone (w2) at an offset, with the scales of a wider stack: the same dequantisation.
+    y0 = torch.randn(p, inter + 8, generator=gen).to(dtype).to(device)
+    y, y_ref = y0.clone(), y0.clone()
+    moe_lora.moe_lora_expand(u[1:], b8[1:], pairs, y, offset=8, b_scales=b_sc[1:])
+    moe_ref.moe_lora_expand(u[1:], b8[1:], pairs, y_ref, offset=8, b_scales=b_sc[1:])
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(y[:, :8], y0[:, :8], rtol=0, atol=0)
+
+
 def test_backends_expose_the_moe_ops():
     from tp_lora.ops import get_backend
     for name in ("torch", "triton"):

@@ -31,7 +31,7 @@ def _engine(model, adapters, graphs: bool, device: str) -> Engine:
     if graphs:
         r = engine.runner
         r.use_graphs, r.mixed_sizes = True, mixed_sizes(16, 3)
-        r._record = lambda forward: (lambda g: (g, g.out))(_Rerun(forward))
+        r._record = lambda forward: (lambda g: (g, g.out, g.out.clone()))(_Rerun(forward))
     return engine
 
 

@@ -14,6 +14,7 @@ from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.models.moe import MoECausalLM, validate_moe
 from tp_lora.ops import torch_ref
+from tp_lora.ops.fp8 import FP8_DTYPE, dequantize_fp8_per_channel, quantize_fp8_per_channel
 from tp_lora.ops.moe_plan import LORA_BLOCK, build_plan
 from tp_lora.sharding import take_nd, token_chunk
 
@@ -269,12 +270,12 @@ def test_checkpoint_shape_errors_are_clear():
         model.layers[0].mlp.load(Per(), "model.layers.0.mlp.")
 
 
-def _block_with_lora(hf, seed, ops):
+def _block_with_lora(hf, seed, ops, fp8=False):
     """A single-process Mixtral-shaped SparseMoE, random weights, slot 0 LoRA on every expert's w1/w3/w2 (rank 4),
-    slot 1 on w2 only."""
+    slot 1 on w2 only. fp8: B stored as e4m3 (lora.dtype=fp8); the returned deltas use B as quantized."""
     from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE
     g = torch.Generator().manual_seed(seed)
-    rt = LoRARuntime(2, 4, False, ops)
+    rt = LoRARuntime(2, 4, False, ops, fp8=fp8)
     block = SparseMoE(hf, MoEShape.from_hf(hf), 0, comm.single_process(), MoEStep(), torch.float32, "cpu", rt, None)
     ex = block.experts.base
     for p in (ex.w13, ex.w2, block.gate.weight):
@@ -287,6 +288,8 @@ def _block_with_lora(hf, seed, ops):
                 fin, fout = (i, h) if kind == "w2" else (h, i)
                 a, b = torch.randn(4, fin, generator=g) * fin ** -0.5, torch.randn(fout, 4, generator=g)
                 block.experts.set_slot(slot, (kind, e), a, b, 0.5 + slot)
+                if fp8:
+                    b = dequantize_fp8_per_channel(*quantize_fp8_per_channel(b))
                 lora[slot, kind, e] = (0.5 + slot) * b @ a
     return block, rt, lora
 
@@ -337,9 +340,44 @@ def test_block_matches_per_token_expert_math(routing):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def _run_block(block, rt, x, slots):
+    rt.batch = build_lora_batch(slots.tolist(), 2, "cpu")
+    block.step.owned, block.step.rows, block.step.slots, block.step.batch = (0, len(x)), len(x), rt.batch.token_slot, \
+        rt.batch
+    with torch.no_grad():
+        return block(x)
+
+
+def test_block_fp8_expert_lora():
+    """lora.dtype=fp8 on the experts: every expert B is e4m3 with per-output-channel scales (empty slots: scale 1).
+    The block equals the per-token math with B as quantized, and its LoRA effect is within the dense fp8 bound
+    (tests/unit/test_fp8_lora.py: 5% relative) of the float32 adapter's."""
+    hf = _hf(num_local_experts=8, num_experts_per_tok=2, hidden_size=32, intermediate_size=16)
+    block8, rt8, lora8 = _block_with_lora(hf, 3, torch_ref, fp8=True)
+    block, rt, _ = _block_with_lora(hf, 3, torch_ref)
+    ex = block8.experts
+    assert all(b.dtype == FP8_DTYPE for b in list(ex.lora_b13) + [ex.lora_b2])
+    assert ex.lora_a2.dtype == torch.float32 and ex.b2_scales.shape == (2, 8, 32)
+    assert (ex.b13_scales[0][1] == 1).all() and (ex.lora_b13[0][1].float() == 0).all()  # slot 1: no w1 LoRA
+    n = 17
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 32, generator=g)
+    slots = torch.randint(-1, 2, (n,), generator=g)
+    slots[:2] = torch.tensor([0, 1])
+    got8, got = _run_block(block8, rt8, x, slots), _run_block(block, rt, x, slots)
+    base = _run_block(block, rt, x, torch.full((n,), -1))
+    with torch.no_grad():
+        torch.testing.assert_close(got8, _expected(block8, lora8, x, slots), rtol=1e-4, atol=1e-4)
+    has = slots >= 0
+    err = float((got8[has] - got[has]).norm() / (got[has] - base[has]).norm())
+    assert 0 < err < 0.05, err
+    assert torch.equal(got8[~has], got[~has])  # tokens without an adapter: no LoRA at all
+
+
 def test_graph_capture_follows_the_layout():
-    """CUDA graphs only where a decode step has no host sync: not EP over DP replicas (token counts every step), not
-    a chunked shared expert with LoRA, not where the expert GEMMs fall back to the loop."""
+    """CUDA graphs only where a decode step has no host sync: not a chunked shared expert with LoRA, not where the
+    expert GEMMs fall back to the loop. EP over DP replicas is capturable: counts agreed before the forward, fixed
+    capacity (its graph sizing: test_ep_dp_graph_sizing)."""
     from tp_lora.ops.grouped_mm import torch_grouped_available
     grouped = torch_grouped_available(torch.device("cpu"), torch.float32, 16, 16)
 
@@ -352,6 +390,34 @@ def test_graph_capture_follows_the_layout():
 
     assert model().cuda_graph_safe == grouped and model(ep=2, attn="tp", lora=True).cuda_graph_safe == grouped
     assert model("qwen2_moe", lora=True).cuda_graph_safe == grouped  # whole batch: the shared expert reads rt.batch
-    assert not model(ep=2, attn="dp").cuda_graph_safe
+    assert model(ep=2, attn="dp").cuda_graph_safe == grouped
+    assert model("qwen2_moe", ep=2, attn="dp", lora=True).cuda_graph_safe == grouped
     assert not model("qwen2_moe", ep=2, attn="tp", lora=True).cuda_graph_safe
     assert model("qwen2_moe", ep=2, attn="tp").cuda_graph_safe == grouped
+
+
+def test_ep_dp_graph_sizing():
+    """EP over DP replicas: a decode graph covers the EP group's largest count and LoRA flag (agreed by lockstep),
+    not the rank's own, and dispatch rows round up to the graph sizes in use, so graphed and eager peers agree."""
+    from tp_lora.models.moe import capacity
+    assert [capacity(n, (1, 2, 4, 8)) for n in (0, 1, 3, 8, 9)] == [1, 1, 4, 8, 9]
+    assert capacity(5, ()) == 5
+
+    def model(ep, attn):
+        ps = comm.single_process()
+        ps.ep, ps.ep_attention = comm.Group("ep", 0, ep, tuple(range(ep))), attn
+        return MoECausalLM(_hf(), ps, rt=LoRARuntime(2, 8, False, torch_ref), targets=None)
+
+    m = model(2, "dp")
+    m.pad_to_graph_sizes((1, 2, 4))
+    assert m.step.buckets == (1, 2, 4)
+    m.step.counts, m.step.lora = [1, 3], True
+    assert m.graph_batch(1, False) == (3, True)
+    with m.graph_rows(torch.ones(1, dtype=torch.long)):
+        assert m.step.valid is not None
+    assert m.step.valid is None and m.step.counts is None  # a replay spends the stashed counts
+    with pytest.raises(RuntimeError, match="lockstep"):
+        m.graph_batch(1, False)
+    other = model(2, "tp")
+    other.pad_to_graph_sizes((1, 2, 4))
+    assert other.step.buckets == () and other.graph_batch(3, False) == (3, False)

@@ -495,7 +495,7 @@ class Engine:
                 sched.loaded(slot)
         work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
         if self.lockstep is not None:
-            self.lockstep(sum(n for _, n in work))
+            self.lockstep(sum(n for _, n in work), any(seq.slot >= 0 for seq, _ in work))
         t_step = time.perf_counter()
         logits = self._step(work, self.kv) if work else None
         self.cache.prefetch(self._wanted(sched))  # disk reads for what the queue asks next run beside the steps

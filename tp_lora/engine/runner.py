@@ -7,10 +7,19 @@ mix of prefill chunks and decodes). The step's inputs and metadata (token ids, p
 query offsets, LoRA batches) are copied into the graph's static buffers, so a new step of the same padded size, with
 any mix of adapters and context lengths, replays without capture or host syncs; the kernels read each sequence's
 real queries and context only. Scoring steps (logits of every token) and steps past the largest bucket run eagerly.
+The step that captures a graph takes its result from the warm-up forward before the capture (a capture runs
+nothing), so every step runs the model's collectives exactly once, captured or not: what lets EP-over-DP peers step
+eagerly, replay or capture in the same step.
+
+A model may size its decode graphs itself (MoE with EP over DP replicas: the EP group's agreed batch, see
+tp_lora.models.moe): graph_batch(tokens, lora) -> (tokens, lora) the graph must cover, graph_rows(valid) a context
+for forwards over padded rows (valid: the real count, on the device), pad_to_graph_sizes(sizes) the sizes in use.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -50,10 +59,11 @@ class StepBatch:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]  # static inputs, refreshed (in this order) before each replay
     loras: list[LoRABatch]  # static LoRA batches (of the tokens, then of the logits' rows if they differ); [] for none
-    logits: torch.Tensor  # [rows, V] static output
+    forward: Callable[[], torch.Tensor]  # the step over the static buffers -> logits [rows, V]
+    graph: torch.cuda.CUDAGraph | None = None  # once captured
+    logits: torch.Tensor | None = None  # [rows, V] static output, once captured
 
 
 def mixed_sizes(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
@@ -81,6 +91,8 @@ class ModelRunner:
         self.max_len = 0  # the longest sequence the cache serves (graphs' block tables are this wide)
         self.pool = None
         self.replayed = False  # whether the last execute() replayed a graph
+        if self.use_graphs and hasattr(model, "pad_to_graph_sizes"):
+            model.pad_to_graph_sizes(GRAPH_BATCH_SIZES)
 
     def kv_cache(self, blocks: int, block_size: int, max_len: int) -> KVCache:
         """A cache of at least `blocks` blocks for sequences of up to `max_len` positions (the width of the graphs'
@@ -103,14 +115,18 @@ class ModelRunner:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
         n = len(step.lens)
         graphed = self.use_graphs and not step.all_logits and cache is self.cache
-        if graphed and step.is_decode and n <= GRAPH_BATCH_SIZES[-1]:
-            self.replayed = True
-            return self._replay_decode(step)
+        lora = self.rt is not None and any(s >= 0 for s in step.slots)
+        if graphed and step.is_decode:
+            graph_batch = getattr(self.model, "graph_batch", None)
+            need, lora = graph_batch(n, lora) if graph_batch is not None else (n, lora)
+            if need <= GRAPH_BATCH_SIZES[-1]:
+                self.replayed = True
+                return self._replay_decode(step, need, lora)
         size = next((sz for sz in self.mixed_sizes if sz[0] >= len(step.ids) and sz[1] >= n), None) \
             if graphed else None
         self.replayed = size is not None
         if size is not None:
-            return self._replay_mixed(step, *size)
+            return self._replay_mixed(step, *size, lora)
         meta = build_attn_meta(step.blocks, step.starts, step.lens, cache.block_size, self.device,
                                self.model.sliding_window)
         token_slots = [s for s, n in zip(step.slots, step.lens) for _ in range(n)]
@@ -145,58 +161,71 @@ class ModelRunner:
                         last_token=torch.arange(table.shape[0], device=self.device),
                         window=self.model.sliding_window or 0)
 
-    def _replay_decode(self, step: StepBatch) -> torch.Tensor:
+    def _replay_decode(self, step: StepBatch, need: int, lora: bool) -> torch.Tensor:
+        """The step through the decode graph of the smallest size holding `need` rows (its own or more)."""
         n = len(step.lens)
-        size = next(s for s in GRAPH_BATCH_SIZES if s >= n)
+        size = next(s for s in GRAPH_BATCH_SIZES if s >= need)
         pad = size - n
-        slots = step.slots + [-1] * pad
-        lora = self.rt is not None and any(s >= 0 for s in step.slots)
-        g = self.graphs.get(("decode", size, lora)) or self._capture_decode(size, slots, lora)
+        key = ("decode", size, lora)
+        g = self.graphs.get(key) or self._decode_graph(size, lora)
         width = g.inputs[2].shape[1]
         scratch = [self.cache.scratch] * width
         host = [torch.tensor(step.ids + [0] * pad), torch.tensor(step.starts + [0] * pad),
-                torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32)]
-        return self._replay(g, host, [slots], n)
+                torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32),
+                torch.tensor([n])]
+        rows = getattr(self.model, "graph_rows", None)
+        with rows(g.inputs[3]) if rows is not None else nullcontext():
+            return self._replay(key, g, host, [step.slots + [-1] * pad], n)
 
-    def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int) -> torch.Tensor:
+    def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int, lora: bool) -> torch.Tensor:
         n = len(step.lens)
         token_slots = [s for s, k in zip(step.slots, step.lens) for _ in range(k)]
         lora_slots = [token_slots + [-1] * (tokens - len(token_slots)), step.slots + [-1] * (seqs - n)]
-        lora = self.rt is not None and any(s >= 0 for s in step.slots)
-        g = self.graphs.get(("mixed", tokens, lora)) or self._capture_mixed(tokens, seqs, lora_slots, lora)
+        key = ("mixed", tokens, lora)
+        g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
         host = pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
                               self.cache.block_size, self.cache.scratch)
-        return self._replay(g, host.tensors(), lora_slots, n)
+        return self._replay(key, g, host.tensors(), lora_slots, n)
 
-    def _replay(self, g: _Graph, host: list[torch.Tensor], lora_slots: list[list[int]], n: int) -> torch.Tensor:
+    def _replay(self, key: tuple, g: _Graph, host: list[torch.Tensor], lora_slots: list[list[int]], n: int
+                ) -> torch.Tensor:
         """Copy the step's host tensors into g's static inputs (one host->device copy per dtype), its adapter slots
-        (per token, then per logits row) into g's LoRA batches, replay; -> the first n rows of the logits."""
+        (per token, then per logits row) into g's LoRA batches, replay (or run and capture g on first use, as
+        `key`); -> the first n rows of the logits."""
         for static, new in zip(g.inputs, to_device(host, self.device)):
             static.copy_(new)
         for static, slots in zip(g.loras, lora_slots):
             self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
+        if g.graph is None:
+            g.graph, g.logits, out = self._record(g.forward)
+            self.graphs[key] = g
+            return out[:n]
         g.graph.replay()
         return g.logits[:n]
 
     def _table_width(self) -> int:
         return -(-self.max_len // self.cache.block_size)
 
-    def _static_lora(self, slots: list[int], lora: bool) -> LoRABatch | None:
-        """A LoRA batch whose buffers a graph reads (None without a LoRA runtime): of `slots` when lora, else of
-        none (the LoRA layers then skip their work, decided on the host at capture)."""
+    def _static_lora(self, rows: int, lora: bool) -> LoRABatch | None:
+        """A LoRA batch of `rows` rows whose buffers a graph reads (None without a LoRA runtime). With lora every row
+        starts on slot 0, so the LoRA layers run in the capture whatever the capturing step's adapters (each replay
+        refreshes the buffers with the step's); without, they skip their work (decided on the host at capture)."""
         if self.rt is None:
             return None
-        batch = build_lora_batch(slots if lora else [-1] * len(slots), self.rt.max_loras, self.device)
+        batch = build_lora_batch([0 if lora else -1] * rows, self.rt.max_loras, self.device)
         if lora:
             self.rt.ops.refresh_static_batch(batch, batch)  # builds the per-step tables once
         return batch
 
-    def _capture_decode(self, size: int, slots: list[int], lora: bool) -> _Graph:
+    def _decode_graph(self, size: int, lora: bool) -> _Graph:
+        """Static buffers of a decode graph of `size` rows (not captured yet): ids, positions, block tables, and the
+        count of real rows ([1], read by models with graph_rows)."""
         dev = self.device
         ids = torch.zeros(size, dtype=torch.long, device=dev)
         positions = torch.zeros(size, dtype=torch.long, device=dev)
         table = torch.full((size, self._table_width()), self.cache.scratch, dtype=torch.int32, device=dev)
-        static_lora = self._static_lora(slots, lora)
+        valid = torch.zeros(1, dtype=torch.long, device=dev)
+        static_lora = self._static_lora(size, lora)
 
         def forward():
             if self.rt is not None:
@@ -204,16 +233,11 @@ class ModelRunner:
             meta = self._decode_meta(table, positions)
             return self.model.logits(self.model(ids, self.cache, meta))
 
-        graph, logits = self._record(forward)
-        g = _Graph(graph, [ids, positions, table], [static_lora] if lora else [], logits)
-        self.graphs[("decode", size, lora)] = g
-        return g
+        return _Graph([ids, positions, table, valid], [static_lora] if lora else [], forward)
 
-    def _capture_mixed(self, tokens: int, seqs: int, lora_slots: list[list[int]], lora: bool) -> _Graph:
+    def _mixed_graph(self, tokens: int, seqs: int, lora: bool) -> _Graph:
         inputs = MixedInputs.zeros(tokens, seqs, self._table_width(), self.device)
-        inputs.kv_slots.fill_(-1)  # until the first refresh, every row is padding
-        inputs.block_table.fill_(self.cache.scratch)
-        token_lora, row_lora = (self._static_lora(s, lora) for s in lora_slots)
+        token_lora, row_lora = self._static_lora(tokens, lora), self._static_lora(seqs, lora)
 
         def forward():
             if self.rt is not None:
@@ -223,27 +247,25 @@ class ModelRunner:
                 self.rt.batch = row_lora
             return self.model.logits(hidden[inputs.last_token])
 
-        graph, logits = self._record(forward)
-        g = _Graph(graph, inputs.tensors(), [token_lora, row_lora] if lora else [], logits)
-        self.graphs[("mixed", tokens, lora)] = g
-        return g
+        return _Graph(inputs.tensors(), [token_lora, row_lora] if lora else [], forward)
 
-    def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """forward() captured in a graph of the runner's memory pool -> (graph, its output)."""
+    def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        """forward() run once (the warm-up: allocator and Triton settle; its output is this step's result), then
+        captured in a graph of the runner's memory pool -> (graph, its static output, the warm-up's output)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # Warm up on a side stream (allocator and Triton autotuning settle before capture), then capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forward()
+            out = forward()
         torch.cuda.current_stream().wait_stream(side)
+        out.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
         graph = torch.cuda.CUDAGraph()
         # thread_local: the adapter reader's page-locked allocations (host work on another thread, which polls CUDA
         # events) would otherwise invalidate a capture that happens while it runs.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = forward()
-        return graph, logits
+        return graph, logits, out
 
     def release_graphs(self) -> None:
         """Drop captured graphs (before the process group goes away: a live captured NCCL graph can hang teardown)."""

@@ -18,6 +18,7 @@ from torch import nn
 from tp_lora import distributed as comm
 from tp_lora.layers.moe import Experts
 from tp_lora.lora.layers import Copy, LoRARuntime, SlotBuffers, _pad, copy_into
+from tp_lora.ops.fp8 import FP8_DTYPE
 from tp_lora.ops.moe_plan import MoEPlan
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
 
@@ -28,7 +29,9 @@ KINDS = ("w1", "w3", "w2", "w13")
 class LoRAExperts(SlotBuffers, nn.Module):
     """Buffers: lora_a13[s] [L, E, r_a, H], lora_b13[s] [L, E, I_local, r] for s in (w1, w3),
     lora_a2 [L, E, r, I_local], lora_b2 [L, E, H_b, r] (H_b = H, or H / moe_tp when fully sharded),
-    scales [S + 1, L, E] (row S is w2). E = this rank's experts; r_a = r / moe_tp when fully sharded."""
+    scales [S + 1, L, E] (row S is w2). E = this rank's experts; r_a = r / moe_tp when fully sharded.
+    lora.dtype=fp8: the B stacks are float8_e4m3 with per-output-channel float32 scales b13_scales[s] [L, E, I_local]
+    and b2_scales [L, E, H_b] (1 for empty slots, so their zeros stay exact zeros), as the dense layers' B."""
 
     def __init__(self, base: Experts, rt: LoRARuntime):
         super().__init__()
@@ -45,13 +48,18 @@ class LoRAExperts(SlotBuffers, nn.Module):
         h_b = H // tp.size if self.fully_sharded else H
         dtype, device = base.w13.dtype, base.w13.device
 
-        def zeros(*shape):
+        b_dtype = FP8_DTYPE if rt.fp8 else dtype
+
+        def zeros(*shape, dtype=dtype):
             return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
         self.lora_a13 = nn.ParameterList([zeros(L, E, r_a, H) for _ in range(base.slices)])
-        self.lora_b13 = nn.ParameterList([zeros(L, E, il, R) for _ in range(base.slices)])
+        self.lora_b13 = nn.ParameterList([zeros(L, E, il, R, dtype=b_dtype) for _ in range(base.slices)])
         self.lora_a2 = zeros(L, E, R, il)
-        self.lora_b2 = zeros(L, E, h_b, R)
+        self.lora_b2 = zeros(L, E, h_b, R, dtype=b_dtype)
+        self.b13_scales = [torch.ones(L, E, il, dtype=torch.float32, device=device) for _ in range(base.slices)] \
+            if rt.fp8 else None
+        self.b2_scales = torch.ones(L, E, h_b, dtype=torch.float32, device=device) if rt.fp8 else None
         self.register_buffer("scales", torch.zeros(base.slices + 1, L, E, dtype=torch.float32, device=device))
         self.out_offset = row_lora_out_offset(base.down_spec, tp.rank, tp.size) if self.fully_sharded else 0
 
@@ -62,9 +70,18 @@ class LoRAExperts(SlotBuffers, nn.Module):
         return {"w1": (h, i), "w3": (h, i), "w2": (i, h), "w13": (h, self.base.slices * i)}[kind]
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
-        """[A13_s for s] + [B13_s for s] + [A2, B2, scales], each [E, ...]."""
+        """[A13_s for s] + [B13_s for s] + [A2, B2, scales] (+ [fp8 channel scales of B13_s for s] + [of B2]),
+        each [E, ...] (scales [S + 1, E])."""
+        fp8 = [] if self.b2_scales is None else [bs[slot] for bs in self.b13_scales] + [self.b2_scales[slot]]
         return ([a.data[slot] for a in self.lora_a13] + [b.data[slot] for b in self.lora_b13]
-                + [self.lora_a2.data[slot], self.lora_b2.data[slot], self.scales[:, slot]])
+                + [self.lora_a2.data[slot], self.lora_b2.data[slot], self.scales[:, slot]] + fp8)
+
+    def clear(self, views: list[torch.Tensor]) -> None:
+        n = 2 * self.base.slices + 3
+        for v in views[:n]:
+            v.zero_()
+        for v in views[n:]:
+            v.fill_(1.0)
 
     def write(self, views: list[torch.Tensor], key: tuple[str, int], a: torch.Tensor, b: torch.Tensor,
               scale: float, copy: Copy = copy_into) -> None:
@@ -77,14 +94,15 @@ class LoRAExperts(SlotBuffers, nn.Module):
             return
         e = expert - self.base.e0
         n = self.base.slices
-        a13, b13, (a2, b2, scales) = views[:n], views[n:2 * n], views[2 * n:]
+        a13, b13, (a2, b2, scales) = views[:n], views[n:2 * n], views[2 * n:2 * n + 3]
+        b13_sc, b2_sc = (views[2 * n + 3:3 * n + 3], views[3 * n + 3]) if self.b2_scales is not None else (None, None)
         dev = scales.device
         a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
         size = (self.tp.rank, self.tp.size, self.fully_sharded)
         if kind == "w2":
             spec = self.base.down_spec
             copy(a2[e], shard_lora_a(spec, a, *size))
-            copy(b2[e], shard_lora_b(spec, 0, b, *size))
+            copy(b2[e], shard_lora_b(spec, 0, b, *size), None if b2_sc is None else b2_sc[e])
             scales[n, e] = scale
             return
         spec = self.base.up_spec
@@ -97,7 +115,7 @@ class LoRAExperts(SlotBuffers, nn.Module):
             parts = [(s, b)]
         for s, bs in parts:
             copy(a13[s][e], shard_lora_a(spec, a, *size))
-            copy(b13[s][e], shard_lora_b(spec, s, bs, *size))
+            copy(b13[s][e], shard_lora_b(spec, s, bs, *size), None if b13_sc is None else b13_sc[s][e])
             scales[s, e] = scale
 
     def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
@@ -109,14 +127,15 @@ class LoRAExperts(SlotBuffers, nn.Module):
             u = ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan)
             if self.fully_sharded:
                 u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
-            ops.moe_lora_expand(u, list(self.lora_b13), plan, z)
+            ops.moe_lora_expand(u, list(self.lora_b13), plan, z, b_scales=self.b13_scales)
         h = base.act(z)
         y = base.down(h, plan)
         if plan.any_lora:
             u = ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], plan)
             if self.fully_sharded:
                 u = comm.all_reduce(u, self.tp)
-            ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset)
+            ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset,
+                                b_scales=None if self.b2_scales is None else [self.b2_scales])
         return y
 
 

@@ -5,7 +5,10 @@ parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
   EP/DP    ep over DP replicas (parallel.ep_attention=dp, tp=1): each rank routes its own requests' tokens;
            all_gather(hidden | topk ids | topk weights | adapter slot, one packed call) over ep -> the pairs routed to
            local experts -> reduce_scatter returns each rank its own tokens' sums. Ranks have different token
-           counts: they exchange counts once per step and pad to the max; `lockstep` keeps idle ranks stepping.
+           counts: once per step, on the host, they exchange counts (and whether any token has an adapter) and
+           pad to a fixed capacity (the max, rounded up to a CUDA-graph batch size when graphs replay), padding rows
+           routed nowhere; `lockstep` keeps idle ranks stepping. No layer reads a device value on the host, so a
+           decode step is capturable: a graph's rows are padded to that capacity, a validity count masks the rest.
   EP/TP    ep over the attention TP group (ep_attention=tp): tokens are replicated after attention, each rank routes a
            1/tp chunk and runs the shared expert on it (no token routed or shared-expert-computed twice). Every rank
            already holds every hidden state, so only the routing travels: all_gather(topk ids | weights | slot) ->
@@ -107,22 +110,40 @@ class MoEStep:
     batch: LoRABatch | None = None  # LoRA metadata of the owned tokens (shared expert; None without one)
     shared_expert: bool = False  # whether a block has a shared expert (set by SparseMoE; it reads `batch`)
     counts: list[int] | None = field(default=None)  # token counts of the EP group, stashed by lockstep()
+    # EP over DP replicas: whether any token of the EP group has an adapter (agreed with the counts, on the host).
+    lora: bool = False
+    # EP over DP replicas: batch sizes a dispatch's rows are rounded up to (the runner's CUDA-graph sizes, while it
+    # replays graphs), so a rank replaying a graph and one stepping eagerly exchange buffers of the same size.
+    buckets: tuple[int, ...] = ()
+    # A forward over rows padded to a graph's size: [1] int64 on the device, how many of them are real tokens
+    # (refreshed before each replay); None: every row is real.
+    valid: torch.Tensor | None = None
 
 
-def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, num_tokens: int, device,
-                 counts: list[int] | None = None) -> None:
+def capacity(tokens: int, buckets: tuple[int, ...]) -> int:
+    """Rows per rank of an EP-over-DP dispatch whose largest rank has `tokens`: the smallest bucket holding them,
+    or `tokens` beyond the largest bucket (or without buckets)."""
+    return next((b for b in buckets if b >= tokens), tokens)
+
+
+def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, num_tokens: int, device) -> None:
     """Fill `step` for a forward over num_tokens tokens (rt.batch, if any, describes them). EP over DP replicas needs
-    the EP group's token counts: `counts`, else those stashed by lockstep, else exchanged here (one collective)."""
+    the EP group's token counts and LoRA flag: those stashed by lockstep, else exchanged here (one collective); a
+    forward over a graph's padded rows (step.valid set) needs neither: its rows are the capacity the group agreed."""
     if ps.ep.size > 1 and ps.ep_attention == "tp":
         step.owned = token_chunk(num_tokens, ps.ep.rank, ps.ep.size)
         step.rows = -(-num_tokens // ps.ep.size)
+    elif ps.ep.size > 1 and step.valid is not None:
+        step.owned, step.rows = (0, num_tokens), num_tokens
     elif ps.ep.size > 1:
-        if counts is None:
-            counts = step.counts if step.counts is not None else comm.all_gather_counts(num_tokens, ps.ep, device)
+        if step.counts is None:
+            step.counts, step.lora = comm.all_gather_counts(num_tokens, ps.ep, device,
+                                                            rt is not None and rt.active())
+        counts = step.counts
         if counts[ps.ep.rank] != num_tokens:
             raise RuntimeError(f"lockstep announced {counts[ps.ep.rank]} tokens for this rank's step, but the forward "
                                f"has {num_tokens}")
-        step.owned, step.rows = (0, num_tokens), max(counts)
+        step.owned, step.rows = (0, num_tokens), capacity(max(counts), step.buckets)
     else:
         step.owned, step.rows = (0, num_tokens), num_tokens
     step.counts = None
@@ -197,6 +218,8 @@ class SparseMoE(nn.Module):
             _, ids, w, tags = unpack_tokens(packed, 0, xs.dtype, self.shape.top_k, tags is not None)
             xg = x
         elif self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
+            if step.valid is not None:  # a graph's padding rows route nowhere
+                ids = torch.where(torch.arange(ids.shape[0], device=ids.device)[:, None] < step.valid, ids, -1)
             packed = comm.all_gather(pack_tokens(xs, ids, w, tags, step.rows), self.ep, dim=0)
             xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
         else:
@@ -222,12 +245,12 @@ class SparseMoE(nn.Module):
         return y
 
     def _expert_lora(self, tags: torch.Tensor | None) -> bool:
-        """Whether the expert LoRA ops run this step, the same on every rank of the EP group. TP and EP/TP: the step's
-        LoRA batch (host facts, replicated). EP over DP replicas: the gathered tags (one sync; that layout is eager)."""
+        """Whether the expert LoRA ops run this step, the same on every rank of the EP group, decided on the host. TP
+        and EP/TP: the step's LoRA batch (replicated). EP over DP replicas: the flag agreed with the token counts."""
         if tags is None or not hasattr(self.experts, "base"):
             return False
         if self.ep.size > 1 and not self.chunked:
-            return bool((tags >= 0).any())
+            return self.step.lora
         return self.rt.active()
 
     def _shared(self, xs: torch.Tensor) -> torch.Tensor:
@@ -328,47 +351,74 @@ class MoECausalLM(CausalLM):
     @property
     def cuda_graph_safe(self) -> bool:
         """Whether a decode step runs with no host sync, so the runner may capture it in a CUDA graph: the expert
-        GEMMs take torch's grouped GEMM (the loop fallback reads offsets on the host), and the layout is not EP over
-        DP replicas (token counts exchanged every step) nor a chunked shared expert with LoRA (its batch is built
-        on the host)."""
-        if self.needs_lockstep or (self.step_chunked and self.moe_shape.shared_inter and self.rt is not None):
+        GEMMs take torch's grouped GEMM (the loop fallback reads offsets on the host), and the layout is not a
+        chunked shared expert with LoRA (its batch is built on the host). EP over DP replicas agrees on its counts
+        once per step before the forward (lockstep) and pads to a fixed capacity: capturable (graph_batch)."""
+        if self.step_chunked and self.moe_shape.shared_inter and self.rt is not None:
             return False
         ex = next((layer.mlp.base_experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)), None)
         return ex is None or all(torch_grouped_available(self.device, self.dtype, w.shape[2], w.shape[1]) for w in (ex.w13, ex.w2))
 
-    def _begin_step(self, num_tokens: int, counts: list[int] | None = None) -> None:
-        prepare_step(self.step, self.ps, self.rt, num_tokens, self.device, counts)
+    def _begin_step(self, num_tokens: int) -> None:
+        prepare_step(self.step, self.ps, self.rt, num_tokens, self.device)
 
     def forward(self, input_ids: torch.Tensor, cache, meta) -> torch.Tensor:
         self._begin_step(input_ids.shape[0])
         return super().forward(input_ids, cache, meta)
 
     # ---- data-parallel lockstep (EP over DP replicas) ----------------------------------------------------------
-    def lockstep(self, num_tokens: int) -> bool:
-        """Called by the engine once per step with this rank's token count (0 = no work). Exchanges the counts over
-        the EP group (the step's only extra collective) and returns False when every rank is idle. An idle rank runs
-        the MoE blocks on no tokens of its own (its experts still serve the others); a busy rank keeps the counts
-        for its forward."""
+    def lockstep(self, num_tokens: int, lora: bool = False) -> bool:
+        """Called by the engine once per step with this rank's token count (0 = no work) and whether any of its
+        tokens has an adapter. Exchanges both over the EP group (the step's only extra collective) and returns False
+        when every rank is idle. An idle rank runs the MoE blocks on no tokens of its own (its experts still serve
+        the others); a busy rank keeps the counts and flag for its forward (or its graph: graph_batch)."""
         if not self.needs_lockstep:
             return num_tokens > 0
-        counts = comm.all_gather_counts(num_tokens, self.ps.ep, self.device)
+        counts, any_lora = comm.all_gather_counts(num_tokens, self.ps.ep, self.device, lora)
         if max(counts) == 0:
             return False
+        self.step.counts, self.step.lora = counts, any_lora
         if num_tokens == 0:
-            self.idle_step(counts)
-        else:
-            self.step.counts = counts
+            self.idle_step()
         return True
 
+    # ---- CUDA graphs over EP/DP replicas (the runner's hooks) ----------------------------------------------------
+    def pad_to_graph_sizes(self, sizes: tuple[int, ...]) -> None:
+        """The runner replays graphs of these batch sizes: EP over DP replicas rounds every step's dispatch rows up
+        to one of them (eager steps too), so ranks replaying a graph and ranks stepping eagerly agree."""
+        self.step.buckets = tuple(sizes) if self.needs_lockstep else ()
+
+    def graph_batch(self, num_tokens: int, lora: bool) -> tuple[int, bool]:
+        """(tokens, LoRA on) that a decode graph for this rank's step of num_tokens tokens (`lora`: any has an
+        adapter) must cover. EP over DP replicas: the EP group's largest count and whether any token of the group
+        has an adapter (agreed by lockstep): every rank of the group then picks the same size and the experts run
+        LoRA for the peers' tokens."""
+        if not self.needs_lockstep:
+            return num_tokens, lora
+        if self.step.counts is None:
+            raise RuntimeError("EP over DP replicas: a decode step without lockstep() agreeing on the counts first")
+        return max(self.step.counts), self.step.lora
+
+    @contextmanager
+    def graph_rows(self, valid: torch.Tensor):
+        """Forwards inside run over a graph's rows, `valid` ([1] int64 on the device, refreshed before each replay)
+        of them real tokens; on leaving, the step's stashed counts are spent (a replay runs no forward)."""
+        self.step.valid = valid
+        try:
+            yield
+        finally:
+            self.step.valid, self.step.counts = None, None
+
     @torch.no_grad()
-    def idle_step(self, counts: list[int]) -> None:
-        """This rank has no tokens this step but peers of its EP group do: attention is skipped (its collectives
-        stay inside this rank's own replica, idle as a whole), the MoE blocks serve the peers' tokens."""
+    def idle_step(self) -> None:
+        """This rank has no tokens this step but peers of its EP group do (lockstep stashed the counts): attention is
+        skipped (its collectives stay inside this rank's own replica, idle as a whole), the MoE blocks serve the
+        peers' tokens."""
         saved = self.rt.batch if self.rt is not None else None
         if self.rt is not None:
             self.rt.batch = build_lora_batch([], self.rt.max_loras, self.device)
         try:
-            self._begin_step(0, counts)
+            self._begin_step(0)
             x = torch.zeros(0, self.hf["hidden_size"], dtype=self.dtype, device=self.device)
             for layer in self.layers:
                 if isinstance(layer.mlp, SparseMoE):

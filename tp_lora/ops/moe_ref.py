@@ -32,15 +32,19 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
 
 
 def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], plan: MoEPlan, out: torch.Tensor,
-                    offset: int = 0, add: bool = True) -> None:
+                    offset: int = 0, add: bool = True, *, b_scales: Sequence[torch.Tensor] | None = None) -> None:
     """buf [S, P, r], lora_b S x [L, E, out_s, r], out [P, O] in pair order:
     out[p, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s, p] @ B_s[slot_p, e_p]^T for pairs with an
-    adapter; other rows are not touched. Computed in float32, stored in out.dtype."""
+    adapter; other rows are not touched. Computed in float32, stored in out.dtype. b_scales: S x [L, E, out_s]
+    float32 when lora_b is stored as fp8 (B = B_fp8 * b_scales[..., None], tp_lora.ops.fp8)."""
     for e, slot, start, count in _blocks(plan):
         col = offset
         for s, b in enumerate(lora_b):
             width = b.shape[2]
-            delta = buf[s, start:start + count].float() @ b[slot, e].float().t()
+            w = b[slot, e].float()
+            if b_scales is not None:
+                w = w * b_scales[s][slot, e].float().unsqueeze(-1)
+            delta = buf[s, start:start + count].float() @ w.t()
             if add:
                 delta = delta + out[start:start + count, col:col + width].float()
             out[start:start + count, col:col + width] = delta.to(out.dtype)

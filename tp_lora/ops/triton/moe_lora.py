@@ -7,6 +7,10 @@ block's row of the plan's [B, 4] (expert, slot, start, count) table and walks ro
 pair-ordered input, so it reads one expert's weights of one adapter only. Pairs of tokens without an adapter belong
 to no block: shrink leaves their rows 0 and expand never touches them.
 
+FP8 B (lora.dtype=fp8): float8_e4m3fn with per-output-channel float32 scales b_scales S x [L, E, out_s]
+(tp_lora.ops.fp8), dequantised in the expand kernel: B is widened to the output's type for the dot and the
+accumulator scaled per column, as in the dense expand kernel.
+
 Grids come from the plan's static sizes (block count, block size): no device value is read here, so the calls are
 capturable in a CUDA graph. Runs natively on CUDA and, under TRITON_INTERPRET=1, on the CPU.
 """
@@ -24,6 +28,7 @@ __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
 MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_FP8 = (torch.float8_e4m3fn,)
 
 
 @triton.jit
@@ -83,16 +88,18 @@ def moe_shrink_kernel(
 
 @triton.jit
 def moe_expand_kernel(
-    buf_ptr, b0_ptr, b1_ptr, out_ptr, groups_ptr,
+    buf_ptr, b0_ptr, b1_ptr, bs0_ptr, bs1_ptr, out_ptr, groups_ptr,
     R, N, col0, n_blocks_n,
     stride_us, stride_up, stride_ur,
     stride_bl, stride_be, stride_bn, stride_br,
+    stride_bsl, stride_bse, stride_bsn,
     stride_op, stride_oc,
-    NUM_SLICES: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    NUM_SLICES: tl.constexpr, ADD: tl.constexpr, HAS_B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
     """out[p, col0 + s*N + n] (+)= buf[s, p] @ B_s[slot, e, n]^T for the pairs p of one (expert e, slot) group.
-    buf [S, P, R] f32, B_s [L, E, N, R], out [P, O] (any float dtype; accumulated in float32)."""
+    buf [S, P, R] f32, B_s [L, E, N, R] (fp8 with bs_s [L, E, N] per output channel, or 16/32-bit), out [P, O]
+    (any float dtype; accumulated in float32)."""
     pid_g = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_x = tl.program_id(2)
@@ -104,9 +111,11 @@ def moe_expand_kernel(
     count = tl.load(groups_ptr + pid_g * 4 + 3)
     if pid_m * BLOCK_M < count:
         b_ptr = b0_ptr
+        bs_ptr = bs0_ptr
         if NUM_SLICES > 1:
             if s == 1:
                 b_ptr = b1_ptr
+                bs_ptr = bs1_ptr
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         rows = (start + offs_m).to(tl.int64)
@@ -123,6 +132,10 @@ def moe_expand_kernel(
             acc += _mm(uv, bv, CDT, DOT, PREC)
             u_blk += BLOCK_R * stride_ur
             b_blk += BLOCK_R * stride_br
+        if HAS_B_SCALES:
+            ch_scale = tl.load(bs_ptr + slot * stride_bsl + e * stride_bse + offs_n * stride_bsn, mask=n_mask,
+                               other=0.0)
+            acc = acc * ch_scale[None, :]
         o_ptr = out_ptr + rows[:, None] * stride_op + (col0 + s * N + offs_n[None, :]) * stride_oc
         o_mask = m_mask[:, None] & n_mask[None, :]
         if ADD:
@@ -146,13 +159,16 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
 
-def _launches(weights: Sequence[torch.Tensor]):
-    """Consecutive slices that share a shape and strides go in one launch (at most MAX_SLICES)."""
+def _launches(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None = None):
+    """Consecutive slices that share a shape and strides (and their fp8 scales' strides) go in one launch (at most
+    MAX_SLICES)."""
+    def key(i):
+        return (weights[i].shape, weights[i].stride()) + ((scales[i].stride(),) if scales is not None else ())
+
     i = 0
     while i < len(weights):
         j = i + 1
-        while (j < len(weights) and j - i < MAX_SLICES and weights[j].shape == weights[i].shape
-               and weights[j].stride() == weights[i].stride()):
+        while j < len(weights) and j - i < MAX_SLICES and key(j) == key(i):
             j += 1
         yield list(range(i, j))
         i = j
@@ -189,32 +205,39 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
 
 
 def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: MoEPlan, out: torch.Tensor,
-                    offset: int = 0, add: bool = True) -> None:
+                    offset: int = 0, add: bool = True, *, b_scales: Sequence[torch.Tensor] | None = None) -> None:
     """buf [S, P, r], lora_b S x [L, E, out_s, r], out [P, O] in pair order:
     out[p, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s, p] @ B_s[slot_p, e_p]^T for pairs with an
-    adapter; other rows are not touched. Computed in float32, stored in out.dtype."""
+    adapter; other rows are not touched. Computed in float32, stored in out.dtype. b_scales: S x [L, E, out_s]
+    float32 when lora_b is fp8 (per output channel)."""
     groups = pairs.groups.shape[0]
     if groups == 0 or out.shape[0] == 0:
         return
     rank = buf.shape[2]
     block_m, block_r = 16, _pow2(rank, 16, 64)
-    cdt, dot, prec = _compute_types(lora_b[0].dtype)
+    # buf (f32) is rounded to B's type for the dot; fp8 B is widened to the output's type instead.
+    b_dtype = lora_b[0].dtype
+    cdt, dot, prec = _compute_types(out.dtype if b_dtype in _FP8 else b_dtype)
+    has_bs = b_scales is not None
     col = offset
-    for idx in _launches(lora_b):
+    for idx in _launches(lora_b, b_scales):
         b = [lora_b[i] for i in idx]
         b1 = b[1] if len(b) > 1 else b[0]
+        bs = [b_scales[i] for i in idx] if has_bs else [buf]  # buf: an unused placeholder
+        bs1 = bs[1] if len(bs) > 1 else bs[0]
         width = b[0].shape[2]
         block_n = _pow2(width, 16, 64)
         n_blocks_n = triton.cdiv(width, block_n)
         u = buf[idx[0]:idx[-1] + 1]
         grid = (groups, triton.cdiv(pairs.max_group, block_m), len(idx) * n_blocks_n)
         moe_expand_kernel[grid](
-            u, b[0], b1, out, pairs.groups,
+            u, b[0], b1, bs[0], bs1, out, pairs.groups,
             rank, width, col, n_blocks_n,
             u.stride(0), u.stride(1), u.stride(2),
             b[0].stride(0), b[0].stride(1), b[0].stride(2), b[0].stride(3),
+            *(bs[0].stride() if has_bs else (0, 0, 0)),
             out.stride(0), out.stride(1),
-            NUM_SLICES=len(idx), ADD=bool(add), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+            NUM_SLICES=len(idx), ADD=bool(add), HAS_B_SCALES=has_bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
             CDT=cdt, DOT=dot, PREC=prec,
         )
         col += width * len(idx)
