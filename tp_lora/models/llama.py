@@ -167,7 +167,8 @@ class Attention(nn.Module):
                                                  hf.get("attention_bias", False) and kind != "qwen2",
                                                  dtype, device), rt, [prefix + "o_proj"], targets)
         self.layer_idx = idx
-        # Qwen3(-MoE), Gemma 3: RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing).
+        # Qwen3(-MoE), Gemma 3: RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing),
+        # applied by rope_write_kv with these modules' weights.
         qk_norm = kind in QK_NORM_TYPES
         eps, offset = hf.get("rms_norm_eps", 1e-6), kind in GEMMA_TYPES
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, offset) if qk_norm else None
