@@ -29,22 +29,27 @@ def _randn(gen, *shape, dtype=torch.float32, device="cpu", std=1.0, mean=0.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hidden, residual, offset", [
-    (1, 80, False, False),  # one token, the first layer's plain norm, hidden not a power of two
-    (37, 80, True, False),  # add + norm (Llama)
-    (37, 64, True, True),  # Gemma's (1 + w)
-    (5, 1000, True, False),  # a wide row
+@pytest.mark.parametrize("tokens, hidden, residual, offset, norm_x", [
+    (1, 80, False, False, False),  # one token, the first layer's plain norm, hidden not a power of two
+    (37, 80, True, False, False),  # add + norm (Llama)
+    (37, 64, True, True, False),  # Gemma's (1 + w)
+    (37, 80, True, True, True),  # Gemma's post-attention norm, add, pre-feedforward norm
+    (5, 1000, True, False, False),  # a wide row
 ])
-def test_add_rms_norm(device, dtype, tokens, hidden, residual, offset):
+def test_add_rms_norm(device, dtype, tokens, hidden, residual, offset, norm_x):
     from tp_lora.ops.triton.fused import add_rms_norm
-    gen = torch.Generator().manual_seed(tokens * 7 + hidden + residual + offset)
+    gen = torch.Generator().manual_seed(tokens * 7 + hidden + residual + offset + norm_x * 3)
     wide = _randn(gen, tokens, hidden + 3, dtype=dtype, device=device)
     x = wide[:, :hidden]  # rows with a stride != hidden
     res = _randn(gen, tokens, hidden, dtype=dtype, device=device, std=3.0) if residual else None
-    w = _randn(gen, hidden, dtype=dtype, device=device, std=0.3, mean=0.2 if offset else 1.0)
-    got, got_sum = add_rms_norm(x, res, w, 1e-6, offset)
-    want, want_sum = ref.add_rms_norm_ref(x, res, w, 1e-6, offset)
-    torch.testing.assert_close(got_sum, want_sum, **_exact(device, dtype))
+    w, xw = (_randn(gen, hidden, dtype=dtype, device=device, std=0.3, mean=0.2 if offset else 1.0) for _ in range(2))
+    xw = xw if norm_x else None
+    got, got_sum = add_rms_norm(x, res, w, 1e-6, offset, xw)
+    want, want_sum = ref.add_rms_norm_ref(x, res, w, 1e-6, offset, xw)
+    if norm_x:
+        assert not torch.allclose(want_sum, ref.add_rms_norm_ref(x, res, w, 1e-6, offset)[1]), "x was not normed"
+    # one rounding of the same float32 sum (but a normed x: an rsqrt apart)
+    torch.testing.assert_close(got_sum, want_sum, **(_tol(device, dtype) if norm_x else _exact(device, dtype)))
     torch.testing.assert_close(got, want, **_tol(device, dtype))
     assert got.dtype == dtype and got.shape == (tokens, hidden)
 

@@ -40,9 +40,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return add_rms_norm(x, None, self.weight, self.eps, self.offset)[0]
 
-    def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one pass; residual None: (norm(x), x)."""
-        return add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, first: RMSNorm | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass; residual None: (norm(x), x). first: a norm of the same
+        eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.offset, None if first is None else first.weight)
 
 
 def rope_params(hf: dict, layer_type: str | None = None) -> dict:
@@ -231,7 +233,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.with_residual(x, residual)
         h = self.self_attn(h, cos, sin, cache, meta)
         if self.gemma:
-            h, residual = self.pre_feedforward_layernorm.with_residual(self.post_attention_layernorm(h), residual)
+            h, residual = self.pre_feedforward_layernorm.with_residual(h, residual, self.post_attention_layernorm)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.with_residual(h, residual)
         return self.mlp(h), residual

@@ -1,7 +1,8 @@
 """The decoder layer's small fused ops: torch references (the CPU path and the test oracle) and the dispatchers the
 model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUDA.
 
-- add_rms_norm: (x + residual) then RMSNorm, returning both; residual None: RMSNorm of x alone.
+- add_rms_norm: (x + residual) then RMSNorm, returning both; residual None: RMSNorm of x alone; x_weight: x is
+  RMS-normed first (Gemma's post-attention norm, then the add and the pre-feedforward norm).
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
@@ -34,8 +35,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [T, N] -> (RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x)."""
+                     offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, N] -> (RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x). x_weight [N]
+    (with a residual only): x becomes RMSNorm(x) with that weight (same eps and offset) first."""
+    if x_weight is not None:
+        x = rms_norm_ref(x, x_weight, eps, offset)
     h = x if residual is None else x + residual
     return rms_norm_ref(h, weight, eps, offset), h
 
@@ -72,11 +76,13 @@ def act_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None and x_weight is not None:
+        raise ValueError("add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
     if _kernels(x):
         from tp_lora.ops.triton.fused import add_rms_norm as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(x, residual, weight, eps, offset)
-    return add_rms_norm_ref(x, residual, weight, eps, offset)
+        return kernel(x, residual, weight, eps, offset, x_weight)
+    return add_rms_norm_ref(x, residual, weight, eps, offset, x_weight)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -24,13 +24,16 @@ def _weighted(h, w, OFFSET: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_x, s_r, s_o, s_ro, n, eps,
-                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, OFFSET: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, s_x, s_r, s_o, s_ro, n, eps,
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr, OFFSET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < n
     dt = out_ptr.dtype.element_ty
     h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
+    if NORM_X:
+        xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        h = _weighted(h * tl.rsqrt(tl.sum(h * h, 0) / n + eps), xw, OFFSET, dt).to(tl.float32)
     if HAS_RES:
         h = (h + tl.load(res_ptr + t * s_r + i, mask=ok, other=0.0).to(tl.float32)).to(dt)
         tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
@@ -112,7 +115,7 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _rows(x, "add_rms_norm's x")
     n = rows.shape[1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -123,8 +126,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     res_rows = rows if residual is None else res_out.view(-1, n)
     if rows.shape[0]:
         _add_rms_norm_kernel[(rows.shape[0],)](
-            rows, res, weight, out, res_rows, rows.stride(0), res.stride(0), n, n, n, float(eps),
-            BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, OFFSET=bool(offset),
+            rows, res, weight, weight if x_weight is None else x_weight, out, res_rows, rows.stride(0),
+            res.stride(0), n, n, n, float(eps), BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
+            NORM_X=x_weight is not None, OFFSET=bool(offset),
             num_warps=4 if n <= 4096 else 8)
     return out, res_out
 
