@@ -46,8 +46,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, s_
 @triton.jit
 def _norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexpr, D: tl.constexpr,
                D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, DT: tl.constexpr):
-    """Heads [n_rows, D] at src (head stride s_h) -> [ROWS, D_PAD] float32 values (rounded to DT) of the optional
-    per-head RMSNorm then RoPE on the first R dims: x * cos + rotate_half(x) * sin."""
+    """Heads [n_rows, D] at src (head stride s_h) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
+    on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
     h = tl.arange(0, ROWS)[:, None]
     i = tl.arange(0, D_PAD)[None, :]
     ok = (h < n_rows) & (i < D)
