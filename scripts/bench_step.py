@@ -14,8 +14,9 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
 - prefill tokens/s from the one-token run; the long run's decode steps replayed from CUDA graphs and their mean
   wall time (launch to sampled tokens on the host).
 With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replayed from its CUDA graph and run eagerly,
-against a 32-sequence decode step (the runner alone, CUDA events, medians; whether each replayed a graph). Prints a
-table; writes bench_step.json into --out.
+against a 32-sequence decode step (the runner alone, CUDA events, medians; whether each replayed a graph).
+--torch-ops runs the decoder layers' norms, RoPE + cache write and activations as torch ops instead of the fused
+Triton kernels (tp_lora/ops/fused.py). Prints a table; writes bench_step.json into --out.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from tp_lora.assets import write_random_adapter, write_tiny_llama  # noqa: E402
 from tp_lora.config import RunConfig  # noqa: E402
 from tp_lora.engine.engine import Engine  # noqa: E402
 from tp_lora.engine.requests import Request  # noqa: E402
+from tp_lora.ops import fused  # noqa: E402
 
 SHAPES = {
     "llama-2048": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -225,7 +227,10 @@ def main() -> None:
     p.add_argument("--mixed", action="store_true")
     p.add_argument("--profile", action="store_true", help="with --mixed: print the decode step's kernels")
     p.add_argument("--no-adapters-only", action="store_true")
+    p.add_argument("--torch-ops", action="store_true",
+                   help="norms, RoPE + cache write and activations in torch, not the fused Triton kernels (A/B)")
     args = p.parse_args()
+    fused.KERNELS = False if args.torch_ops else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ps = comm.init_parallel(args.tp, device)
     bw = copy_bandwidth(ps.device)
@@ -276,7 +281,7 @@ def main() -> None:
     if not ps.is_driver:
         return
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size}, copy bandwidth "
-          f"{bw / 1e12:.2f} TB/s (read + written)")
+          f"{bw / 1e12:.2f} TB/s (read + written), layer ops {'torch' if args.torch_ops else 'fused'}")
     print("| shape | adapters | batch | context | step ms | floor ms | of floor | adapters / none | prefill tok/s | "
           "graph steps | graph step ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -296,7 +301,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_step.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,
-                       copy_bandwidth=bw, rows=rows, mixed=extra), f, indent=2)
+                       copy_bandwidth=bw, fused_ops=not args.torch_ops, rows=rows, mixed=extra), f, indent=2)
 
 
 if __name__ == "__main__":

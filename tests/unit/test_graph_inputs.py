@@ -13,7 +13,7 @@ def test_small_step_exact():
                          scratch=9)
     assert got.ids.tolist() == [11, 21, 22, 23, 0, 0]
     assert got.positions.tolist() == [5, 1, 2, 3, 0, 0]
-    assert got.kv_slots.tolist() == [2 * 4 + 1, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, -1, -1]
+    assert got.kv_slots.tolist() == [2 * 4 + 1, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 9 * 4, 9 * 4]
     assert got.last_token.tolist() == [0, 3, 0]
     assert got.cu_q.tolist() == [0, 1, 4, 4]
     assert got.context_lens.tolist() == [6, 4, 0]
@@ -24,7 +24,7 @@ def test_small_step_exact():
 def test_block_crossing_slot_and_padding_slots():
     # A table longer than the graph's width (a block for a position it never serves) is cut.
     got = pad_mixed_step([1, 2, 3], [[3, 8, 5]], [3], [3], tokens=4, seqs=1, width=2, block_size=4, scratch=9)
-    assert got.kv_slots.tolist() == [3 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, -1]
+    assert got.kv_slots.tolist() == [3 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, 9 * 4]
     assert got.positions.tolist() == [3, 4, 5, 0]
     assert got.block_table.tolist() == [[3, 8]]
 

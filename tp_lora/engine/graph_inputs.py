@@ -1,8 +1,8 @@
 """A step's inputs padded to the fixed sizes of a captured mixed-step CUDA graph: T token rows, S sequence rows,
 block tables W wide. Built on the host (a pure function of the step's lists), copied into the graph's static buffers.
 
-Real tokens and sequences come first, in step order; padding tokens have id 0, position 0 and KV slot -1 (the
-cache's last row, in its scratch block: no sequence reads it); padding sequences own no query (q_len 0, context 0),
+Real tokens and sequences come first, in step order; padding tokens have id 0, position 0 and the scratch
+block's first KV slot (no sequence reads it; every slot is in bounds, which the fused K/V write needs); padding sequences own no query (q_len 0, context 0),
 their block tables and the unused ends of real ones point at the scratch block, and their logits row is token 0's.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tp_lora.models.attention import AttnGroup, AttnMeta
 class MixedInputs:
     ids: torch.Tensor  # [T] int64 token ids
     positions: torch.Tensor  # [T] int64 position of each token
-    kv_slots: torch.Tensor  # [T] int64 cache slot (block * block_size + offset) each token's K/V goes to, -1 padding
+    kv_slots: torch.Tensor  # [T] int64 cache slot (block * block_size + offset) each token's K/V goes to
     last_token: torch.Tensor  # [S] int64 row of each sequence's last token (its logits are sampled)
     cu_q: torch.Tensor  # [S+1] int32 first token row of each sequence, then the end of the last
     context_lens: torch.Tensor  # [S] int32 positions each sequence attends over after this step
@@ -64,7 +64,7 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
     out = MixedInputs.zeros(tokens, seqs, width, "cpu")
     out.ids[:t] = torch.tensor(ids, dtype=torch.int64)
     out.positions[:t] = pos
-    out.kv_slots.fill_(-1)
+    out.kv_slots.fill_(scratch * block_size)
     out.kv_slots[:t] = table[seq, pos // block_size].long() * block_size + pos % block_size
     out.last_token[:n] = ends - 1
     out.cu_q[1:n + 1] = ends.to(torch.int32)

@@ -18,6 +18,7 @@ from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spec
 from tp_lora.lora.layers import LoRARuntime, wrap
 from tp_lora.models.attention import AttnMeta, KVCache, attend
+from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, rope_write_kv
 from tp_lora.sharding import unit_range
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -25,12 +26,11 @@ LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # per-head RMSNorm on q and k
 GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + weight) norms, scaled embeddings, norms around attention and MLP
 FUSED_TYPES = ("phi3",)  # checkpoints and PEFT adapters name one qkv_proj and one gate_up_proj module
-ACTIVATIONS = {"silu": torch.nn.functional.silu,
-               "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
-    """offset (Gemma): the weight is stored as w - 1 and applied, in float32, as (1 + w)."""
+    """offset (Gemma): the weight is stored as w - 1 and applied, in float32, as (1 + w). In float32 and cast back
+    as transformers does (tp_lora.ops.fused.rms_norm_ref): bit-parity in low precision."""
 
     def __init__(self, dim: int, eps: float, dtype, device, offset: bool = False):
         super().__init__()
@@ -38,13 +38,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 and cast back as transformers does (Llama before the weight, Gemma after): bit-parity in
-        # low precision.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps, self.offset)[0]
+
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, first: RMSNorm | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass; residual None: (norm(x), x). first: a norm of the same
+        eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.offset, None if first is None else first.weight)
 
 
 def rope_params(hf: dict, layer_type: str | None = None) -> dict:
@@ -121,16 +121,6 @@ class Rotary(nn.Module):
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, 1, r], r <= d (the rotate-half convention of HF checkpoints on the first r)."""
-    r = cos.shape[-1]
-    if r < x.shape[-1]:
-        return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], -1)
-    half = r // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rot * sin
-
-
 def layer_types(hf: dict) -> list[str]:
     """'sliding_attention' or 'full_attention' per layer: the config's layer_types where the family has them
     (Qwen3, Gemma), else Gemma's rule (Gemma 2 alternates, Gemma 3 has one global layer in sliding_window_pattern),
@@ -179,7 +169,8 @@ class Attention(nn.Module):
                                                  hf.get("attention_bias", False) and kind != "qwen2",
                                                  dtype, device), rt, [prefix + "o_proj"], targets)
         self.layer_idx = idx
-        # Qwen3(-MoE), Gemma 3: RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing).
+        # Qwen3(-MoE), Gemma 3: RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing),
+        # applied by rope_write_kv with these modules' weights.
         qk_norm = kind in QK_NORM_TYPES
         eps, offset = hf.get("rms_norm_eps", 1e-6), kind in GEMMA_TYPES
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, offset) if qk_norm else None
@@ -189,13 +180,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
-        q, k = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rotate(q, cos, sin)
-        k = rotate(k, cos, sin)
-        out = attend(q, k, v.view(-1, self.kv_heads, d), cache, self.layer_idx, meta, self.scale, self.window,
-                     self.softcap)
+        q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
+        norm = self.q_norm is not None
+        q = rope_write_kv(q, k, v, cos, sin, cache.k[self.layer_idx], cache.v[self.layer_idx], meta.slots,
+                          self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                          self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset)
+        out = attend(q, None, None, cache, self.layer_idx, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out)
 
 
@@ -205,7 +195,7 @@ class MLP(nn.Module):
         act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act={act!r} is not supported (expected one of {sorted(ACTIVATIONS)})")
-        self.act = ACTIVATIONS[act]
+        self.act = act
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         prefix = f"model.layers.{idx}.mlp."
         fused = hf.get("model_type") in FUSED_TYPES
@@ -216,13 +206,15 @@ class MLP(nn.Module):
                                      [prefix + "down_proj"], targets)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(act_mul(self.gate_up_proj(x), self.act))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block. Gemma also norms the attention output (post_attention_layernorm) and both sides of
-    the MLP (pre_ / post_feedforward_layernorm); elsewhere post_attention_layernorm is the MLP's input norm."""
+    the MLP (pre_ / post_feedforward_layernorm); elsewhere post_attention_layernorm is the MLP's input norm.
+
+    The residual stream is carried beside the block's output, as vLLM does: layer(x, residual) -> (x, residual)
+    with the stream = x + residual, so each residual add is fused into the norm that follows it."""
 
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None):
         super().__init__()
@@ -236,12 +228,15 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
         self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets)
 
-    def forward(self, x, cos, sin, cache, meta):
+    def forward(self, x, residual, cos, sin, cache, meta):
+        """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual)."""
+        h, residual = self.input_layernorm.with_residual(x, residual)
+        h = self.self_attn(h, cos, sin, cache, meta)
         if self.gemma:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, meta))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            h, residual = self.pre_feedforward_layernorm.with_residual(h, residual, self.post_attention_layernorm)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.with_residual(h, residual)
+        return self.mlp(h), residual
 
 
 def _maybe_wrap(base: nn.Module, rt: LoRARuntime | None, paths: list[str], targets: set[str] | None,
@@ -299,9 +294,10 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        residual = None
         for layer, t in zip(self.layers, self.layer_types):
-            x = layer(x, *tables[t], cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, *tables[t], cache, meta)
+        return self.norm.with_residual(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] (gathered over the TP group), float32; Gemma's final soft-cap applied."""

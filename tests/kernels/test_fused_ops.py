@@ -1,0 +1,145 @@
+"""The decoder layer's fused Triton kernels (add + RMSNorm, qk-norm + RoPE + K/V cache write, act * up) against
+their torch references, on fresh random inputs at odd sizes; the references against independent formulas."""
+import math
+
+import pytest
+import torch
+
+from tp_lora.ops import fused as ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _tol(device, dtype):
+    """float32: summation order only; 16-bit: one rounding step of the dtype apart (an rsqrt a hair off). The Triton
+    interpreter rounds bfloat16 by truncation (torch and compiled Triton: to nearest even): a step or two more."""
+    if dtype == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-5}
+    loose = dtype == torch.bfloat16 and device != "cuda"
+    return {"rtol": 4e-2, "atol": 4e-2} if loose else {"rtol": 1e-2, "atol": 1e-2}
+
+
+def _exact(device, dtype):
+    """Tolerance zero for results of one rounding of the same float32 value (but the interpreter's bfloat16)."""
+    return {"rtol": 0, "atol": 0} if device == "cuda" or dtype != torch.bfloat16 else _tol(device, dtype)
+
+
+def _randn(gen, *shape, dtype=torch.float32, device="cpu", std=1.0, mean=0.0):
+    return (torch.randn(*shape, generator=gen) * std + mean).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden, residual, offset, norm_x", [
+    (1, 80, False, False, False),  # one token, the first layer's plain norm, hidden not a power of two
+    (37, 80, True, False, False),  # add + norm (Llama)
+    (37, 64, True, True, False),  # Gemma's (1 + w)
+    (37, 80, True, True, True),  # Gemma's post-attention norm, add, pre-feedforward norm
+    (5, 1000, True, False, False),  # a wide row
+])
+def test_add_rms_norm(device, dtype, tokens, hidden, residual, offset, norm_x):
+    from tp_lora.ops.triton.fused import add_rms_norm
+    gen = torch.Generator().manual_seed(tokens * 7 + hidden + residual + offset + norm_x * 3)
+    wide = _randn(gen, tokens, hidden + 3, dtype=dtype, device=device)
+    x = wide[:, :hidden]  # rows with a stride != hidden
+    res = _randn(gen, tokens, hidden, dtype=dtype, device=device, std=3.0) if residual else None
+    w, xw = (_randn(gen, hidden, dtype=dtype, device=device, std=0.3, mean=0.2 if offset else 1.0) for _ in range(2))
+    xw = xw if norm_x else None
+    got, got_sum = add_rms_norm(x, res, w, 1e-6, offset, xw)
+    want, want_sum = ref.add_rms_norm_ref(x, res, w, 1e-6, offset, xw)
+    if norm_x:
+        assert not torch.allclose(want_sum, ref.add_rms_norm_ref(x, res, w, 1e-6, offset)[1]), "x was not normed"
+    # one rounding of the same float32 sum (but a normed x: an rsqrt apart)
+    torch.testing.assert_close(got_sum, want_sum, **(_tol(device, dtype) if norm_x else _exact(device, dtype)))
+    torch.testing.assert_close(got, want, **_tol(device, dtype))
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+
+
+def test_rms_norm_reference_matches_formula():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 12, generator=gen, dtype=torch.float64), torch.randn(12, generator=gen, dtype=torch.float64)
+    rms = (x.pow(2).sum(-1, keepdim=True) / 12 + 1e-5).sqrt()
+    torch.testing.assert_close(ref.rms_norm_ref(x, w, 1e-5), x / rms * w)
+    torch.testing.assert_close(ref.rms_norm_ref(x, w, 1e-5, offset=True), x / rms * (1 + w))
+
+
+def _rope_case(gen, tokens, heads, kv, d, r, dtype, device, blocks=6, bs=8):
+    """q / k / v as views of one packed qkv output (row stride (heads + 2 kv) d), cos / sin of random positions,
+    NaN-poisoned caches and distinct random slots (the untouched ones must stay NaN)."""
+    qkv = _randn(gen, tokens, (heads + 2 * kv) * d, dtype=dtype, device=device)
+    q, k, v = qkv.split([heads * d, kv * d, kv * d], -1)
+    q, k, v = q.view(tokens, heads, d), k.view(tokens, kv, d), v.view(tokens, kv, d)
+    pos = torch.randint(0, 4096, (tokens, 1), generator=gen).float()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, r, 2).float() / r))
+    emb = torch.cat([pos * inv, pos * inv], -1)
+    cos, sin = (f(emb).to(dtype)[:, None].to(device) for f in (torch.cos, torch.sin))
+    caches = [torch.full((blocks, bs, kv, d), float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens].to(device)
+    return q, k, v, cos, sin, caches, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, heads, kv, d, partial, norm, offset", [
+    (1, 4, 2, 16, False, False, False),  # one token (a decode)
+    (37, 6, 3, 24, False, False, False),  # head count and head_dim not powers of two
+    (37, 4, 1, 32, True, False, False),  # partial rotary (Phi-3), one KV head
+    (9, 4, 2, 16, False, True, False),  # q/k per-head RMSNorm (Qwen3)
+    (9, 8, 2, 32, True, True, True),  # Gemma 3's (1 + w) q/k norm, and partial rotary on top
+])
+def test_rope_write_kv(device, dtype, tokens, heads, kv, d, partial, norm, offset):
+    from tp_lora.ops.triton.fused import rope_write_kv
+    gen = torch.Generator().manual_seed(tokens + heads * 3 + d + partial + norm * 5 + offset)
+    r = d // 2 if partial else d
+    q, k, v, cos, sin, (kc, vc), slots = _rope_case(gen, tokens, heads, kv, d, r, dtype, device)
+    weights = [_randn(gen, d, dtype=dtype, device=device, std=0.3, mean=0.5) for _ in range(2)] if norm else [None] * 2
+    want_kc, want_vc = kc.clone(), vc.clone()
+    got = rope_write_kv(q, k, v, cos, sin, kc, vc, slots, *weights, 1e-6, offset)
+    want = ref.rope_write_kv_ref(q, k, v, cos, sin, want_kc, want_vc, slots, *weights, 1e-6, offset)
+    torch.testing.assert_close(got, want, **_tol(device, dtype))
+    torch.testing.assert_close(kc, want_kc, equal_nan=True, **_tol(device, dtype))
+    torch.testing.assert_close(vc, want_vc, equal_nan=True, rtol=0, atol=0)
+    untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert kc.flatten(0, 1)[untouched].isnan().all() and vc.flatten(0, 1)[untouched].isnan().all()
+    assert not kc.flatten(0, 1)[slots].isnan().any()
+    if partial:  # the dims past the rotary ones pass through (normed where the family norms)
+        torch.testing.assert_close(got[..., r:], want[..., r:], **_tol(device, dtype))
+        if not norm:
+            torch.testing.assert_close(got[..., r:], q[..., r:], rtol=0, atol=0)
+
+
+def test_rope_reference_is_a_rotation_of_pairs():
+    """rotate-half RoPE: dims (i, i + r/2) rotate by angle pos * inv_freq[i], as a complex product."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, cos, sin, (kc, vc), slots = _rope_case(gen, 3, 2, 1, 12, 8, torch.float64, "cpu")
+    got = ref.rope_write_kv_ref(q, k, v, cos, sin, kc, vc, slots)
+    z = torch.complex(q[..., :4], q[..., 4:8]) * torch.complex(cos[..., :4], sin[..., :4])
+    torch.testing.assert_close(got[..., :4], z.real)
+    torch.testing.assert_close(got[..., 4:8], z.imag)
+    torch.testing.assert_close(got[..., 8:], q[..., 8:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, n, act", [(1, 80, "silu"), (37, 80, "gelu_pytorch_tanh"), (3, 1100, "silu"),
+                                            (3, 1100, "gelu_pytorch_tanh")])  # 1100: two column programs
+def test_act_mul(device, dtype, tokens, n, act):
+    from tp_lora.ops.triton.fused import act_mul
+    gen = torch.Generator().manual_seed(tokens + n + len(act))
+    x = _randn(gen, tokens, 2 * n, dtype=dtype, device=device, std=3.0)
+    got = act_mul(x, act)
+    torch.testing.assert_close(got, ref.act_mul_ref(x, act), **_tol(device, dtype))
+    assert got.shape == (tokens, n)
+
+
+def test_act_mul_reference_matches_formulas():
+    gen = torch.Generator().manual_seed(5)
+    g, u = torch.randn(2, 4, 10, generator=gen, dtype=torch.float64)
+    x = torch.cat([g, u], -1)
+    torch.testing.assert_close(ref.act_mul_ref(x, "silu"), g / (1 + torch.exp(-g)) * u)
+    gelu = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+    torch.testing.assert_close(ref.act_mul_ref(x, "gelu_pytorch_tanh"), gelu * u)
+
+
+def test_unknown_activation_is_refused_by_name():
+    from tp_lora.ops.triton.fused import act_mul
+    with pytest.raises(ValueError, match="'relu'"):
+        act_mul(torch.zeros(2, 4), "relu")

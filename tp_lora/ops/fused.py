@@ -1,0 +1,102 @@
+"""The decoder layer's small fused ops: torch references (the CPU path and the test oracle) and the dispatchers the
+model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUDA.
+
+- add_rms_norm: (x + residual) then RMSNorm, returning both; residual None: RMSNorm of x alone; x_weight: x is
+  RMS-normed first (Gemma's post-attention norm, then the add and the pre-feedforward norm).
+- rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
+  each head, and the write of k and v into the paged cache at the step's slots; returns q.
+- act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
+
+Every op computes as the torch modules do, rounding to the activations' dtype where they round, so the kernels match
+the references to the last bit but for summation order and fast math.
+"""
+from __future__ import annotations
+
+import torch
+
+KERNELS: bool | None = None  # None: the Triton kernels for CUDA tensors, else the references; True / False forces
+
+ACTIVATIONS = {"silu": torch.nn.functional.silu,
+               "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
+
+
+def _kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda if KERNELS is None else KERNELS
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, cast back as transformers does: Llama before the weight, Gemma (offset:
+    the weight stored as w - 1, applied as 1 + w) after it."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, N] -> (RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x). x_weight [N]
+    (with a residual only): x becomes RMSNorm(x) with that weight (same eps and offset) first."""
+    if x_weight is not None:
+        x = rms_norm_ref(x, x_weight, eps, offset)
+    h = x if residual is None else x + residual
+    return rms_norm_ref(h, weight, eps, offset), h
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, 1, r], r <= d (the rotate-half convention of HF checkpoints on the first r)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], -1)
+    half = r // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
+                      offset: bool = False) -> torch.Tensor:
+    """q [T, H, d], k / v [T, KV, d] (views of the packed qkv output); cos / sin [T, 1, r]; caches [blocks, bs, KV, d];
+    slots [T] (block * bs + offset). q_weight / k_weight [d]: the per-head RMSNorm before RoPE (both or neither).
+    Writes RoPE(k) and v at the slots; returns RoPE(q) [T, H, d]."""
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps, offset), rms_norm_ref(k, k_weight, eps, offset)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+    return q
+
+
+def act_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
+    """x [T, 2n] = [gate | up] -> act(gate) * up [T, n]."""
+    gate, up = x.chunk(2, -1)
+    return ACTIVATIONS[act](gate) * up
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None and x_weight is not None:
+        raise ValueError("add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
+    if _kernels(x):
+        from tp_lora.ops.triton.fused import add_rms_norm as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(x, residual, weight, eps, offset, x_weight)
+    return add_rms_norm_ref(x, residual, weight, eps, offset, x_weight)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
+                  offset: bool = False) -> torch.Tensor:
+    if _kernels(q):
+        from tp_lora.ops.triton.fused import rope_write_kv as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)
+    return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)
+
+
+def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    if _kernels(x):
+        from tp_lora.ops.triton.fused import act_mul as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(x, act)
+    return act_mul_ref(x, act)

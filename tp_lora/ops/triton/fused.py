@@ -1,0 +1,171 @@
+"""Triton kernels of the decoder layer's fused ops, with the signatures of the references in tp_lora/ops/fused.py.
+
+Math in float32, rounded to the activations' dtype at the points where the torch references round (after the
+residual add, after a norm, after each product of RoPE), so low-precision results match them but for summation
+order. Launches depend on shapes only (no host syncs): a CUDA graph captures them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_BLOCK = 1024  # columns of act_mul per program
+
+
+@triton.jit
+def _weighted(h, w, OFFSET: tl.constexpr, DT: tl.constexpr):
+    """Normalised float32 h times the norm weight w (float32), rounded as rms_norm_ref does."""
+    if OFFSET:
+        y = (h * (1.0 + w)).to(DT)
+    else:
+        y = (w * h.to(DT).to(tl.float32)).to(DT)
+    return y
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, s_x, s_r, s_o, s_ro, n, eps,
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr, OFFSET: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    dt = out_ptr.dtype.element_ty
+    h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
+    if NORM_X:
+        xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        h = _weighted(h * tl.rsqrt(tl.sum(h * h, 0) / n + eps), xw, OFFSET, dt).to(tl.float32)
+    if HAS_RES:
+        h = (h + tl.load(res_ptr + t * s_r + i, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
+        h = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
+    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * s_o + i, _weighted(h * rstd, w, OFFSET, dt), mask=ok)
+
+
+@triton.jit
+def _norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexpr, D: tl.constexpr,
+               D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, DT: tl.constexpr):
+    """Heads [n_rows, D] at src (head stride s_h) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
+    on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
+    h = tl.arange(0, ROWS)[:, None]
+    i = tl.arange(0, D_PAD)[None, :]
+    ok = (h < n_rows) & (i < D)
+    rot = i < R
+    half = R // 2
+    partner = tl.where(i < half, i + half, i - half)  # rotate_half reads dim i + R/2 (negated) or i - R/2
+    x = tl.load(src + h * s_h + i, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(src + h * s_h + partner, mask=ok & rot, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        w = tl.load(w_ptr + i, mask=i < D, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        x = _weighted(x * rstd, w, OFFSET, DT).to(tl.float32)
+        xp = _weighted(xp * rstd, wp, OFFSET, DT).to(tl.float32)
+    c = tl.load(cos_row + i, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_row + i, mask=rot, other=0.0).to(tl.float32)
+    xp = tl.where(i < half, -xp, xp)
+    y = ((x * c).to(DT).to(tl.float32) + (xp * s).to(DT).to(tl.float32)).to(DT)
+    return tl.where(rot, y, x.to(DT))
+
+
+@triton.jit
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, qw_ptr, kw_ptr,
+                          q_out_ptr, eps, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cos, s_sin, s_cs, s_ch, s_vcs, s_vch,
+                          H: tl.constexpr, KV: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                          D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
+                          OFFSET: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dt = q_out_ptr.dtype.element_ty
+    cos_row, sin_row = cos_ptr + t * s_cos, sin_ptr + t * s_sin
+    i = tl.arange(0, D_PAD)[None, :]
+    hq = tl.arange(0, H_PAD)[:, None]
+    q = _norm_rope(q_ptr + t * s_qt, H, s_qh, cos_row, sin_row, qw_ptr, eps, H_PAD, D, D_PAD, R, NORM, OFFSET, dt)
+    tl.store(q_out_ptr + t * H * D + hq * D + i, q, mask=(hq < H) & (i < D))
+    hk = tl.arange(0, KV_PAD)[:, None]
+    ok = (hk < KV) & (i < D)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    k = _norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, KV_PAD, D, D_PAD, R, NORM, OFFSET, dt)
+    tl.store(kc_ptr + slot * s_cs + hk * s_ch + i, k, mask=ok)
+    v = tl.load(v_ptr + t * s_vt + hk * s_vh + i, mask=ok, other=0.0)
+    tl.store(vc_ptr + slot * s_vcs + hk * s_vch + i, v, mask=ok)
+
+
+@triton.jit
+def _act_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * s_x + n + i, mask=ok, other=0.0).to(tl.float32)
+    if GELU:  # 0.5 g (1 + tanh(z)) with z = sqrt(2 / pi) (g + 0.044715 g^3), and 1 + tanh(z) = 2 sigmoid(2z)
+        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    else:
+        a = g * tl.sigmoid(g)
+    tl.store(out_ptr + t * s_o + i, (a.to(dt).to(tl.float32) * u).to(dt), mask=ok)
+
+
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x as [T, N] rows with a unit column stride (a view where it can be)."""
+    x = x.reshape(-1, x.shape[-1])
+    if x.stride(-1) != 1:
+        raise ValueError(f"{what} needs a unit stride along its last dim, got strides {tuple(x.stride())}")
+    return x
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _rows(x, "add_rms_norm's x")
+    n = rows.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        res, res_out = rows, x
+    else:
+        res, res_out = _rows(residual, "add_rms_norm's residual"), torch.empty_like(out)
+    res_rows = rows if residual is None else res_out.view(-1, n)
+    if rows.shape[0]:
+        _add_rms_norm_kernel[(rows.shape[0],)](
+            rows, res, weight, weight if x_weight is None else x_weight, out, res_rows, rows.stride(0),
+            res.stride(0), n, n, n, float(eps), BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
+            NORM_X=x_weight is not None, OFFSET=bool(offset),
+            num_warps=4 if n <= 4096 else 8)
+    return out, res_out
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
+                  offset: bool = False) -> torch.Tensor:
+    t, heads, d = q.shape
+    kv, r = k.shape[1], cos.shape[-1]
+    for name, x in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"rope_write_kv needs a unit stride along {name}'s last dim, got {tuple(x.stride())}")
+    if r > d or r % 2:
+        raise ValueError(f"rope_write_kv: rotary dim {r} must be even and at most head_dim {d}")
+    kc, vc = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
+    norm = q_weight is not None
+    if t:
+        _rope_write_kv_kernel[(t,)](
+            q, k, v, cos, sin, kc, vc, slots, q_weight if norm else q, k_weight if norm else k, out, float(eps),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            sin.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+            H=heads, KV=kv, H_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv), D=d,
+            D_PAD=triton.next_power_of_2(d), R=r, NORM=norm, OFFSET=bool(offset),
+            num_warps=4 if heads * d <= 4096 else 8)
+    return out
+
+
+def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"act_mul: activation {act!r} is not supported (expected silu or gelu_pytorch_tanh)")
+    rows = _rows(x, "act_mul's input")
+    n = rows.shape[1] // 2
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _act_mul_kernel[(rows.shape[0], triton.cdiv(n, ACT_BLOCK))](
+            rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=act == "gelu_pytorch_tanh")
+    return out
