@@ -1,4 +1,5 @@
-"""The HTTP front end's own process: 32 concurrent streams get every token through the per-step frames; a port in use
+"""The HTTP front end's own process: 32 concurrent streams get every token through the per-step frames (behind an API
+key, which /v1/* then need); a port in use
 ends the server at start with a message and no process left; the front end ends within seconds of rank 0's SIGKILL
 (last: it kills the module's server)."""
 import asyncio
@@ -9,12 +10,14 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 
 from _server import BASE, SERVE, Server, env_for
 
 STREAMS, TOKENS = 32, 24
+KEY = "sesame"
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -35,7 +38,7 @@ def group_alive(pgid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def server(home, default, tmp_path_factory):
     root = tmp_path_factory.mktemp("frontend")
-    srv = Server(["scheduler.max_batch_size=16"], env_for(home), root / "server.log")
+    srv = Server(["scheduler.max_batch_size=16", f"server.api_key={KEY}"], env_for(home), root / "server.log")
     yield srv
     srv.kill()
 
@@ -44,7 +47,7 @@ def test_32_concurrent_streams_get_every_token(server):
     prompts = [[1, 3 + i, 40 + i] for i in range(STREAMS)]
 
     async def main():
-        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         kw = dict(max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True})
         whole = await asyncio.gather(*[c.completions.create(model=["alpha", BASE][i % 2], prompt=p, **kw)
                                        for i, p in enumerate(prompts)])
@@ -61,6 +64,15 @@ def test_32_concurrent_streams_get_every_token(server):
         assert len(ids) == TOKENS and ids == w.choices[0].token_ids, i
         assert "".join(ch.choices[0].text for ch in chunks) == w.choices[0].text, i
         assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
+
+
+def test_the_api_key_is_needed_on_v1_only(server):
+    for headers in ({}, {"authorization": "Bearer nope"}):
+        r = httpx.post(server.url + "/v1/completions", json={"model": BASE, "prompt": [1, 2], "stream": True},
+                       headers=headers)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_a_port_in_use_ends_the_server_at_start(home, default, tmp_path):

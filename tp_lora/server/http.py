@@ -283,6 +283,22 @@ async def _caught_up(q: asyncio.Queue) -> list[tuple[int, Delta]]:
     return list(merged.items())
 
 
+class BearerAuth:
+    """ASGI middleware: /v1/* need "Authorization: Bearer <key>" (a plain ASGI wrapper: responses, streams
+    included, pass through untouched)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                dict(scope["headers"]).get(b"authorization") != self.expected:
+            response = APIError(401, "missing or wrong API key (Authorization: Bearer <server.api_key>)").response()
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def make_app(fe: Frontend) -> FastAPI:
     app = FastAPI(title="tp_lora", docs_url=None, redoc_url=None)
     key = fe.cfg.server.api_key
@@ -291,12 +307,8 @@ def make_app(fe: Frontend) -> FastAPI:
     async def _api_error(request, exc: APIError):
         return exc.response()
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        if key is not None and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {key}":
-            return APIError(401, "missing or wrong API key (Authorization: Bearer <server.api_key>)").response()
-        return await call_next(request)
+    if key is not None:
+        app.add_middleware(BearerAuth, key=key)
 
     async def body_of(request: HTTPRequest) -> dict:
         try:
