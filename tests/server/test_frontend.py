@@ -1,7 +1,7 @@
 """The HTTP front end's own process: 32 concurrent streams get every token through the per-step frames (behind an API
-key, which /v1/* then need); a port in use
-ends the server at start with a message and no process left; the front end ends within seconds of rank 0's SIGKILL
-(last: it kills the module's server)."""
+key, which /v1/* then need); a port in use ends the server at start with a message and no process left; a dead front
+end stops the server with exit 1; the front end ends within seconds of rank 0's SIGKILL (last: it kills the module's
+server)."""
 import asyncio
 import os
 import signal
@@ -89,6 +89,18 @@ def test_a_port_in_use_ends_the_server_at_start(home, default, tmp_path):
     assert proc.returncode == 2, err[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}" in err, err[-2000:]
     assert group_alive(proc.pid) == []  # the front end ended with it
+
+
+def test_a_dead_front_end_stops_the_server_non_zero(home, default, tmp_path):
+    srv = Server([], env_for(home), tmp_path / "server.log")
+    try:
+        front = [p for p in group_alive(srv.proc.pid) if p != srv.proc.pid]
+        assert len(front) == 1
+        os.kill(front[0], signal.SIGKILL)
+        assert srv.wait(30) == 1
+        assert "the HTTP front-end process exited" in srv.log()
+    finally:
+        srv.kill()
 
 
 def test_rank0_sigkill_ends_the_front_end(server):

@@ -38,7 +38,7 @@ class FrontendProcess:
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "tp_lora.server.frontend", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=env)
+                                         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.sock = mine
