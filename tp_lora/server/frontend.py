@@ -66,10 +66,12 @@ class FrontendProcess:
 
     def stop(self) -> Optional[int]:
         """Tell the front end the engine loop is over, let it send its last responses, and reap it (killed when it
-        does not end in time). Its exit code."""
+        does not end in time, or at once when it never served). Its exit code."""
         if self.link is not None:
             self.link.send(STOP)
             self.link.drain_out(HTTP_STOP_S)
+        else:
+            self.proc.kill()
         self.sock.close()
         try:
             return self.proc.wait(HTTP_STOP_S + 5)
