@@ -54,10 +54,14 @@ class FrontendProcess:
             except OSError:
                 pass  # it exited: its error frame, if any, is still to be read
             reply = read_frame_blocking(self.sock)
-        except (OSError, EOFError) as e:
-            code = self.proc.poll()
-            why = f"exited with code {code}" if code is not None else f"did not answer within {HTTP_START_S:g}s"
-            return f"server: the HTTP front end {why} ({type(e).__name__}; see its error above)"
+        except (EOFError, ConnectionError):  # it closed its end: it is exiting
+            try:
+                code = f" with code {self.proc.wait(5)}"
+            except subprocess.TimeoutExpired:
+                code = ""
+            return f"server: the HTTP front end exited{code} before serving (see its error above)"
+        except OSError as e:  # the timeout included
+            return f"server: the HTTP front end did not start within {HTTP_START_S:g}s ({type(e).__name__}: {e})"
         if reply[0] != "ready":
             return reply[1]
         self.port = reply[1]
