@@ -9,6 +9,7 @@ waits for HTTP. Exit codes as tp_lora.app: 0 (stopped by SIGTERM / Ctrl-C after 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 
@@ -90,8 +91,12 @@ def _serve(llm, cfg: RunConfig, front) -> int:
         finally:
             engine.close_run()
     if loop.frontend_lost:
-        print(f"[tp_lora] rank 0: error: the HTTP front-end process exited (code {front.proc.poll()}); the server "
-              f"stops", file=sys.stderr, flush=True)
+        try:
+            code = front.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = "not yet known"
+        print(f"[tp_lora] rank 0: error: the HTTP front-end process exited (code {code}); the server stops",
+              file=sys.stderr, flush=True)
         return EXIT_FRONTEND_LOST
     if driver:
         log("stopped")
