@@ -521,16 +521,32 @@ async def _drive(url: str, reqs, arrivals, base: Optional[str] = None) -> tuple[
     return timings, t0, [o[1] if not isinstance(o, BaseException) else [] for o in outs], errors
 
 
-def run_server(args, model: str, adapters: str, reqs, arrivals, server: "ServerProcess") -> dict:
-    import asyncio
+def _server_metrics(url: str) -> dict[str, float]:
     import httpx
+    text = httpx.get(url + "/metrics").text
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+            if ln and not ln.startswith("#") and " " in ln}
+
+
+def run_server(args, model: str, adapters: str, reqs, arrivals, server: "ServerProcess") -> dict:
+    """The trace through the server, and where its time went: the engine's own TTFT / TPOT means over this trace
+    (the server's histograms, arrival at the front end to the tokens on rank 0) and the share of one core the
+    client spent parsing (near 1: the client, not the server, set the pace)."""
+    import asyncio
+    before = _server_metrics(server.url)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     timings, t0, tokens, errors = asyncio.run(_drive(server.url, reqs, arrivals))
+    client_cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     out = summarize(timings, t0)
-    metrics = httpx.get(server.url + "/metrics").text
-    values = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in metrics.splitlines()
-              if ln and not ln.startswith("#") and " " in ln}
+    values = _server_metrics(server.url)
+
+    def mean(name: str) -> Optional[float]:
+        n = values.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        return (values.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n else None
     out.update(slot_hit_rate=values.get("tp_lora_slot_hit_rate"), slot_loads=values.get("tp_lora_adapter_loads"),
-               disk_reads=values.get("tp_lora_adapter_reads"), errors=errors[:3], _tokens=tokens)
+               disk_reads=values.get("tp_lora_adapter_reads"), errors=errors[:3], _tokens=tokens,
+               engine_ttft_mean_s=mean("tp_lora_time_to_first_token_seconds"),
+               engine_tpot_mean_s=mean("tp_lora_time_per_output_token_seconds"), client_cpu_fraction=client_cpu)
     return out
 
 
@@ -692,6 +708,9 @@ def _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, u
         r = res[system]
         log(f"  {system}: {_fmt(r['tokens_per_s'])} tokens/s, TTFT p50 {_fmt(r['ttft_s']['p50'], 1e3)} "
             f"ms, TPOT mean {_fmt(r['tpot_s']['mean'], 1e3, 2)} ms ({time.perf_counter() - t:.1f}s)"
+            + (f"; engine TTFT mean {_fmt(r['engine_ttft_mean_s'], 1e3)} ms, TPOT mean "
+               f"{_fmt(r['engine_tpot_mean_s'], 1e3, 2)} ms, client CPU {_fmt(r['client_cpu_fraction'], 100, 0)}%"
+               if system == "server" else "")
             + (f", errors {r['errors']}" if r.get("errors") else ""))
     if "ours" in res and "_tokens" in res["ours"] and "_tokens" in res.get(system, {}) and system != "ours":
         # Same greedy tokens as ours: a check of the other systems (bf16 rounding may flip a few).
