@@ -128,8 +128,8 @@ class EngineClient:
             if self._open.pop(index, None) is not None:
                 self.metrics.requests.labels("cancelled").inc()
         for mid, err in frame.get("replies", ()):
-            fut = self._calls.pop(mid)
-            if not fut.done():
+            fut = self._calls.pop(mid, None)
+            if fut is not None and not fut.done():  # done: its handler was cancelled (the client left)
                 fut.set_result(err)
         if "gauges" in frame:
             self.metrics.set_gauges(*frame["gauges"])
