@@ -91,9 +91,9 @@ class EngineEnd:
             return []
         if wait > 0 and not self._has_frame():
             try:
-                readable, writable, _ = select.select([self.sock], [self.sock] if self._out else [], [], wait)
+                writable = select.select([self.sock], [self.sock] if self._out else [], [], wait)[1]
             except InterruptedError:
-                readable, writable = [], []
+                writable = []
             if writable:
                 self.flush()
         else:

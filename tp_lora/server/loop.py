@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import ABORT, ARRIVAL_CHECK_STEPS, DRAIN, RUN, Engine
-from tp_lora.engine.requests import Request, Result
+from tp_lora.engine.requests import Result
 from tp_lora.server.channel import SHUTTING_DOWN, EngineEnd
 
 IDLE_WAIT_S = 0.01
