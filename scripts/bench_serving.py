@@ -8,7 +8,9 @@ popularity, mixed ranks, prompt / output lengths drawn from ranges. Measures, in
   peft      transformers + PEFT, every used adapter loaded, static batches with `adapter_names` (one process only,
             and only up to --peft-max-adapters adapters)
   server    (--server) the same trace through launch/serve.py (tp=--tp ranks, the same engine settings) with the
-            async `openai` client streaming each request; TTFT and TPOT measured at the client. The server is started
+            async `openai` client streaming each request, from --clients processes (requests dealt round-robin, one
+            start time); TTFT and TPOT measured at the client, and beside them the engine's own (the server's
+            histograms) and the busiest client's CPU share. The server is started
             once per adapter count and warmed up with the trace on the base model; its adapter cache is not reset
             between rates (the first rate's reads are cold, later ones warm). Run the bench as one process for it:
             the bench starts the server's ranks itself (so `ours` there runs at tp=1 only).
@@ -67,6 +69,7 @@ PRESETS = {
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SYSTEMS = ("ours", "merged", "peft", "server")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLIENT_START_S = 0.5  # the client processes get their shares of the trace before its start time
 SERVER_START_S = 1200.0  # checkpoint load, CUDA graph capture
 
 
@@ -463,6 +466,10 @@ class ServerProcess:
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        self.n_clients = args.clients
+        self.clients = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
         import httpx
         t0 = time.monotonic()
         while True:
@@ -478,8 +485,21 @@ class ServerProcess:
                 raise RuntimeError(f"the server did not start within {SERVER_START_S:g}s; see {self.log_path}")
             time.sleep(0.5)
 
+    def drive(self, reqs, arrivals, base: Optional[str] = None) -> tuple[list[dict], float, list, list, float]:
+        """The trace from --clients client processes (requests dealt round-robin), all on one start time: per request
+        timings and token ids in request order, the start time, the errors, and the busiest client's CPU share."""
+        k = self.n_clients
+        t0 = time.perf_counter() + CLIENT_START_S
+        parts = [f.result() for f in [self.clients.submit(_drive_shard, self.url, reqs[i::k], arrivals[i::k], base, t0)
+                                      for i in range(k)]]
+        timings, tokens = [None] * len(reqs), [None] * len(reqs)
+        for i, (part_timings, part_tokens, _, _) in enumerate(parts):
+            timings[i::k], tokens[i::k] = part_timings, part_tokens
+        return timings, t0, tokens, sorted({e for p in parts for e in p[2]}), max(p[3] for p in parts)
+
     def stop(self) -> None:
         import signal
+        self.clients.shutdown()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -489,15 +509,27 @@ class ServerProcess:
                 self.proc.wait(30)
 
 
-async def _drive(url: str, reqs, arrivals, base: Optional[str] = None) -> tuple[list[dict], float, list, list]:
-    """Send each request at its arrival time (streamed, greedy); per request {arrival, first_token, finished,
-    tokens} at the client, the start time, and the token ids. base: send every request to this model instead."""
+def _drive_shard(url: str, reqs, arrivals, base: Optional[str], t0: float) -> tuple[list[dict], list, list, float]:
+    """A client process's share of the trace, from perf_counter time t0 (one clock for every process): its
+    requests' timings, token ids and errors, and the share of a core it spent."""
+    import asyncio
+    time.sleep(max(0.0, t0 - time.perf_counter()))
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    timings, _, tokens, errors = asyncio.run(_drive(url, reqs, arrivals, base, t0))
+    return timings, tokens, errors, (time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
+
+
+async def _drive(url: str, reqs, arrivals, base: Optional[str] = None, t0: Optional[float] = None
+                 ) -> tuple[list[dict], float, list, list]:
+    """Send each request at its arrival time after t0 (default: now; streamed, greedy); per request {arrival,
+    first_token, finished, tokens} at the client, the start time, and the token ids. base: send every request to this
+    model instead."""
     import asyncio
     import httpx
     import openai
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600,
                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(reqs) + 8)))
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
 
     async def one(req, at):
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
@@ -521,16 +553,29 @@ async def _drive(url: str, reqs, arrivals, base: Optional[str] = None) -> tuple[
     return timings, t0, [o[1] if not isinstance(o, BaseException) else [] for o in outs], errors
 
 
-def run_server(args, model: str, adapters: str, reqs, arrivals, server: "ServerProcess") -> dict:
-    import asyncio
+def _server_metrics(url: str) -> dict[str, float]:
     import httpx
-    timings, t0, tokens, errors = asyncio.run(_drive(server.url, reqs, arrivals))
+    text = httpx.get(url + "/metrics").text
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+            if ln and not ln.startswith("#") and " " in ln}
+
+
+def run_server(args, model: str, adapters: str, reqs, arrivals, server: "ServerProcess") -> dict:
+    """The trace through the server, and where its time went: the engine's own TTFT / TPOT means over this trace
+    (the server's histograms, arrival at the front end to the tokens on rank 0) and the share of one core the
+    busiest client process spent (near 1: the clients, not the server, set the pace: raise --clients)."""
+    before = _server_metrics(server.url)
+    timings, t0, tokens, errors, client_cpu = server.drive(reqs, arrivals)
     out = summarize(timings, t0)
-    metrics = httpx.get(server.url + "/metrics").text
-    values = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in metrics.splitlines()
-              if ln and not ln.startswith("#") and " " in ln}
+    values = _server_metrics(server.url)
+
+    def mean(name: str) -> Optional[float]:
+        n = values.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        return (values.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n else None
     out.update(slot_hit_rate=values.get("tp_lora_slot_hit_rate"), slot_loads=values.get("tp_lora_adapter_loads"),
-               disk_reads=values.get("tp_lora_adapter_reads"), errors=errors[:3], _tokens=tokens)
+               disk_reads=values.get("tp_lora_adapter_reads"), errors=errors[:3], _tokens=tokens,
+               engine_ttft_mean_s=mean("tp_lora_time_to_first_token_seconds"),
+               engine_tpot_mean_s=mean("tp_lora_time_per_output_token_seconds"), client_cpu_fraction=client_cpu)
     return out
 
 
@@ -618,6 +663,8 @@ def parse_args(argv=None):
                                                "0 = all at once")
     p.add_argument("--server", action="store_true", help="also run the trace through launch/serve.py (system "
                                                          "'server'); the bench must then be one process")
+    p.add_argument("--clients", type=int, default=4, help="client processes driving the server (the openai client "
+                   "parses every chunk in Python: one process can be slower than the server)")
     p.add_argument("--prompt-len", default="16:256", help="MIN:MAX, uniform")
     p.add_argument("--output-len", default="16:128", help="MIN:MAX, uniform")
     p.add_argument("--max-loras", type=int, default=64, help="lora.max_loras (64: a slot per row of --batch 64)")
@@ -691,6 +738,9 @@ def _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, u
         r = res[system]
         log(f"  {system}: {_fmt(r['tokens_per_s'])} tokens/s, TTFT p50 {_fmt(r['ttft_s']['p50'], 1e3)} "
             f"ms, TPOT mean {_fmt(r['tpot_s']['mean'], 1e3, 2)} ms ({time.perf_counter() - t:.1f}s)"
+            + (f"; engine TTFT mean {_fmt(r['engine_ttft_mean_s'], 1e3)} ms, TPOT mean "
+               f"{_fmt(r['engine_tpot_mean_s'], 1e3, 2)} ms, client CPU {_fmt(r['client_cpu_fraction'], 100, 0)}%"
+               if system == "server" else "")
             + (f", errors {r['errors']}" if r.get("errors") else ""))
     if "ours" in res and "_tokens" in res["ours"] and "_tokens" in res.get(system, {}) and system != "ours":
         # Same greedy tokens as ours: a check of the other systems (bf16 rounding may flip a few).
@@ -736,8 +786,7 @@ def main(argv=None) -> dict:
                         log(f"{key}: {n} adapters, {used} used by {len(reqs)} requests "
                             f"{'all at once' if rate == 0 else f'over {arrivals[-1]:.1f}s'}")
                         if server is not None and i == 0:  # warm-up: the trace's shapes on the base model, untimed
-                            import asyncio
-                            asyncio.run(_drive(server.url, reqs, [0.0] * len(reqs), base=os.path.basename(model)))
+                            server.drive(reqs, [0.0] * len(reqs), base=os.path.basename(model))
                         res = report["results"].setdefault(key, {})
                         _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, used, server)
                         gc.collect()

@@ -37,3 +37,46 @@ def test_an_incomplete_character_comes_out_at_the_end(tok):
 
 def test_chat_template(tok):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
+def _whole_sequence_pieces(tok, chunks: list[list[int]]) -> list[str]:
+    """The reference: decode every id so far at each step, emit what extends the text unless it ends mid-character."""
+    ids, text, out = [], "", []
+    for c in chunks:
+        ids += c
+        now = tok.decode(ids)
+        new = "" if now.endswith("\ufffd") or not now.startswith(text) else now[len(text):]
+        text += new
+        out.append(new)
+    now = tok.decode(ids)
+    out.append(now[len(text):] if now.startswith(text) else "")
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_windowed_pieces_match_decoding_the_whole_sequence(tok, seed):
+    import random
+    rng = random.Random(seed)
+    for trial in range(200):  # real text with multi-byte characters, and random ids (invalid UTF-8 included)
+        ids = tok.encode("Caf\u00e9 \u65e5\u672c \U0001F642 na\u00efve " * rng.randint(1, 3))[1:] if trial % 2 else \
+            [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+        cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randint(0, 12)))) if len(ids) > 1 else []
+        chunks = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])]
+        d = Detokenizer(tok)
+        pieces = [d.add(c) for c in chunks] + [d.flush()]
+        assert pieces == _whole_sequence_pieces(tok, chunks), ids
+        assert d.text == "".join(pieces)
+
+
+def test_a_token_costs_the_same_at_any_length(tok):
+    seen = []
+
+    class Counting:
+        def decode(self, ids):
+            seen.append(len(ids))
+            return tok.decode(ids)
+    d = Detokenizer(Counting())
+    ids = tok.encode("hello world, " * 200)[1:]
+    for t in ids:
+        d.add([t])
+    assert d.text == tok.decode(ids) and max(seen) <= 8, max(seen)

@@ -170,6 +170,7 @@ class Engine:
                                   cfg.scheduler.max_batch_size)
         self.generator = torch.Generator().manual_seed(cfg.generation.seed)
         self.stats = StepStats()
+        self.decode_outputs = True  # finished results carry their text (a server's front end decodes on its own)
         sizes = getattr(self.rt.ops, "warm_up_sizes", None) if self.rt is not None else None
         # EP over DP replicas steps in lockstep with its peers: no solo steps there.
         if sizes is not None and ps.device.type == "cuda" and not getattr(self.model, "needs_lockstep", False):
@@ -705,8 +706,9 @@ class Engine:
         return True
 
     def _final_text(self, res: Result) -> None:
-        """A finished result's decoded text (with a tokenizer), unless a stop string set it already."""
+        """A finished result's decoded text (with a tokenizer, and decode_outputs), unless a stop string set it
+        already."""
         self._text.pop(res.request.index, None)
         self._seeded.pop(res.request.index, None)
-        if self.tokenizer is not None and res.text is None:
+        if self.decode_outputs and self.tokenizer is not None and res.text is None:
             res.text = self.tokenizer.decode(res.output_token_ids)

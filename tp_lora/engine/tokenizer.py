@@ -53,25 +53,39 @@ def load_tokenizer(model_dir: str) -> Optional[TextTokenizer]:
 class Detokenizer:
     """One sequence's output text, grown token by token. `text` only ever grows by whole characters: while the
     decoded ids end in an incomplete UTF-8 sequence (U+FFFD at the end) the new text is held back, so streamed
-    pieces concatenate to the final text and never split a multi-byte character."""
+    pieces concatenate to the final text and never split a multi-byte character.
+
+    Each add decodes a window, not the whole sequence: the tokens of the last piece emitted (decoded again, so a
+    decoder that treats a leading token specially treats it alike in both) and the new ones; a token costs the
+    same at any length."""
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # ids[_prefix:_read] made the last piece of `text`
+        self._read = 0  # ids[:_read] are in `text`
+
+    def _window(self) -> tuple[Optional[str], str]:
+        """(the text the ids after `_read` add, or None where it does not extend the last piece; the window's
+        text)."""
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        now = self.tokenizer.decode(self.ids[self._prefix:])
+        return now[len(before):] if now.startswith(before) else None, now
 
     def add(self, ids: list[int]) -> str:
         """Append token ids; returns the text they completed (possibly empty)."""
         self.ids += ids
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.text):
+        new, now = self._window()
+        if not new or now.endswith("\ufffd"):
             return ""
-        new, self.text = text[len(self.text):], text
+        self.text += new
+        self._prefix, self._read = self._read, len(self.ids)
         return new
 
     def flush(self) -> str:
         """The sequence ended: whatever is still held back (an incomplete character decodes as U+FFFD)."""
-        text = self.tokenizer.decode(self.ids)
-        new = text[len(self.text):] if text.startswith(self.text) else ""
+        new = self._window()[0] or ""
         self.text += new
+        self._prefix = self._read = len(self.ids)
         return new

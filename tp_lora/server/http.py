@@ -1,6 +1,8 @@
-"""The OpenAI-compatible HTTP front end (rank 0): FastAPI routes over a ServingLoop.
+"""The OpenAI-compatible HTTP front end (in the front-end process, tp_lora.server.frontend): FastAPI routes over an
+EngineClient.
 
-Requests are checked here first (model, parameters, context), so the engine sees only runnable ones; errors are
+Requests are checked and tokenized here first (model, parameters, context), so the engine sees only runnable ones;
+the engine's token ids come back per step and are detokenized and formatted (JSON, SSE) here. Errors are
 OpenAI-style JSON ({"error": {"message", "type", "param", "code"}}). Completions carry the generated `token_ids`
 beside `text` (an extension, as vLLM's return_token_ids).
 """
@@ -16,11 +18,10 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tp_lora.engine.engine import DRAIN
 from tp_lora.engine.requests import Request, Result, parse_stop
 from tp_lora.engine.tokenizer import Detokenizer
-from tp_lora.server.loop import SHUTTING_DOWN, ServingLoop
-from tp_lora.server.metrics import Metrics
+from tp_lora.server.channel import SHUTTING_DOWN
+from tp_lora.server.client import Delta, EngineClient
 
 MAX_LOGPROBS = 5  # as OpenAI's completions
 
@@ -68,12 +69,12 @@ def _float(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) ->
 
 
 class Frontend:
-    """Rank 0's side of the API: checks requests, hands them to the ServingLoop, shapes the answers."""
+    """The API's side of the server: checks requests, hands them to the engine, shapes the answers."""
 
-    def __init__(self, loop: ServingLoop, tokenizer, model_name: str, model_dir: str, cfg):
-        self.loop, self.tokenizer, self.cfg = loop, tokenizer, cfg
+    def __init__(self, engine: EngineClient, tokenizer, model_name: str, model_dir: str, cfg):
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.model_name, self.model_dir = model_name, model_dir
-        self.metrics = Metrics()
+        self.metrics = engine.metrics
         self.created = int(time.time())
         self._index = itertools.count()
         self.max_in_flight = cfg.scheduler.max_batch_size + cfg.server.max_queue
@@ -85,8 +86,8 @@ class Frontend:
                                 f"name), got {model!r}", "model")
         if model == self.model_name:
             return None
-        if model not in self.loop.engine.adapters:
-            known = [self.model_name] + sorted(dict(self.loop.engine.adapters))
+        if model not in self.engine.adapters:
+            known = [self.model_name] + sorted(self.engine.adapters)
             raise APIError(404, f"the model {model!r} does not exist; served: {known[:20]}", "model")
         return model
 
@@ -135,9 +136,9 @@ class Frontend:
             raise APIError(400, f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
         reqs = []
         for ids in prompts:
-            if len(ids) + max_tokens > self.loop.context:
+            if len(ids) + max_tokens > self.engine.context:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
-                                    f"{len(ids) + max_tokens} exceeds the context of {self.loop.context} tokens",
+                                    f"{len(ids) + max_tokens} exceeds the context of {self.engine.context} tokens",
                                key)
             reqs.append(Request(next(self._index), id=f"cmpl-{uuid.uuid4().hex[:16]}", adapter=adapter,
                                 prompt_token_ids=ids, max_new_tokens=max_tokens, temperature=temperature,
@@ -146,11 +147,11 @@ class Frontend:
         return reqs
 
     def _check_capacity(self, n: int) -> None:
-        if self.loop.level >= DRAIN:
+        if self.engine.draining:
             raise APIError(503, SHUTTING_DOWN, headers={"Retry-After": "5"})
-        if self.loop.in_flight + n > self.max_in_flight:
+        if self.engine.in_flight + n > self.max_in_flight:
             self.metrics.requests.labels("rejected").inc(n)
-            raise APIError(429, f"the queue is full ({self.loop.in_flight} requests in flight, server.max_queue="
+            raise APIError(429, f"the queue is full ({self.engine.in_flight} requests in flight, server.max_queue="
                                 f"{self.cfg.server.max_queue} beyond scheduler.max_batch_size="
                                 f"{self.cfg.scheduler.max_batch_size}); retry later", headers={"Retry-After": "1"})
 
@@ -159,14 +160,9 @@ class Frontend:
         """Hand the requests to the engine loop; their deltas arrive on the returned queue as (choice, Delta)."""
         self._check_capacity(len(reqs))
         q: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
         for choice, req in enumerate(reqs):
-            self.loop.submit(req, lambda d, c=choice: aloop.call_soon_threadsafe(q.put_nowait, (c, d)), stream)
+            self.engine.submit(req, lambda d, c=choice: q.put_nowait((c, d)), stream)
         return q
-
-    def _ended(self, res: Result) -> None:
-        status = "finished" if res.error is None else "error"
-        self.metrics.ended(res, status)
 
     async def run_all(self, reqs: list[Request]) -> list[Result]:
         q = self._submit(reqs, stream=False)
@@ -176,11 +172,10 @@ class Frontend:
                 choice, d = await q.get()
                 if d.final is not None:
                     results[choice] = d.final
-                    self._ended(d.final)
         finally:
             for choice, req in enumerate(reqs):
                 if choice not in results:  # the client went away
-                    self.loop.cancel(req.index)
+                    self.engine.cancel(req.index)
         for res in results.values():
             if res.error is not None:
                 raise APIError(_status(res.error), res.error)
@@ -198,7 +193,10 @@ class Frontend:
                 "text_offset": text_offset}
 
     def _text(self, res: Result) -> str:
-        return res.text if res.text is not None else ""
+        """The result's text: where a stop string cut it, the engine's; else the decoded tokens."""
+        if res.text is not None:
+            return res.text
+        return self.tokenizer.decode(res.output_token_ids) if self.tokenizer is not None else ""
 
     @staticmethod
     def _usage(results: list[Result]) -> dict:
@@ -232,32 +230,30 @@ class Frontend:
 
         try:
             while len(finals) < len(reqs):
-                choice, d = await q.get()
-                res = d.final
-                if res is not None:
-                    finals[choice] = res
-                    self._ended(res)
-                    if res.error is not None:
-                        yield "data: " + json.dumps({"error": {"message": res.error, "type": "server_error",
-                                                               "param": None, "code": _status(res.error)}}) + "\n\n"
+                for choice, d in await _caught_up(q):
+                    res = d.final
+                    if res is not None:
+                        finals[choice] = res
+                        if res.error is not None:
+                            err = {"message": res.error, "type": "server_error", "param": None,
+                                   "code": _status(res.error)}
+                            yield "data: " + json.dumps({"error": err}) + "\n\n"
+                            continue
+                        text = self._text(res)
+                        rest = text[len(emitted[choice]):] if text.startswith(emitted[choice]) else ""
+                        emitted[choice] += rest
+                        lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) if want_lp else None
+                        yield chunk(choice, rest, d.token_ids, res.finish_reason, lp, self._usage([res]))
                         continue
-                    text = self._text(res)
-                    rest = text[len(emitted[choice]):] if text.startswith(emitted[choice]) else ""
-                    emitted[choice] += rest
-                    lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) \
-                        if want_lp else None
-                    yield chunk(choice, rest, d.token_ids, res.finish_reason, lp, self._usage([res]))
-                    continue
-                text = ""
-                dt = detoks[choice]
-                if dt is not None:
-                    dt.add(d.token_ids)
-                    ready = dt.text[:max(len(emitted[choice]), len(dt.text) - hold[choice])]
-                    text = ready[len(emitted[choice]):]
-                    emitted[choice] = ready
-                lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) \
-                    if want_lp else None
-                yield chunk(choice, text, d.token_ids, None, lp)
+                    text = ""
+                    dt = detoks[choice]
+                    if dt is not None:
+                        dt.add(d.token_ids)
+                        ready = dt.text[:max(len(emitted[choice]), len(dt.text) - hold[choice])]
+                        text = ready[len(emitted[choice]):]
+                        emitted[choice] = ready
+                    lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) if want_lp else None
+                    yield chunk(choice, text, d.token_ids, None, lp)
             if include_usage:
                 yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
                                              "choices": [], "usage": self._usage(list(finals.values()))}) + "\n\n"
@@ -265,7 +261,42 @@ class Frontend:
         finally:
             for choice, req in enumerate(reqs):
                 if choice not in finals:  # the client went away mid-stream: free its slot and KV
-                    self.loop.cancel(req.index)
+                    self.engine.cancel(req.index)
+
+
+async def _caught_up(q: asyncio.Queue) -> list[tuple[int, Delta]]:
+    """The queued (choice, Delta)s, waiting for the first, merged per choice: a stream that fell behind the engine
+    catches up in one chunk per choice."""
+    items = [await q.get()]
+    while not q.empty():
+        items.append(q.get_nowait())
+    merged: dict[int, Delta] = {}
+    for choice, d in items:
+        m = merged.get(choice)
+        if m is None:
+            merged[choice] = Delta(list(d.token_ids), list(d.logprobs), list(d.top_logprobs), d.final)
+        else:
+            m.token_ids += d.token_ids
+            m.logprobs += d.logprobs
+            m.top_logprobs += d.top_logprobs
+            m.final = d.final
+    return list(merged.items())
+
+
+class BearerAuth:
+    """ASGI middleware: /v1/* need "Authorization: Bearer <key>" (a plain ASGI wrapper: responses, streams
+    included, pass through untouched)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                dict(scope["headers"]).get(b"authorization") != self.expected:
+            response = APIError(401, "missing or wrong API key (Authorization: Bearer <server.api_key>)").response()
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def make_app(fe: Frontend) -> FastAPI:
@@ -276,12 +307,8 @@ def make_app(fe: Frontend) -> FastAPI:
     async def _api_error(request, exc: APIError):
         return exc.response()
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        if key is not None and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {key}":
-            return APIError(401, "missing or wrong API key (Authorization: Bearer <server.api_key>)").response()
-        return await call_next(request)
+    if key is not None:
+        app.add_middleware(BearerAuth, key=key)
 
     async def body_of(request: HTTPRequest) -> dict:
         try:
@@ -294,7 +321,7 @@ def make_app(fe: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if fe.loop.level >= DRAIN:
+        if fe.engine.draining:
             return PlainTextResponse(SHUTTING_DOWN, status_code=503)
         return PlainTextResponse("")
 
@@ -307,9 +334,9 @@ def make_app(fe: Frontend) -> FastAPI:
         def card(name: str, root: str, parent: Optional[str]) -> dict:
             return {"id": name, "object": "model", "created": fe.created, "owned_by": "tp_lora", "root": root,
                     "parent": parent}
-        adapters = dict(fe.loop.engine.adapters)  # a copy: the engine loop may register one meanwhile
+        adapters = fe.engine.adapters
         data = [card(fe.model_name, fe.model_dir, None)]
-        data += [card(n, adapters[n].path, fe.model_name) for n in sorted(adapters)]
+        data += [card(n, adapters[n], fe.model_name) for n in sorted(adapters)]
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
@@ -378,7 +405,7 @@ def make_app(fe: Frontend) -> FastAPI:
             raise APIError(400, "expected {\"lora_name\": NAME, \"lora_path\": DIR} (non-empty strings)")
         if name == fe.model_name:
             raise APIError(400, f"{name!r} is the base model's name", "lora_name")
-        err = await asyncio.wrap_future(fe.loop.call("load", name, path))
+        err = await fe.engine.call("load", name, path)
         if err:
             raise APIError(503 if err == SHUTTING_DOWN else 400, err, "lora_path")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -389,7 +416,7 @@ def make_app(fe: Frontend) -> FastAPI:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise APIError(400, "expected {\"lora_name\": NAME}", "lora_name")
-        err = await asyncio.wrap_future(fe.loop.call("unload", name))
+        err = await fe.engine.call("unload", name)
         if err:
             status = 503 if err == SHUTTING_DOWN else 404 if err.endswith("is not loaded") else 400
             raise APIError(status, err, "lora_name")

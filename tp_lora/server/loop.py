@@ -1,7 +1,8 @@
 """The server's engine loop, on every rank of the TP group: between steps the ranks agree on one control message
-(new requests, cancellations, adapter loads and unloads from rank 0's HTTP front end, and the stop level from
-signals), then every rank applies it and steps alike. Rank 0 hands each request's tokens and result back to the
-front end through the callback it submitted with.
+(new requests, cancellations, adapter loads and unloads from the HTTP front end, and the stop level from signals),
+then every rank applies it and steps alike. Rank 0 holds the channel to the front-end process
+(tp_lora.server.channel): it reads the front end's ops without waiting and sends one frame per step with every
+sequence's new token ids (no text: the front end detokenizes).
 
 The control exchange is one all_gather_object over the TP group: each idle iteration (rank 0 waits up to IDLE_WAIT_S
 for work first, so an idle server exchanges ~100 times a second) and every ARRIVAL_CHECK_STEPS steps while busy (the
@@ -9,115 +10,71 @@ exchange syncs the host with the devices). With one rank nothing is exchanged.
 """
 from __future__ import annotations
 
-import itertools
-import queue
-import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import ABORT, ARRIVAL_CHECK_STEPS, DRAIN, RUN, Engine
-from tp_lora.engine.requests import Request, Result
+from tp_lora.engine.requests import Result
+from tp_lora.server.channel import SHUTTING_DOWN, EngineEnd
 
 IDLE_WAIT_S = 0.01
-SHUTTING_DOWN = "the server is shutting down"
-
-
-@dataclass
-class Delta:
-    """What a request's front end gets after a step: its new tokens, and its result once it ended."""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list = field(default_factory=list)
-    final: Optional[Result] = None
 
 
 class ServingLoop:
-    def __init__(self, engine: Engine, tp: comm.Group, on_step: Callable[["ServingLoop"], None] = lambda s: None):
+    def __init__(self, engine: Engine, tp: comm.Group):
         self.engine, self.tp = engine, tp
         self.driver = tp.rank == 0
         self.context = engine.open_for_serving()  # prompt + max_new_tokens bound (a collective: every rank)
+        engine.decode_outputs = False  # results carry token ids; the front end makes the text
         self.level = RUN
-        self.on_step = on_step  # rank 0, after each control round (metrics)
-        # rank 0: what the HTTP thread sent, and where each request's deltas go
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._deliver: dict[int, tuple[Callable[[Delta], None], bool]] = {}  # index -> (callback, wants deltas)
-        self._sent: dict[int, int] = {}  # index -> tokens delivered
-        self._replies: dict[int, Future] = {}
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self.in_flight = 0  # rank 0: submitted requests not yet ended
-        self.cancelled = 0  # requests dropped from the engine because their client went away
+        self.link: Optional[EngineEnd] = None  # rank 0: the channel to the front end (set before run)
+        self.frontend_lost = False  # rank 0: the front end went away while serving
+        self._streams: dict[int, int] = {}  # rank 0: streamed request index -> tokens sent so far
+        self._msg: dict = {}  # rank 0: this step's frame to the front end, being built
+        self._gauges = None
+        self._registry = None
 
-    # ---- rank 0's front end (any thread) ------------------------------------------------------------------------
-    def submit(self, req: Request, deliver: Callable[[Delta], None], stream: bool) -> None:
-        with self._lock:
-            self._deliver[req.index] = (deliver, stream)
-            self.in_flight += 1
-        self._inbox.put(("add", req, time.perf_counter()))
-
-    def cancel(self, index: int) -> None:
-        self._inbox.put(("cancel", index))
-
-    def call(self, op: str, *args) -> Future:
-        """load / unload an adapter on every rank; the Future resolves to None or the error."""
-        fut: Future = Future()
-        mid = next(self._ids)
-        self._replies[mid] = fut
-        self._inbox.put((op, mid) + args)
-        return fut
+    def adapter_registry(self) -> dict[str, str]:
+        """The usable adapters' names and directories (the front end's /v1/models and model check)."""
+        return {name: info.path for name, info in self.engine.adapters.items()}
 
     # ---- every rank: the loop ---------------------------------------------------------------------------------
     def run(self, stop: Callable[[], int], stop_grace_s: float) -> None:
         """Serve until a stop signal (agreed by the ranks) has drained the run: requests in flight finish within
-        stop_grace_s, then the rest end with an error."""
+        stop_grace_s, then the rest end with an error. Rank 0 also stops (ABORT) when the front end goes away."""
         engine = self.engine
         it, deadline = 0, None
-        try:
-            while True:
-                busy = engine.sched.has_work
-                if not busy or it % ARRIVAL_CHECK_STEPS == 0 or self.tp.size == 1:
-                    local = stop()
-                    if deadline is not None and time.perf_counter() >= deadline:
-                        local = ABORT
-                    level, msgs = self._exchange(local, self._take(wait=not busy) if self.driver else None)
-                    if level > self.level:
-                        self._raise_level(level)
-                        if deadline is None:
-                            deadline = time.perf_counter() + stop_grace_s
-                    self._apply(msgs)
-                    if self.driver:
-                        self.on_step(self)
-                it += 1
-                if not engine.sched.has_work:
-                    if self.level >= DRAIN:
-                        break
-                    continue
+        if self.driver:
+            self._registry = (len(engine.adapters), len(engine.bad_adapters))
+        while True:
+            busy = engine.sched.has_work
+            if not busy or it % ARRIVAL_CHECK_STEPS == 0 or self.tp.size == 1:
+                local = stop()
+                if deadline is not None and time.perf_counter() >= deadline:
+                    local = ABORT
+                msgs = self._take(wait=not busy) if self.driver else None
+                if self.driver and self.link.closed:
+                    self.frontend_lost = True
+                    local = ABORT
+                level, msgs = self._exchange(local, msgs)
+                if level > self.level:
+                    self._raise_level(level)
+                    if deadline is None:
+                        deadline = time.perf_counter() + stop_grace_s
+                self._apply(msgs)
+            it += 1
+            if engine.sched.has_work:
                 out = engine.step()
                 if self.driver:
                     self._send(out.advanced, out.finished)
-        finally:
-            if self.driver:  # every request still open ends, with an error (e.g. the ranks were lost)
-                self.level = max(self.level, ABORT)
-                for index in list(self._deliver):
-                    self._end(Result(Request(index, id=index), error=SHUTTING_DOWN))
-                while True:
-                    try:
-                        self._reject(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
+            if self.driver:
+                self._flush()
+            if not engine.sched.has_work and self.level >= DRAIN:
+                break
 
     def _take(self, wait: bool) -> list:
-        msgs = []
-        try:
-            msgs.append(self._inbox.get(timeout=IDLE_WAIT_S) if wait else self._inbox.get_nowait())
-            while True:
-                msgs.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        return msgs
+        return [op for frame in self.link.receive(IDLE_WAIT_S if wait else 0.0) for op in frame]
 
     def _exchange(self, level: int, msgs: Optional[list]) -> tuple[int, list]:
         if self.tp.size == 1:
@@ -130,9 +87,10 @@ class ServingLoop:
         if self.level < DRAIN <= level:
             for req in sched.stop_admitting():
                 self._end(Result(req, error=SHUTTING_DOWN))
+            self._put("draining", True)
         if level >= ABORT:
             for seq in sched.abort():
-                self._end(Result(seq.request, error=SHUTTING_DOWN + f" (scheduler.stop_grace_s passed)"))
+                self._end(Result(seq.request, error=SHUTTING_DOWN + " (scheduler.stop_grace_s passed)"))
         self.level = level
 
     def _apply(self, msgs: list) -> None:
@@ -140,50 +98,66 @@ class ServingLoop:
         for msg in msgs:
             op = msg[0]
             if op == "add":
-                _, req, arrival = msg
+                _, req, arrival, stream = msg
                 err = SHUTTING_DOWN if self.level >= DRAIN else engine.check_request(req, self.context)
                 if err:
                     self._end(Result(req, error=err))
                 else:
                     engine.add(req, arrival)
+                    if stream and self.driver:
+                        self._streams[req.index] = 0
             elif op == "cancel":
-                if engine.cancel(msg[1]) is not None:
-                    self.cancelled += 1
-                    self._end(None, msg[1])
+                if engine.cancel(msg[1]) is not None and self.driver:
+                    self._streams.pop(msg[1], None)
+                    self._msg.setdefault("cancelled", []).append(msg[1])
             elif op in ("load", "unload"):
                 err = engine.load_adapter(*msg[2:]) if op == "load" else engine.unload_adapter(*msg[2:])
                 if self.driver:
-                    self._replies.pop(msg[1]).set_result(err)
+                    self._msg.setdefault("replies", []).append((msg[1], err))
+                    self._registry = None  # sent again at the flush
 
-    def _reject(self, msg) -> None:
-        if msg[0] == "add":
-            self._end(Result(msg[1], error=SHUTTING_DOWN))
-        elif msg[0] in ("load", "unload"):
-            self._replies.pop(msg[1]).set_result(SHUTTING_DOWN)
+    # ---- rank 0: the step's frame to the front end ---------------------------------------------------------------
+    def _put(self, key: str, value) -> None:
+        if self.driver:
+            self._msg[key] = value
 
-    # ---- rank 0: results back to the front end -------------------------------------------------------------------
     def _send(self, advanced: list[Result], finished: list[Result]) -> None:
         ended = {id(r) for r in finished}
+        deltas = []
         for res in advanced:
             index = res.request.index
-            deliver, stream = self._deliver.get(index, (None, False))
-            if stream and id(res) not in ended:  # an ending stream gets its last tokens with its result
-                n = self._sent.get(index, 0)
-                self._sent[index] = len(res.output_token_ids)
-                deliver(Delta(res.output_token_ids[n:], res.logprobs[n:], res.top_logprobs[n:]))
+            n = self._streams.get(index)
+            if n is not None and id(res) not in ended:  # an ending stream gets its last tokens with its result
+                self._streams[index] = len(res.output_token_ids)
+                deltas.append((index, res.output_token_ids[n:], res.logprobs[n:], res.top_logprobs[n:]))
+        if deltas:
+            self._msg.setdefault("deltas", []).extend(deltas)
         for res in finished:
             self._end(res)
 
-    def _end(self, res: Optional[Result], index: Optional[int] = None) -> None:
-        """Request ended: deliver its result (None: cancelled, nothing to deliver), with the tokens its stream has
-        not had yet, and forget it."""
+    def _end(self, res: Result) -> None:
+        """The request ended (finished or failed): its result, with the tokens its stream has not had yet."""
         if not self.driver:
             return
-        index = res.request.index if res is not None else index
-        with self._lock:
-            entry = self._deliver.pop(index, None)
-            if entry is not None:
-                self.in_flight -= 1
-        n = self._sent.pop(index, 0)
-        if entry is not None and res is not None:
-            entry[0](Delta(res.output_token_ids[n:], res.logprobs[n:], res.top_logprobs[n:], final=res))
+        n = self._streams.pop(res.request.index, 0)
+        self._msg.setdefault("ends", []).append((res.request.index, res.output_token_ids[n:], res.logprobs[n:],
+                                                 res.top_logprobs[n:], res.finish_reason, res.error, res.text,
+                                                 res.metrics))
+
+    def _flush(self) -> None:
+        """Send the frame built since the last one, with the engine's gauges and adapter registry where they
+        changed."""
+        engine, sched = self.engine, self.engine.sched
+        gauges = (len(sched.waiting), len(sched.running), engine.stats.slot_hit_rate, engine.cache.stats.host_misses,
+                  engine.stats.adapter_loads)
+        if gauges != self._gauges:
+            self._gauges = self._msg["gauges"] = gauges
+        registry = (len(engine.adapters), len(engine.bad_adapters))
+        if registry != self._registry:  # a load, an unload, or an adapter that failed its read
+            self._registry = registry
+            self._msg["adapters"] = self.adapter_registry()
+        if self._msg:
+            self.link.send(self._msg)
+            self._msg = {}
+        else:
+            self.link.flush()

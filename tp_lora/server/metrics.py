@@ -1,4 +1,5 @@
-"""The server's Prometheus metrics (GET /metrics), in a registry of their own."""
+"""The server's Prometheus metrics (GET /metrics), in a registry of their own in the front-end process: counters
+from the results it receives, gauges from the values the engine loop sends with its steps."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,24 +27,19 @@ class Metrics:
                                    registry=r)
         self.adapter_reads = Gauge("tp_lora_adapter_reads", "Adapter reads from disk into host memory", registry=r)
         self.adapter_loads = Gauge("tp_lora_adapter_loads", "Adapter copies into device slots", registry=r)
-        self._cancelled = 0
 
-    def update(self, loop) -> None:
-        """Engine-side values (rank 0's engine loop, after each control round)."""
-        engine, sched = loop.engine, loop.engine.sched
-        if loop.cancelled > self._cancelled:
-            self.requests.labels("cancelled").inc(loop.cancelled - self._cancelled)
-            self._cancelled = loop.cancelled
-        if sched is not None:
-            self.waiting.set(len(sched.waiting))
-            self.running.set(len(sched.running))
-        self.slot_hit_rate.set(engine.stats.slot_hit_rate)
-        self.adapter_reads.set(engine.cache.stats.host_misses)
-        self.adapter_loads.set(engine.stats.adapter_loads)
+    def set_gauges(self, waiting: int, running: int, slot_hit_rate: float, adapter_reads: int,
+                   adapter_loads: int) -> None:
+        """The engine's values, as its loop sent them (tp_lora.server.channel's "gauges")."""
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.slot_hit_rate.set(slot_hit_rate)
+        self.adapter_reads.set(adapter_reads)
+        self.adapter_loads.set(adapter_loads)
 
     def ended(self, res: Result, status: str) -> None:
         self.requests.labels(status).inc()
-        if res is None or res.error is not None:
+        if res.error is not None:
             return
         m = res.metrics
         self.prompt_tokens.inc(len(res.request.prompt_token_ids))

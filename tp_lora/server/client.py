@@ -1,0 +1,150 @@
+"""The HTTP front end's view of rank 0's engine loop, in the front-end process: requests and adapter calls go out
+over the channel (tp_lora.server.channel) batched per event-loop turn; each step's frame comes back and is dispatched
+to the requests' sinks, and the engine's gauges, stop state and adapter registry are kept here for the routes."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from tp_lora.engine.requests import Request, Result
+from tp_lora.server.channel import SHUTTING_DOWN, STOP, encode, read_frame
+from tp_lora.server.metrics import Metrics
+
+
+@dataclass
+class Delta:
+    """What a request's handler gets after a step: its new tokens, and its whole result once it ended."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    final: Optional[Result] = None
+
+
+class _Open:
+    """A request the engine holds: where its deltas go (None once its client left) and its tokens so far."""
+    __slots__ = ("req", "sink", "ids", "lps", "tops")
+
+    def __init__(self, req: Request, sink: Callable[[Delta], None]):
+        self.req, self.sink = req, sink
+        self.ids, self.lps, self.tops = [], [], []
+
+
+class EngineClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: int,
+                 adapters: dict[str, str], metrics: Metrics):
+        self.reader, self.writer = reader, writer
+        self.context = context  # the longest prompt + max_tokens the engine holds
+        self.adapters = adapters  # name -> directory
+        self.metrics = metrics
+        self.draining = False  # a stop signal came: nothing more is admitted
+        self._open: dict[int, _Open] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._outbox: list = []
+        self.closed = False
+
+    @property
+    def in_flight(self) -> int:
+        """Requests handed to the engine and not ended yet."""
+        return len(self._open)
+
+    # ---- out: ops, one frame per event-loop turn ----------------------------------------------------------------
+    def _post(self, op: tuple) -> None:
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._write)
+        self._outbox.append(op)
+
+    def _write(self) -> None:
+        if not self.closed:
+            self.writer.write(encode(self._outbox))
+        self._outbox = []
+
+    def submit(self, req: Request, sink: Callable[[Delta], None], stream: bool) -> None:
+        """Hand a request to the engine; sink gets its Deltas (per step for a stream, else one with the result)."""
+        if self.closed:
+            sink(Delta(final=Result(req, error=SHUTTING_DOWN)))
+            return
+        self._open[req.index] = _Open(req, sink)
+        self._post(("add", req, time.perf_counter(), stream))
+
+    def cancel(self, index: int) -> None:
+        """The client went away: drop the request from the engine (it stays in flight until the engine confirms)."""
+        entry = self._open.get(index)
+        if entry is not None and entry.sink is not None:
+            entry.sink = None
+            self._post(("cancel", index))
+
+    async def call(self, op: str, *args) -> Optional[str]:
+        """load / unload an adapter on every rank: None, or the error."""
+        if self.closed:
+            return SHUTTING_DOWN
+        mid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[mid] = fut
+        self._post((op, mid) + args)
+        return await fut
+
+    # ---- in: the engine's frames ---------------------------------------------------------------------------------
+    async def run(self) -> bool:
+        """Dispatch the engine's frames until it stops (True) or its process is gone (EOF: False); then every open
+        request and call ends with SHUTTING_DOWN."""
+        try:
+            while True:
+                frame = await read_frame(self.reader)
+                if frame == STOP:
+                    return True
+                self._dispatch(frame)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return False
+        finally:
+            self.close()
+
+    def _dispatch(self, frame: dict) -> None:
+        if "adapters" in frame:
+            self.adapters = frame["adapters"]
+        if frame.get("draining"):
+            self.draining = True
+        for index, ids, lps, tops in frame.get("deltas", ()):
+            entry = self._open.get(index)
+            if entry is not None:
+                entry.ids += ids
+                entry.lps += lps
+                entry.tops += tops
+                if entry.sink is not None:
+                    entry.sink(Delta(ids, lps, tops))
+        for index, ids, lps, tops, finish, error, text, times in frame.get("ends", ()):
+            entry = self._open.pop(index, None)
+            if entry is None:
+                continue
+            res = Result(entry.req, entry.ids + ids, entry.lps + lps, finish, error, text, entry.tops + tops,
+                         metrics=times)
+            self.metrics.ended(res, "finished" if error is None else "error")
+            if entry.sink is not None:
+                entry.sink(Delta(ids, lps, tops, final=res))
+        for index in frame.get("cancelled", ()):
+            if self._open.pop(index, None) is not None:
+                self.metrics.requests.labels("cancelled").inc()
+        for mid, err in frame.get("replies", ()):
+            fut = self._calls.pop(mid, None)
+            if fut is not None and not fut.done():  # done: its handler was cancelled (the client left)
+                fut.set_result(err)
+        if "gauges" in frame:
+            self.metrics.set_gauges(*frame["gauges"])
+
+    def close(self) -> None:
+        """The engine loop is over: what is open ends with SHUTTING_DOWN, and nothing more goes out."""
+        self.closed = True
+        self.draining = True
+        for entry in self._open.values():
+            res = Result(entry.req, error=SHUTTING_DOWN)
+            self.metrics.ended(res, "error")
+            if entry.sink is not None:
+                entry.sink(Delta(final=res))
+        self._open.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_result(SHUTTING_DOWN)
+        self._calls.clear()

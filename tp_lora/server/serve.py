@@ -1,0 +1,103 @@
+"""launch/serve.py's job: an OpenAI-compatible HTTP server over the TP engine. run(RunConfig) -> exit code.
+
+Every rank runs the engine loop (tp_lora.server.loop) in its main thread, where the signal handlers and the
+collectives live, as in the offline job; rank 0 also starts the HTTP front end in a process of its own
+(tp_lora.server.frontend) and hands requests and tokens to and from it through a local channel, so a step never
+waits for HTTP. Exit codes as tp_lora.app: 0 (stopped by SIGTERM / Ctrl-C after draining), 2 bad config or inputs,
+3 lost the other ranks, 1 the front-end process died.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+from tp_lora import distributed as comm
+from tp_lora.app import EXIT_BAD_INPUT, EXIT_LOST_RANKS, LOST_RANKS_EXIT_S, StopSignals, is_comm_failure, log
+from tp_lora.config import ConfigError, RunConfig
+
+EXIT_FRONTEND_LOST = 1
+
+
+def run(cfg: RunConfig) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if world_size != cfg.parallel.tp_size:
+            raise ConfigError(f"the server runs one tensor-parallel group: launch parallel.tp_size="
+                              f"{cfg.parallel.tp_size} processes, not {world_size} (data-parallel replicas are not "
+                              f"served)")
+        from tp_lora.api import LLM
+        from tp_lora.server.frontend import FrontendProcess
+        front = FrontendProcess() if rank == 0 else None  # first: its imports overlap the model's load
+        try:
+            llm = LLM.from_config(cfg)
+            try:
+                return _serve(llm, cfg, front)
+            finally:
+                llm.engine.close()
+        finally:
+            if front is not None:
+                front.stop()
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"[tp_lora] rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except Exception as e:
+        if world_size > 1 and is_comm_failure(e):
+            timer = threading.Timer(LOST_RANKS_EXIT_S, os._exit, args=(EXIT_LOST_RANKS,))
+            timer.daemon = True
+            timer.start()
+            return EXIT_LOST_RANKS
+        raise
+    finally:
+        comm.shutdown()
+
+
+def model_name(cfg: RunConfig, model_dir: str) -> str:
+    if cfg.server.model_name:
+        return cfg.server.model_name
+    return "tiny-llama" if cfg.model.path is None else os.path.basename(os.path.normpath(model_dir))
+
+
+def _serve(llm, cfg: RunConfig, front) -> int:
+    from tp_lora.server.loop import ServingLoop
+    engine, tp = llm.engine, llm.ps.tp
+    driver = tp.rank == 0
+    loop = ServingLoop(engine, tp)
+    error = None
+    if driver:
+        error = front.start(dict(cfg=cfg, model_name=model_name(cfg, llm.model_dir), model_dir=llm.model_dir,
+                                 context=loop.context, adapters=loop.adapter_registry()))
+        loop.link = front.link
+    # Every rank learns whether rank 0 is listening before any waits for its control messages.
+    error = comm.broadcast_object(error, tp)
+    if error:
+        raise ConfigError(error)
+    if driver:
+        log(f"serving {model_name(cfg, llm.model_dir)!r} and {len(engine.adapters)} adapters at "
+            f"http://{cfg.server.host}:{front.port} (tp={tp.size}, context {loop.context} tokens)")
+    # The handlers stay through the teardown: a signal then (torchrun stopping the ranks) does not cut it short.
+    with StopSignals(announce=driver) as stop:
+        try:
+            loop.run(stop, cfg.scheduler.stop_grace_s)
+        except Exception as e:
+            if tp.size > 1 and is_comm_failure(e):  # said at once, before the teardown
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                print(f"[tp_lora] rank {tp.rank}: error: lost the other ranks: a rank died or a collective did not "
+                      f"complete within parallel.timeout_s={cfg.parallel.timeout_s:g}s ({type(e).__name__}: "
+                      f"{first[:300]}); the server stops", file=sys.stderr, flush=True)
+            raise
+        finally:
+            engine.close_run()
+    if loop.frontend_lost:
+        try:
+            code = front.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = "not yet known"
+        print(f"[tp_lora] rank 0: error: the HTTP front-end process exited (code {code}); the server stops",
+              file=sys.stderr, flush=True)
+        return EXIT_FRONTEND_LOST
+    if driver:
+        log("stopped")
+    return 0
