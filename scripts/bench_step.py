@@ -6,13 +6,15 @@
 Shapes (random bf16 weights, written once under --cache): llama-2048 (16 layers, hidden 2048, GQA 32/8, vocab 32000)
 and llama3-8b (32 layers, hidden 4096, intermediate 14336, GQA 32/8, vocab 128256). For each batch x context, without
 adapters and with 32 distinct rank-16 adapters on all seven projections (one per sequence, round-robin):
-- decode step: (time of a run generating N tokens - time of one generating 1) / (N - 1), medians of --reps runs, each
-  run one engine.generate() with every prompt `context` tokens long (so the step includes the host's part: schedule,
-  sample, bookkeeping);
+- decode step: the mean wall time of the decode-only steps (one new token per sequence) of the last of --reps runs
+  generating N tokens, each run one engine.generate() with every prompt `context` tokens long, measured from launch
+  to the sampled tokens on the host (so host work included; at these sizes every decode step replays a CUDA graph);
+  "step ms (difference)": (median time of a run generating N tokens - of one generating 1) / (N - 1), kept for
+  comparison, though it carries the prefill's interleaving with early decodes;
 - floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
-  decode's mean context) / the device copy bandwidth measured in the same run (read + written bytes / time);
-- prefill tokens/s from the one-token run; the long run's decode steps replayed from CUDA graphs and their mean
-  wall time (launch to sampled tokens on the host).
+  decode's mean context) / the device copy bandwidth measured in the same run (read + written bytes / time); "of
+  floor" = floor / decode step;
+- prefill tokens/s from the one-token run.
 With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replayed from its CUDA graph and run eagerly,
 against a 32-sequence decode step (the runner alone, CUDA events, medians; whether each replayed a graph).
 --torch-ops runs the decoder layers' norms, RoPE + cache write and activations as torch ops instead of the fused
@@ -259,15 +261,17 @@ def main() -> None:
                         ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, 10 + r)))
                         st = dataclasses.replace(engine.stats)
                         longs.append(timed(engine, requests(b, ctx, args.new, vocab, with_ad, 10 + r)))
-                    # The last long run's decode steps replayed from graphs: count and mean wall time (host included).
+                    # The last long run: steps replayed from graphs (prefill too), and the decode-only steps' count and
+                    # mean wall time (host included).
                     graph_steps = engine.stats.graph_steps - st.graph_steps
-                    graph_ms = 1e3 * (engine.stats.graph_seconds - st.graph_seconds) / max(1, graph_steps)
+                    decode_steps = engine.stats.decode_steps - st.decode_steps
+                    graph_ms = 1e3 * (engine.stats.decode_seconds - st.decode_seconds) / max(1, decode_steps)
                     t1, tn = statistics.median(ones), statistics.median(longs)
                     step = (tn - t1) / (args.new - 1)
                     floor = (wb + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
                     rows.append(dict(shape=shape, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
-                                     floor_ms=floor * 1e3, of_floor=floor / step, prefill_tokens_per_s=b * ctx / t1,
-                                     graph_steps=graph_steps, graph_step_ms=graph_ms,
+                                     floor_ms=floor * 1e3, of_floor=floor / (graph_ms / 1e3), prefill_tokens_per_s=b * ctx / t1,
+                                     graph_steps=graph_steps, decode_steps=decode_steps, decode_step_ms=graph_ms,
                                      one_token_runs_s=ones, long_runs_s=longs))
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
@@ -282,16 +286,16 @@ def main() -> None:
         return
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size}, copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (read + written), layer ops {'torch' if args.torch_ops else 'fused'}")
-    print("| shape | adapters | batch | context | step ms | floor ms | of floor | adapters / none | prefill tok/s | "
-          "graph steps | graph step ms |")
+    print("| shape | adapters | batch | context | step ms (difference) | floor ms | of floor | adapters / none | "
+          "prefill tok/s | graph steps | decode steps | decode step ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    base = {(r["shape"], r["batch"], r["context"]): r["step_ms"] for r in rows if not r["adapters"]}
+    base = {(r["shape"], r["batch"], r["context"]): r["decode_step_ms"] for r in rows if not r["adapters"]}
     for r in rows:
-        ratio = r["step_ms"] / base[(r["shape"], r["batch"], r["context"])]
+        ratio = r["decode_step_ms"] / base[(r["shape"], r["batch"], r["context"])]
         r["vs_no_adapters"] = ratio
         print(f"| {r['shape']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
               f"{r['floor_ms']:.3f} | {r['of_floor']:.0%} | {ratio:.2f} | {r['prefill_tokens_per_s']:.0f} | "
-              f"{r['graph_steps']} | {r['graph_step_ms']:.3f} |")
+              f"{r['graph_steps']} | {r['decode_steps']} | {r['decode_step_ms']:.3f} |")
     for shape, m in extra.items():
         for k, v in m.items():
             print(f"runner {shape} {k}: decode 32 at context 128 {v['decode_32_ms']:.3f} ms, at 2048 "

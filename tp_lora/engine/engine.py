@@ -50,6 +50,8 @@ class StepStats:
     graph_steps: int = 0  # steps replayed from a CUDA graph (the others ran eagerly)
     graph_seconds: float = 0.0  # wall time of those steps, from launch to the sampled tokens on the host
     eager_seconds: float = 0.0  # the same for the eager steps
+    decode_steps: int = 0  # steps of one new token per sequence (what a decode benchmark times)
+    decode_seconds: float = 0.0  # their wall time, measured as graph_seconds
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -524,6 +526,9 @@ class Engine:
             self.stats.graph_seconds += now - t_step
         else:
             self.stats.eager_seconds += now - t_step
+        if all(n == 1 for _, n in work):
+            self.stats.decode_steps += 1
+            self.stats.decode_seconds += now - t_step
         if not sampled:
             return out
         for j, ((seq, _), tok, lp) in enumerate(zip(sampled, toks, lps)):
