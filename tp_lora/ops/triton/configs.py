@@ -18,6 +18,7 @@ Why these shapes (both ops are memory-bound at every LoRA rank we serve):
 from __future__ import annotations
 
 import functools
+import itertools
 
 T_EDGES = (16, 64, 256, 2048, 1 << 62)
 R_EDGES = (16, 64, 1 << 62)
@@ -149,3 +150,46 @@ def num_sms(device_index: int | None) -> int:
 def _cuda_sms(device_index: int) -> int:
     import torch
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# --- fused shrink + expand (decode steps; tp_lora.ops.triton.shrink_expand) ---
+# Each program of the fused kernel recomputes the shrink of its table entry's tokens (all of A_s of that adapter, from
+# L2 after the first program) and then writes 1/P_s of slice s's output columns. P_s (programs per slice and entry)
+# trades those re-reads of A_s against spreading B_s and the output rows over more SMs; fused_config picks it with the
+# byte model below. Above FUSED_MAX_TOKENS tokens or FUSED_MAX_RANK ranks the runtime uses shrink + expand instead.
+FUSED_MAX_TOKENS = 256
+FUSED_MAX_RANK = 128
+FUSED_SORTED_BLOCK_M = 16  # sorted scheme: token block of a program (chunked: the step's segment)
+# Byte model, in units of one SM's share of the memory bandwidth: the L2 feeds the SMs at FUSED_L2_SPEEDUP x the
+# memory bandwidth, one SM streams FUSED_SM_SPEEDUP x its share when it has the port to itself.
+FUSED_L2_SPEEDUP = 2.0
+FUSED_SM_SPEEDUP = 3.0
+
+
+def _fused_times(programs: tuple[int, ...], busy: int, m: float, r: int, k: int, widths: tuple[int, ...],
+                 sms: int) -> list[float]:
+    """Modelled times of one fused launch, `busy` entries of m tokens each, slowest first (arbitrary units; only
+    compared): memory, L2, and the busiest SM. Bytes in units of one rank-row element: A_s is k, x rows k * m / r,
+    B_s w_s, output rows read + written 2 * m * w_s / r."""
+    x, out = k * m / r, [2 * m * w / r for w in widths]
+    hbm = busy * (k * len(widths) + x + sum(widths) + sum(out))
+    l2 = busy * sum(p * (k + x) + w + o for p, w, o in zip(programs, widths, out))
+    per_program = max(k + x + (w + o) / p for p, w, o in zip(programs, widths, out))
+    waves = -(-busy * sum(programs) // sms)
+    return sorted((hbm / sms, l2 / (sms * FUSED_L2_SPEEDUP), waves * per_program / FUSED_SM_SPEEDUP), reverse=True)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_config(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int) -> dict:
+    """Fused shrink + expand of t tokens over a table of `entries` entries, slices of `widths` columns, rank r,
+    k input features: BLOCK_R (covers r), BLOCK_K, BLOCK_N, PROGRAMS (P_s per slice), num_warps, num_stages.
+    Depends only on the shapes, t and the table width, never on how tokens split between adapters (CUDA graphs)."""
+    block_n = min(128, _pow2(max(widths)))
+    tiles = [-(-w // block_n) for w in widths]
+    busy = max(1, min(entries, t))  # entries that can hold tokens at once
+    m = t / busy
+    choices = [sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)}) for n in tiles]
+    # slowest term first; where it ties (memory-bound), the next ones decide
+    best = min(itertools.product(*choices), key=lambda p: (_fused_times(p, busy, m, r, k, widths, sms), sum(p)))
+    return dict(BLOCK_R=_pow2(r), BLOCK_K=min(256, _pow2(k)), BLOCK_N=block_n, PROGRAMS=tuple(best),
+                num_warps=4, num_stages=3)

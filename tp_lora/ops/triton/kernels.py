@@ -199,6 +199,123 @@ def expand_kernel(
         tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit(do_not_specialize=["table_stride", "slice_base", "p_end0", "p_end1", "progs0", "progs1", "progs2",
+                               "M_PROGRAMS"])
+def shrink_expand_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, as0_ptr, as1_ptr, as2_ptr, b0_ptr, b1_ptr, b2_ptr, bs0_ptr, bs1_ptr, bs2_ptr,
+    scale_ptr, out_ptr, order_ptr, table_ptr,
+    K, R, table_stride, slice_base, col0, width0, width1, width2, p_end0, p_end1, progs0, progs1, progs2,
+    stride_xt, stride_xk,
+    stride_al0, stride_al1, stride_al2, stride_ar, stride_ak,
+    stride_asl, stride_asr,
+    stride_bl0, stride_bl1, stride_bl2, stride_bn, stride_bk,
+    stride_bsl0, stride_bsl1, stride_bsl2, stride_bsn,
+    stride_ss, stride_sl,
+    stride_ot, stride_on,
+    M_PROGRAMS,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_A_SCALES: tl.constexpr, HAS_B_SCALES: tl.constexpr,
+    CDT_A: tl.constexpr, DOT_A: tl.constexpr, PREC_A: tl.constexpr,
+    CDT_B: tl.constexpr, DOT_B: tl.constexpr, PREC_B: tl.constexpr,
+):
+    """out[t, col_s + n] += (scale[s, slot] * x[t] @ A_s[slot]^T) @ B_s[slot]^T for the tokens t of one table entry:
+    shrink_kernel and expand_kernel in one program, the [BLOCK_M, R] intermediate kept in registers.
+
+    x [T, K], A_s [L, R, K] (a_scales [L, R] when fp8), B_s [L, width_s, R] (b_scales [L, width_s] when fp8),
+    scale [S, L] f32, out [T, O]; col_s = col0 + sum of earlier widths. Grid: (table entries, programs of all slices,
+    M_PROGRAMS); slice s has progs_s programs per entry (p_end_s: cumulative ends), program j of them recomputes the
+    shrink of its tokens and covers the N blocks j, j + progs_s, ... of the slice. Entries of tokens without an
+    adapter (slot -1) do nothing. Rounding as in the pair: the intermediate is float32, rounded to CDT_B for the dot.
+    """
+    pid_g = tl.program_id(0)
+    pid_x = tl.program_id(1)
+    pid_m = tl.program_id(2)
+
+    s = pid_x * 0  # a runtime int32, like the values the branches below assign
+    j = pid_x
+    col = col0
+    width = width0
+    progs = progs0
+    if NUM_SLICES > 1:
+        if pid_x >= p_end0:
+            s = 1
+            j = pid_x - p_end0
+            col = col0 + width0
+            width = width1
+            progs = progs1
+    if NUM_SLICES > 2:
+        if pid_x >= p_end1:
+            s = 2
+            j = pid_x - p_end1
+            col = col0 + width0 + width1
+            width = width2
+            progs = progs2
+
+    slot = tl.load(table_ptr + pid_g)
+    start = tl.load(table_ptr + table_stride + pid_g)
+    count = tl.load(table_ptr + 2 * table_stride + pid_g)
+    is_lora = slot >= 0
+    count = tl.where(is_lora, count, 0)  # tokens without an adapter: nothing to read or write
+    slot = tl.maximum(slot, 0).to(tl.int64)  # no address is formed from -1
+
+    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
+    stride_al = _pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
+    stride_bl = _pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
+    scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl, mask=is_lora, other=0.0)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    offs_k = tl.arange(0, BLOCK_K)
+    if HAS_A_SCALES:
+        as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
+        row_scale = tl.load(as_ptr + slot * stride_asl + offs_r * stride_asr, mask=r_mask & is_lora, other=0.0)
+    if HAS_B_SCALES:
+        bs_ptr = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
+        stride_bsl = _pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
+    n_tiles = tl.cdiv(width, BLOCK_N)
+
+    for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+
+        # shrink: u = scale * x[tok] @ A_s[slot]^T  [BLOCK_M, BLOCK_R], columns past R are 0
+        x_blk = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+        a_blk = a_ptr + slot * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                xv = tl.load(x_blk, mask=m_mask[:, None], other=0.0)
+                av = tl.load(a_blk, mask=r_mask[None, :], other=0.0)
+            else:
+                k_left = K - kb * BLOCK_K
+                xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & r_mask[None, :], other=0.0)
+            acc += _mm(xv, av, CDT_A, DOT_A, PREC_A)
+            x_blk += BLOCK_K * stride_xk
+            a_blk += BLOCK_K * stride_ak
+        if HAS_A_SCALES:
+            acc = acc * row_scale[None, :]
+        u = acc * scale
+
+        # expand: out[tok, col + n] += u @ B_s[slot]^T over this program's N blocks of the slice
+        for nb in range(j, n_tiles, progs):
+            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < width
+            o_ptr = out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on
+            o_mask = m_mask[:, None] & n_mask[None, :]
+            prev = tl.load(o_ptr, mask=o_mask, other=0.0)
+            b_blk = b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_bk
+            bv = tl.load(b_blk, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            d = _mm(u, bv, CDT_B, DOT_B, PREC_B)
+            if HAS_B_SCALES:
+                ch_scale = tl.load(bs_ptr + slot * stride_bsl + offs_n * stride_bsn, mask=n_mask, other=0.0)
+                d = d * ch_scale[None, :]
+            d += prev.to(tl.float32)
+            tl.store(o_ptr, d.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 @triton.jit
 def embedding_shrink_kernel(
     ids_ptr, slot_ptr, a_ptr, scale_ptr, out_ptr,
