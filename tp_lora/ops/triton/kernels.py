@@ -269,7 +269,7 @@ def shrink_expand_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     if HAS_A_SCALES:
         as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
-        row_scale = tl.load(as_ptr + slot * stride_asl + offs_r * stride_asr, mask=r_mask & is_lora, other=0.0)
+        row_scale = tl.load(as_ptr + slot * stride_asl + offs_r * stride_asr, mask=r_mask, other=0.0)
     if HAS_B_SCALES:
         bs_ptr = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
         stride_bsl = _pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
