@@ -161,8 +161,9 @@ FUSED_MAX_TOKENS = 256
 FUSED_MAX_RANK = 128
 FUSED_SORTED_BLOCK_M = 16  # sorted scheme: token block of a program (chunked: the step's segment)
 # Byte model, in units of one SM's share of the memory bandwidth: the L2 feeds the SMs at FUSED_L2_SPEEDUP x the
-# memory bandwidth, one SM streams FUSED_SM_SPEEDUP x its share when it has the port to itself.
-FUSED_L2_SPEEDUP = 2.0
+# memory bandwidth; one program streams at that share (its loads in flight bound it, not the SM), programs sharing an
+# SM add up to FUSED_SM_SPEEDUP x the share.
+FUSED_L2_SPEEDUP = 3.0
 FUSED_SM_SPEEDUP = 3.0
 
 
@@ -175,8 +176,9 @@ def _fused_times(programs: tuple[int, ...], busy: int, m: float, r: int, k: int,
     hbm = busy * (k * len(widths) + x + sum(widths) + sum(out))
     l2 = busy * sum(p * (k + x) + w + o for p, w, o in zip(programs, widths, out))
     per_program = max(k + x + (w + o) / p for p, w, o in zip(programs, widths, out))
-    waves = -(-busy * sum(programs) // sms)
-    return sorted((hbm / sms, l2 / (sms * FUSED_L2_SPEEDUP), waves * per_program / FUSED_SM_SPEEDUP), reverse=True)
+    per_sm = -(-busy * sum(programs) // sms)  # programs sharing the busiest SM
+    return sorted((hbm / sms, l2 / (sms * FUSED_L2_SPEEDUP), per_sm * per_program / min(per_sm, FUSED_SM_SPEEDUP)),
+                  reverse=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,5 +193,6 @@ def fused_config(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, 
     choices = [sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)}) for n in tiles]
     # slowest term first; where it ties (memory-bound), the next ones decide
     best = min(itertools.product(*choices), key=lambda p: (_fused_times(p, busy, m, r, k, widths, sms), sum(p)))
-    return dict(BLOCK_R=_pow2(r), BLOCK_K=min(256, _pow2(k)), BLOCK_N=block_n, PROGRAMS=tuple(best),
-                num_warps=4, num_stages=3)
+    # a program streams all of A_s alone: wider K blocks keep more of it in flight where it is long
+    block_k = min(512 if k >= 8192 else 256, _pow2(k))
+    return dict(BLOCK_R=_pow2(r), BLOCK_K=block_k, BLOCK_N=block_n, PROGRAMS=tuple(best), num_warps=4, num_stages=3)

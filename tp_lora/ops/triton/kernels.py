@@ -199,6 +199,26 @@ def expand_kernel(
         tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _out_tile_loads(b_base, bs_base, out_ptr, tok, m_mask, nb, width, col, offs_r, r_mask,
+                    stride_bn, stride_bk, stride_bsn, stride_ot, stride_on,
+                    BLOCK_N: tl.constexpr, HAS_B_SCALES: tl.constexpr):
+    """What output block nb of a slice needs besides the shrink result: B rows [BLOCK_R, BLOCK_N] (b_base: the
+    slot's B_s), channel scales [BLOCK_N] (bs_base: the slot's b_scales; ones without fp8) and the current output
+    [BLOCK_M, BLOCK_N]. A block past the slice's end loads nothing."""
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_bk,
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    if HAS_B_SCALES:
+        ch = tl.load(bs_base + offs_n * stride_bsn, mask=n_mask, other=0.0)
+    else:
+        ch = tl.full((BLOCK_N,), 1.0, tl.float32)
+    prev = tl.load(out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on,
+                   mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    return bv, ch, prev
+
+
 @triton.jit(do_not_specialize=["table_stride", "slice_base", "p_end0", "p_end1", "progs0", "progs1", "progs2",
                                "M_PROGRAMS"])
 def shrink_expand_kernel(
@@ -270,15 +290,20 @@ def shrink_expand_kernel(
     if HAS_A_SCALES:
         as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
         row_scale = tl.load(as_ptr + slot * stride_asl + offs_r * stride_asr, mask=r_mask, other=0.0)
+    b_base = b_ptr + slot * stride_bl
+    bs_base = scale_ptr  # unused placeholder without fp8 B
     if HAS_B_SCALES:
-        bs_ptr = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
-        stride_bsl = _pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
+        bs_base = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES) + slot * _pick(
+            s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
     n_tiles = tl.cdiv(width, BLOCK_N)
 
     for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        # the first output tile's loads do not depend on the shrink: in flight while it runs
+        bv, ch, prev = _out_tile_loads(b_base, bs_base, out_ptr, tok, m_mask, j, width, col, offs_r, r_mask,
+                                       stride_bn, stride_bk, stride_bsn, stride_ot, stride_on, BLOCK_N, HAS_B_SCALES)
 
         # shrink: u = scale * x[tok] @ A_s[slot]^T  [BLOCK_M, BLOCK_R], columns past R are 0
         x_blk = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
@@ -299,21 +324,20 @@ def shrink_expand_kernel(
             acc = acc * row_scale[None, :]
         u = acc * scale
 
-        # expand: out[tok, col + n] += u @ B_s[slot]^T over this program's N blocks of the slice
+        # expand: out[tok, col + n] += u @ B_s[slot]^T over this program's N blocks j, j + progs, ... of the slice,
+        # each block's loads issued one block ahead
         for nb in range(j, n_tiles, progs):
-            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < width
-            o_ptr = out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on
-            o_mask = m_mask[:, None] & n_mask[None, :]
-            prev = tl.load(o_ptr, mask=o_mask, other=0.0)
-            b_blk = b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_bk
-            bv = tl.load(b_blk, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            bv_next, ch_next, prev_next = _out_tile_loads(
+                b_base, bs_base, out_ptr, tok, m_mask, nb + progs, width, col, offs_r, r_mask,
+                stride_bn, stride_bk, stride_bsn, stride_ot, stride_on, BLOCK_N, HAS_B_SCALES)
             d = _mm(u, bv, CDT_B, DOT_B, PREC_B)
             if HAS_B_SCALES:
-                ch_scale = tl.load(bs_ptr + slot * stride_bsl + offs_n * stride_bsn, mask=n_mask, other=0.0)
-                d = d * ch_scale[None, :]
+                d = d * ch[None, :]
             d += prev.to(tl.float32)
-            tl.store(o_ptr, d.to(out_ptr.dtype.element_ty), mask=o_mask)
+            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on,
+                     d.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < width)[None, :])
+            bv, ch, prev = bv_next, ch_next, prev_next
 
 
 @triton.jit
