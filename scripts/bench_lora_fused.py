@@ -8,9 +8,11 @@ in one graph, median replay over --reps; weights rotate over copies so that smal
 default scheme chunked). Shapes: o (4096 -> 4096), qkv (4096 -> 4096 + 1024 + 1024), gate_up (4096 -> 2 x 14336),
 down (14336 -> 4096), i.e. one Llama-3-8B decoder layer at TP 1. floor = (adapter bytes read + x read + out read and
 written) / measured copy bandwidth. --sweep also times the fused op with its programs per slice (configs.fused_config)
-scaled by 1/2, 2 and 4: how far the byte model's pick is from the best of those.
+scaled by 1/2, 2 and 4 (and, at T=32 with 32 adapters, other block sizes, stages and warps): how far the byte
+model's pick is from the best of those.
 
-Then the layer-set proxy: the four LoRA layers of one 8B decoder layer captured together, fused vs pair, 32 adapters.
+First (the number that matters most) the layer-set proxy: the four LoRA layers of one 8B decoder layer captured
+together, fused vs pair, 32 adapters.
 
 Writes <out>/lora_fused.json and prints two tables. Usage (repo root): python scripts/bench_lora_fused.py --out DIR
 [--sweep] [--quick]
@@ -34,7 +36,9 @@ SHAPES = {"o": (4096, (4096,)), "qkv": (4096, (4096, 1024, 1024)), "gate_up": (4
           "down": (14336, (4096,))}
 GRID_T, GRID_N = (1, 32, 64, 128, 256), (1, 8, 32)
 QUICK_T, QUICK_N = (1, 32, 256), (32,)
-SWEEP = (0.5, 2.0, 4.0)
+SWEEP = (0.5, 2.0, 4.0)  # factors on the programs per slice
+SWEEP_CONFIG_T, SWEEP_CONFIG_N = (32,), 32  # where block sizes, stages and warps are swept too (recompiles)
+SWEEP_CONFIGS = (dict(BLOCK_N=256), dict(BLOCK_K=512), dict(num_stages=4), dict(num_warps=8))
 RANK = 16
 N_INNER = 16
 
@@ -64,14 +68,19 @@ def check(ops, wl) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def scaled_programs(real, factor):
-    """configs.fused_config with every slice's program count scaled by factor (within 1 .. its N blocks)."""
+def variant(real, factor=1.0, **overrides):
+    """configs.fused_config with other block sizes / stages (overrides) and every slice's program count scaled by
+    factor (within 1 .. its N blocks)."""
     def cfg(t, r, k, widths, entries, sms):
-        c = dict(real(t, r, k, widths, entries, sms))
+        c = dict(real(t, r, k, widths, entries, sms), **overrides)
         tiles = [-(-w // c["BLOCK_N"]) for w in widths]
         c["PROGRAMS"] = tuple(max(1, min(n, round(p * factor))) for p, n in zip(c["PROGRAMS"], tiles))
         return c
     return cfg
+
+
+def _key(c: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(c.items()))
 
 
 def run_point(bench, ops, shape, t, n, bw, sweep: bool) -> dict:
@@ -86,19 +95,23 @@ def run_point(bench, ops, shape, t, n, bw, sweep: bool) -> dict:
     rec["floor_us"] = wl.floor_bytes() / bw * 1e6
     sched = ops.prepare(wl.batch)
     real = configs.fused_config
-    rec["programs"] = real(t, RANK, hidden, tuple(widths), sched.entries, configs.num_sms(0))["PROGRAMS"]
+    args = (t, RANK, hidden, tuple(widths), sched.entries, configs.num_sms(0))
+    rec["config"] = real(*args)
+    rec["programs"] = rec["config"]["PROGRAMS"]
     if sweep:
         rec["sweep"] = {}
-        seen = {rec["programs"]}
-        for factor in SWEEP:
-            configs.fused_config = scaled_programs(real, factor)
+        seen = {_key(rec["config"])}
+        variants = [variant(real, f) for f in SWEEP]
+        if t in SWEEP_CONFIG_T and n == SWEEP_CONFIG_N:  # these recompile: a few points only
+            variants += [variant(real, f, **o) for o in SWEEP_CONFIGS for f in (1.0, 2.0)]
+        for v in variants:
+            configs.fused_config = v
             try:
-                progs = configs.fused_config(t, RANK, hidden, tuple(widths), sched.entries, configs.num_sms(0))
-                if progs["PROGRAMS"] in seen:
+                key = _key(v(*args))
+                if key in seen:
                     continue
-                seen.add(progs["PROGRAMS"])
-                us, _ = bench.time_us(fused(ops, wl), N_INNER)
-                rec["sweep"][str(progs["PROGRAMS"])] = us
+                seen.add(key)
+                rec["sweep"][key], _ = bench.time_us(fused(ops, wl), N_INNER)
             finally:
                 configs.fused_config = real
     del wl
@@ -142,6 +155,13 @@ def main():
     result = dict(device=name, torch=torch.__version__, bandwidth_Bps=bw, reps=args.reps, points=[], layer_set=[])
     path = os.path.join(args.out, "lora_fused.json")
     bad = []
+    for t in ts:
+        rec = run_layer_set(bench, ops, t, 32, bw)
+        result["layer_set"].append(rec)
+        print(f"layer set T={t:<4} n=32: fused {rec['fused_us']:6.1f}  pair {rec['pair_us']:6.1f}  floor "
+              f"{rec['floor_us']:6.1f} us", flush=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
     for shape in SHAPES:
         for n in ns:
             for t in ts:
@@ -149,17 +169,13 @@ def main():
                 result["points"].append(rec)
                 if not rec["rel_err"] < 1e-2:
                     bad.append(rec)
-                sweep = "  ".join(f"{k} {v:.1f}" for k, v in rec.get("sweep", {}).items())
+                best = min(rec.get("sweep", {}).items(), key=lambda kv: kv[1], default=None)
+                sweep = f"best swept {best[1]:.1f} ({best[0]})" if best else ""
                 print(f"{shape:>7} T={t:<4} n={n:<3} fused {rec['fused_us']:6.1f}  pair {rec['pair_us']:6.1f}  floor "
                       f"{rec['floor_us']:5.1f} us  programs {rec['programs']}  err {rec['rel_err']:.1e}  {sweep}",
                       flush=True)
                 with open(path, "w") as f:
                     json.dump(result, f, indent=1)
-    for t in ts:
-        rec = run_layer_set(bench, ops, t, 32, bw)
-        result["layer_set"].append(rec)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
 
     print(f"\n== one LoRA layer, us ({name}, r={RANK}, bf16, graph replay, median of {args.reps}) ==")
     print(f"{'shape':>7} {'T':>4} {'n':>3} | {'fused':>6} {'pair':>6} {'floor':>6} | {'pair/fused':>10} "

@@ -26,7 +26,8 @@ import triton.language as tl
 
 from tp_lora.lora.batch import LoRABatch
 from tp_lora.ops.triton import configs
-from tp_lora.ops.triton.kernels import embedding_shrink_kernel, expand_kernel, shrink_expand_kernel, shrink_kernel
+from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, shrink_expand_kernel,
+                                        shrink_kernel)
 from tp_lora.ops.triton.schedule import SCHEMES, Schedule, get_scheme, prepare, set_scheme
 
 __all__ = ["shrink", "expand", "shrink_expand", "embedding_shrink", "set_scheme", "get_scheme", "prepare", "SCHEMES", "Schedule"]
