@@ -128,7 +128,7 @@ def run_layer_set(bench, ops, t, n, bw) -> dict:
     rec = dict(T=t, adapters=n, rank=RANK)
     for name, method in (("fused", fused), ("pair", pair)):
         fns = [method(ops, wl) for wl in wls]
-        rec[f"{name}_us"], _ = bench.time_us(lambda i: [fn(i) for fn in fns], N_INNER)
+        rec[f"{name}_us"], _ = bench.time_us(lambda i, fns=fns: [fn(i) for fn in fns], N_INNER)
     rec["floor_us"] = sum(wl.floor_bytes() for wl in wls) / bw * 1e6
     del wls
     torch.cuda.empty_cache()
