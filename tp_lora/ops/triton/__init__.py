@@ -30,7 +30,8 @@ from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, 
                                         shrink_kernel)
 from tp_lora.ops.triton.schedule import SCHEMES, Schedule, get_scheme, prepare, set_scheme
 
-__all__ = ["shrink", "expand", "shrink_expand", "embedding_shrink", "set_scheme", "get_scheme", "prepare", "SCHEMES", "Schedule"]
+__all__ = ["shrink", "expand", "shrink_expand", "embedding_shrink", "set_scheme", "get_scheme", "prepare", "SCHEMES",
+           "Schedule"]
 
 MAX_SLICES_PER_LAUNCH = 3
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -194,9 +195,9 @@ def shrink_expand(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Seque
     if len(lora_a) != len(lora_b):
         raise ValueError(f"shrink_expand: {len(lora_a)} A slices but {len(lora_b)} B slices, expected one B per A")
     t, k = x.shape
-    _, rank, _ = lora_a[0].shape
     if t == 0 or not len(lora_a):
         return
+    rank = lora_a[0].shape[1]
     if t > configs.FUSED_MAX_TOKENS or rank > configs.FUSED_MAX_RANK:
         expand(shrink(x, lora_a, scales, batch, a_scales=a_scales, scheme=scheme), lora_b, batch, out, offset,
                b_scales=b_scales, scheme=scheme)

@@ -181,18 +181,24 @@ def _fused_times(programs: tuple[int, ...], busy: int, m: float, r: int, k: int,
                   reverse=True)
 
 
-@functools.lru_cache(maxsize=None)
 def fused_config(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int) -> dict:
     """Fused shrink + expand of t tokens over a table of `entries` entries, slices of `widths` columns, rank r,
     k input features: BLOCK_R (covers r), BLOCK_K, BLOCK_N, PROGRAMS (P_s per slice), num_warps, num_stages.
     Depends only on the shapes, t and the table width, never on how tokens split between adapters (CUDA graphs)."""
     block_n = min(128, _pow2(max(widths)))
+    # a program streams all of A_s alone: wider K blocks keep more of it in flight where it is long
+    block_k = min(512 if k >= 8192 else 256, _pow2(k))
+    return dict(BLOCK_R=_pow2(r), BLOCK_K=block_k, BLOCK_N=block_n,
+                PROGRAMS=_fused_programs(t, r, k, widths, entries, sms, block_n), num_warps=4, num_stages=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_programs(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int,
+                    block_n: int) -> tuple[int, ...]:
+    """P_s per slice (each 1 .. the slice's N blocks, powers of two or all of them) with the least modelled time."""
     tiles = [-(-w // block_n) for w in widths]
     busy = max(1, min(entries, t))  # entries that can hold tokens at once
     m = t / busy
     choices = [sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)}) for n in tiles]
     # slowest term first; where it ties (memory-bound), the next ones decide
-    best = min(itertools.product(*choices), key=lambda p: (_fused_times(p, busy, m, r, k, widths, sms), sum(p)))
-    # a program streams all of A_s alone: wider K blocks keep more of it in flight where it is long
-    block_k = min(512 if k >= 8192 else 256, _pow2(k))
-    return dict(BLOCK_R=_pow2(r), BLOCK_K=block_k, BLOCK_N=block_n, PROGRAMS=tuple(best), num_warps=4, num_stages=3)
+    return min(itertools.product(*choices), key=lambda p: (_fused_times(p, busy, m, r, k, widths, sms), sum(p)))
