@@ -8,8 +8,8 @@ in one graph, median replay over --reps; weights rotate over copies so that smal
 default scheme chunked). Shapes: o (4096 -> 4096), qkv (4096 -> 4096 + 1024 + 1024), gate_up (4096 -> 2 x 14336),
 down (14336 -> 4096), i.e. one Llama-3-8B decoder layer at TP 1. floor = (adapter bytes read + x read + out read and
 written) / measured copy bandwidth. --sweep also times the fused op with its programs per slice (configs.fused_config)
-scaled by 1/2, 2 and 4 (and, at T=32 with 32 adapters, other block sizes, stages and warps): how far the byte
-model's pick is from the best of those.
+scaled by 1/2, 2 and 4, with every slice splitting N, then K (x1, x2), and, at T=32 with 32 adapters, other block
+sizes, stages and warps: how far the byte model's pick is from the best of those.
 
 First (the number that matters most) the layer-set proxy: the four LoRA layers of one 8B decoder layer captured
 together, fused vs pair, 32 adapters.
@@ -36,7 +36,7 @@ SHAPES = {"o": (4096, (4096,)), "qkv": (4096, (4096, 1024, 1024)), "gate_up": (4
           "down": (14336, (4096,))}
 GRID_T, GRID_N = (1, 32, 64, 128, 256), (1, 8, 32)
 QUICK_T, QUICK_N = (1, 32, 256), (32,)
-SWEEP = (0.5, 2.0, 4.0)  # factors on the programs per slice
+SWEEP = (0.5, 2.0, 4.0)  # factors on the programs per slice (then both ways of splitting, x1 and x2)
 SWEEP_CONFIG_T, SWEEP_CONFIG_N = (32,), 32  # where block sizes, stages and warps are swept too (recompiles)
 SWEEP_CONFIGS = (dict(BLOCK_N=256), dict(BLOCK_K=512), dict(num_stages=4), dict(num_warps=8))
 RANK = 16
@@ -68,13 +68,16 @@ def check(ops, wl) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def variant(real, factor=1.0, **overrides):
-    """configs.fused_config with other block sizes / stages (overrides) and every slice's program count scaled by
-    factor (within 1 .. its N blocks)."""
+def variant(real, factor=1.0, split=None, **overrides):
+    """configs.fused_config with other block sizes / stages (overrides), every slice's program count scaled by
+    factor (within 1 .. its N blocks, or K blocks where it splits K) and, unless split is None, every slice split
+    the same way (1: K, 0: N)."""
     def cfg(t, r, k, widths, entries, sms):
         c = dict(real(t, r, k, widths, entries, sms), **overrides)
-        tiles = [-(-w // c["BLOCK_N"]) for w in widths]
-        c["PROGRAMS"] = tuple(max(1, min(n, round(p * factor))) for p, n in zip(c["PROGRAMS"], tiles))
+        if split is not None:
+            c["SPLIT_K"] = (split,) * len(widths)
+        limits = [-(-k // c["BLOCK_K"]) if sp else -(-w // c["BLOCK_N"]) for w, sp in zip(widths, c["SPLIT_K"])]
+        c["PROGRAMS"] = tuple(max(1, min(n, round(p * factor))) for p, n in zip(c["PROGRAMS"], limits))
         return c
     return cfg
 
@@ -101,7 +104,7 @@ def run_point(bench, ops, shape, t, n, bw, sweep: bool) -> dict:
     if sweep:
         rec["sweep"] = {}
         seen = {_key(rec["config"])}
-        variants = [variant(real, f) for f in SWEEP]
+        variants = [variant(real, f) for f in SWEEP] + [variant(real, f, sp) for sp in (0, 1) for f in (1.0, 2.0)]
         if t in SWEEP_CONFIG_T and n == SWEEP_CONFIG_N:  # these recompile: a few points only
             variants += [variant(real, f, **o) for o in SWEEP_CONFIGS for f in (1.0, 2.0)]
         for v in variants:
@@ -172,7 +175,8 @@ def main():
                 best = min(rec.get("sweep", {}).items(), key=lambda kv: kv[1], default=None)
                 sweep = f"best swept {best[1]:.1f} ({best[0]})" if best else ""
                 print(f"{shape:>7} T={t:<4} n={n:<3} fused {rec['fused_us']:6.1f}  pair {rec['pair_us']:6.1f}  floor "
-                      f"{rec['floor_us']:5.1f} us  programs {rec['programs']}  err {rec['rel_err']:.1e}  {sweep}",
+                      f"{rec['floor_us']:5.1f} us  programs {rec['programs']} split_k {rec['config']['SPLIT_K']}  "
+                      f"err {rec['rel_err']:.1e}  {sweep}",
                       flush=True)
                 with open(path, "w") as f:
                     json.dump(result, f, indent=1)

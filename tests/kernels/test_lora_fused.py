@@ -36,6 +36,8 @@ def _check(slots, batch, x, lora_a, lora_b, scales, out0, offset=0, scheme=None,
     write and leave everything else bit-identical."""
     out, ref = out0.clone(), out0.clone()
     tri.shrink_expand(x, lora_a, lora_b, scales, batch, out, offset, scheme=scheme, **kw)
+    ws, counts = tri._fused_workspace(out.device, 1)
+    assert not ws.any() and not counts.any(), "the K-split workspace must be left zeroed for the next launch"
     torch_ref.shrink_expand(x, lora_a, lora_b, scales, batch, ref, offset, **kw)
     written = torch.zeros_like(out, dtype=torch.bool)
     has = torch.tensor(slots, dtype=torch.long, device=out.device) >= 0
@@ -109,18 +111,30 @@ def test_fused_fp8_weights(device, fp8_a):
     _check(slots, batch, x, a, b, scales, _rand((t, sum(widths)), torch.float32, device, gen), **kw)
 
 
+SPLITS = {  # programs per slice, K split per slice (else N split)
+    "n_split_one_each": ((1, 1, 1), (0, 0, 0)),
+    "n_split": ((2, 3, 2), (0, 0, 0)),
+    "n_split_idle_programs": ((3, 4, 5), (0, 0, 0)),  # more programs than N blocks: some get none
+    "k_split": ((2, 3, 6), (1, 1, 1)),  # 6 K blocks: 3 / 2 / 1 per program
+    "k_split_idle_programs": ((8, 4, 2), (1, 1, 1)),  # more programs than K blocks: some add nothing
+    "mixed": ((4, 2, 3), (1, 0, 1)),
+}
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("programs", [(1, 1, 1), (2, 3, 2), (3, 4, 5)])
-def test_fused_program_splits(device, scheme, programs, monkeypatch):
-    """Configs the model does not pick at these sizes: several programs per slice striding over the N blocks (more
-    programs than blocks in (3, 4, 5): some get none), several K blocks with a ragged last one, and (sorted) groups
-    longer than a token block, shared between two programs."""
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_fused_program_splits(device, scheme, split, monkeypatch):
+    """Configs the model does not pick at these sizes: several programs per slice striding over the N blocks, or
+    splitting K (partials through the workspace, the last to arrive expands), several K blocks with a ragged last
+    one, and (sorted) groups longer than a token block, shared between two programs."""
+    programs, splits = SPLITS[split]
+
     def cfg(*_):
-        return dict(BLOCK_R=32, BLOCK_K=16, BLOCK_N=16, PROGRAMS=programs, num_warps=4, num_stages=2)
+        return dict(BLOCK_R=32, BLOCK_K=16, BLOCK_N=16, PROGRAMS=programs, SPLIT_K=splits, num_warps=4, num_stages=2)
     monkeypatch.setattr(configs, "fused_config", cfg)
     if scheme == "sorted":
         monkeypatch.setattr(tri, "_m_programs", lambda *a: 2)
-    gen = _gen("splits", scheme, programs)
+    gen = _gen("splits", scheme, split)
     t, max_loras, rank, k, widths = 70, 3, 24, 88, [20, 100, 52]  # 2, 7 and 4 N blocks of 16; K = 5.5 blocks
     slots = [0] * 50 + [-1] * 5 + [2] * 15  # 4 token blocks of 16 for slot 0
     slots = [slots[i] for i in torch.randperm(t, generator=gen).tolist()]
@@ -182,14 +196,16 @@ def test_refreshed_static_batch_matches_direct(device):
 
 @pytest.mark.parametrize("t", [1, 32, 64, 256])
 def test_fused_config_at_8b_shapes(t):
-    """Programs per slice stay within the slice's N blocks and the grid stays within a few waves, for the 8B layer
-    shapes (qkv, o, gate_up, down) at 32 adapters."""
+    """Programs per slice stay within the slice's N blocks (K blocks when they split K) and the grid stays within a
+    few waves, for the 8B layer shapes (qkv, o, gate_up, down) at 32 adapters."""
     from tp_lora.ops.triton.schedule import chunked_entries
     entries = chunked_entries(t, 32, configs.segment_size(t))
     for k, widths in ((4096, (4096, 1024, 1024)), (4096, (4096,)), (4096, (14336, 14336)), (14336, (4096,))):
         cfg = configs.fused_config(t, 16, k, widths, entries, 132)
         tiles = [-(-w // cfg["BLOCK_N"]) for w in widths]
-        assert all(1 <= p <= n for p, n in zip(cfg["PROGRAMS"], tiles)), (widths, cfg)
+        k_blocks = -(-k // cfg["BLOCK_K"])
+        assert all(1 <= p <= (k_blocks if sp else n) for p, sp, n in zip(cfg["PROGRAMS"], cfg["SPLIT_K"], tiles)), \
+            (widths, cfg)
         assert min(entries, t) * sum(cfg["PROGRAMS"]) <= 4 * 132, (t, widths, cfg)
 
 

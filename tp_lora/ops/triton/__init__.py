@@ -83,6 +83,23 @@ def _m_programs(sched: Schedule, t: int, block_m: int, other_programs: int, devi
     return max(1, min(-(-t // block_m), want))
 
 
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fused_workspace(device: torch.device, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's K-split workspace on `device` for steps of up to t tokens: partial sums [3, T', r_max]
+    float32 and arrival counts [3, T'] int32 (T' >= t, at least FUSED_MAX_TOKENS; r_max = FUSED_MAX_RANK). Zeroed
+    once; every launch leaves them zeroed, so all layers (one stream) share them and a CUDA graph may capture them
+    (the first use, outside capture, allocates them)."""
+    held = _WORKSPACES.get(device)
+    if held is None or held[1].shape[1] < t:
+        t, r = max(t, configs.FUSED_MAX_TOKENS), configs.FUSED_MAX_RANK
+        held = (torch.zeros(MAX_SLICES_PER_LAUNCH, t, r, dtype=torch.float32, device=device),
+                torch.zeros(MAX_SLICES_PER_LAUNCH, t, dtype=torch.int32, device=device))
+        _WORKSPACES[device] = held
+    return held
+
+
 def _new_buffer(shape: tuple[int, ...], zero: bool, device: torch.device) -> torch.Tensor:
     """The shrink output. Zeroed only where the kernel accumulates (split-K); else it writes every row."""
     return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
@@ -191,7 +208,8 @@ def shrink_expand(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Seque
                   scheme: str | None = None) -> None:
     """expand(shrink(x, lora_a, scales, batch), lora_b, batch, out, offset) in one launch per group of <= 3 slices
     (decode-sized steps: T <= configs.FUSED_MAX_TOKENS, rank <= configs.FUSED_MAX_RANK; else the pair): no float32
-    intermediate in memory, no zero fill. Shapes and fp8 scales as in shrink and expand."""
+    intermediate round trip (K-split slices add partials in a small L2-resident workspace), no zero fill. Shapes and
+    fp8 scales as in shrink and expand. Launches that share a device must not run concurrently (one workspace)."""
     if len(lora_a) != len(lora_b):
         raise ValueError(f"shrink_expand: {len(lora_a)} A slices but {len(lora_b)} B slices, expected one B per A")
     t, k = x.shape
@@ -208,6 +226,7 @@ def shrink_expand(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Seque
     block_m = sched.segment_size or configs.FUSED_SORTED_BLOCK_M
     sms = configs.num_sms((x.device.index or 0) if x.device.type == "cuda" else None)
     has_as, has_bs = a_scales is not None, b_scales is not None
+    ws, counts = _fused_workspace(x.device, t)
 
     def key(i):
         a, b = lora_a[i], lora_b[i]
@@ -223,6 +242,7 @@ def shrink_expand(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Seque
     for base, idx in _launch_groups(len(lora_a), key, solo):
         cfg = configs.fused_config(t, rank, k, tuple(widths[i] for i in idx), sched.entries, sms)
         progs = list(cfg["PROGRAMS"]) + [1] * (MAX_SLICES_PER_LAUNCH - len(idx))
+        splits = list(cfg["SPLIT_K"]) + [0] * (MAX_SLICES_PER_LAUNCH - len(idx))
         p_ends = list(itertools.accumulate(progs))
         a3, b3, w3 = _three(lora_a, idx), _three(lora_b, idx), _three(widths, idx)
         as3 = _three(a_scales, idx) if has_as else [scales] * 3  # unused placeholders
@@ -233,8 +253,9 @@ def shrink_expand(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Seque
         other = p_ends[len(idx) - 1]
         grid = (sched.entries, other, _m_programs(sched, t, block_m, other, x.device))
         shrink_expand_kernel[grid](
-            x, *a3, *as3, *b3, *bs3, scales, out, batch.order, sched.table,
+            x, *a3, *as3, *b3, *bs3, scales, out, batch.order, sched.table, ws, counts,
             k, rank, sched.entries, base, cols[base], *w3, p_ends[0], p_ends[1], *progs,
+            *splits, ws.stride(0), ws.stride(1), counts.stride(0),
             x.stride(0), x.stride(1),
             *(a.stride(0) for a in a3), a3[0].stride(1), a3[0].stride(2),
             as3[0].stride(0) if has_as else 0, as3[0].stride(1) if has_as else 0,

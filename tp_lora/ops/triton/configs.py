@@ -153,10 +153,13 @@ def _cuda_sms(device_index: int) -> int:
 
 
 # --- fused shrink + expand (decode steps; tp_lora.ops.triton.shrink_expand) ---
-# Each program of the fused kernel recomputes the shrink of its table entry's tokens (all of A_s of that adapter, from
-# L2 after the first program) and then writes 1/P_s of slice s's output columns. P_s (programs per slice and entry)
-# trades those re-reads of A_s against spreading B_s and the output rows over more SMs; fused_config picks it with the
-# byte model below. Above FUSED_MAX_TOKENS tokens or FUSED_MAX_RANK ranks the runtime uses shrink + expand instead.
+# Per table entry (the tokens of one adapter) and slice s the fused kernel runs P_s programs in one of two ways:
+# - N split: each program does the whole shrink (all of A_s, from L2 after the first program) and 1/P_s of the
+#   slice's output columns. Costs P_s reads of A_s; suits wide slices (gate_up).
+# - K split: each program does 1/P_s of the shrink's K and adds its partial into a small float32 workspace; the last
+#   to arrive does every output column. Reads A_s once, but one program streams all of B_s; suits long K (down).
+# fused_config picks the way and P_s per slice with the byte model below. Above FUSED_MAX_TOKENS tokens or
+# FUSED_MAX_RANK ranks the runtime uses shrink + expand instead.
 FUSED_MAX_TOKENS = 256
 FUSED_MAX_RANK = 128
 FUSED_SORTED_BLOCK_M = 16  # sorted scheme: token block of a program (chunked: the step's segment)
@@ -167,15 +170,16 @@ FUSED_L2_SPEEDUP = 1.5
 FUSED_SM_SPEEDUP = 3.0
 
 
-def _fused_times(programs: tuple[int, ...], busy: int, m: float, r: int, k: int, widths: tuple[int, ...],
-                 sms: int) -> list[float]:
+def _fused_times(programs: tuple[int, ...], splits: tuple[int, ...], busy: int, m: float, r: int, k: int,
+                 widths: tuple[int, ...], sms: int) -> list[float]:
     """Modelled times of one fused launch, `busy` entries of m tokens each, slowest first (arbitrary units; only
     compared): memory, L2, and the busiest SM. Bytes in units of one rank-row element: A_s is k, x rows k * m / r,
-    B_s w_s, output rows read + written 2 * m * w_s / r."""
-    x, out = k * m / r, [2 * m * w / r for w in widths]
-    hbm = busy * (k * len(widths) + x + sum(widths) + sum(out))
-    l2 = busy * sum(p * (k + x) + w + o for p, w, o in zip(programs, widths, out))
-    per_program = max(k + x + (w + o) / p for p, w, o in zip(programs, widths, out))
+    B_s w_s, output rows read + written 2 * m * w_s / r. splits[s]: slice s splits K (else N)."""
+    a = k + k * m / r
+    out = [w + 2 * m * w / r for w in widths]  # B_s and the output rows
+    hbm = busy * (a * len(widths) + sum(out) - (len(widths) - 1) * k * m / r)  # x once
+    l2 = busy * sum(a + o if sp else p * a + o for p, sp, o in zip(programs, splits, out))
+    per_program = max(a / p + o if sp else a + o / p for p, sp, o in zip(programs, splits, out))
     per_sm = -(-busy * sum(programs) // sms)  # programs sharing the busiest SM
     return sorted((hbm / sms, l2 / (sms * FUSED_L2_SPEEDUP), per_sm * per_program / min(per_sm, FUSED_SM_SPEEDUP)),
                   reverse=True)
@@ -183,22 +187,35 @@ def _fused_times(programs: tuple[int, ...], busy: int, m: float, r: int, k: int,
 
 def fused_config(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int) -> dict:
     """Fused shrink + expand of t tokens over a table of `entries` entries, slices of `widths` columns, rank r,
-    k input features: BLOCK_R (covers r), BLOCK_K, BLOCK_N, PROGRAMS (P_s per slice), num_warps, num_stages.
-    Depends only on the shapes, t and the table width, never on how tokens split between adapters (CUDA graphs)."""
+    k input features: BLOCK_R (covers r), BLOCK_K, BLOCK_N, PROGRAMS (P_s per slice), SPLIT_K (per slice: 1 splits
+    K, 0 splits N), num_warps, num_stages. Depends only on the shapes, t and the table width, never on how tokens
+    split between adapters (CUDA graphs)."""
     block_n = min(128, _pow2(max(widths)))
-    # a program streams all of A_s alone: wider K blocks keep more of it in flight where it is long
+    # a program streams all of A_s (N split) alone: wider K blocks keep more of it in flight where it is long
     block_k = min(512 if k >= 8192 else 256, _pow2(k))
-    return dict(BLOCK_R=_pow2(r), BLOCK_K=block_k, BLOCK_N=block_n,
-                PROGRAMS=_fused_programs(t, r, k, widths, entries, sms, block_n), num_warps=4, num_stages=3)
+    programs, splits = _fused_programs(t, r, k, widths, entries, sms, block_n, block_k)
+    return dict(BLOCK_R=_pow2(r), BLOCK_K=block_k, BLOCK_N=block_n, PROGRAMS=programs, SPLIT_K=splits,
+                num_warps=4, num_stages=3)
+
+
+def _pow2_upto(n: int) -> list[int]:
+    return sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)})
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_programs(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int,
-                    block_n: int) -> tuple[int, ...]:
-    """P_s per slice (each 1 .. the slice's N blocks, powers of two or all of them) with the least modelled time."""
-    tiles = [-(-w // block_n) for w in widths]
+def _fused_programs(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int, block_n: int,
+                    block_k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(P_s, split_s) per slice with the least modelled time: N split into 1 .. the slice's N blocks programs, or K
+    split into 2 .. the K blocks (powers of two or all of them)."""
     busy = max(1, min(entries, t))  # entries that can hold tokens at once
     m = t / busy
-    choices = [sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)}) for n in tiles]
-    # slowest term first; where it ties (memory-bound), the next ones decide
-    return min(itertools.product(*choices), key=lambda p: (_fused_times(p, busy, m, r, k, widths, sms), sum(p)))
+    k_blocks = -(-k // block_k)
+    ways = [[(p, 0) for p in _pow2_upto(-(-w // block_n))] + [(p, 1) for p in _pow2_upto(k_blocks) if p > 1]
+            for w in widths]
+
+    def cost(choice):
+        programs, splits = tuple(c[0] for c in choice), tuple(c[1] for c in choice)
+        # slowest term first; where it ties (memory-bound), the next ones decide
+        return _fused_times(programs, splits, busy, m, r, k, widths, sms), sum(programs)
+    best = min(itertools.product(*ways), key=cost)
+    return tuple(c[0] for c in best), tuple(c[1] for c in best)

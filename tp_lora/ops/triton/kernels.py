@@ -220,11 +220,12 @@ def _out_tile_loads(b_base, bs_base, out_ptr, tok, m_mask, nb, width, col, offs_
 
 
 @triton.jit(do_not_specialize=["table_stride", "slice_base", "p_end0", "p_end1", "progs0", "progs1", "progs2",
-                               "M_PROGRAMS"])
+                               "split0", "split1", "split2", "M_PROGRAMS"])
 def shrink_expand_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, as0_ptr, as1_ptr, as2_ptr, b0_ptr, b1_ptr, b2_ptr, bs0_ptr, bs1_ptr, bs2_ptr,
-    scale_ptr, out_ptr, order_ptr, table_ptr,
+    scale_ptr, out_ptr, order_ptr, table_ptr, ws_ptr, count_ptr,
     K, R, table_stride, slice_base, col0, width0, width1, width2, p_end0, p_end1, progs0, progs1, progs2,
+    split0, split1, split2, stride_ws_s, stride_ws_t, stride_cnt_s,
     stride_xt, stride_xk,
     stride_al0, stride_al1, stride_al2, stride_ar, stride_ak,
     stride_asl, stride_asr,
@@ -239,13 +240,17 @@ def shrink_expand_kernel(
     CDT_B: tl.constexpr, DOT_B: tl.constexpr, PREC_B: tl.constexpr,
 ):
     """out[t, col_s + n] += (scale[s, slot] * x[t] @ A_s[slot]^T) @ B_s[slot]^T for the tokens t of one table entry:
-    shrink_kernel and expand_kernel in one program, the [BLOCK_M, R] intermediate kept in registers.
+    shrink_kernel and expand_kernel in one program, the [BLOCK_M, R] intermediate in registers.
 
     x [T, K], A_s [L, R, K] (a_scales [L, R] when fp8), B_s [L, width_s, R] (b_scales [L, width_s] when fp8),
     scale [S, L] f32, out [T, O]; col_s = col0 + sum of earlier widths. Grid: (table entries, programs of all slices,
-    M_PROGRAMS); slice s has progs_s programs per entry (p_end_s: cumulative ends), program j of them recomputes the
-    shrink of its tokens and covers the N blocks j, j + progs_s, ... of the slice. Entries of tokens without an
-    adapter (slot -1) do nothing. Rounding as in the pair: the intermediate is float32, rounded to CDT_B for the dot.
+    M_PROGRAMS); slice s has progs_s programs per entry (p_end_s: cumulative ends). split_s == 0: program j of them
+    does the whole shrink of its tokens and the N blocks j, j + progs_s, ... of the slice. split_s == 1: program j
+    does the j-th of progs_s parts of K and adds its partial intermediate into ws [3, T, BLOCK_R] f32 (rows by
+    token), then counts itself in count [3, T] i32 (at the block's first position in `order`); the last of them to
+    arrive takes the sum (and leaves zeros in both) and does every N block. ws and count start zeroed and are left
+    zeroed, so launches in one stream may share them. Entries of tokens without an adapter (slot -1) do nothing.
+    Rounding as in the pair: the intermediate is float32, rounded to CDT_B for the dot.
     """
     pid_g = tl.program_id(0)
     pid_x = tl.program_id(1)
@@ -256,6 +261,7 @@ def shrink_expand_kernel(
     col = col0
     width = width0
     progs = progs0
+    split = split0
     if NUM_SLICES > 1:
         if pid_x >= p_end0:
             s = 1
@@ -263,6 +269,7 @@ def shrink_expand_kernel(
             col = col0 + width0
             width = width1
             progs = progs1
+            split = split1
     if NUM_SLICES > 2:
         if pid_x >= p_end1:
             s = 2
@@ -270,6 +277,7 @@ def shrink_expand_kernel(
             col = col0 + width0 + width1
             width = width2
             progs = progs2
+            split = split2
 
     slot = tl.load(table_ptr + pid_g)
     start = tl.load(table_ptr + table_stride + pid_g)
@@ -296,20 +304,27 @@ def shrink_expand_kernel(
         bs_base = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES) + slot * _pick(
             s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
     n_tiles = tl.cdiv(width, BLOCK_N)
+    # this program's K blocks [kb_lo, kb_hi) and first N block / step
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    k_part = tl.cdiv(k_blocks, progs)
+    kb_lo = tl.where(split != 0, j * k_part, 0)
+    kb_hi = tl.where(split != 0, tl.minimum(kb_lo + k_part, k_blocks), k_blocks)
+    n_first = tl.where(split != 0, 0, j)
+    n_step = tl.where(split != 0, 1, progs)
 
     for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
         # the first output tile's loads do not depend on the shrink: in flight while it runs
-        bv, ch, prev = _out_tile_loads(b_base, bs_base, out_ptr, tok, m_mask, j, width, col, offs_r, r_mask,
+        bv, ch, prev = _out_tile_loads(b_base, bs_base, out_ptr, tok, m_mask, n_first, width, col, offs_r, r_mask,
                                        stride_bn, stride_bk, stride_bsn, stride_ot, stride_on, BLOCK_N, HAS_B_SCALES)
 
-        # shrink: u = scale * x[tok] @ A_s[slot]^T  [BLOCK_M, BLOCK_R], columns past R are 0
-        x_blk = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
-        a_blk = a_ptr + slot * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
+        # shrink: u = scale * x[tok] @ A_s[slot]^T  [BLOCK_M, BLOCK_R] over this program's K blocks, columns past R 0
+        x_blk = x_ptr + tok[:, None] * stride_xt + (kb_lo * BLOCK_K + offs_k)[None, :] * stride_xk
+        a_blk = a_ptr + slot * stride_al + offs_r[None, :] * stride_ar + (kb_lo * BLOCK_K + offs_k)[:, None] * stride_ak
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        for kb in range(kb_lo, kb_hi):
             if EVEN_K:
                 xv = tl.load(x_blk, mask=m_mask[:, None], other=0.0)
                 av = tl.load(a_blk, mask=r_mask[None, :], other=0.0)
@@ -323,12 +338,27 @@ def shrink_expand_kernel(
         if HAS_A_SCALES:
             acc = acc * row_scale[None, :]
         u = acc * scale
+        n_end = n_tiles
+        if split != 0:  # add the partial sum; the last program of the block to arrive expands the total
+            u_mask = m_mask[:, None] & r_mask[None, :]
+            ws = ws_ptr + s * stride_ws_s + tok[:, None] * stride_ws_t + offs_r[None, :]
+            tl.atomic_add(ws, u, mask=u_mask, sem="relaxed")
+            tl.debug_barrier()  # every thread's adds are issued before the release below counts this program
+            counter = count_ptr + s * stride_cnt_s + start + mb * BLOCK_M
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            last = arrived == progs - 1
+            n_end = tl.where(last, n_tiles, 0)
+            if last:  # read the total where the adds landed (an atomic: the L2), then leave zeros
+                total = tl.atomic_add(ws, tl.zeros_like(u), mask=u_mask, sem="acq_rel", scope="gpu")
+                u = tl.where(u_mask, total, 0.0)
+                tl.store(ws, tl.zeros_like(u), mask=u_mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
-        # expand: out[tok, col + n] += u @ B_s[slot]^T over this program's N blocks j, j + progs, ... of the slice,
-        # each block's loads issued one block ahead
-        for nb in range(j, n_tiles, progs):
+        # expand: out[tok, col + n] += u @ B_s[slot]^T over this program's N blocks n_first, n_first + n_step, ...
+        # of the slice, each block's loads issued one block ahead
+        for nb in range(n_first, n_end, n_step):
             bv_next, ch_next, prev_next = _out_tile_loads(
-                b_base, bs_base, out_ptr, tok, m_mask, nb + progs, width, col, offs_r, r_mask,
+                b_base, bs_base, out_ptr, tok, m_mask, nb + n_step, width, col, offs_r, r_mask,
                 stride_bn, stride_bk, stride_bsn, stride_ot, stride_on, BLOCK_N, HAS_B_SCALES)
             d = _mm(u, bv, CDT_B, DOT_B, PREC_B)
             if HAS_B_SCALES:
