@@ -217,11 +217,12 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 @cuda_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_fused_cuda_graph_replays_another_split(scheme):
+@pytest.mark.parametrize("k", [256, 2048], ids=["n_split", "k_split"])  # what fused_config picks at these K
+def test_fused_cuda_graph_replays_another_split(scheme, k):
     """Capture the fused op for one split of T tokens, refresh the captured buffers with another split, replay: the
     result matches the reference for the new split (grid fixed by T and max_loras)."""
-    dev, gen = "cuda", _gen("graph", scheme)
-    t, max_loras, k, rank, widths = 48, 8, 256, 16, [256, 64, 64]
+    dev, gen = "cuda", _gen("graph", scheme, k)
+    t, max_loras, rank, widths = 48, 8, 16, [256, 64, 64]
     tri.set_scheme(scheme)
     static = build_lora_batch(_slots("one_adapter", t, max_loras, gen), max_loras, dev)
     tri.refresh_static_batch(static, static)
@@ -245,6 +246,25 @@ def test_fused_cuda_graph_replays_another_split(scheme):
     ref = torch.zeros_like(out)
     torch_ref.shrink_expand(x, a, b, scales, second, ref)
     assert _rel(out, ref) < TOL[torch.bfloat16]
+
+
+@cuda_only
+@pytest.mark.gpu
+def test_fused_k_split_repeated(monkeypatch):
+    """K split with many programs per block, launched back to back: every launch must see a clean workspace and
+    the last program to arrive must see every partial (a missing one or a leftover shows as a wrong result)."""
+    dev, gen = "cuda", _gen("repeat")
+    slots, batch, x, a, b, scales = _layer(gen, dev, 64, 8, 4096, [512, 128], 16, torch.bfloat16)
+    ref = torch.zeros(64, 640, dtype=torch.bfloat16, device=dev)
+    torch_ref.shrink_expand(x, a, b, scales, batch, ref)
+    real = configs.fused_config
+    monkeypatch.setattr(configs, "fused_config", lambda *args: dict(real(*args), PROGRAMS=(16, 16), SPLIT_K=(1, 1)))
+    for _ in range(50):
+        out = torch.zeros_like(ref)
+        tri.shrink_expand(x, a, b, scales, batch, out)
+        assert _rel(out, ref) < TOL[torch.bfloat16]
+    ws, counts = tri._fused_workspace(out.device, 1)
+    assert not ws.any() and not counts.any()
 
 
 @cuda_only
