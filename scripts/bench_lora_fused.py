@@ -34,7 +34,7 @@ from bench_lora_ops import Bench, Workload, copy_bandwidth  # noqa: E402
 
 SHAPES = {"o": (4096, (4096,)), "qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
           "down": (14336, (4096,))}
-GRID_T, GRID_N = (1, 32, 64, 128, 256), (1, 8, 32)
+GRID_T, GRID_N = (1, 32, 64, 128, 256), (32, 8, 1)  # the case (32 adapters) first
 QUICK_T, QUICK_N = (1, 32, 256), (32,)
 SWEEP = (0.5, 2.0, 4.0)  # factors on the programs per slice (then both ways of splitting, x1 and x2)
 SWEEP_CONFIG_T, SWEEP_CONFIG_N = (32,), 32  # where block sizes, stages and warps are swept too (recompiles)
@@ -144,6 +144,7 @@ def main():
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--sweep", action="store_true", help="also time the fused op with scaled programs per slice")
     ap.add_argument("--quick", action="store_true", help="T 1, 32, 256 at 32 adapters only")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new point after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lora_fused.py times CUDA graphs: it needs a GPU")
@@ -165,21 +166,23 @@ def main():
               f"{rec['floor_us']:6.1f} us", flush=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
-    for shape in SHAPES:
-        for n in ns:
-            for t in ts:
-                rec = run_point(bench, ops, shape, t, n, bw, args.sweep)
-                result["points"].append(rec)
-                if not rec["rel_err"] < 1e-2:
-                    bad.append(rec)
-                best = min(rec.get("sweep", {}).items(), key=lambda kv: kv[1], default=None)
-                sweep = f"best swept {best[1]:.1f} ({best[0]})" if best else ""
-                print(f"{shape:>7} T={t:<4} n={n:<3} fused {rec['fused_us']:6.1f}  pair {rec['pair_us']:6.1f}  floor "
-                      f"{rec['floor_us']:5.1f} us  programs {rec['programs']} split_k {rec['config']['SPLIT_K']}  "
-                      f"err {rec['rel_err']:.1e}  {sweep}",
-                      flush=True)
-                with open(path, "w") as f:
-                    json.dump(result, f, indent=1)
+    points = [(shape, n, t) for n in ns for shape in SHAPES for t in ts]
+    for i, (shape, n, t) in enumerate(points):
+        if time.time() - t0 > args.budget_s:
+            print(f"budget reached: {i}/{len(points)} points done", flush=True)
+            break
+        rec = run_point(bench, ops, shape, t, n, bw, args.sweep)
+        result["points"].append(rec)
+        if not rec["rel_err"] < 1e-2:
+            bad.append(rec)
+        best = min(rec.get("sweep", {}).items(), key=lambda kv: kv[1], default=None)
+        sweep = f"best swept {best[1]:.1f} ({best[0]})" if best else ""
+        print(f"{shape:>7} T={t:<4} n={n:<3} fused {rec['fused_us']:6.1f}  pair {rec['pair_us']:6.1f}  floor "
+              f"{rec['floor_us']:5.1f} us  programs {rec['programs']} split_k {rec['config']['SPLIT_K']}  "
+              f"err {rec['rel_err']:.1e}  {sweep}",
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
     print(f"\n== one LoRA layer, us ({name}, r={RANK}, bf16, graph replay, median of {args.reps}) ==")
     print(f"{'shape':>7} {'T':>4} {'n':>3} | {'fused':>6} {'pair':>6} {'floor':>6} | {'pair/fused':>10} "
