@@ -8,8 +8,8 @@ in one graph, median replay over --reps; weights rotate over copies so that smal
 default scheme chunked). Shapes: o (4096 -> 4096), qkv (4096 -> 4096 + 1024 + 1024), gate_up (4096 -> 2 x 14336),
 down (14336 -> 4096), i.e. one Llama-3-8B decoder layer at TP 1. floor = (adapter bytes read + x read + out read and
 written) / measured copy bandwidth. --sweep also times the fused op with its programs per slice (configs.fused_config)
-scaled by 1/2, 2 and 4, with every slice splitting N, then K (x1, x2), and, at T=32 with 32 adapters, other block
-sizes, stages and warps: how far the byte model's pick is from the best of those.
+scaled by 1/2, 2 and 4, with every slice splitting N, then K (x1, x2), and at T=32 other block sizes, stages and
+warps, all at 32 adapters: how far the byte model's pick is from the best of those.
 
 First (the number that matters most) the layer-set proxy: the four LoRA layers of one 8B decoder layer captured
 together, fused vs pair, 32 adapters.
@@ -37,7 +37,8 @@ SHAPES = {"o": (4096, (4096,)), "qkv": (4096, (4096, 1024, 1024)), "gate_up": (4
 GRID_T, GRID_N = (1, 32, 64, 128, 256), (32, 8, 1)  # the case (32 adapters) first
 QUICK_T, QUICK_N = (1, 32, 256), (32,)
 SWEEP = (0.5, 2.0, 4.0)  # factors on the programs per slice (then both ways of splitting, x1 and x2)
-SWEEP_CONFIG_T, SWEEP_CONFIG_N = (32,), 32  # where block sizes, stages and warps are swept too (recompiles)
+SWEEP_N = 32  # the sweep runs at this many adapters
+SWEEP_CONFIG_T = (32,)  # where block sizes, stages and warps are swept too (recompiles)
 SWEEP_CONFIGS = (dict(BLOCK_N=256), dict(BLOCK_K=512), dict(num_stages=4), dict(num_warps=8))
 RANK = 16
 N_INNER = 16
@@ -101,11 +102,11 @@ def run_point(bench, ops, shape, t, n, bw, sweep: bool) -> dict:
     args = (t, RANK, hidden, tuple(widths), sched.entries, configs.num_sms(0))
     rec["config"] = real(*args)
     rec["programs"] = rec["config"]["PROGRAMS"]
-    if sweep:
+    if sweep and n == SWEEP_N:
         rec["sweep"] = {}
         seen = {_key(rec["config"])}
         variants = [variant(real, f) for f in SWEEP] + [variant(real, f, sp) for sp in (0, 1) for f in (1.0, 2.0)]
-        if t in SWEEP_CONFIG_T and n == SWEEP_CONFIG_N:  # these recompile: a few points only
+        if t in SWEEP_CONFIG_T:  # these recompile: a few points only
             variants += [variant(real, f, **o) for o in SWEEP_CONFIGS for f in (1.0, 2.0)]
         for v in variants:
             configs.fused_config = v
