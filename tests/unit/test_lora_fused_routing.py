@@ -26,8 +26,10 @@ def test_default_mode_calls_the_fused_op_once():
     spec = qkv_spec(16, 4, 2, 4)
     calls = []
     rt = LoRARuntime(max_loras=3, max_rank=4, fully_sharded=False, ops=_recording_ops(calls))
-    layer = wrap(ParallelLinear(spec, tp, True, device="cpu"), rt, ["q", "k", "v"])
+    base = ParallelLinear(spec, tp, True, device="cpu")
+    layer = wrap(base, rt, ["q", "k", "v"])
     for s, width in enumerate(spec.out_widths):
+        base.load_slice(s, torch.randn(width, 16, generator=gen), torch.randn(width, generator=gen))
         layer.set_slot(1, s, torch.randn(4, 16, generator=gen), torch.randn(width, 4, generator=gen), 0.5)
     x = torch.randn(5, 16, generator=gen)
     rt.batch = build_lora_batch([1, -1, 1, 1, -1], 3, "cpu")
