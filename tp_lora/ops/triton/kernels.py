@@ -200,6 +200,177 @@ def expand_kernel(
 
 
 @triton.jit
+def _out_tile_loads(b_base, bs_base, out_ptr, tok, m_mask, nb, width, col, offs_r, r_mask,
+                    stride_bn, stride_bk, stride_bsn, stride_ot, stride_on,
+                    BLOCK_N: tl.constexpr, HAS_B_SCALES: tl.constexpr):
+    """What output block nb of a slice needs besides the shrink result: B rows [BLOCK_R, BLOCK_N] (b_base: the
+    slot's B_s), channel scales [BLOCK_N] (bs_base: the slot's b_scales; ones without fp8) and the current output
+    [BLOCK_M, BLOCK_N]. A block past the slice's end loads nothing."""
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_bk,
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    if HAS_B_SCALES:
+        ch = tl.load(bs_base + offs_n * stride_bsn, mask=n_mask, other=0.0)
+    else:
+        ch = tl.full((BLOCK_N,), 1.0, tl.float32)
+    prev = tl.load(out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on,
+                   mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    return bv, ch, prev
+
+
+@triton.jit(do_not_specialize=["table_stride", "slice_base", "p_end0", "p_end1", "progs0", "progs1", "progs2",
+                               "split0", "split1", "split2", "M_PROGRAMS"])
+def shrink_expand_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, as0_ptr, as1_ptr, as2_ptr, b0_ptr, b1_ptr, b2_ptr, bs0_ptr, bs1_ptr, bs2_ptr,
+    scale_ptr, out_ptr, order_ptr, table_ptr, ws_ptr, count_ptr,
+    K, R, table_stride, slice_base, col0, width0, width1, width2, p_end0, p_end1, progs0, progs1, progs2,
+    split0, split1, split2, stride_ws_s, stride_ws_t, stride_cnt_s,
+    stride_xt, stride_xk,
+    stride_al0, stride_al1, stride_al2, stride_ar, stride_ak,
+    stride_asl, stride_asr,
+    stride_bl0, stride_bl1, stride_bl2, stride_bn, stride_bk,
+    stride_bsl0, stride_bsl1, stride_bsl2, stride_bsn,
+    stride_ss, stride_sl,
+    stride_ot, stride_on,
+    M_PROGRAMS,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_A_SCALES: tl.constexpr, HAS_B_SCALES: tl.constexpr,
+    CDT_A: tl.constexpr, DOT_A: tl.constexpr, PREC_A: tl.constexpr,
+    CDT_B: tl.constexpr, DOT_B: tl.constexpr, PREC_B: tl.constexpr,
+):
+    """out[t, col_s + n] += (scale[s, slot] * x[t] @ A_s[slot]^T) @ B_s[slot]^T for the tokens t of one table entry:
+    shrink_kernel and expand_kernel in one program, the [BLOCK_M, R] intermediate in registers.
+
+    x [T, K], A_s [L, R, K] (a_scales [L, R] when fp8), B_s [L, width_s, R] (b_scales [L, width_s] when fp8),
+    scale [S, L] f32, out [T, O]; col_s = col0 + sum of earlier widths. Grid: (table entries, programs of all slices,
+    M_PROGRAMS); slice s has progs_s programs per entry (p_end_s: cumulative ends). split_s == 0: program j of them
+    does the whole shrink of its tokens and the N blocks j, j + progs_s, ... of the slice. split_s == 1: program j
+    does the j-th of progs_s parts of K and adds its partial intermediate into ws [3, T, BLOCK_R] f32 (rows by
+    token), then counts itself in count [3, T] i32 (at the block's first position in `order`); the last of them to
+    arrive takes the sum (and leaves zeros in both) and does every N block. ws and count start zeroed and are left
+    zeroed, so launches in one stream may share them. Entries of tokens without an adapter (slot -1) do nothing.
+    Rounding as in the pair: the intermediate is float32, rounded to CDT_B for the dot.
+    """
+    pid_g = tl.program_id(0)
+    pid_x = tl.program_id(1)
+    pid_m = tl.program_id(2)
+
+    s = pid_x * 0  # a runtime int32, like the values the branches below assign
+    j = pid_x
+    col = col0
+    width = width0
+    progs = progs0
+    split = split0
+    if NUM_SLICES > 1:
+        if pid_x >= p_end0:
+            s = 1
+            j = pid_x - p_end0
+            col = col0 + width0
+            width = width1
+            progs = progs1
+            split = split1
+    if NUM_SLICES > 2:
+        if pid_x >= p_end1:
+            s = 2
+            j = pid_x - p_end1
+            col = col0 + width0 + width1
+            width = width2
+            progs = progs2
+            split = split2
+
+    slot = tl.load(table_ptr + pid_g)
+    start = tl.load(table_ptr + table_stride + pid_g)
+    count = tl.load(table_ptr + 2 * table_stride + pid_g)
+    is_lora = slot >= 0
+    count = tl.where(is_lora, count, 0)  # tokens without an adapter: nothing to read or write
+    slot = tl.maximum(slot, 0).to(tl.int64)  # no address is formed from -1
+
+    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
+    stride_al = _pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
+    stride_bl = _pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
+    scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl, mask=is_lora, other=0.0)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    offs_k = tl.arange(0, BLOCK_K)
+    if HAS_A_SCALES:
+        as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
+        row_scale = tl.load(as_ptr + slot * stride_asl + offs_r * stride_asr, mask=r_mask, other=0.0)
+    b_base = b_ptr + slot * stride_bl
+    bs_base = scale_ptr  # unused placeholder without fp8 B
+    if HAS_B_SCALES:
+        bs_base = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES) + slot * _pick(
+            s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
+    n_tiles = tl.cdiv(width, BLOCK_N)
+    # this program's K blocks [kb_lo, kb_hi) and first N block / step
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    k_part = tl.cdiv(k_blocks, progs)
+    kb_lo = tl.where(split != 0, j * k_part, 0)
+    kb_hi = tl.where(split != 0, tl.minimum(kb_lo + k_part, k_blocks), k_blocks)
+    n_first = tl.where(split != 0, 0, j)
+    n_step = tl.where(split != 0, 1, progs)
+
+    for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        # the first output tile's loads do not depend on the shrink: in flight while it runs
+        bv, ch, prev = _out_tile_loads(b_base, bs_base, out_ptr, tok, m_mask, n_first, width, col, offs_r, r_mask,
+                                       stride_bn, stride_bk, stride_bsn, stride_ot, stride_on, BLOCK_N, HAS_B_SCALES)
+
+        # shrink: u = scale * x[tok] @ A_s[slot]^T  [BLOCK_M, BLOCK_R] over this program's K blocks, columns past R 0
+        x_blk = x_ptr + tok[:, None] * stride_xt + (kb_lo * BLOCK_K + offs_k)[None, :] * stride_xk
+        a_blk = a_ptr + slot * stride_al + offs_r[None, :] * stride_ar + (kb_lo * BLOCK_K + offs_k)[:, None] * stride_ak
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            if EVEN_K:
+                xv = tl.load(x_blk, mask=m_mask[:, None], other=0.0)
+                av = tl.load(a_blk, mask=r_mask[None, :], other=0.0)
+            else:
+                k_left = K - kb * BLOCK_K
+                xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & r_mask[None, :], other=0.0)
+            acc += _mm(xv, av, CDT_A, DOT_A, PREC_A)
+            x_blk += BLOCK_K * stride_xk
+            a_blk += BLOCK_K * stride_ak
+        if HAS_A_SCALES:
+            acc = acc * row_scale[None, :]
+        u = acc * scale
+        n_end = n_tiles
+        if split != 0:  # add the partial sum; the last program of the block to arrive expands the total
+            u_mask = m_mask[:, None] & r_mask[None, :]
+            ws = ws_ptr + s * stride_ws_s + tok[:, None] * stride_ws_t + offs_r[None, :]
+            tl.atomic_add(ws, u, mask=u_mask, sem="relaxed")
+            tl.debug_barrier()  # every thread's adds are issued before the release below counts this program
+            counter = count_ptr + s * stride_cnt_s + start + mb * BLOCK_M
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            last = arrived == progs - 1
+            n_end = tl.where(last, n_tiles, 0)
+            if last:  # read the total where the adds landed (an atomic: the L2), then leave zeros
+                total = tl.atomic_add(ws, tl.zeros_like(u), mask=u_mask, sem="acq_rel", scope="gpu")
+                u = tl.where(u_mask, total, 0.0)
+                tl.store(ws, tl.zeros_like(u), mask=u_mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+        # expand: out[tok, col + n] += u @ B_s[slot]^T over this program's N blocks n_first, n_first + n_step, ...
+        # of the slice, each block's loads issued one block ahead
+        for nb in range(n_first, n_end, n_step):
+            bv_next, ch_next, prev_next = _out_tile_loads(
+                b_base, bs_base, out_ptr, tok, m_mask, nb + n_step, width, col, offs_r, r_mask,
+                stride_bn, stride_bk, stride_bsn, stride_ot, stride_on, BLOCK_N, HAS_B_SCALES)
+            d = _mm(u, bv, CDT_B, DOT_B, PREC_B)
+            if HAS_B_SCALES:
+                d = d * ch[None, :]
+            d += prev.to(tl.float32)
+            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + tok[:, None] * stride_ot + (col + offs_n)[None, :] * stride_on,
+                     d.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < width)[None, :])
+            bv, ch, prev = bv_next, ch_next, prev_next
+
+
+@triton.jit
 def embedding_shrink_kernel(
     ids_ptr, slot_ptr, a_ptr, scale_ptr, out_ptr,
     T, R, vocab_start, vocab_local,
