@@ -122,12 +122,11 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 class Workload:
     """One point's tensors: rotating weight sets, shared activations, the step's batch."""
 
-    def __init__(self, t, n, r, hidden, widths, dtype, device, seed=0, with_base=True):
-        """with_base=False: no base weight (no base_gemm), weight sets rotate over the adapters' bytes alone."""
+    def __init__(self, t, n, r, hidden, widths, dtype, device, seed=0):
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.t, self.n, self.r, self.widths = t, n, r, widths
         out_total = sum(widths)
-        per_set = n * r * (hidden * len(widths) + out_total) * 2 + (hidden * out_total * 2 if with_base else 0)
+        per_set = n * r * (hidden + out_total) * 2 + hidden * out_total * 2
         self.n_sets = 1 if t >= 2048 else int(min(8, max(1, math.ceil(ROTATE_BYTES / per_set))))
         slots = torch.arange(t) % n
         slots = slots[torch.randperm(t, generator=gen)]
@@ -139,7 +138,7 @@ class Workload:
         mk = lambda *shape: (torch.randn(*shape, device=device, dtype=torch.float32) * 0.02).to(dtype)  # noqa: E731
         self.a = [[mk(n, r, hidden) for _ in widths] for _ in range(self.n_sets)]
         self.b = [[mk(n, w, r) for w in widths] for _ in range(self.n_sets)]
-        self.w = [mk(out_total, hidden) for _ in range(self.n_sets)] if with_base else None
+        self.w = [mk(out_total, hidden) for _ in range(self.n_sets)]
         self.scales = torch.rand(len(widths), n, device=device) + 0.5
         self.groups = [(a, (self.slots == a).nonzero().flatten()) for a in range(n)]
         self.groups = [(a, idx) for a, idx in self.groups if idx.numel()]

@@ -186,12 +186,10 @@ class LoRALinear(SlotBuffers, nn.Module):
 
     def add_lora(self, x: torch.Tensor, z: torch.Tensor) -> None:
         ops, batch = self.rt.ops, self.rt.batch
-        if not self.fully_sharded:  # nothing between shrink and expand: one op (one launch at decode sizes)
-            ops.shrink_expand(x, self.lora_a, self.lora_b, self.scales, batch, z, b_scales=self.b_scales)
-            return
         u = ops.shrink(x, self.lora_a, self.scales, batch)  # [S, T, r_local] float32
-        # One collective for every slice of a packed layer: the slices travel together in u.
-        u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)
+        if self.fully_sharded:
+            # One collective for every slice of a packed layer: the slices travel together in u.
+            u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)
         if self.b_scales is None:
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
         else:

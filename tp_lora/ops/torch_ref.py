@@ -53,17 +53,6 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
             col += width
 
 
-def shrink_expand(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                  scales: torch.Tensor, batch: LoRABatch, out: torch.Tensor, offset: int = 0, *,
-                  a_scales: Sequence[torch.Tensor] | None = None,
-                  b_scales: Sequence[torch.Tensor] | None = None) -> None:
-    """A whole LoRA layer where no collective sits between its halves: out[:, slice s] += (scale_s * x @ A_s^T) @
-    B_s^T for tokens with an adapter, i.e. expand(shrink(...), add=True). Backends may fuse the two."""
-    if len(lora_a) != len(lora_b):
-        raise ValueError(f"shrink_expand: {len(lora_a)} A slices but {len(lora_b)} B slices, expected one B per A")
-    expand(shrink(x, lora_a, scales, batch, a_scales=a_scales), lora_b, batch, out, offset, b_scales=b_scales)
-
-
 def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Tensor, batch: LoRABatch,
                      vocab_start: int = 0) -> torch.Tensor:
     """ids [T], lora_a_t [L, V_local, r] (this rank's vocab rows of A^T), scales [1, L] -> [1, T, r] float32.

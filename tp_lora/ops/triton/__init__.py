@@ -1,5 +1,4 @@
-"""Triton LoRA backend: shrink, expand, shrink_expand, embedding_shrink with the signatures and semantics of
-tp_lora.ops.torch_ref.
+"""Triton LoRA backend: shrink, expand, embedding_shrink with the signatures and semantics of tp_lora.ops.torch_ref.
 
 Scheme selection (the project's ``lora.kernel=sorted|chunked``): ``set_scheme("sorted")`` or
 ``set_scheme("chunked", segment_size=None)`` for the process, or ``scheme=`` on a single call. schedule.py explains
@@ -26,12 +25,10 @@ import triton.language as tl
 
 from tp_lora.lora.batch import LoRABatch
 from tp_lora.ops.triton import configs
-from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, shrink_expand_kernel,
-                                        shrink_kernel)
+from tp_lora.ops.triton.kernels import embedding_shrink_kernel, expand_kernel, shrink_kernel
 from tp_lora.ops.triton.schedule import SCHEMES, Schedule, get_scheme, prepare, set_scheme
 
-__all__ = ["shrink", "expand", "shrink_expand", "embedding_shrink", "set_scheme", "get_scheme", "prepare", "SCHEMES",
-           "Schedule"]
+__all__ = ["shrink", "expand", "embedding_shrink", "set_scheme", "get_scheme", "prepare", "SCHEMES", "Schedule"]
 
 MAX_SLICES_PER_LAUNCH = 3
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -81,23 +78,6 @@ def _m_programs(sched: Schedule, t: int, block_m: int, other_programs: int, devi
     sms = configs.num_sms((device.index or 0) if device.type == "cuda" else None)
     want = -(-configs.SORTED_PROGRAMS_PER_SM * sms // max(1, other_programs))
     return max(1, min(-(-t // block_m), want))
-
-
-_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _fused_workspace(device: torch.device, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernel's K-split workspace on `device` for steps of up to t tokens: partial sums [3, T', r_max]
-    float32 and arrival counts [3, T'] int32 (T' >= t, at least FUSED_MAX_TOKENS; r_max = FUSED_MAX_RANK). Zeroed
-    once; every launch leaves them zeroed, so all layers (one stream) share them and a CUDA graph may capture them
-    (the first use, outside capture, allocates them)."""
-    held = _WORKSPACES.get(device)
-    if held is None or held[1].shape[1] < t:
-        t, r = max(t, configs.FUSED_MAX_TOKENS), configs.FUSED_MAX_RANK
-        held = (torch.zeros(MAX_SLICES_PER_LAUNCH, t, r, dtype=torch.float32, device=device),
-                torch.zeros(MAX_SLICES_PER_LAUNCH, t, dtype=torch.int32, device=device))
-        _WORKSPACES[device] = held
-    return held
 
 
 def _new_buffer(shape: tuple[int, ...], zero: bool, device: torch.device) -> torch.Tensor:
@@ -198,75 +178,6 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
             grid[2],
             NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
             ADD=bool(add), HAS_B_SCALES=has_bs, CDT=cdt, DOT=dot, PREC=prec,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-
-
-def shrink_expand(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                  scales: torch.Tensor, batch: LoRABatch, out: torch.Tensor, offset: int = 0, *,
-                  a_scales: Sequence[torch.Tensor] | None = None, b_scales: Sequence[torch.Tensor] | None = None,
-                  scheme: str | None = None) -> None:
-    """expand(shrink(x, lora_a, scales, batch), lora_b, batch, out, offset) in one launch per group of <= 3 slices
-    (decode-sized steps: T <= configs.FUSED_MAX_TOKENS, rank <= configs.FUSED_MAX_RANK; else the pair): no float32
-    intermediate round trip (K-split slices add partials in a small L2-resident workspace), no zero fill. Shapes and
-    fp8 scales as in shrink and expand. Launches that share a device must not run concurrently (one workspace)."""
-    if len(lora_a) != len(lora_b):
-        raise ValueError(f"shrink_expand: {len(lora_a)} A slices but {len(lora_b)} B slices, expected one B per A")
-    t, k = x.shape
-    if t == 0 or not len(lora_a):
-        return
-    rank = lora_a[0].shape[1]
-    if t > configs.FUSED_MAX_TOKENS or rank > configs.FUSED_MAX_RANK:
-        expand(shrink(x, lora_a, scales, batch, a_scales=a_scales, scheme=scheme), lora_b, batch, out, offset,
-               b_scales=b_scales, scheme=scheme)
-        return
-    widths = [b.shape[1] for b in lora_b]
-    cols = list(itertools.accumulate([offset] + widths))  # first output column of each slice
-    sched = prepare(batch, scheme)
-    block_m = sched.segment_size or configs.FUSED_SORTED_BLOCK_M
-    sms = configs.num_sms((x.device.index or 0) if x.device.type == "cuda" else None)
-    has_as, has_bs = a_scales is not None, b_scales is not None
-    ws, counts = _fused_workspace(x.device, t)
-
-    def key(i):
-        a, b = lora_a[i], lora_b[i]
-        return ((a.dtype, a.stride(1), a.stride(2), b.dtype, b.stride(1), b.stride(2))
-                + ((a_scales[i].stride(0), a_scales[i].stride(1)) if has_as else ())
-                + ((b_scales[i].stride(1),) if has_bs else ()))
-
-    def solo(i):
-        picked = (lora_a[i].stride(0), lora_b[i].stride(0), widths[i], cols[i]) + (
-            (b_scales[i].stride(0),) if has_bs else ())
-        return 1 in picked
-
-    for base, idx in _launch_groups(len(lora_a), key, solo):
-        cfg = configs.fused_config(t, rank, k, tuple(widths[i] for i in idx), sched.entries, sms)
-        progs = list(cfg["PROGRAMS"]) + [1] * (MAX_SLICES_PER_LAUNCH - len(idx))
-        splits = list(cfg["SPLIT_K"]) + [0] * (MAX_SLICES_PER_LAUNCH - len(idx))
-        p_ends = list(itertools.accumulate(progs))
-        a3, b3, w3 = _three(lora_a, idx), _three(lora_b, idx), _three(widths, idx)
-        as3 = _three(a_scales, idx) if has_as else [scales] * 3  # unused placeholders
-        bs3 = _three(b_scales, idx) if has_bs else [scales] * 3
-        cdt_a, dot_a, prec_a = _compute_types(x.dtype, a3[0].dtype)
-        b_dtype = b3[0].dtype
-        cdt_b, dot_b, prec_b = _compute_types(out.dtype if b_dtype in _FP8 else b_dtype, b_dtype)
-        other = p_ends[len(idx) - 1]
-        grid = (sched.entries, other, _m_programs(sched, t, block_m, other, x.device))
-        shrink_expand_kernel[grid](
-            x, *a3, *as3, *b3, *bs3, scales, out, batch.order, sched.table, ws, counts,
-            k, rank, sched.entries, base, cols[base], *w3, p_ends[0], p_ends[1], *progs,
-            *splits, ws.stride(0), ws.stride(1), counts.stride(0),
-            x.stride(0), x.stride(1),
-            *(a.stride(0) for a in a3), a3[0].stride(1), a3[0].stride(2),
-            as3[0].stride(0) if has_as else 0, as3[0].stride(1) if has_as else 0,
-            *(b.stride(0) for b in b3), b3[0].stride(1), b3[0].stride(2),
-            *((bs.stride(0) for bs in bs3) if has_bs else (0, 0, 0)), bs3[0].stride(1) if has_bs else 0,
-            scales.stride(0), scales.stride(1),
-            out.stride(0), out.stride(1),
-            grid[2],
-            NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
-            BLOCK_N=cfg["BLOCK_N"], EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_A_SCALES=has_as, HAS_B_SCALES=has_bs,
-            CDT_A=cdt_a, DOT_A=dot_a, PREC_A=prec_a, CDT_B=cdt_b, DOT_B=dot_b, PREC_B=prec_b,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 

@@ -18,7 +18,6 @@ Why these shapes (both ops are memory-bound at every LoRA rank we serve):
 from __future__ import annotations
 
 import functools
-import itertools
 
 T_EDGES = (16, 64, 256, 2048, 1 << 62)
 R_EDGES = (16, 64, 1 << 62)
@@ -150,72 +149,3 @@ def num_sms(device_index: int | None) -> int:
 def _cuda_sms(device_index: int) -> int:
     import torch
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-# --- fused shrink + expand (decode steps; tp_lora.ops.triton.shrink_expand) ---
-# Per table entry (the tokens of one adapter) and slice s the fused kernel runs P_s programs in one of two ways:
-# - N split: each program does the whole shrink (all of A_s, from L2 after the first program) and 1/P_s of the
-#   slice's output columns. Costs P_s reads of A_s; suits wide slices (gate_up).
-# - K split: each program does 1/P_s of the shrink's K and adds its partial into a small float32 workspace; the last
-#   to arrive does every output column. Reads A_s once, but one program streams all of B_s; suits long K (down).
-# fused_config picks the way and P_s per slice with the byte model below. Above FUSED_MAX_TOKENS tokens or
-# FUSED_MAX_RANK ranks the runtime uses shrink + expand instead.
-FUSED_MAX_TOKENS = 256
-FUSED_MAX_RANK = 128
-FUSED_SORTED_BLOCK_M = 16  # sorted scheme: token block of a program (chunked: the step's segment)
-# Byte model, in units of one SM's share of the memory bandwidth: the L2 feeds the SMs at FUSED_L2_SPEEDUP x the
-# memory bandwidth (H100 about 2x, H200 about 1.5x: same L2, faster memory); one program streams at that share (its
-# loads in flight bound it, not the SM), programs sharing an SM add up to FUSED_SM_SPEEDUP x the share.
-FUSED_L2_SPEEDUP = 1.5
-FUSED_SM_SPEEDUP = 3.0
-
-
-def _fused_times(programs: tuple[int, ...], splits: tuple[int, ...], busy: int, m: float, r: int, k: int,
-                 widths: tuple[int, ...], sms: int) -> list[float]:
-    """Modelled times of one fused launch, `busy` entries of m tokens each, slowest first (arbitrary units; only
-    compared): memory, L2, and the busiest SM. Bytes in units of one rank-row element: A_s is k, x rows k * m / r,
-    B_s w_s, output rows read + written 2 * m * w_s / r. splits[s]: slice s splits K (else N)."""
-    a = k + k * m / r
-    out = [w + 2 * m * w / r for w in widths]  # B_s and the output rows
-    hbm = busy * (a * len(widths) + sum(out) - (len(widths) - 1) * k * m / r)  # x once
-    l2 = busy * sum(a + o if sp else p * a + o for p, sp, o in zip(programs, splits, out))
-    per_program = max(a / p + o if sp else a + o / p for p, sp, o in zip(programs, splits, out))
-    per_sm = -(-busy * sum(programs) // sms)  # programs sharing the busiest SM
-    return sorted((hbm / sms, l2 / (sms * FUSED_L2_SPEEDUP), per_sm * per_program / min(per_sm, FUSED_SM_SPEEDUP)),
-                  reverse=True)
-
-
-def fused_config(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int) -> dict:
-    """Fused shrink + expand of t tokens over a table of `entries` entries, slices of `widths` columns, rank r,
-    k input features: BLOCK_R (covers r), BLOCK_K, BLOCK_N, PROGRAMS (P_s per slice), SPLIT_K (per slice: 1 splits
-    K, 0 splits N), num_warps, num_stages. Depends only on the shapes, t and the table width, never on how tokens
-    split between adapters (CUDA graphs)."""
-    block_n = min(128, _pow2(max(widths)))
-    # a program streams all of A_s (N split) alone: wider K blocks keep more of it in flight where it is long
-    block_k = min(512 if k >= 8192 else 256, _pow2(k))
-    programs, splits = _fused_programs(t, r, k, widths, entries, sms, block_n, block_k)
-    return dict(BLOCK_R=_pow2(r), BLOCK_K=block_k, BLOCK_N=block_n, PROGRAMS=programs, SPLIT_K=splits,
-                num_warps=4, num_stages=3)
-
-
-def _pow2_upto(n: int) -> list[int]:
-    return sorted({min(n, 1 << i) for i in range(n.bit_length() + 1)})
-
-
-@functools.lru_cache(maxsize=None)
-def _fused_programs(t: int, r: int, k: int, widths: tuple[int, ...], entries: int, sms: int, block_n: int,
-                    block_k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(P_s, split_s) per slice with the least modelled time: N split into 1 .. the slice's N blocks programs, or K
-    split into 2 .. the K blocks (powers of two or all of them)."""
-    busy = max(1, min(entries, t))  # entries that can hold tokens at once
-    m = t / busy
-    k_blocks = -(-k // block_k)
-    ways = [[(p, 0) for p in _pow2_upto(-(-w // block_n))] + [(p, 1) for p in _pow2_upto(k_blocks) if p > 1]
-            for w in widths]
-
-    def cost(choice):
-        programs, splits = tuple(c[0] for c in choice), tuple(c[1] for c in choice)
-        # slowest term first; where it ties (memory-bound), the next ones decide
-        return _fused_times(programs, splits, busy, m, r, k, widths, sms), sum(programs)
-    best = min(itertools.product(*ways), key=cost)
-    return tuple(c[0] for c in best), tuple(c[1] for c in best)
