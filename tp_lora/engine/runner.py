@@ -64,6 +64,7 @@ class _Graph:
     forward: Callable[[], torch.Tensor]  # the step over the static buffers -> logits [rows, V]
     graph: torch.cuda.CUDAGraph | None = None  # once captured
     logits: torch.Tensor | None = None  # [rows, V] static output, once captured
+    lora_slots: list[list[int]] | None = None  # the adapter slots `loras` hold (unchanged: no refresh)
 
 
 def mixed_sizes(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
@@ -194,8 +195,10 @@ class ModelRunner:
         `key`); -> the first n rows of the logits."""
         for static, new in zip(g.inputs, to_device(host, self.device)):
             static.copy_(new)
-        for static, slots in zip(g.loras, lora_slots):
-            self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
+        if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's adapters
+            for static, slots in zip(g.loras, lora_slots):
+                self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
+            g.lora_slots = lora_slots
         if g.graph is None:
             g.graph, g.logits, out = self._record(g.forward)
             self.graphs[key] = g
