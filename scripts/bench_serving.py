@@ -233,8 +233,6 @@ def run_ours(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict
     """--repeats cold runs of the trace after one warm-up; the run with the median throughput is reported, with
     every run's throughput beside it."""
     engine = Engine(engine_cfg(args, ps, True), ps, model, adapters)
-    if args.no_pacing:  # reads ahead run freely beside the steps (the A/B of the pacing points)
-        engine.cache.paced = False
     _warm_up(engine, args.batch, vocab, reqs[0].adapter, reqs)
     runs = [_measured_run(args, ps, engine, reqs, arrivals) for _ in range(args.repeats)]
     engine.close()
@@ -680,7 +678,6 @@ def parse_args(argv=None):
                    help="parallel.host_threads: torch threads per rank (0: one on CUDA)")
     p.add_argument("--read-threads", type=int, default=RunConfig().parallel.read_threads,
                    help="parallel.read_threads: threads of a read the step loop waits on (0: auto)")
-    p.add_argument("--no-pacing", action="store_true", help="reads ahead do not pause for the step loop")
     p.add_argument("--fully-sharded", action="store_true")
     p.add_argument("--lora-dtype", default="auto", choices=["auto", "fp8"], help="lora.dtype: fp8 stores B as fp8")
     p.add_argument("--no-graphs", action="store_true")

@@ -1,4 +1,4 @@
-"""Per-thread settings that hold inside a with-block (the adapter reader's pause points, buffer reuse, torch
+"""Per-thread settings that hold inside a with-block (buffer reuse, torch
 threads)."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The adapter cache's read-ahead: a prefetched adapter is the one a direct read gives, a bad file fails the same
 way, and read-ahead is bounded."""
+import threading
 import time
 
 import pytest
@@ -9,7 +10,6 @@ from safetensors.torch import load_file, save_file
 from tp_lora import distributed as comm
 from tp_lora.assets import model_module_shapes, write_random_adapter, write_tiny_llama
 from tp_lora.lora import cache as cache_mod
-from tp_lora.lora import pacing
 from tp_lora.lora.adapter import AdapterError
 from tp_lora.lora.cache import AdapterCache
 from tp_lora.models.checkpoint import load_hf_config
@@ -70,36 +70,26 @@ def test_read_ahead_is_bounded_and_skips_what_is_in_memory(zoo, monkeypatch):
     c.close()
 
 
-def test_paced_reader_waits_for_the_step_loop_and_reads_the_same(zoo, monkeypatch):
-    """A paced reader does a unit of work only while the step loop lends it time (or after PAUSE_S)."""
-    monkeypatch.setattr(cache_mod, "PAUSE_S", 30.0)
-    direct, ahead = _cache(zoo), _cache(zoo)
-    ahead.paced = True
-    ahead.prefetch(["a1"])
-    time.sleep(0.3)
-    assert not ahead._staged["a1"].done(), "the reader ran while the step loop was busy"
-    got, want = ahead.fetch("a1"), direct.fetch("a1")  # fetch waits on the read, lending it the time
-    for key, m in want.modules.items():
-        assert torch.equal(got.modules[key].a, m.a) and torch.equal(got.modules[key].b, m.b)
-    ahead.prefetch(["a2"])
-    with ahead.lending():
-        ahead._staged["a2"].result(timeout=20)
-    ahead.close()
+def _hold_reader(c, monkeypatch) -> threading.Event:
+    """The reader thread waits before each read ahead until the returned event is set."""
+    go, read = threading.Event(), c._read_ahead
+    monkeypatch.setattr(c, "_read_ahead", lambda info: go.wait(30) and read(info))
+    return go
 
 
 def test_fetch_reads_an_adapter_still_queued_for_read_ahead_itself(zoo, monkeypatch):
     """The step loop does not wait behind the reader's queue: an adapter whose read ahead has not started is read by
-    fetch, while the reader goes on with the one it has (here held at a pause point)."""
-    monkeypatch.setattr(cache_mod, "PAUSE_S", 30.0)
+    fetch, while the reader goes on with the one it has (here held)."""
     direct, ahead = _cache(zoo), _cache(zoo)
-    ahead.paced = True
+    go = _hold_reader(ahead, monkeypatch)
     ahead.prefetch(["a1", "a2"])
     time.sleep(0.3)
     queued = ahead._staged["a2"]
     t0 = time.perf_counter()
     got, want = ahead.fetch("a2"), direct.fetch("a2")
-    assert time.perf_counter() - t0 < 10, "fetch waited for the paced reader"
+    assert time.perf_counter() - t0 < 10, "fetch waited for the reader"
     assert queued.cancelled() and ahead.stats.prefetched == 0
+    go.set()
     for key, m in want.modules.items():
         assert torch.equal(got.modules[key].a, m.a) and torch.equal(got.modules[key].b, m.b)
     assert ahead.fetch("a1") is not None and ahead.stats.prefetched == 1  # its read had started: waited for
@@ -108,17 +98,16 @@ def test_fetch_reads_an_adapter_still_queued_for_read_ahead_itself(zoo, monkeypa
 
 def test_wait_any_reads_a_queued_adapter_itself_then_waits(zoo, monkeypatch):
     """wait_any (the step loop with nothing to run) reads the first adapter whose read ahead has not started itself,
-    beside the reader's own read (held at a pause point until wait_any lends it the time); with every read under
-    way it waits for one."""
-    monkeypatch.setattr(cache_mod, "PAUSE_S", 30.0)
+    beside the reader's own read (held); with every read under way it waits for one."""
     c = _cache(zoo)
-    c.paced = True
+    go = _hold_reader(c, monkeypatch)
     c.prefetch(["a1", "a2"])
     time.sleep(0.3)
     queued = c._staged["a2"]
     assert not c.ready("a1") and not c.ready("a2")
     c.wait_any(["a1", "a2"])
     assert queued.cancelled() and c.ready("a2"), "a2 was read here, not by the reader"
+    go.set()
     for _ in range(100):
         if c.ready("a1"):
             break
@@ -127,13 +116,3 @@ def test_wait_any_reads_a_queued_adapter_itself_then_waits(zoo, monkeypatch):
     for name in ["a1", "a2"]:
         assert c.fetch(name) is not None
     c.close()
-
-
-def test_pause_points_run_only_under_paced():
-    calls = []
-    pacing.pause()
-    with pacing.paced(lambda: calls.append(1)):
-        pacing.pause()
-        pacing.pause()
-    pacing.pause()
-    assert calls == [1, 1]

@@ -124,11 +124,10 @@ class Engine:
         validate_for_model(self.hf, ps.tp.size)
         lo = cfg.lora
         self.adapter_paths = discover_adapters(adapter_dir) if adapter_dir else {}
-        # What reader processes hand over whole adapters in (the in-process reader keeps the file's dtype and the
-        # slot image casts): fp8 quantizes B from the float32 original, others take the slots' dtype.
+        # The dtype of adapters read whole (a read by plan keeps the file's dtype and the slot image casts): fp8
+        # quantizes B from the float32 original, others take the slots' dtype.
         host_dtype = torch.float32 if lo.dtype == "fp8" else self.dtype
         self.cache = AdapterCache(self.adapter_paths, lo.max_cpu_loras, host_dtype, ps.tp)
-        self.cache.paced = ps.device.type == "cuda"
         self.cache.read_threads = read_threads(cfg.parallel.read_threads, ps.device.type,
                                                _usable_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         # Admission waits (boundedly) for reads where they overlap GPU steps. On CPU reads and steps share the cores,
@@ -339,8 +338,7 @@ class Engine:
             self._copies_pending = False
         logits = self.runner.execute(step, cache)
         if self.ps.world.size > 1:  # the step's collectives end here, or in a timeout error naming the cause
-            with self.cache.lending():
-                comm.wait_device(self.ps.device)
+            comm.wait_device(self.ps.device)
         for seq, n in work:
             seq.computed += n
         return logits
@@ -467,8 +465,7 @@ class Engine:
         if self.lockstep is not None:
             self.lockstep(0)
         else:
-            with self.cache.lending():
-                time.sleep(min(0.01, max(0.0, wait_s)))
+            time.sleep(min(0.01, max(0.0, wait_s)))
 
     @torch.no_grad()
     def step(self) -> StepOutput:
@@ -515,9 +512,7 @@ class Engine:
         if sampled:
             reqs = [s.request for s, _ in sampled]
             rows = logits[[i for _, i in sampled]]
-            with self.cache.lending():  # sampling waits for the step on the GPU
-                toks, lps = sample(rows, [self._temperature(r) for r in reqs], self._top_ps(reqs),
-                                   self._generators(reqs))
+            toks, lps = sample(rows, [self._temperature(r) for r in reqs], self._top_ps(reqs), self._generators(reqs))
             k = max(r.logprobs for r in reqs)
             tops = top_logprobs(rows, k) if k else None
         now = time.perf_counter()

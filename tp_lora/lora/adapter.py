@@ -26,7 +26,6 @@ from typing import Any, Iterable, Optional
 import torch
 
 from tp_lora.lora import stfile
-from tp_lora.lora.pacing import pause
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -329,7 +328,6 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
 
     use_rslora = bool(cfg.get("use_rslora", False))
     modules: dict[str, ModuleLoRA] = {}
-    pause()
     for module in sorted(parts):
         ab = parts[module]
         if set(ab) != {"A", "B"}:
@@ -441,7 +439,6 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
                           f"A {want_a} / B {want_b} (in={fin}, out={fout}) — built for another model?")
         if not math.isfinite(m.scale):
             raise _err(n, f"module {module!r}: scale {m.scale} is not finite")
-    pause()
     _check_finite(adapter)
     vocab = (module_shapes["model.embed_tokens"][0] if "model.embed_tokens" in module_shapes else
              module_shapes["lm_head"][1] if "lm_head" in module_shapes else None)

@@ -18,7 +18,6 @@ import contextlib
 import json
 import math
 import os
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -29,7 +28,6 @@ import torch
 
 from tp_lora import distributed as comm
 from tp_lora.lora import stfile
-from tp_lora.lora.pacing import paced
 from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
                                   _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
                                   validate_adapter)
@@ -39,10 +37,9 @@ from tp_lora.threadlocal import torch_threads
 
 MAX_PLANS = 16  # adapter layouts whose read plans are kept (each holds one image as its template)
 PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
-# One reader: reads share the step loop's host (tp_lora.lora.pacing); a second reader thread, with read plans, waited
+# One reader: reads share the step loop's host; a second reader thread, with read plans, waited
 # less for reads but slowed the steps more (BENCHMARKS.md, 1000 adapters on an H200: 0.82 vs 0.85 of one adapter).
 READERS = 1
-PAUSE_S = 0.02  # paced reader: longest wait for the step loop to wait before it does one more unit of work anyway
 # A read ahead that starts within BEHIND_S of the step loop waiting for a read takes read_threads (the reads are
 # what holds the steps up); otherwise one, beside the steps.
 BEHIND_S = 0.1
@@ -208,15 +205,10 @@ class AdapterCache:
         self.host: OrderedDict[str, object] = OrderedDict()  # name -> its slot image (or the adapter, without images)
         self._staged: dict[str, Future] = {}  # name -> (adapter, error) being read ahead, beside the host tier
         self._reader: Optional[ThreadPoolExecutor] = None
-        # paced: the reader works while the step loop is inside lending() (waiting on the GPU or on a read) and
-        # otherwise takes one unit of work per PAUSE_S. The engine sets it on CUDA, where steps are host-bound.
-        self.paced = False
         # Threads for a read the step loop waits on (the engine's read_threads); reads ahead take one, or as many while
         # the step loop waits for reads (BEHIND_S).
         self.read_threads: Optional[int] = None
         self._waited = -math.inf  # when the step loop last waited for a read (time.perf_counter)
-        self._lent = threading.Event()
-        self._lending = 0
         self.stats = CacheStats()
         self.module_shapes: Optional[dict] = None
         self.max_rank: Optional[int] = None
@@ -303,15 +295,13 @@ class AdapterCache:
         self.stats.host_misses += 1
         t0 = time.perf_counter()
         staged = self._staged.pop(name, None)
-        # Reads here lend the time too: the reader thread goes on with the next read ahead meanwhile.
-        with self.lending():
-            if staged is None or not staged.done():
-                self._waited = t0
-            if staged is not None and not staged.cancel():
-                self.stats.prefetched += 1
-                adapter, err = staged.result()
-            else:  # not read ahead, or still queued behind other reads ahead: read it now, beside them
-                adapter, err = self._read_safely(self.infos[name], self.read_threads)
+        if staged is None or not staged.done():
+            self._waited = t0
+        if staged is not None and not staged.cancel():
+            self.stats.prefetched += 1
+            adapter, err = staged.result()
+        else:  # not read ahead, or still queued behind other reads ahead: read it now, beside them
+            adapter, err = self._read_safely(self.infos[name], self.read_threads)
         err = self._agree(err)
         self.stats.read_seconds += time.perf_counter() - t0
         if err:
@@ -335,18 +325,17 @@ class AdapterCache:
         started here and now (its queued read ahead dropped), else wait up to `timeout` for one under way. The time
         counts as read time."""
         t0 = self._waited = time.perf_counter()
-        with self.lending():
-            if any(self.ready(name) for name in names):  # ready here, not yet on every rank: let them catch up
-                time.sleep(min(timeout, 1e-3))
+        if any(self.ready(name) for name in names):  # ready here, not yet on every rank: let them catch up
+            time.sleep(min(timeout, 1e-3))
+        else:
+            for name in names:
+                staged = self._staged.get(name)
+                if staged is None or staged.cancel():
+                    done = self._staged[name] = Future()
+                    done.set_result(self._read_safely(self.infos[name], self.read_threads))
+                    break
             else:
-                for name in names:
-                    staged = self._staged.get(name)
-                    if staged is None or staged.cancel():
-                        done = self._staged[name] = Future()
-                        done.set_result(self._read_safely(self.infos[name], self.read_threads))
-                        break
-                else:
-                    wait([self._staged[name] for name in names], timeout, FIRST_COMPLETED)
+                wait([self._staged[name] for name in names], timeout, FIRST_COMPLETED)
         self.stats.read_seconds += time.perf_counter() - t0
 
     def prefetch(self, names) -> None:
@@ -363,23 +352,10 @@ class AdapterCache:
                                                   thread_name_prefix="tp_lora-adapter-read")
             self._staged[name] = self._reader.submit(self._read_ahead, self.infos[name])
 
-    @contextlib.contextmanager
-    def lending(self):
-        """A stretch in which the step loop only waits (on the GPU, a read, an arrival): a paced reader runs freely."""
-        self._lending += 1
-        self._lent.set()
-        try:
-            yield
-        finally:
-            self._lending -= 1
-            if not self._lending:
-                self._lent.clear()
-
     def _read_ahead(self, info: AdapterInfo):
         """On a reader thread."""
-        with paced(lambda: self._lent.wait(PAUSE_S)) if self.paced else contextlib.nullcontext():
-            behind = time.perf_counter() - self._waited < BEHIND_S
-            return self._read_safely(info, self.read_threads if behind else 1)
+        behind = time.perf_counter() - self._waited < BEHIND_S
+        return self._read_safely(info, self.read_threads if behind else 1)
 
     def forget(self) -> None:
         """Drop the host tier and any prefetches (a cold start for benchmarks)."""
@@ -387,8 +363,6 @@ class AdapterCache:
         self._staged.clear()
 
     def close(self) -> None:
-        self._lending += 1  # for good: a read still running finishes at full speed instead of paced
-        self._lent.set()
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._reader = None

@@ -25,7 +25,6 @@ import torch
 from tp_lora.hostcopy import blocks
 from tp_lora.lora.adapter import AdapterError, count_nonfinite, finite_flags, range_limits
 from tp_lora.lora.layers import LoRARuntime
-from tp_lora.lora.pacing import pause
 from tp_lora.ops.fp8 import quantize_fp8_into
 
 
@@ -247,7 +246,6 @@ class SlotTable:
         """adapter: a LoRAAdapter (tp_lora.lora.adapter) already validated against the model. Host work only.
         source: the bytes of the file its tensors view (stfile.RawFile.data): the image then carries the plan to
         build the images of files of the same layout (None when some tensor was not a plain view of them)."""
-        pause()
         entry, host, views = self._entry(self._empty)
         dsts, srcs, owners = [], [], []
         quants = []  # (fp8 dst, its scales, src)
@@ -267,7 +265,6 @@ class SlotTable:
                 layer, key = self.rt.targets[path]
                 layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
             _check_casts(adapter.name, owners, dsts, srcs)
-            pause()
             # One call (GIL released inside) instead of hundreds of small copies; it casts where the file's dtype is
             # not the slot's.
             torch._foreach_copy_(dsts, srcs)
@@ -289,7 +286,6 @@ class SlotTable:
         src = {torch.uint8: source}
         if not all(finite_flags(plan.views("screen", src), plan.limits)):
             return None
-        pause()
         entry, host, views = self._entry(plan.template if plan.gaps is None else None)
         if plan.gaps:
             torch._foreach_copy_(plan.views("gaps", host), plan.views("gaps", plan.template))

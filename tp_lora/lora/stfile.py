@@ -1,8 +1,8 @@
 """Safetensors files read in one piece: the header checked against the file, the tensors as views of one buffer.
 
 safetensors' safe_open hands out one tensor per call, a few Python-level steps each, and an adapter of a 16-layer
-model holds a couple of hundred tensors. Adapter reads run beside the step loop and share its GIL (see
-tp_lora.lora.pacing), so a read should be few Python steps: here one read into an untouched buffer (the GIL is
+model holds a couple of hundred tensors. Adapter reads run beside the step loop and share its GIL,
+so a read should be few Python steps: here one read into an untouched buffer (the GIL is
 released while the bytes arrive; a big file in pieces on several threads) and one view per tensor. Errors are
 SafetensorsError naming the file and what is wrong with it.
 """
