@@ -92,11 +92,18 @@ def write_random_llama(path: str, shape: dict, max_pos: int, dev: str = "cuda") 
 
 def assets(cache: str, shape: str, max_pos: int) -> tuple[str, str]:
     model, adapters = os.path.join(cache, shape), os.path.join(cache, f"{shape}-adapters-{ADAPTERS}x{RANK}")
-    if not os.path.exists(os.path.join(model, "config.json")):
+    config = os.path.join(model, "config.json")
+    if not os.path.exists(config):
         if torch.cuda.is_available():
             write_random_llama(model, SHAPES[shape], max_pos)
         else:
             write_tiny_llama(model, dtype=torch.bfloat16, max_position_embeddings=max_pos, **SHAPES[shape])
+    with open(config) as f:
+        hf = json.load(f)
+    if hf["max_position_embeddings"] < max_pos:  # written by a run of shorter contexts: the weights serve any
+        hf["max_position_embeddings"] = max_pos
+        with open(config, "w") as f:
+            json.dump(hf, f)
     for i in range(ADAPTERS):
         path = os.path.join(adapters, f"a{i:03d}")
         if not os.path.exists(os.path.join(path, "adapter_model.safetensors")):
