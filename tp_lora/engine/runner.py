@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tp_lora.engine.graph_inputs import MixedInputs, pad_mixed_step
+from tp_lora.engine.graph_inputs import MixedInputs, pad_block_table, pad_mixed_step
 from tp_lora.hostcopy import to_device
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
@@ -169,11 +169,8 @@ class ModelRunner:
         pad = size - n
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
-        width = g.inputs[2].shape[1]
-        scratch = [self.cache.scratch] * width
         host = [torch.tensor(step.ids + [0] * pad), torch.tensor(step.starts + [0] * pad),
-                torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32),
-                torch.tensor([n])]
+                pad_block_table(step.blocks, size, g.inputs[2].shape[1], self.cache.scratch), torch.tensor([n])]
         rows = getattr(self.model, "graph_rows", None)
         with rows(g.inputs[3]) if rows is not None else nullcontext():
             return self._replay(key, g, host, [step.slots + [-1] * pad], n)
