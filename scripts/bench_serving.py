@@ -268,9 +268,11 @@ def _measured_run(args, ps, engine: Engine, reqs, arrivals) -> dict:
     return out
 
 
-def _step_split(steps, graph_steps, decode_steps, graph_seconds, eager_seconds, decode_seconds) -> dict:
+def _step_split(steps, graph_steps, graph_captures, decode_steps, graph_seconds, eager_seconds, decode_seconds
+                ) -> dict:
     """The engine's StepStats of a run (in STEP_FIELDS order) under the report's names."""
-    return dict(steps=int(steps), graph_steps=int(graph_steps), decode_steps=int(decode_steps),
+    return dict(steps=int(steps), graph_steps=int(graph_steps), graph_captures=int(graph_captures),
+                decode_steps=int(decode_steps),
                 graph_step_seconds=graph_seconds, eager_step_seconds=eager_seconds,
                 decode_step_seconds=decode_seconds)
 
@@ -748,7 +750,8 @@ def _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, u
         r = res[system]
         log(f"  {system}: {_fmt(r['tokens_per_s'])} tokens/s, TTFT p50 {_fmt(r['ttft_s']['p50'], 1e3)} "
             f"ms, TPOT mean {_fmt(r['tpot_s']['mean'], 1e3, 2)} ms ({time.perf_counter() - t:.1f}s)"
-            + (f"; {r['steps']} steps ({r['graph_steps']} graph, {r['decode_steps']} decode), step time eager "
+            + (f"; {r['steps']} steps ({r['graph_steps']} graph, {r['graph_captures']} captured, "
+               f"{r['decode_steps']} decode), step time eager "
                f"{r['eager_step_seconds']:.2f} s / graph {r['graph_step_seconds']:.2f} s / decode "
                f"{r['decode_step_seconds']:.2f} s" if "decode_steps" in r else "")
             + (f"; engine TTFT mean {_fmt(r['engine_ttft_mean_s'], 1e3)} ms, TPOT mean "

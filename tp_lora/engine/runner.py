@@ -92,6 +92,7 @@ class ModelRunner:
         self.max_len = 0  # the longest sequence the cache serves (graphs' block tables are this wide)
         self.pool = None
         self.replayed = False  # whether the last execute() replayed a graph
+        self.captured = False  # whether that graph was captured by it (its first use)
         if self.use_graphs and hasattr(model, "pad_to_graph_sizes"):
             model.pad_to_graph_sizes(GRAPH_BATCH_SIZES)
 
@@ -116,6 +117,7 @@ class ModelRunner:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
         n = len(step.lens)
         graphed = self.use_graphs and not step.all_logits and cache is self.cache
+        self.captured = False
         lora = self.rt is not None and any(s >= 0 for s in step.slots)
         if graphed and step.is_decode:
             graph_batch = getattr(self.model, "graph_batch", None)
@@ -197,6 +199,7 @@ class ModelRunner:
                 self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
             g.lora_slots = lora_slots
         if g.graph is None:
+            self.captured = True
             g.graph, g.logits, out = self._record(g.forward)
             self.graphs[key] = g
             return out[:n]

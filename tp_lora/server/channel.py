@@ -32,9 +32,10 @@ HEADER = struct.Struct("!I")
 STOP = "stop"
 SHUTTING_DOWN = "the server is shutting down"
 READ_BYTES = 1 << 20
-# The engine's StepStats fields the "steps" key carries (steps, and how many replayed graphs / were decode-only, with
-# their wall seconds): where the step loop's time goes under the server, as a benchmark reads it for the offline run.
-STEP_FIELDS = ("steps", "graph_steps", "decode_steps", "graph_seconds", "eager_seconds", "decode_seconds")
+# The engine's StepStats fields the "steps" key carries (steps, and how many replayed graphs / captured one / were
+# decode-only, with their wall seconds): where the step loop's time goes under the server, as a benchmark reads it for the offline run.
+STEP_FIELDS = ("steps", "graph_steps", "graph_captures", "decode_steps", "graph_seconds", "eager_seconds",
+               "decode_seconds")
 
 
 def encode(obj: Any) -> bytes:
