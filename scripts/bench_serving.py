@@ -10,11 +10,11 @@ popularity, mixed ranks, prompt / output lengths drawn from ranges. Measures, in
   server    (--server) the same trace through launch/serve.py (tp=--tp ranks, the same engine settings) with the
             async `openai` client streaming each request, from --clients processes (requests dealt round-robin, one
             start time); TTFT and TPOT measured at the client, and beside them the engine's own (the server's
-            histograms) and the busiest client's CPU share. The server is started
-            once per adapter count and warmed up with the trace on its first adapter, as ours is (the CUDA graphs of
-            LoRA steps are captured then, not in the measured run); its adapter cache is not reset between rates
-            (the first rate's reads are cold but for that adapter's, later ones warm). Run the bench as one process for it:
-            the bench starts the server's ranks itself (so `ours` there runs at tp=1 only).
+            histograms), its step stats, and the busiest client's CPU share. The server is started once per adapter
+            count and warmed up with the trace on its first adapter, as ours is (the CUDA graphs of LoRA steps are
+            captured then, not in the measured run); its adapter cache is not reset between rates (the first rate's
+            reads are cold but for that adapter's, later ones warm). Run the bench as one process for it: the bench
+            starts the server's ranks itself (so `ours` there runs at tp=1 only).
 
 and reports throughput (generated tokens/s over the whole trace), time to first token and time per output token
 (mean, p50, p99), end-to-end latency, slot hit rate and swap time. Writes bench_serving.json, bench_serving.md and

@@ -33,7 +33,7 @@ STOP = "stop"
 SHUTTING_DOWN = "the server is shutting down"
 READ_BYTES = 1 << 20
 # The engine's StepStats fields the "steps" key carries (steps, and how many replayed graphs / captured one / were
-# decode-only, with their wall seconds): where the step loop's time goes under the server, as a benchmark reads it for the offline run.
+# decode-only, with their wall seconds): where the step loop's time goes under the server.
 STEP_FIELDS = ("steps", "graph_steps", "graph_captures", "decode_steps", "graph_seconds", "eager_seconds",
                "decode_seconds")
 
