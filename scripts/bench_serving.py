@@ -10,10 +10,11 @@ popularity, mixed ranks, prompt / output lengths drawn from ranges. Measures, in
   server    (--server) the same trace through launch/serve.py (tp=--tp ranks, the same engine settings) with the
             async `openai` client streaming each request, from --clients processes (requests dealt round-robin, one
             start time); TTFT and TPOT measured at the client, and beside them the engine's own (the server's
-            histograms) and the busiest client's CPU share. The server is started
-            once per adapter count and warmed up with the trace on the base model; its adapter cache is not reset
-            between rates (the first rate's reads are cold, later ones warm). Run the bench as one process for it:
-            the bench starts the server's ranks itself (so `ours` there runs at tp=1 only).
+            histograms), its step stats, and the busiest client's CPU share. The server is started once per adapter
+            count and warmed up with the trace on its first adapter, as ours is (the CUDA graphs of LoRA steps are
+            captured then, not in the measured run); its adapter cache is not reset between rates (the first rate's
+            reads are cold but for that adapter's, later ones warm). Run the bench as one process for it: the bench
+            starts the server's ranks itself (so `ours` there runs at tp=1 only).
 
 and reports throughput (generated tokens/s over the whole trace), time to first token and time per output token
 (mean, p50, p99), end-to-end latency, slot hit rate and swap time. Writes bench_serving.json, bench_serving.md and
@@ -57,6 +58,7 @@ from tp_lora.engine.requests import Request  # noqa: E402
 from tp_lora.lora.adapter import load_peft_adapter  # noqa: E402
 from tp_lora.lora import cache as cache_module  # noqa: E402
 from tp_lora.lora.cache import CacheStats  # noqa: E402
+from tp_lora.server.channel import STEP_FIELDS  # noqa: E402
 from tp_lora.sharding import shard_weight  # noqa: E402
 
 PRESETS = {
@@ -258,11 +260,19 @@ def _measured_run(args, ps, engine: Engine, reqs, arrivals) -> dict:
     out.update(slot_hit_rate=s.slot_hit_rate, slot_loads=s.adapter_loads, disk_reads=cs.host_misses,
                host_hit_rate=cs.host_hits / max(1, cs.host_hits + cs.host_misses),
                swap_seconds=cs.read_seconds + cs.copy_seconds, read_seconds=cs.read_seconds, prefetched=cs.prefetched,
-               copy_seconds=cs.copy_seconds, steps=s.steps, graph_steps=s.graph_steps,
-               graph_step_seconds=s.graph_seconds, eager_step_seconds=s.eager_seconds,
+               copy_seconds=cs.copy_seconds, **_step_split(*(getattr(s, f) for f in STEP_FIELDS)),
                errors=sorted({r.error for r in results if r.error})[:3],
                _tokens=[r.output_token_ids for r in results])
     return out
+
+
+def _step_split(steps, graph_steps, graph_captures, decode_steps, graph_seconds, eager_seconds, decode_seconds
+                ) -> dict:
+    """The engine's StepStats of a run (in STEP_FIELDS order) under the report's names."""
+    return dict(steps=int(steps), graph_steps=int(graph_steps), graph_captures=int(graph_captures),
+                decode_steps=int(decode_steps),
+                graph_step_seconds=graph_seconds, eager_step_seconds=eager_seconds,
+                decode_step_seconds=decode_seconds)
 
 
 def _profiled(fn, out: str, ps):
@@ -573,7 +583,9 @@ def run_server(args, model: str, adapters: str, reqs, arrivals, server: "ServerP
     out.update(slot_hit_rate=values.get("tp_lora_slot_hit_rate"), slot_loads=values.get("tp_lora_adapter_loads"),
                disk_reads=values.get("tp_lora_adapter_reads"), errors=errors[:3], _tokens=tokens,
                engine_ttft_mean_s=mean("tp_lora_time_to_first_token_seconds"),
-               engine_tpot_mean_s=mean("tp_lora_time_per_output_token_seconds"), client_cpu_fraction=client_cpu)
+               engine_tpot_mean_s=mean("tp_lora_time_per_output_token_seconds"), client_cpu_fraction=client_cpu,
+               **_step_split(*(values.get(f"tp_lora_engine_{f}", 0.0) - before.get(f"tp_lora_engine_{f}", 0.0)
+                               for f in STEP_FIELDS)))
     return out
 
 
@@ -735,6 +747,10 @@ def _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, u
         r = res[system]
         log(f"  {system}: {_fmt(r['tokens_per_s'])} tokens/s, TTFT p50 {_fmt(r['ttft_s']['p50'], 1e3)} "
             f"ms, TPOT mean {_fmt(r['tpot_s']['mean'], 1e3, 2)} ms ({time.perf_counter() - t:.1f}s)"
+            + (f"; {r['steps']} steps ({r['graph_steps']} graph, {r['graph_captures']} captured, "
+               f"{r['decode_steps']} decode), step time eager "
+               f"{r['eager_step_seconds']:.2f} s / graph {r['graph_step_seconds']:.2f} s / decode "
+               f"{r['decode_step_seconds']:.2f} s" if "decode_steps" in r else "")
             + (f"; engine TTFT mean {_fmt(r['engine_ttft_mean_s'], 1e3)} ms, TPOT mean "
                f"{_fmt(r['engine_tpot_mean_s'], 1e3, 2)} ms, client CPU {_fmt(r['client_cpu_fraction'], 100, 0)}%"
                if system == "server" else "")
@@ -782,8 +798,8 @@ def main(argv=None) -> dict:
                             f"{n} @ {'all at once' if rate == 0 else f'{rate:g}/s'}"
                         log(f"{key}: {n} adapters, {used} used by {len(reqs)} requests "
                             f"{'all at once' if rate == 0 else f'over {arrivals[-1]:.1f}s'}")
-                        if server is not None and i == 0:  # warm-up: the trace's shapes on the base model, untimed
-                            server.drive(reqs, [0.0] * len(reqs), base=os.path.basename(model))
+                        if server is not None and i == 0:  # warm-up, untimed: the trace's shapes on one adapter
+                            server.drive(reqs, [0.0] * len(reqs), base=reqs[0].adapter)
                         res = report["results"].setdefault(key, {})
                         _run_system(args, ps, system, res, model, adapters, reqs, arrivals, vocab, used, server)
                         gc.collect()

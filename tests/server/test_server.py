@@ -221,6 +221,16 @@ def test_client_leaving_mid_stream_frees_its_sequence(server):
         assert name in metrics
 
 
+def test_metrics_carry_the_engines_step_stats(server):
+    httpx.post(server.url + "/v1/completions", json={"model": BASE, "prompt": [1, 4], "max_tokens": 3,
+                                                    "ignore_eos": True}, timeout=30).raise_for_status()
+    steps, decode = _metric(server, "tp_lora_engine_steps"), _metric(server, "tp_lora_engine_decode_steps")
+    assert steps >= 3 and 2 <= decode < steps  # a prefill step, then decode-only ones
+    graphs, captures = _metric(server, "tp_lora_engine_graph_steps"), _metric(server, "tp_lora_engine_graph_captures")
+    assert captures <= graphs <= steps  # graphs on CUDA only
+    assert _metric(server, "tp_lora_engine_eager_seconds") + _metric(server, "tp_lora_engine_graph_seconds") > 0
+
+
 def test_sigterm_while_loaded_delivers_every_admitted_request_and_exits_0(server):
     """Last: stops the module's server."""
     async def main():

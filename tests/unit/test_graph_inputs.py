@@ -3,7 +3,7 @@ metadata, and the same attention output through the varlen path (its torch refer
 import pytest
 import torch
 
-from tp_lora.engine.graph_inputs import pad_mixed_step
+from tp_lora.engine.graph_inputs import pad_block_table, pad_mixed_step
 from tp_lora.models.attention import KVCache, attend, build_attn_meta
 
 
@@ -67,3 +67,17 @@ def test_mixed_graph_sizes():
     assert mixed_sizes(300, 256) == [(64, 64), (128, 128), (256, 256), (300, 256)]  # the budget itself is the last
     assert mixed_sizes(16, 4) == [(16, 4)]
     assert mixed_sizes(8192, 8)[-2:] == [(3072, 8), (4096, 8)]  # past 4096 tokens steps run eagerly
+
+
+def test_pad_block_table_pads_truncates_and_checks_rows():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    width, scratch = 5, 99
+    blocks = [torch.randint(0, 50, (int(k),), generator=gen).tolist() for k in (0, 3, 5, 8)]  # empty, short, full, long
+    got = pad_block_table(blocks, 6, width, scratch)
+    want = torch.full((6, width), scratch, dtype=torch.int32)
+    for n, b in enumerate(blocks):
+        for j, x in enumerate(b[:width]):
+            want[n, j] = x
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="5 block tables"):
+        pad_block_table(blocks + [[1]], 4, width, scratch)

@@ -48,6 +48,7 @@ __all__ = ["Engine", "Sequence", "StepOutput", "StepStats", "RUN", "DRAIN", "ABO
 class StepStats:
     steps: int = 0
     graph_steps: int = 0  # steps replayed from a CUDA graph (the others ran eagerly)
+    graph_captures: int = 0  # of those, the steps that captured their graph (its first use; slow)
     graph_seconds: float = 0.0  # wall time of those steps, from launch to the sampled tokens on the host
     eager_seconds: float = 0.0  # the same for the eager steps
     decode_steps: int = 0  # steps of one new token per sequence (what a decode benchmark times)
@@ -518,6 +519,7 @@ class Engine:
         now = time.perf_counter()
         if self.runner.replayed:
             self.stats.graph_steps += 1
+            self.stats.graph_captures += self.runner.captured
             self.stats.graph_seconds += now - t_step
         else:
             self.stats.eager_seconds += now - t_step

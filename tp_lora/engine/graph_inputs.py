@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from tp_lora.models.attention import AttnGroup, AttnMeta
@@ -56,11 +57,7 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
     ends = torch.cumsum(lens_t, 0)
     seq = torch.repeat_interleave(torch.arange(n), lens_t)
     pos = torch.tensor(starts, dtype=torch.int64)[seq] + torch.arange(t) - (ends - lens_t)[seq]
-    table = torch.full((seqs, width), scratch, dtype=torch.int32)
-    kept = torch.tensor([min(len(b), width) for b in blocks], dtype=torch.int64)  # one scatter of the real entries
-    row = torch.repeat_interleave(torch.arange(n), kept)
-    table[row, torch.arange(row.numel()) - (torch.cumsum(kept, 0) - kept)[row]] = torch.tensor(
-        [x for b in blocks for x in b[:width]], dtype=torch.int32)
+    table = pad_block_table(blocks, seqs, width, scratch)
     out = MixedInputs.zeros(tokens, seqs, width, "cpu")
     out.ids[:t] = torch.tensor(ids, dtype=torch.int64)
     out.positions[:t] = pos
@@ -72,3 +69,16 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
     out.context_lens[:n] = (torch.tensor(starts, dtype=torch.int64) + lens_t).to(torch.int32)
     out.block_table = table
     return out
+
+
+def pad_block_table(blocks: list[list[int]], rows: int, width: int, scratch: int) -> torch.Tensor:
+    """Block tables blocks[n] (entries past `width` dropped) as a host int32 [rows, width] tensor, the rest of each row
+    and the padding rows the scratch block. Filled row by row in numpy: the host cost follows the real entries, not
+    rows x width (a table for long contexts is hundreds wide; a step's sequences mostly use a few blocks)."""
+    if len(blocks) > rows:
+        raise ValueError(f"{len(blocks)} block tables: expected at most {rows} rows")
+    table = np.full((rows, width), scratch, dtype=np.int32)
+    for n, b in enumerate(blocks):
+        k = min(len(b), width)
+        table[n, :k] = b[:k]
+    return torch.from_numpy(table)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tp_lora.engine.graph_inputs import MixedInputs, pad_mixed_step
+from tp_lora.engine.graph_inputs import MixedInputs, pad_block_table, pad_mixed_step
 from tp_lora.hostcopy import to_device
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
@@ -92,6 +92,7 @@ class ModelRunner:
         self.max_len = 0  # the longest sequence the cache serves (graphs' block tables are this wide)
         self.pool = None
         self.replayed = False  # whether the last execute() replayed a graph
+        self.captured = False  # whether that graph was captured by it (its first use)
         if self.use_graphs and hasattr(model, "pad_to_graph_sizes"):
             model.pad_to_graph_sizes(GRAPH_BATCH_SIZES)
 
@@ -116,6 +117,7 @@ class ModelRunner:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
         n = len(step.lens)
         graphed = self.use_graphs and not step.all_logits and cache is self.cache
+        self.captured = False
         lora = self.rt is not None and any(s >= 0 for s in step.slots)
         if graphed and step.is_decode:
             graph_batch = getattr(self.model, "graph_batch", None)
@@ -169,11 +171,8 @@ class ModelRunner:
         pad = size - n
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
-        width = g.inputs[2].shape[1]
-        scratch = [self.cache.scratch] * width
         host = [torch.tensor(step.ids + [0] * pad), torch.tensor(step.starts + [0] * pad),
-                torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32),
-                torch.tensor([n])]
+                pad_block_table(step.blocks, size, g.inputs[2].shape[1], self.cache.scratch), torch.tensor([n])]
         rows = getattr(self.model, "graph_rows", None)
         with rows(g.inputs[3]) if rows is not None else nullcontext():
             return self._replay(key, g, host, [step.slots + [-1] * pad], n)
@@ -200,6 +199,7 @@ class ModelRunner:
                 self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
             g.lora_slots = lora_slots
         if g.graph is None:
+            self.captured = True
             g.graph, g.logits, out = self._record(g.forward)
             self.graphs[key] = g
             return out[:n]

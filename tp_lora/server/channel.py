@@ -11,6 +11,7 @@ Engine -> front end, one frame per step (only the keys with news): a dict
     "cancelled": [index]             dropped from the engine after the front end's cancel
     "replies":   [(call id, error or None)]
     "gauges":    (waiting, running, slot hit rate, adapter reads, adapter loads)
+    "steps":     the engine's StepStats values named by STEP_FIELDS (totals since start), when they changed
     "draining":  True                 a stop signal came: admit nothing more
     "adapters":  {name: path}         the registry, when it changed
 and at the end STOP: the engine loop is over; the front end fails what is still open and exits.
@@ -31,6 +32,10 @@ HEADER = struct.Struct("!I")
 STOP = "stop"
 SHUTTING_DOWN = "the server is shutting down"
 READ_BYTES = 1 << 20
+# The engine's StepStats fields the "steps" key carries (steps, and how many replayed graphs / captured one / were
+# decode-only, with their wall seconds): where the step loop's time goes under the server.
+STEP_FIELDS = ("steps", "graph_steps", "graph_captures", "decode_steps", "graph_seconds", "eager_seconds",
+               "decode_seconds")
 
 
 def encode(obj: Any) -> bytes:

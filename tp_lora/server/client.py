@@ -133,6 +133,8 @@ class EngineClient:
                 fut.set_result(err)
         if "gauges" in frame:
             self.metrics.set_gauges(*frame["gauges"])
+        if "steps" in frame:
+            self.metrics.set_steps(frame["steps"])
 
     def close(self) -> None:
         """The engine loop is over: what is open ends with SHUTTING_DOWN, and nothing more goes out."""

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import ABORT, ARRIVAL_CHECK_STEPS, DRAIN, RUN, Engine
 from tp_lora.engine.requests import Result
-from tp_lora.server.channel import SHUTTING_DOWN, EngineEnd
+from tp_lora.server.channel import SHUTTING_DOWN, STEP_FIELDS, EngineEnd
 
 IDLE_WAIT_S = 0.01
 
@@ -33,6 +33,7 @@ class ServingLoop:
         self._streams: dict[int, int] = {}  # rank 0: streamed request index -> tokens sent so far
         self._msg: dict = {}  # rank 0: this step's frame to the front end, being built
         self._gauges = None
+        self._steps = -1  # rank 0: the step count the front end was last sent stats of
         self._registry = None
 
     def adapter_registry(self) -> dict[str, str]:
@@ -145,13 +146,16 @@ class ServingLoop:
                                                  res.metrics))
 
     def _flush(self) -> None:
-        """Send the frame built since the last one, with the engine's gauges and adapter registry where they
-        changed."""
-        engine, sched = self.engine, self.engine.sched
-        gauges = (len(sched.waiting), len(sched.running), engine.stats.slot_hit_rate, engine.cache.stats.host_misses,
-                  engine.stats.adapter_loads)
+        """Send the frame built since the last one, with the engine's gauges, step stats and adapter registry where
+        they changed."""
+        engine, sched, stats = self.engine, self.engine.sched, self.engine.stats
+        gauges = (len(sched.waiting), len(sched.running), stats.slot_hit_rate, engine.cache.stats.host_misses,
+                  stats.adapter_loads)
         if gauges != self._gauges:
             self._gauges = self._msg["gauges"] = gauges
+        if stats.steps != self._steps:
+            self._steps = stats.steps
+            self._msg["steps"] = tuple(getattr(stats, f) for f in STEP_FIELDS)
         registry = (len(engine.adapters), len(engine.bad_adapters))
         if registry != self._registry:  # a load, an unload, or an adapter that failed its read
             self._registry = registry

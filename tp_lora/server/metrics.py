@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tp_lora.engine.requests import Result
+from tp_lora.server.channel import STEP_FIELDS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -27,6 +28,10 @@ class Metrics:
                                    registry=r)
         self.adapter_reads = Gauge("tp_lora_adapter_reads", "Adapter reads from disk into host memory", registry=r)
         self.adapter_loads = Gauge("tp_lora_adapter_loads", "Adapter copies into device slots", registry=r)
+        # tp_lora_engine_steps, ..._graph_steps, ..._decode_steps, ..._graph_seconds, ...: the engine's StepStats
+        self.steps = [Gauge(f"tp_lora_engine_{f}", f"The engine's StepStats.{f} since start (its steps, those "
+                            f"replayed from CUDA graphs, the decode-only ones, and their wall seconds)", registry=r)
+                      for f in STEP_FIELDS]
 
     def set_gauges(self, waiting: int, running: int, slot_hit_rate: float, adapter_reads: int,
                    adapter_loads: int) -> None:
@@ -36,6 +41,11 @@ class Metrics:
         self.slot_hit_rate.set(slot_hit_rate)
         self.adapter_reads.set(adapter_reads)
         self.adapter_loads.set(adapter_loads)
+
+    def set_steps(self, values: tuple) -> None:
+        """The engine's step stats, as its loop sent them (the channel's "steps", named by STEP_FIELDS)."""
+        for gauge, value in zip(self.steps, values):
+            gauge.set(value)
 
     def ended(self, res: Result, status: str) -> None:
         self.requests.labels(status).inc()
