@@ -3,7 +3,8 @@ metadata, and the same attention output through the varlen path (its torch refer
 import pytest
 import torch
 
-from tp_lora.engine.graph_inputs import pad_mixed_step
+from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, pad_decode_step, pad_mixed_step
+from tp_lora.hostcopy import Staging
 from tp_lora.models.attention import KVCache, attend, build_attn_meta
 
 
@@ -27,6 +28,35 @@ def test_block_crossing_slot_and_padding_slots():
     assert got.kv_slots.tolist() == [3 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, 9 * 4]
     assert got.positions.tolist() == [3, 4, 5, 0]
     assert got.block_table.tolist() == [[3, 8]]
+
+
+def test_written_into_staging_views_over_stale_values():
+    # A graph's staging buffers hold the last step's values: every element must be rewritten.
+    args = ([11, 21, 22, 23], [[7, 2], [4]], [5, 1], [1, 3])
+    sizes = dict(tokens=6, seqs=3, width=3, block_size=4, scratch=9)
+    staging = Staging(MixedInputs.zeros(6, 3, 3, "cpu").tensors(), "cpu")
+    for t in staging.fill():
+        t.fill_(-7)
+    got = pad_mixed_step(*args, **sizes, out=MixedInputs.of(staging.fill()))
+    want = pad_mixed_step(*args, **sizes)
+    for g, w in zip(got.tensors(), want.tensors()):
+        assert torch.equal(g, w)
+    staging.send()
+    for d, w in zip(staging.device, want.tensors()):
+        assert torch.equal(d, w)
+    with pytest.raises(ValueError, match="expected 8 and"):
+        pad_mixed_step(*args, **(sizes | dict(tokens=8)), out=MixedInputs.of(staging.fill()))
+
+
+def test_decode_step_exact():
+    out = DecodeInputs.zeros(4, 3, "cpu")
+    for t in out.tensors():
+        t.fill_(-7)
+    got = pad_decode_step([5, 6], [[7, 2, 3, 1], [4]], [9, 0], rows=4, width=3, scratch=8, out=out)
+    assert got.ids.tolist() == [5, 6, 0, 0]
+    assert got.positions.tolist() == [9, 0, 0, 0]
+    assert got.block_table.tolist() == [[7, 2, 3], [4, 8, 8], [8, 8, 8], [8, 8, 8]]
+    assert got.valid.tolist() == [2] and got.block_table.dtype == torch.int32
 
 
 @pytest.mark.parametrize("kwargs", [dict(tokens=3), dict(seqs=1)])

@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from tp_lora.engine.graph_inputs import MixedInputs, pad_mixed_step
-from tp_lora.hostcopy import to_device
+from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, pad_decode_step, pad_mixed_step
+from tp_lora.hostcopy import Staging, to_device
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
 from tp_lora.ops.paged_attention import kernel_takes
@@ -59,7 +59,7 @@ class StepBatch:
 
 @dataclass
 class _Graph:
-    inputs: list[torch.Tensor]  # static inputs, refreshed (in this order) before each replay
+    inputs: Staging  # static inputs (its device views, as DecodeInputs / MixedInputs), refreshed before each replay
     loras: list[LoRABatch]  # static LoRA batches (of the tokens, then of the logits' rows if they differ); [] for none
     forward: Callable[[], torch.Tensor]  # the step over the static buffers -> logits [rows, V]
     graph: torch.cuda.CUDAGraph | None = None  # once captured
@@ -166,17 +166,13 @@ class ModelRunner:
         """The step through the decode graph of the smallest size holding `need` rows (its own or more)."""
         n = len(step.lens)
         size = next(s for s in GRAPH_BATCH_SIZES if s >= need)
-        pad = size - n
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
-        width = g.inputs[2].shape[1]
-        scratch = [self.cache.scratch] * width
-        host = [torch.tensor(step.ids + [0] * pad), torch.tensor(step.starts + [0] * pad),
-                torch.tensor([(b + scratch)[:width] for b in step.blocks] + [scratch] * pad, dtype=torch.int32),
-                torch.tensor([n])]
+        pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.scratch,
+                        DecodeInputs.of(g.inputs.fill()))
         rows = getattr(self.model, "graph_rows", None)
-        with rows(g.inputs[3]) if rows is not None else nullcontext():
-            return self._replay(key, g, host, [step.slots + [-1] * pad], n)
+        with rows(DecodeInputs.of(g.inputs.device).valid) if rows is not None else nullcontext():
+            return self._replay(key, g, [step.slots + [-1] * (size - n)], n)
 
     def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int, lora: bool) -> torch.Tensor:
         n = len(step.lens)
@@ -184,17 +180,15 @@ class ModelRunner:
         lora_slots = [token_slots + [-1] * (tokens - len(token_slots)), step.slots + [-1] * (seqs - n)]
         key = ("mixed", tokens, lora)
         g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
-        host = pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
-                              self.cache.block_size, self.cache.scratch)
-        return self._replay(key, g, host.tensors(), lora_slots, n)
+        pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
+                       self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()))
+        return self._replay(key, g, lora_slots, n)
 
-    def _replay(self, key: tuple, g: _Graph, host: list[torch.Tensor], lora_slots: list[list[int]], n: int
-                ) -> torch.Tensor:
-        """Copy the step's host tensors into g's static inputs (one host->device copy per dtype), its adapter slots
-        (per token, then per logits row) into g's LoRA batches, replay (or run and capture g on first use, as
-        `key`); -> the first n rows of the logits."""
-        for static, new in zip(g.inputs, to_device(host, self.device)):
-            static.copy_(new)
+    def _replay(self, key: tuple, g: _Graph, lora_slots: list[list[int]], n: int) -> torch.Tensor:
+        """Send g's staged inputs (filled with the step's) to its static ones (one host->device copy), the step's
+        adapter slots (per token, then per logits row) into g's LoRA batches, replay (or run and capture g on first
+        use, as `key`); -> the first n rows of the logits."""
+        g.inputs.send()
         if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's adapters
             for static, slots in zip(g.loras, lora_slots):
                 self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
@@ -223,23 +217,21 @@ class ModelRunner:
     def _decode_graph(self, size: int, lora: bool) -> _Graph:
         """Static buffers of a decode graph of `size` rows (not captured yet): ids, positions, block tables, and the
         count of real rows ([1], read by models with graph_rows)."""
-        dev = self.device
-        ids = torch.zeros(size, dtype=torch.long, device=dev)
-        positions = torch.zeros(size, dtype=torch.long, device=dev)
-        table = torch.full((size, self._table_width()), self.cache.scratch, dtype=torch.int32, device=dev)
-        valid = torch.zeros(1, dtype=torch.long, device=dev)
+        staging = Staging(DecodeInputs.zeros(size, self._table_width(), "cpu").tensors(), self.device)
+        inputs = DecodeInputs.of(staging.device)
         static_lora = self._static_lora(size, lora)
 
         def forward():
             if self.rt is not None:
                 self.rt.batch = static_lora
-            meta = self._decode_meta(table, positions)
-            return self.model.logits(self.model(ids, self.cache, meta))
+            meta = self._decode_meta(inputs.block_table, inputs.positions)
+            return self.model.logits(self.model(inputs.ids, self.cache, meta))
 
-        return _Graph([ids, positions, table, valid], [static_lora] if lora else [], forward)
+        return _Graph(staging, [static_lora] if lora else [], forward)
 
     def _mixed_graph(self, tokens: int, seqs: int, lora: bool) -> _Graph:
-        inputs = MixedInputs.zeros(tokens, seqs, self._table_width(), self.device)
+        staging = Staging(MixedInputs.zeros(tokens, seqs, self._table_width(), "cpu").tensors(), self.device)
+        inputs = MixedInputs.of(staging.device)
         token_lora, row_lora = self._static_lora(tokens, lora), self._static_lora(seqs, lora)
 
         def forward():
@@ -250,7 +242,7 @@ class ModelRunner:
                 self.rt.batch = row_lora
             return self.model.logits(hidden[inputs.last_token])
 
-        return _Graph(inputs.tensors(), [token_lora, row_lora] if lora else [], forward)
+        return _Graph(staging, [token_lora, row_lora] if lora else [], forward)
 
     def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """forward() run once (the warm-up: allocator and Triton settle; its output is this step's result), then
