@@ -8,9 +8,9 @@ graph with 20 calls over rotated caches (so K/V come from HBM, not L2) and repla
 floor = (K and V bytes attended + q and out bytes) / the device copy bandwidth measured in the same run (read +
 written bytes / time). --sweep times every (BLOCK_N, TARGET_PROGRAMS, num_warps, num_stages) of a small grid and
 prints the best per case beside the module's defaults.
-Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's rows padded to its graph bucket as the
-runner pads them (graph_inputs.pad_mixed_step), 31 decodes at context 128 + one 512-token chunk from position 0
-(bucket 768 tokens / 32 sequences) at head_dim 64 and 128, and one 2048-token chunk (2048 / 32). floor = the larger
+Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's rows padded to the runner's graph bucket for it (32
+sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one 512-token chunk
+from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
 of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
 q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of VARLEN_SWEEP.
 """
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_step import copy_bandwidth  # noqa: E402
 from tp_lora.engine.graph_inputs import pad_mixed_step  # noqa: E402
+from tp_lora.engine.runner import mixed_sizes  # noqa: E402
 from tp_lora.ops.triton import paged_attention as kernel  # noqa: E402
 from tp_lora.ops.triton import paged_varlen as varlen  # noqa: E402
 
@@ -40,10 +41,11 @@ CASES = [  # (name, batch, context, query heads, kv heads, head_dim)
 SWEEP = dict(BLOCK_N=(32, 64, 128), TARGET_PROGRAMS=(264, 528, 1056), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 SWEPT = {("8b", 32, 2048), ("8b", 1, 2048), ("8b", 128, 2048), ("2048", 32, 128)}  # cases the sweep covers
 BS, COPIES, CALLS = 16, 4, 20
-VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0), bucket tokens, bucket seqs, h, kv, d)
-    ("2048", 31, 128, 512, 768, 32, 32, 8, 64), ("8b", 31, 128, 512, 768, 32, 32, 8, 128),
-    ("2048", 0, 0, 2048, 2048, 32, 32, 8, 64), ("8b", 0, 0, 2048, 2048, 32, 32, 8, 128),
+VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0), h, kv, d)
+    ("2048", 31, 128, 512, 32, 8, 64), ("8b", 31, 128, 512, 32, 8, 128),
+    ("2048", 0, 0, 2048, 32, 8, 64), ("8b", 0, 0, 2048, 32, 8, 128),
 ]
+MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(32, 64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 PEAK_FLOPS = 700e12  # dense bf16 tensor-core rate an H100 / H200 reaches in practice
 
@@ -60,9 +62,11 @@ def case_inputs(b, ctx, h, kv, d, dev, g):
     return q, caches, table, lens
 
 
-def varlen_inputs(decodes, ctx, chunk, tokens, seqs, h, kv, d, dev, g):
-    """(q, caches, table, context_lens, cu_q) of the case padded to its bucket, and (FLOPs, bytes) of its real work."""
+def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g):
+    """(q, caches, table, context_lens, cu_q) of the case padded to its graph bucket, (tokens, seqs) of the bucket, and
+    (FLOPs, bytes) of its real work."""
     starts, lens = [ctx - 1] * decodes + [0], [1] * decodes + [chunk]
+    tokens, seqs = next(sz for sz in mixed_sizes(4096, MAX_SEQS) if sz[0] >= sum(lens))
     need = [-(-(st + n) // BS) for st, n in zip(starts, lens)]
     perm = torch.randperm(sum(need) + 1, generator=g).tolist()  # + the scratch block
     tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
@@ -74,7 +78,8 @@ def varlen_inputs(decodes, ctx, chunk, tokens, seqs, h, kv, d, dev, g):
     keys = sum(st + i + 1 for st, n in zip(starts, lens) for i in range(n))  # keys each real query attends
     flops = 4 * h * d * keys
     nbytes = 2 * sum(st + n for st, n in zip(starts, lens)) * kv * d * 2 + 2 * sum(lens) * h * d * 2
-    return (q, caches, host.block_table.to(dev), host.context_lens.to(dev), host.cu_q.to(dev)), (flops, nbytes)
+    return ((q, caches, host.block_table.to(dev), host.context_lens.to(dev), host.cu_q.to(dev)), (tokens, seqs),
+            (flops, nbytes))
 
 
 def time_case(q, caches, table, lens, scale, cu_q=None) -> float:
@@ -147,8 +152,8 @@ def main() -> None:
         print("| case | decodes | context | chunk | bucket | µs | flop floor µs | byte floor µs | of floor | "
               "best µs (setting) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, decodes, ctx, chunk, tokens, seqs, h, kv, d in VARLEN_CASES if args.kind != "decode" else []:
-        inputs, (flops, nbytes) = varlen_inputs(decodes, ctx, chunk, tokens, seqs, h, kv, d, dev, g)
+    for name, decodes, ctx, chunk, h, kv, d in VARLEN_CASES if args.kind != "decode" else []:
+        inputs, (tokens, seqs), (flops, nbytes) = varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g)
         q, caches, table, lens, cu_q = inputs
         flop_floor, byte_floor = flops / PEAK_FLOPS * 1e6, nbytes / bw * 1e6
         us = time_case(q, caches, table, lens, d ** -0.5, cu_q)

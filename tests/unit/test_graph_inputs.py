@@ -92,8 +92,8 @@ def test_matches_eager_metadata_and_attention():
 
 def test_mixed_graph_sizes():
     from tp_lora.engine.runner import mixed_sizes
-    assert mixed_sizes(4096, 32) == [(64, 32), (128, 32), (256, 32), (512, 32), (768, 32), (1024, 32), (1536, 32),
-                                     (2048, 32), (3072, 32), (4096, 32)]
+    assert mixed_sizes(4096, 32) == [(64, 32), (128, 32), (256, 32), (512, 32), (640, 32), (768, 32), (896, 32),
+                                     (1024, 32), (1536, 32), (2048, 32), (3072, 32), (4096, 32)]
     assert mixed_sizes(300, 256) == [(64, 64), (128, 128), (256, 256), (300, 256)]  # the budget itself is the last
     assert mixed_sizes(16, 4) == [(16, 4)]
     assert mixed_sizes(8192, 8)[-2:] == [(3072, 8), (4096, 8)]  # past 4096 tokens steps run eagerly
