@@ -8,9 +8,9 @@ graph with 20 calls over rotated caches (so K/V come from HBM, not L2) and repla
 floor = (K and V bytes attended + q and out bytes) / the device copy bandwidth measured in the same run (read +
 written bytes / time). --sweep times every (BLOCK_N, TARGET_PROGRAMS, num_warps, num_stages) of a small grid and
 prints the best per case beside the module's defaults.
-Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's rows padded to the runner's graph bucket for it (32
-sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one 512-token chunk
-from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
+Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's rows padded to the runner's graph
+bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
+512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
 of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
 q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of VARLEN_SWEEP.
 """

@@ -62,11 +62,13 @@ class StepBatch:
 
 @dataclass
 class _Graph:
-    inputs: Staging  # static inputs (its device views, as DecodeInputs / MixedInputs), refreshed before each replay
+    inputs: Staging  # static inputs (its device views: DecodeInputs / MixedInputs fields, then each LoRA batch's graph
+    # buffers), refreshed before each replay
     loras: list[LoRABatch]  # static LoRA batches (of the tokens, then of the logits' rows if they differ); [] for none
     forward: Callable[[], torch.Tensor]  # the step over the static buffers -> logits [rows, V]
     graph: torch.cuda.CUDAGraph | None = None  # once captured
     logits: torch.Tensor | None = None  # [rows, V] static output, once captured
+    fields: int = 0  # the inputs' views that are step fields (the rest: the LoRA batches' graph buffers)
     lora_slots: list[list[int]] | None = None  # the adapter slots `loras` hold (unchanged: no refresh)
 
 
@@ -85,7 +87,7 @@ class ModelRunner:
         self.model, self.rt, self.device = model, rt, torch.device(device)
         # Graphs need device-side metadata end to end: the torch reference backend loops on the host.
         self.use_graphs = (cuda_graphs and self.device.type == "cuda" and
-                           (rt is None or hasattr(rt.ops, "refresh_static_batch")))
+                           (rt is None or hasattr(rt.ops, "graph_buffers")))
         # Mixed steps need the varlen kernel (the reference gathers every table's positions for every token), and a
         # model whose forward over any tokens has no host sync.
         mixed = self.use_graphs and kernel_takes(model.head_dim) and getattr(model, "mixed_graph_safe", True)
@@ -172,9 +174,9 @@ class ModelRunner:
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
         pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.scratch,
-                        DecodeInputs.of(g.inputs.fill()))
+                        DecodeInputs.of(g.inputs.fill()[:g.fields]))
         rows = getattr(self.model, "graph_rows", None)
-        with rows(DecodeInputs.of(g.inputs.device).valid) if rows is not None else nullcontext():
+        with rows(DecodeInputs.of(g.inputs.device[:g.fields]).valid) if rows is not None else nullcontext():
             return self._replay(key, g, [step.slots + [-1] * (size - n)], n)
 
     def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int, lora: bool) -> torch.Tensor:
@@ -184,18 +186,22 @@ class ModelRunner:
         key = ("mixed", tokens, lora)
         g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
         pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
-                       self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()))
+                       self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()[:g.fields]))
         return self._replay(key, g, lora_slots, n)
 
     def _replay(self, key: tuple, g: _Graph, lora_slots: list[list[int]], n: int) -> torch.Tensor:
-        """Send g's staged inputs (filled with the step's) to its static ones (one host->device copy), the step's
-        adapter slots (per token, then per logits row) into g's LoRA batches, replay (or run and capture g on first
-        use, as `key`); -> the first n rows of the logits."""
-        g.inputs.send()
-        if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's adapters
-            for static, slots in zip(g.loras, lora_slots):
-                self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
+        """Stage the step's adapter slots (per token, then per logits row) as g's LoRA batches' buffers, send g's
+        staged inputs (its own filled by the caller) to its static ones in one host->device copy, replay (or run and
+        capture g on first use, as `key`); -> the first n rows of the logits."""
+        if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's adapters (staged)
+            host = g.inputs.fill()
+            per = (len(host) - g.fields) // len(g.loras)
+            for i, (static, slots) in enumerate(zip(g.loras, lora_slots)):
+                views = host[g.fields + i * per:g.fields + (i + 1) * per]
+                for view, new in zip(views, self.rt.ops.step_buffers(slots, static)):
+                    view.copy_(new)
             g.lora_slots = lora_slots
+        g.inputs.send()
         if g.graph is None:
             g.graph, g.logits, out = self._record(g.forward)
             self.graphs[key] = g
@@ -212,17 +218,27 @@ class ModelRunner:
         refreshes the buffers with the step's); without, they skip their work (decided on the host at capture)."""
         if self.rt is None:
             return None
-        batch = build_lora_batch([0 if lora else -1] * rows, self.rt.max_loras, self.device)
-        if lora:
-            self.rt.ops.refresh_static_batch(batch, batch)  # builds the per-step tables once
-        return batch
+        return build_lora_batch([0 if lora else -1] * rows, self.rt.max_loras, self.device)
+
+    def _staging(self, fields: list[torch.Tensor], loras: list[LoRABatch]) -> Staging:
+        """A graph's static inputs in one staging buffer: tensors shaped like `fields`, then the graph buffers of each
+        of `loras`, which are bound to them."""
+        buffers = [self.rt.ops.graph_buffers(b) for b in loras]
+        staging = Staging(fields + [t for bs in buffers for t in bs], self.device)
+        at = len(fields)
+        for batch, bs in zip(loras, buffers):
+            self.rt.ops.bind_graph_buffers(batch, staging.device[at:at + len(bs)])
+            at += len(bs)
+        return staging
 
     def _decode_graph(self, size: int, lora: bool) -> _Graph:
         """Static buffers of a decode graph of `size` rows (not captured yet): ids, positions, block tables, and the
         count of real rows ([1], read by models with graph_rows)."""
-        staging = Staging(DecodeInputs.zeros(size, self._table_width(), "cpu").tensors(), self.device)
-        inputs = DecodeInputs.of(staging.device)
+        fields = DecodeInputs.zeros(size, self._table_width(), "cpu").tensors()
         static_lora = self._static_lora(size, lora)
+        loras = [static_lora] if lora else []
+        staging = self._staging(fields, loras)
+        inputs = DecodeInputs.of(staging.device[:len(fields)])
 
         def forward():
             if self.rt is not None:
@@ -230,12 +246,14 @@ class ModelRunner:
             meta = self._decode_meta(inputs.block_table, inputs.positions)
             return self.model.logits(self.model(inputs.ids, self.cache, meta))
 
-        return _Graph(staging, [static_lora] if lora else [], forward)
+        return _Graph(staging, loras, forward, fields=len(fields))
 
     def _mixed_graph(self, tokens: int, seqs: int, lora: bool) -> _Graph:
-        staging = Staging(MixedInputs.zeros(tokens, seqs, self._table_width(), "cpu").tensors(), self.device)
-        inputs = MixedInputs.of(staging.device)
+        fields = MixedInputs.zeros(tokens, seqs, self._table_width(), "cpu").tensors()
         token_lora, row_lora = self._static_lora(tokens, lora), self._static_lora(seqs, lora)
+        loras = [token_lora, row_lora] if lora else []
+        staging = self._staging(fields, loras)
+        inputs = MixedInputs.of(staging.device[:len(fields)])
 
         def forward():
             if self.rt is not None:
@@ -245,7 +263,7 @@ class ModelRunner:
                 self.rt.batch = row_lora
             return self.model.logits(hidden[inputs.last_token])
 
-        return _Graph(staging, [token_lora, row_lora] if lora else [], forward)
+        return _Graph(staging, loras, forward, fields=len(fields))
 
     def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """forward() run once (the warm-up: allocator and Triton settle; its output is this step's result), then
