@@ -12,7 +12,8 @@ Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's 
 bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
 512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
 of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
-q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of VARLEN_SWEEP.
+q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of VARLEN_SWEEP
+for the VARLEN_SWEPT cases.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
 ]
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(32, 64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
+VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
 PEAK_FLOPS = 700e12  # dense bf16 tensor-core rate an H100 / H200 reaches in practice
 
 
@@ -143,9 +145,17 @@ def main() -> None:
         print(f"| {name} | {b} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
               flush=True)
         rows.append(row)
+        save()
         del caches
         torch.cuda.empty_cache()
     varlen_defaults = {k: getattr(varlen, k) for k in VARLEN_SWEEP}
+
+    def save():  # after every case: a run cut short keeps what it measured
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), bandwidth_Bps=bw, defaults=defaults,
+                           varlen_defaults=varlen_defaults, rows=rows), f, indent=1)
+
     if args.kind != "decode":
         print(f"varlen defaults {varlen_defaults}, floor: max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, bytes / copy "
               f"bandwidth)")
@@ -160,7 +170,7 @@ def main() -> None:
         row = dict(case=name, kind="varlen", decodes=decodes, context=ctx, chunk=chunk, tokens=tokens, seqs=seqs,
                    head_dim=d, us=us, flop_floor_us=flop_floor, byte_floor_us=byte_floor,
                    of_floor=max(flop_floor, byte_floor) / us, sweep={})
-        if args.sweep:
+        if args.sweep and (name, chunk) in VARLEN_SWEPT:
             for values in itertools.product(*VARLEN_SWEEP.values()):
                 for k, v in zip(VARLEN_SWEEP, values):
                     setattr(varlen, k, v)
@@ -176,12 +186,10 @@ def main() -> None:
         print(f"| {name} d{d} | {decodes} | {ctx} | {chunk} | {tokens}/{seqs} | {us:.1f} | {flop_floor:.1f} | "
               f"{byte_floor:.1f} | {row['of_floor']:.0%} | {best[1]:.1f} ({best[0]}) |", flush=True)
         rows.append(row)
+        save()
         del caches
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), bandwidth_Bps=bw, defaults=defaults,
-                       varlen_defaults=varlen_defaults, rows=rows), f, indent=1)
+    save()
 
 
 if __name__ == "__main__":

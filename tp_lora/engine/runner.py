@@ -4,9 +4,9 @@ batches for the tokens and for the sampled rows) and runs the forward pass and t
 Steps on CUDA can replay a captured CUDA graph, per "any LoRA" flag: decode-only steps one per padded batch size
 (the paged decode kernel), other steps one per padded token count (the varlen paged kernel over every token, so any
 mix of prefill chunks and decodes). The step's inputs and metadata (token ids, positions, KV slots, block tables,
-query offsets, LoRA batches) are copied into the graph's static buffers, so a new step of the same padded size, with
-any mix of adapters and context lengths, replays without capture or host syncs; the kernels read each sequence's
-real queries and context only. Scoring steps (logits of every token) and steps past the largest bucket run eagerly.
+query offsets, LoRA batches) are built on the host into the graph's page-locked staging buffer and sent to its static
+buffers in one copy, so a new step of the same padded size, with any mix of adapters and context lengths, replays
+without capture or host syncs; the kernels read each sequence's real queries and context only. Scoring steps (logits of every token) and steps past the largest bucket run eagerly.
 The step that captures a graph takes its result from the warm-up forward before the capture (a capture runs
 nothing), so every step runs the model's collectives exactly once, captured or not: what lets EP-over-DP peers step
 eagerly, replay or capture in the same step.
@@ -181,8 +181,10 @@ class ModelRunner:
 
     def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int, lora: bool) -> torch.Tensor:
         n = len(step.lens)
-        token_slots = [s for s, k in zip(step.slots, step.lens) for _ in range(k)]
-        lora_slots = [token_slots + [-1] * (tokens - len(token_slots)), step.slots + [-1] * (seqs - n)]
+        lora_slots = []  # per token, then per logits row (read only by a graph with LoRA)
+        if lora:
+            token_slots = [s for s, k in zip(step.slots, step.lens) for _ in range(k)]
+            lora_slots = [token_slots + [-1] * (tokens - len(token_slots)), step.slots + [-1] * (seqs - n)]
         key = ("mixed", tokens, lora)
         g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
         pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
