@@ -12,8 +12,8 @@ Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's 
 bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
 512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
 of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
-q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES, HEAVY_FIRST) of VARLEN_SWEEP
-for the VARLEN_SWEPT cases.
+q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES, HEAVY_FIRST) of
+VARLEN_SWEEP for the VARLEN_SWEPT cases.
 """
 from __future__ import annotations
 
