@@ -122,6 +122,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     defaults = {k: getattr(kernel, k) for k in SWEEP}
     rows = []
+    varlen_defaults = {k: getattr(varlen, k) for k in VARLEN_SWEEP}
+
+    def save():  # after every case: a run cut short keeps what it measured
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), bandwidth_Bps=bw, defaults=defaults,
+                           varlen_defaults=varlen_defaults, rows=rows), f, indent=1)
+
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, defaults {defaults}")
     print("| case | batch | context | µs | floor µs | of floor | best µs (setting) |")
     print("|---|---|---|---|---|---|---|")
@@ -149,14 +157,6 @@ def main() -> None:
         save()
         del caches
         torch.cuda.empty_cache()
-    varlen_defaults = {k: getattr(varlen, k) for k in VARLEN_SWEEP}
-
-    def save():  # after every case: a run cut short keeps what it measured
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), bandwidth_Bps=bw, defaults=defaults,
-                           varlen_defaults=varlen_defaults, rows=rows), f, indent=1)
-
     if args.kind != "decode":
         print(f"varlen defaults {varlen_defaults}, floor: max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, bytes / copy "
               f"bandwidth)")
