@@ -1,6 +1,6 @@
-"""Paged decode attention against its memory floor on one GPU, with a sweep of the kernel's launch constants.
+"""Paged decode and varlen attention against their floors on one GPU, with sweeps of the kernels' launch constants.
 
-    python scripts/bench_attention.py --out DIR [--sweep]
+    python scripts/bench_attention.py --out DIR [--sweep] [--kind decode|varlen|all]
 
 Cases: (batch, context) at the Llama-3-8B head layout (32 query / 8 KV heads, head_dim 128) and the Llama 16x2048
 one (32 / 8, 64), bf16, block size 16, each sequence's blocks scattered over the cache. Each call is captured in a CUDA
@@ -8,6 +8,12 @@ graph with 20 calls over rotated caches (so K/V come from HBM, not L2) and repla
 floor = (K and V bytes attended + q and out bytes) / the device copy bandwidth measured in the same run (read +
 written bytes / time). --sweep times every (BLOCK_N, TARGET_PROGRAMS, num_warps, num_stages) of a small grid and
 prints the best per case beside the module's defaults.
+Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's rows padded to the runner's graph
+bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
+512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
+of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
+q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES, HEAVY_FIRST) of
+VARLEN_SWEEP for the VARLEN_SWEPT cases.
 """
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_step import copy_bandwidth  # noqa: E402
+from tp_lora.engine.graph_inputs import pad_mixed_step  # noqa: E402
+from tp_lora.engine.runner import mixed_sizes  # noqa: E402
 from tp_lora.ops.triton import paged_attention as kernel  # noqa: E402
+from tp_lora.ops.triton import paged_varlen as varlen  # noqa: E402
 
 CASES = [  # (name, batch, context, query heads, kv heads, head_dim)
     ("8b", 32, 2048, 32, 8, 128), ("8b", 1, 2048, 32, 8, 128), ("8b", 128, 2048, 32, 8, 128),
@@ -33,6 +42,15 @@ CASES = [  # (name, batch, context, query heads, kv heads, head_dim)
 SWEEP = dict(BLOCK_N=(32, 64, 128), TARGET_PROGRAMS=(264, 528, 1056), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 SWEPT = {("8b", 32, 2048), ("8b", 1, 2048), ("8b", 128, 2048), ("2048", 32, 128)}  # cases the sweep covers
 BS, COPIES, CALLS = 16, 4, 20
+VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0), h, kv, d)
+    ("2048", 31, 128, 512, 32, 8, 64), ("8b", 31, 128, 512, 32, 8, 128),
+    ("2048", 0, 0, 2048, 32, 8, 64), ("8b", 0, 0, 2048, 32, 8, 128),
+]
+MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
+VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3),
+                    HEAVY_FIRST=(False, True))
+VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
+PEAK_FLOPS = 700e12  # dense bf16 tensor-core rate an H100 / H200 reaches in practice
 
 
 def case_inputs(b, ctx, h, kv, d, dev, g):
@@ -47,11 +65,35 @@ def case_inputs(b, ctx, h, kv, d, dev, g):
     return q, caches, table, lens
 
 
-def time_case(q, caches, table, lens, scale) -> float:
+def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g):
+    """(q, caches, table, context_lens, cu_q) of the case padded to its graph bucket, (tokens, seqs) of the bucket, and
+    (FLOPs, bytes) of its real work."""
+    starts, lens = [ctx - 1] * decodes + [0], [1] * decodes + [chunk]
+    tokens, seqs = next(sz for sz in mixed_sizes(4096, MAX_SEQS) if sz[0] >= sum(lens))
+    need = [-(-(st + n) // BS) for st, n in zip(starts, lens)]
+    perm = torch.randperm(sum(need) + 1, generator=g).tolist()  # + the scratch block
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    width = max(need)
+    host = pad_mixed_step([0] * sum(lens), tables, starts, lens, tokens, seqs, width, BS, perm[-1])
+    caches = [(torch.randn(len(perm), BS, kv, d, generator=g).to(dev, torch.bfloat16),
+               torch.randn(len(perm), BS, kv, d, generator=g).to(dev, torch.bfloat16)) for _ in range(COPIES)]
+    q = torch.randn(tokens, h, d, generator=g).to(dev, torch.bfloat16)
+    keys = sum(st + i + 1 for st, n in zip(starts, lens) for i in range(n))  # keys each real query attends
+    flops = 4 * h * d * keys
+    nbytes = 2 * sum(st + n for st, n in zip(starts, lens)) * kv * d * 2 + 2 * sum(lens) * h * d * 2
+    return ((q, caches, host.block_table.to(dev), host.context_lens.to(dev), host.cu_q.to(dev)), (tokens, seqs),
+            (flops, nbytes))
+
+
+def time_case(q, caches, table, lens, scale, cu_q=None) -> float:
+    """Median µs per call of the decode kernel (cu_q None) or the varlen kernel over these inputs."""
     def calls():
         for i in range(CALLS):
             k, v = caches[i % COPIES]
-            kernel.paged_decode(q, k, v, table, lens, scale)
+            if cu_q is None:
+                kernel.paged_decode(q, k, v, table, lens, scale)
+            else:
+                varlen.paged_varlen(q, k, v, table, lens, cu_q, scale)
     calls()  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -73,16 +115,25 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_results")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--kind", choices=("decode", "varlen", "all"), default="all")
     args = p.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     g = torch.Generator().manual_seed(0)
     defaults = {k: getattr(kernel, k) for k in SWEEP}
     rows = []
+    varlen_defaults = {k: getattr(varlen, k) for k in VARLEN_SWEEP}
+
+    def save():  # after every case: a run cut short keeps what it measured
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), bandwidth_Bps=bw, defaults=defaults,
+                           varlen_defaults=varlen_defaults, rows=rows), f, indent=1)
+
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, defaults {defaults}")
     print("| case | batch | context | µs | floor µs | of floor | best µs (setting) |")
     print("|---|---|---|---|---|---|---|")
-    for name, b, ctx, h, kv, d in CASES:
+    for name, b, ctx, h, kv, d in CASES if args.kind != "varlen" else []:
         q, caches, table, lens = case_inputs(b, ctx, h, kv, d, dev, g)
         nbytes = 2 * b * ctx * kv * d * 2 + 2 * q.numel() * 2
         floor = nbytes / bw * 1e6  # the copy's bytes read + written per second: what HBM moves either way
@@ -103,12 +154,43 @@ def main() -> None:
         print(f"| {name} | {b} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
               flush=True)
         rows.append(row)
+        save()
         del caches
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), bandwidth_Bps=bw, defaults=defaults, rows=rows), f,
-                  indent=1)
+    if args.kind != "decode":
+        print(f"varlen defaults {varlen_defaults}, floor: max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, bytes / copy "
+              f"bandwidth)")
+        print("| case | decodes | context | chunk | bucket | µs | flop floor µs | byte floor µs | of floor | "
+              "best µs (setting) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, decodes, ctx, chunk, h, kv, d in VARLEN_CASES if args.kind != "decode" else []:
+        inputs, (tokens, seqs), (flops, nbytes) = varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g)
+        q, caches, table, lens, cu_q = inputs
+        flop_floor, byte_floor = flops / PEAK_FLOPS * 1e6, nbytes / bw * 1e6
+        us = time_case(q, caches, table, lens, d ** -0.5, cu_q)
+        row = dict(case=name, kind="varlen", decodes=decodes, context=ctx, chunk=chunk, tokens=tokens, seqs=seqs,
+                   head_dim=d, us=us, flop_floor_us=flop_floor, byte_floor_us=byte_floor,
+                   of_floor=max(flop_floor, byte_floor) / us, sweep={})
+        if args.sweep and (name, chunk) in VARLEN_SWEPT:
+            for values in itertools.product(*VARLEN_SWEEP.values()):
+                for k, v in zip(VARLEN_SWEEP, values):
+                    setattr(varlen, k, v)
+                setting = json.dumps(dict(zip(VARLEN_SWEEP, values)))
+                try:
+                    row["sweep"][setting] = time_case(q, caches, table, lens, d ** -0.5, cu_q)
+                except Exception as e:  # noqa: BLE001 - a setting the compiler refuses (shared memory) is skipped
+                    row["sweep"][setting] = f"failed: {type(e).__name__}"
+            for k, v in varlen_defaults.items():
+                setattr(varlen, k, v)
+        timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
+        best = min(timed.items(), key=lambda kv_: kv_[1]) if timed else ("-", float("nan"))
+        print(f"| {name} d{d} | {decodes} | {ctx} | {chunk} | {tokens}/{seqs} | {us:.1f} | {flop_floor:.1f} | "
+              f"{byte_floor:.1f} | {row['of_floor']:.0%} | {best[1]:.1f} ({best[0]}) |", flush=True)
+        rows.append(row)
+        save()
+        del caches
+        torch.cuda.empty_cache()
+    save()
 
 
 if __name__ == "__main__":

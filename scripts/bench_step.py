@@ -16,7 +16,9 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
   floor" = floor / decode step;
 - prefill tokens/s from the one-token run.
 With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replayed from its CUDA graph and run eagerly,
-against a 32-sequence decode step (the runner alone, CUDA events, medians; whether each replayed a graph).
+against a 32-sequence decode step (the runner alone on steps built beforehand, CUDA events, medians; whether each
+replayed a graph; and the host's time until execute() returns, its preparation and launches, during which a graph
+step's GPU idles).
 --torch-ops runs the decoder layers' norms, RoPE + cache write and activations as torch ops instead of the fused
 Triton kernels (tp_lora/ops/fused.py). Prints a table; writes bench_step.json into --out.
 """
@@ -204,8 +206,17 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
                                         ("mixed_31_plus_512_eager", True, 128, []),
                                         ("decode_32_ctx2048", False, 2048, graphed_sizes)):
         runner.mixed_sizes = sizes
-        times = [_ms(lambda: runner.execute(batch(mixed, context), cache)) for _ in range(12)]
+        steps = [batch(mixed, context) for _ in range(12)]  # built beforehand: the scheduler's work, not the runner's
+        host = []  # seconds until execute() returns: the host's share (preparation + launches)
+
+        def run(step):
+            t0 = time.perf_counter()
+            runner.execute(step, cache)
+            host.append(time.perf_counter() - t0)
+
+        times = [_ms(lambda: run(step)) for step in steps]
         out[name + "_ms"] = statistics.median(times[2:])
+        out[name + "_host_ms"] = statistics.median(host[2:]) * 1e3
         out[name + "_replayed"] = runner.replayed
     runner.mixed_sizes = graphed_sizes
     out["ratio"] = out["mixed_31_plus_512_ms"] / out["decode_32_ms"]
@@ -308,7 +319,8 @@ def main() -> None:
             print(f"runner {shape} {k}: decode 32 at context 128 {v['decode_32_ms']:.3f} ms, at 2048 "
                   f"{v['decode_32_ctx2048_ms']:.3f} ms; 31 decodes + 512 prefill {v['mixed_31_plus_512_ms']:.3f} ms "
                   f"({v['ratio']:.2f}x the decode step, graph replayed: {v['mixed_31_plus_512_replayed']}), eagerly "
-                  f"{v['mixed_31_plus_512_eager_ms']:.3f} ms ({v['eager_ratio']:.2f}x)")
+                  f"{v['mixed_31_plus_512_eager_ms']:.3f} ms ({v['eager_ratio']:.2f}x); host until execute returns: "
+                  f"decode {v['decode_32_host_ms']:.3f} ms, mixed {v['mixed_31_plus_512_host_ms']:.3f} ms")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_step.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,

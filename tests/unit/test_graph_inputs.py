@@ -1,9 +1,11 @@
 """The padded inputs of a mixed-step CUDA graph: exact tensors for a small step, the same layout as the eager
 metadata, and the same attention output through the varlen path (its torch reference on CPU)."""
+import numpy as np
 import pytest
 import torch
 
-from tp_lora.engine.graph_inputs import pad_block_table, pad_mixed_step
+from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, fill_block_table, pad_decode_step, pad_mixed_step
+from tp_lora.hostcopy import Staging
 from tp_lora.models.attention import KVCache, attend, build_attn_meta
 
 
@@ -27,6 +29,35 @@ def test_block_crossing_slot_and_padding_slots():
     assert got.kv_slots.tolist() == [3 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, 9 * 4]
     assert got.positions.tolist() == [3, 4, 5, 0]
     assert got.block_table.tolist() == [[3, 8]]
+
+
+def test_written_into_staging_views_over_stale_values():
+    # A graph's staging buffers hold the last step's values: every element must be rewritten.
+    args = ([11, 21, 22, 23], [[7, 2], [4]], [5, 1], [1, 3])
+    sizes = dict(tokens=6, seqs=3, width=3, block_size=4, scratch=9)
+    staging = Staging(MixedInputs.zeros(6, 3, 3, "cpu").tensors(), "cpu")
+    for t in staging.fill():
+        t.fill_(-7)
+    got = pad_mixed_step(*args, **sizes, out=MixedInputs.of(staging.fill()))
+    want = pad_mixed_step(*args, **sizes)
+    for g, w in zip(got.tensors(), want.tensors()):
+        assert torch.equal(g, w)
+    staging.send()
+    for d, w in zip(staging.device, want.tensors()):
+        assert torch.equal(d, w)
+    with pytest.raises(ValueError, match="expected 8 and"):
+        pad_mixed_step(*args, **(sizes | dict(tokens=8)), out=MixedInputs.of(staging.fill()))
+
+
+def test_decode_step_exact():
+    out = DecodeInputs.zeros(4, 3, "cpu")
+    for t in out.tensors():
+        t.fill_(-7)
+    got = pad_decode_step([5, 6], [[7, 2, 3, 1], [4]], [9, 0], rows=4, width=3, scratch=8, out=out)
+    assert got.ids.tolist() == [5, 6, 0, 0]
+    assert got.positions.tolist() == [9, 0, 0, 0]
+    assert got.block_table.tolist() == [[7, 2, 3], [4, 8, 8], [8, 8, 8], [8, 8, 8]]
+    assert got.valid.tolist() == [2] and got.block_table.dtype == torch.int32
 
 
 @pytest.mark.parametrize("kwargs", [dict(tokens=3), dict(seqs=1)])
@@ -62,22 +93,21 @@ def test_matches_eager_metadata_and_attention():
 
 def test_mixed_graph_sizes():
     from tp_lora.engine.runner import mixed_sizes
-    assert mixed_sizes(4096, 32) == [(64, 32), (128, 32), (256, 32), (512, 32), (768, 32), (1024, 32), (1536, 32),
-                                     (2048, 32), (3072, 32), (4096, 32)]
+    assert mixed_sizes(4096, 32) == [(64, 32), (128, 32), (256, 32), (512, 32), (640, 32), (768, 32), (896, 32),
+                                     (1024, 32), (1536, 32), (2048, 32), (3072, 32), (4096, 32)]
     assert mixed_sizes(300, 256) == [(64, 64), (128, 128), (256, 256), (300, 256)]  # the budget itself is the last
     assert mixed_sizes(16, 4) == [(16, 4)]
     assert mixed_sizes(8192, 8)[-2:] == [(3072, 8), (4096, 8)]  # past 4096 tokens steps run eagerly
 
 
-def test_pad_block_table_pads_truncates_and_checks_rows():
+def test_fill_block_table_pads_and_truncates():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     width, scratch = 5, 99
     blocks = [torch.randint(0, 50, (int(k),), generator=gen).tolist() for k in (0, 3, 5, 8)]  # empty, short, full, long
-    got = pad_block_table(blocks, 6, width, scratch)
+    table = np.full((6, width), -7, dtype=np.int32)  # stale entries: every one must be rewritten
+    fill_block_table(table, blocks, scratch)
     want = torch.full((6, width), scratch, dtype=torch.int32)
     for n, b in enumerate(blocks):
         for j, x in enumerate(b[:width]):
             want[n, j] = x
-    assert got.dtype == torch.int32 and torch.equal(got, want)
-    with pytest.raises(ValueError, match="5 block tables"):
-        pad_block_table(blocks + [[1]], 4, width, scratch)
+    assert torch.equal(torch.from_numpy(table), want)

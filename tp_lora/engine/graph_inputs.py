@@ -1,13 +1,17 @@
-"""A step's inputs padded to the fixed sizes of a captured mixed-step CUDA graph: T token rows, S sequence rows,
-block tables W wide. Built on the host (a pure function of the step's lists), copied into the graph's static buffers.
+"""A step's inputs padded to the fixed sizes of a captured CUDA graph, built on the host (a pure function of the
+step's lists, written with numpy: a few vector ops instead of one torch op per field) and copied into the graph's
+static buffers.
 
-Real tokens and sequences come first, in step order; padding tokens have id 0, position 0 and the scratch
-block's first KV slot (no sequence reads it; every slot is in bounds, which the fused K/V write needs); padding sequences own no query (q_len 0, context 0),
-their block tables and the unused ends of real ones point at the scratch block, and their logits row is token 0's.
+Mixed steps: T token rows, S sequence rows, block tables W wide. Real tokens and sequences come first, in step
+order; padding tokens have id 0, position 0 and the scratch block's first KV slot (no sequence reads it; every slot
+is in bounds, which the fused K/V write needs); padding sequences own no query (q_len 0, context 0), their block
+tables and the unused ends of real ones point at the scratch block, and their logits row is token 0's.
+Decode steps: B rows of one token each; padding rows have id 0, position 0 and all-scratch tables.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import chain
 
 import numpy as np
 import torch
@@ -15,8 +19,18 @@ import torch
 from tp_lora.models.attention import AttnGroup, AttnMeta
 
 
+class _Fields:
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]):
+        """The fields over `tensors` (in field order; e.g. views of one staging buffer)."""
+        return cls(*tensors)
+
+
 @dataclass
-class MixedInputs:
+class MixedInputs(_Fields):
     ids: torch.Tensor  # [T] int64 token ids
     positions: torch.Tensor  # [T] int64 position of each token
     kv_slots: torch.Tensor  # [T] int64 cache slot (block * block_size + offset) each token's K/V goes to
@@ -24,9 +38,6 @@ class MixedInputs:
     cu_q: torch.Tensor  # [S+1] int32 first token row of each sequence, then the end of the last
     context_lens: torch.Tensor  # [S] int32 positions each sequence attends over after this step
     block_table: torch.Tensor  # [S, W] int32
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, f.name) for f in fields(self)]
 
     def meta(self, window: int | None) -> AttnMeta:
         """The attention layout over these tensors: one varlen group of every row (computed nothing on the host, so a
@@ -44,41 +55,90 @@ class MixedInputs:
                    torch.zeros(seqs, width, **i32))
 
 
+@dataclass
+class DecodeInputs(_Fields):
+    ids: torch.Tensor  # [B] int64 token ids
+    positions: torch.Tensor  # [B] int64 position of each row's token
+    block_table: torch.Tensor  # [B, W] int32
+    valid: torch.Tensor  # [1] int64 count of real rows (read by models with graph_rows)
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, device) -> DecodeInputs:
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(rows, **i64), torch.zeros(rows, **i64),
+                   torch.zeros(rows, width, dtype=torch.int32, device=device), torch.zeros(1, **i64))
+
+
+def fill_block_table(table: np.ndarray, blocks: list[list[int]], scratch: int) -> None:
+    """table [S, W] <- row n: blocks[n][:W], then scratch (rows past len(blocks) all scratch); one conversion of
+    every kept entry and one masked scatter."""
+    n, width = len(blocks), table.shape[1]
+    table.fill(scratch)
+    if n == 0:
+        return
+    kept = np.fromiter(map(len, blocks), np.int64, n)
+    if kept.max() > width:
+        kept = np.minimum(kept, width)
+        blocks = [b[:width] for b in blocks]
+    table[:n][np.arange(width) < kept[:, None]] = np.array(list(chain.from_iterable(blocks)), dtype=np.int32)
+
+
 def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], lens: list[int], tokens: int,
-                   seqs: int, width: int, block_size: int, scratch: int) -> MixedInputs:
+                   seqs: int, width: int, block_size: int, scratch: int, out: MixedInputs | None = None
+                   ) -> MixedInputs:
     """Sequence n has lens[n] >= 1 new tokens (its run of `ids`) at positions starts[n].., kept in the blocks
     blocks[n] (covering at least its last new position; entries past `width`, for positions the graph does not
-    serve, are dropped). -> host tensors padded to `tokens` x `seqs` x `width`."""
+    serve, are dropped). -> host tensors padded to `tokens` x `seqs` x `width`: written into `out` (host tensors of
+    those sizes, e.g. a graph's staging buffers; every element is set) if given, else new."""
     n, t = len(lens), len(ids)
     if t != sum(lens) or t > tokens or n > seqs or min(lens, default=1) < 1:
         raise ValueError(f"a step of {t} tokens ({sum(lens)} by lens), {n} sequences, lens >= "
                          f"{min(lens, default=1)}: expected at most {tokens} tokens, {seqs} sequences, every len >= 1")
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    ends = torch.cumsum(lens_t, 0)
-    seq = torch.repeat_interleave(torch.arange(n), lens_t)
-    pos = torch.tensor(starts, dtype=torch.int64)[seq] + torch.arange(t) - (ends - lens_t)[seq]
-    table = pad_block_table(blocks, seqs, width, scratch)
-    out = MixedInputs.zeros(tokens, seqs, width, "cpu")
-    out.ids[:t] = torch.tensor(ids, dtype=torch.int64)
-    out.positions[:t] = pos
-    out.kv_slots.fill_(scratch * block_size)
-    out.kv_slots[:t] = table[seq, pos // block_size].long() * block_size + pos % block_size
-    out.last_token[:n] = ends - 1
-    out.cu_q[1:n + 1] = ends.to(torch.int32)
-    out.cu_q[n + 1:] = t
-    out.context_lens[:n] = (torch.tensor(starts, dtype=torch.int64) + lens_t).to(torch.int32)
-    out.block_table = table
+    if out is None:
+        out = MixedInputs.zeros(tokens, seqs, width, "cpu")
+    elif out.ids.shape[0] != tokens or out.block_table.shape != (seqs, width):
+        raise ValueError(f"out holds {out.ids.shape[0]} tokens and tables {tuple(out.block_table.shape)}, expected "
+                         f"{tokens} and ({seqs}, {width})")
+    o = MixedInputs(*(x.numpy() for x in out.tensors()))
+    lens_a, starts_a = np.array(lens, dtype=np.int64), np.array(starts, dtype=np.int64)
+    ends = np.cumsum(lens_a)
+    seq = np.repeat(np.arange(n), lens_a)
+    pos = np.arange(t) + (starts_a - (ends - lens_a))[seq]
+    fill_block_table(o.block_table, blocks, scratch)
+    o.ids[:t] = ids
+    o.ids[t:] = 0
+    o.positions[:t] = pos
+    o.positions[t:] = 0
+    o.kv_slots[:t] = o.block_table[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    o.kv_slots[t:] = scratch * block_size
+    o.last_token[:n] = ends - 1
+    o.last_token[n:] = 0
+    o.cu_q[0] = 0
+    o.cu_q[1:n + 1] = ends
+    o.cu_q[n + 1:] = t
+    o.context_lens[:n] = starts_a + lens_a
+    o.context_lens[n:] = 0
     return out
 
 
-def pad_block_table(blocks: list[list[int]], rows: int, width: int, scratch: int) -> torch.Tensor:
-    """Block tables blocks[n] (entries past `width` dropped) as a host int32 [rows, width] tensor, the rest of each row
-    and the padding rows the scratch block. Filled row by row in numpy: the host cost follows the real entries, not
-    rows x width (a table for long contexts is hundreds wide; a step's sequences mostly use a few blocks)."""
-    if len(blocks) > rows:
-        raise ValueError(f"{len(blocks)} block tables: expected at most {rows} rows")
-    table = np.full((rows, width), scratch, dtype=np.int32)
-    for n, b in enumerate(blocks):
-        k = min(len(b), width)
-        table[n, :k] = b[:k]
-    return torch.from_numpy(table)
+def pad_decode_step(ids: list[int], blocks: list[list[int]], starts: list[int], rows: int, width: int, scratch: int,
+                    out: DecodeInputs | None = None) -> DecodeInputs:
+    """Row n decodes token ids[n] at position starts[n] with block table blocks[n] (cut to `width`). -> host
+    tensors padded to `rows` x `width`: written into `out` (every element is set) if given, else new."""
+    n = len(ids)
+    if n > rows or len(blocks) != n or len(starts) != n:
+        raise ValueError(f"a decode step of {n} ids, {len(blocks)} tables, {len(starts)} starts: expected one of "
+                         f"each per row, at most {rows} rows")
+    if out is None:
+        out = DecodeInputs.zeros(rows, width, "cpu")
+    elif out.ids.shape[0] != rows or out.block_table.shape != (rows, width):
+        raise ValueError(f"out holds {out.ids.shape[0]} rows and tables {tuple(out.block_table.shape)}, expected "
+                         f"{rows} and ({rows}, {width})")
+    o = DecodeInputs(*(x.numpy() for x in out.tensors()))
+    o.ids[:n] = ids
+    o.ids[n:] = 0
+    o.positions[:n] = starts
+    o.positions[n:] = 0
+    fill_block_table(o.block_table, blocks, scratch)
+    o.valid[0] = n
+    return out

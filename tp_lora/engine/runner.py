@@ -4,9 +4,9 @@ batches for the tokens and for the sampled rows) and runs the forward pass and t
 Steps on CUDA can replay a captured CUDA graph, per "any LoRA" flag: decode-only steps one per padded batch size
 (the paged decode kernel), other steps one per padded token count (the varlen paged kernel over every token, so any
 mix of prefill chunks and decodes). The step's inputs and metadata (token ids, positions, KV slots, block tables,
-query offsets, LoRA batches) are copied into the graph's static buffers, so a new step of the same padded size, with
-any mix of adapters and context lengths, replays without capture or host syncs; the kernels read each sequence's
-real queries and context only. Scoring steps (logits of every token) and steps past the largest bucket run eagerly.
+query offsets, LoRA batches) are built on the host into the graph's page-locked staging buffer and sent to its static
+buffers in one copy, so a new step of the same padded size, with any mix of adapters and context lengths, replays
+without capture or host syncs; the kernels read each sequence's real queries and context only. Scoring steps (logits of every token) and steps past the largest bucket run eagerly.
 The step that captures a graph takes its result from the warm-up forward before the capture (a capture runs
 nothing), so every step runs the model's collectives exactly once, captured or not: what lets EP-over-DP peers step
 eagerly, replay or capture in the same step.
@@ -23,14 +23,17 @@ from typing import Callable
 
 import torch
 
-from tp_lora.engine.graph_inputs import MixedInputs, pad_block_table, pad_mixed_step
-from tp_lora.hostcopy import to_device
+from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, pad_decode_step, pad_mixed_step
+from tp_lora.hostcopy import Staging, to_device
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
 from tp_lora.ops.paged_attention import kernel_takes
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-MIXED_TOKEN_SIZES = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# Every 128 from 512 to 1024: steps there are GEMM-bound, so a padding row costs its share of the step, and a prefill
+# chunk of 512 plus the running decodes lands just past 512 (543 tokens: 18% extra rows in 640 instead of 41% in 768).
+# Graphs share one memory pool, so a bucket adds little more than its static logits ([seqs, V] float32).
+MIXED_TOKEN_SIZES = (64, 128, 256, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 
 
 @dataclass
@@ -59,11 +62,13 @@ class StepBatch:
 
 @dataclass
 class _Graph:
-    inputs: list[torch.Tensor]  # static inputs, refreshed (in this order) before each replay
+    inputs: Staging  # static inputs (its device views: DecodeInputs / MixedInputs fields, then each LoRA batch's graph
+    # buffers), refreshed before each replay
     loras: list[LoRABatch]  # static LoRA batches (of the tokens, then of the logits' rows if they differ); [] for none
     forward: Callable[[], torch.Tensor]  # the step over the static buffers -> logits [rows, V]
     graph: torch.cuda.CUDAGraph | None = None  # once captured
     logits: torch.Tensor | None = None  # [rows, V] static output, once captured
+    fields: int = 0  # the inputs' views that are step fields (the rest: the LoRA batches' graph buffers)
     lora_slots: list[list[int]] | None = None  # the adapter slots `loras` hold (unchanged: no refresh)
 
 
@@ -82,7 +87,7 @@ class ModelRunner:
         self.model, self.rt, self.device = model, rt, torch.device(device)
         # Graphs need device-side metadata end to end: the torch reference backend loops on the host.
         self.use_graphs = (cuda_graphs and self.device.type == "cuda" and
-                           (rt is None or hasattr(rt.ops, "refresh_static_batch")))
+                           (rt is None or hasattr(rt.ops, "graph_buffers")))
         # Mixed steps need the varlen kernel (the reference gathers every table's positions for every token), and a
         # model whose forward over any tokens has no host sync.
         mixed = self.use_graphs and kernel_takes(model.head_dim) and getattr(model, "mixed_graph_safe", True)
@@ -168,36 +173,39 @@ class ModelRunner:
         """The step through the decode graph of the smallest size holding `need` rows (its own or more)."""
         n = len(step.lens)
         size = next(s for s in GRAPH_BATCH_SIZES if s >= need)
-        pad = size - n
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
-        host = [torch.tensor(step.ids + [0] * pad), torch.tensor(step.starts + [0] * pad),
-                pad_block_table(step.blocks, size, g.inputs[2].shape[1], self.cache.scratch), torch.tensor([n])]
+        pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.scratch,
+                        DecodeInputs.of(g.inputs.fill()[:g.fields]))
         rows = getattr(self.model, "graph_rows", None)
-        with rows(g.inputs[3]) if rows is not None else nullcontext():
-            return self._replay(key, g, host, [step.slots + [-1] * pad], n)
+        with rows(DecodeInputs.of(g.inputs.device[:g.fields]).valid) if rows is not None else nullcontext():
+            return self._replay(key, g, [step.slots + [-1] * (size - n)], n)
 
     def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int, lora: bool) -> torch.Tensor:
         n = len(step.lens)
-        token_slots = [s for s, k in zip(step.slots, step.lens) for _ in range(k)]
-        lora_slots = [token_slots + [-1] * (tokens - len(token_slots)), step.slots + [-1] * (seqs - n)]
+        lora_slots = []  # per token, then per logits row (read only by a graph with LoRA)
+        if lora:
+            token_slots = [s for s, k in zip(step.slots, step.lens) for _ in range(k)]
+            lora_slots = [token_slots + [-1] * (tokens - len(token_slots)), step.slots + [-1] * (seqs - n)]
         key = ("mixed", tokens, lora)
         g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
-        host = pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
-                              self.cache.block_size, self.cache.scratch)
-        return self._replay(key, g, host.tensors(), lora_slots, n)
+        pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
+                       self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()[:g.fields]))
+        return self._replay(key, g, lora_slots, n)
 
-    def _replay(self, key: tuple, g: _Graph, host: list[torch.Tensor], lora_slots: list[list[int]], n: int
-                ) -> torch.Tensor:
-        """Copy the step's host tensors into g's static inputs (one host->device copy per dtype), its adapter slots
-        (per token, then per logits row) into g's LoRA batches, replay (or run and capture g on first use, as
-        `key`); -> the first n rows of the logits."""
-        for static, new in zip(g.inputs, to_device(host, self.device)):
-            static.copy_(new)
-        if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's adapters
-            for static, slots in zip(g.loras, lora_slots):
-                self.rt.ops.refresh_static_batch(static, build_lora_batch(slots, self.rt.max_loras, self.device))
+    def _replay(self, key: tuple, g: _Graph, lora_slots: list[list[int]], n: int) -> torch.Tensor:
+        """Stage the step's adapter slots (per token, then per logits row) as g's LoRA batches' buffers, send g's
+        staged inputs (its own filled by the caller) to its static ones in one host->device copy, replay (or run and
+        capture g on first use, as `key`); -> the first n rows of the logits."""
+        if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's adapters (staged)
+            host = g.inputs.fill()
+            per = (len(host) - g.fields) // len(g.loras)
+            for i, (static, slots) in enumerate(zip(g.loras, lora_slots)):
+                views = host[g.fields + i * per:g.fields + (i + 1) * per]
+                for view, new in zip(views, self.rt.ops.step_buffers(slots, static)):
+                    view.copy_(new)
             g.lora_slots = lora_slots
+        g.inputs.send()
         if g.graph is None:
             self.captured = True
             g.graph, g.logits, out = self._record(g.forward)
@@ -215,32 +223,42 @@ class ModelRunner:
         refreshes the buffers with the step's); without, they skip their work (decided on the host at capture)."""
         if self.rt is None:
             return None
-        batch = build_lora_batch([0 if lora else -1] * rows, self.rt.max_loras, self.device)
-        if lora:
-            self.rt.ops.refresh_static_batch(batch, batch)  # builds the per-step tables once
-        return batch
+        return build_lora_batch([0 if lora else -1] * rows, self.rt.max_loras, self.device)
+
+    def _staging(self, fields: list[torch.Tensor], loras: list[LoRABatch]) -> Staging:
+        """A graph's static inputs in one staging buffer: tensors shaped like `fields`, then the graph buffers of each
+        of `loras`, which are bound to them."""
+        buffers = [self.rt.ops.graph_buffers(b) for b in loras]
+        staging = Staging(fields + [t for bs in buffers for t in bs], self.device)
+        at = len(fields)
+        for batch, bs in zip(loras, buffers):
+            self.rt.ops.bind_graph_buffers(batch, staging.device[at:at + len(bs)])
+            at += len(bs)
+        return staging
 
     def _decode_graph(self, size: int, lora: bool) -> _Graph:
         """Static buffers of a decode graph of `size` rows (not captured yet): ids, positions, block tables, and the
         count of real rows ([1], read by models with graph_rows)."""
-        dev = self.device
-        ids = torch.zeros(size, dtype=torch.long, device=dev)
-        positions = torch.zeros(size, dtype=torch.long, device=dev)
-        table = torch.full((size, self._table_width()), self.cache.scratch, dtype=torch.int32, device=dev)
-        valid = torch.zeros(1, dtype=torch.long, device=dev)
+        fields = DecodeInputs.zeros(size, self._table_width(), "cpu").tensors()
         static_lora = self._static_lora(size, lora)
+        loras = [static_lora] if lora else []
+        staging = self._staging(fields, loras)
+        inputs = DecodeInputs.of(staging.device[:len(fields)])
 
         def forward():
             if self.rt is not None:
                 self.rt.batch = static_lora
-            meta = self._decode_meta(table, positions)
-            return self.model.logits(self.model(ids, self.cache, meta))
+            meta = self._decode_meta(inputs.block_table, inputs.positions)
+            return self.model.logits(self.model(inputs.ids, self.cache, meta))
 
-        return _Graph([ids, positions, table, valid], [static_lora] if lora else [], forward)
+        return _Graph(staging, loras, forward, fields=len(fields))
 
     def _mixed_graph(self, tokens: int, seqs: int, lora: bool) -> _Graph:
-        inputs = MixedInputs.zeros(tokens, seqs, self._table_width(), self.device)
+        fields = MixedInputs.zeros(tokens, seqs, self._table_width(), "cpu").tensors()
         token_lora, row_lora = self._static_lora(tokens, lora), self._static_lora(seqs, lora)
+        loras = [token_lora, row_lora] if lora else []
+        staging = self._staging(fields, loras)
+        inputs = MixedInputs.of(staging.device[:len(fields)])
 
         def forward():
             if self.rt is not None:
@@ -250,7 +268,7 @@ class ModelRunner:
                 self.rt.batch = row_lora
             return self.model.logits(hidden[inputs.last_token])
 
-        return _Graph(inputs.tensors(), [token_lora, row_lora] if lora else [], forward)
+        return _Graph(staging, loras, forward, fields=len(fields))
 
     def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """forward() run once (the warm-up: allocator and Triton settle; its output is this step's result), then

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tp_lora.hostcopy import to_device
@@ -42,20 +43,23 @@ class LoRABatch:
 
 
 def build_lora_batch(token_slot: list[int] | torch.Tensor, max_loras: int, device: torch.device | str) -> LoRABatch:
-    """token_slot: per token the adapter slot in [0, max_loras) or -1. Host-side work, one copy to the device."""
-    slots = torch.as_tensor(token_slot, dtype=torch.int64, device="cpu").reshape(-1)
-    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= max_loras):
-        raise ValueError(f"token slot out of range: got values in [{int(slots.min())}, {int(slots.max())}], "
+    """token_slot: per token the adapter slot in [0, max_loras) or -1. Host-side work (numpy), one copy to the
+    device."""
+    if isinstance(token_slot, torch.Tensor):
+        slots = token_slot.detach().cpu().numpy().astype(np.int64).reshape(-1)
+    else:
+        slots = np.array(token_slot, dtype=np.int64).reshape(-1)
+    if slots.size and (slots.min() < -1 or slots.max() >= max_loras):
+        raise ValueError(f"token slot out of range: got values in [{slots.min()}, {slots.max()}], "
                          f"expected -1 or [0, {max_loras})")
-    order = torch.sort(slots, stable=True).indices
-    active, counts = torch.unique(slots, return_counts=True)
-    keep = active >= 0
-    n_none = int(counts[~keep].sum()) if (~keep).any() else 0
-    active, counts = active[keep], counts[keep]
-    starts = n_none + torch.cumsum(counts, 0) - counts
-    host = torch.stack([active, counts, starts]) if active.numel() else torch.zeros(3, 0, dtype=torch.int64)
-    packed, = to_device([torch.cat([slots, order, host.reshape(-1)]).to(torch.int32)], device)
-    t, n = slots.numel(), active.numel()
+    order = np.argsort(slots, kind="stable")
+    per_slot = np.bincount(slots + 1, minlength=max_loras + 1)  # [0]: tokens without an adapter
+    active = np.flatnonzero(per_slot[1:])
+    counts = per_slot[1:][active]
+    starts = per_slot[0] + np.cumsum(counts) - counts
+    packed, = to_device([torch.from_numpy(np.concatenate([slots, order, active, counts, starts]).astype(np.int32))],
+                        device)
+    t, n = slots.size, active.size
     return LoRABatch(
         token_slot=packed[:t], order=packed[t:2 * t],
         slot_ids=packed[2 * t:2 * t + n], counts=packed[2 * t + n:2 * t + 2 * n], starts=packed[2 * t + 2 * n:],

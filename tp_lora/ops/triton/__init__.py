@@ -206,5 +206,5 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
     return sorted({min(edge, max_tokens) for edge in configs.T_EDGES[:-1]} | {max_tokens})
 
 
-from tp_lora.ops.triton.graphs import refresh_static_batch  # noqa: E402,F401  (CUDA-graph replay)
+from tp_lora.ops.triton.graphs import bind_graph_buffers, graph_buffers, step_buffers  # noqa: E402,F401  (CUDA graphs)
 from tp_lora.ops.triton.moe_lora import moe_lora_expand, moe_lora_shrink  # noqa: E402,F401  (fused MoE LoRA)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tp_lora.hostcopy import to_device
@@ -67,12 +68,11 @@ def _groups(batch: LoRABatch) -> tuple[list[int], list[int], list[int]]:
             head[2] + list(batch.host_counts))
 
 
-def _sorted_table(batch: LoRABatch) -> torch.Tensor:
-    table = torch.zeros(3, batch.max_loras + 1, dtype=torch.int32)
+def _sorted_table(batch: LoRABatch) -> np.ndarray:
+    table = np.zeros((3, batch.max_loras + 1), dtype=np.int32)
     table[0] = -1
     groups = _groups(batch)
-    if groups[0]:
-        table[:, :len(groups[0])] = torch.tensor(groups, dtype=torch.int32)
+    table[:, :len(groups[0])] = groups
     return table
 
 
@@ -82,22 +82,18 @@ def chunked_entries(num_tokens: int, max_loras: int, segment_size: int) -> int:
     return -(-num_tokens // segment_size) + min(max_loras + 1, num_tokens)
 
 
-def _chunked_table(batch: LoRABatch, seg: int) -> torch.Tensor:
+def _chunked_table(batch: LoRABatch, seg: int) -> np.ndarray:
     entries = chunked_entries(batch.num_tokens, batch.max_loras, seg)
-    table = torch.zeros(3, entries, dtype=torch.int32)
+    table = np.zeros((3, entries), dtype=np.int32)
     table[0] = -1
-    groups = _groups(batch)
-    if groups[0]:
-        slots, starts, counts = (torch.tensor(g, dtype=torch.int64) for g in groups)
-        per_group = (counts + seg - 1) // seg
-        group = torch.repeat_interleave(torch.arange(len(slots)), per_group)
-        # index of each segment inside its group
-        first = torch.cumsum(per_group, 0) - per_group
-        within = torch.arange(group.numel()) - first[group]
-        n = group.numel()
-        table[0, :n] = slots[group].to(torch.int32)
-        table[1, :n] = (starts[group] + within * seg).to(torch.int32)
-        table[2, :n] = torch.clamp(counts[group] - within * seg, max=seg).to(torch.int32)
+    slots, starts, counts = (np.array(g, dtype=np.int64) for g in _groups(batch))
+    per_group = (counts + seg - 1) // seg
+    group = np.repeat(np.arange(slots.size), per_group)
+    within = np.arange(group.size) - (np.cumsum(per_group) - per_group)[group]  # segment index inside its group
+    n = group.size
+    table[0, :n] = slots[group]
+    table[1, :n] = starts[group] + within * seg
+    table[2, :n] = np.minimum(counts[group] - within * seg, seg)
     return table
 
 
@@ -120,6 +116,6 @@ def prepare(batch: LoRABatch, scheme: str | None = None, segment_size: int | Non
     if cached is not None:
         return cached
     table = _sorted_table(batch) if scheme == "sorted" else _chunked_table(batch, seg)
-    sched = Schedule(scheme, to_device([table], batch.order.device)[0], table.shape[1], seg)
+    sched = Schedule(scheme, to_device([torch.from_numpy(table)], batch.order.device)[0], table.shape[1], seg)
     batch.derived[key] = sched
     return sched
