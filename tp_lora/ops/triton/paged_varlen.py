@@ -20,7 +20,7 @@ CHUNK_MAX_D = 128  # ... and the head is small enough for [CHUNK_ROWS, d] float3
 NUM_WARPS, NUM_STAGES = 4, 3  # of the kernel (Triton's defaults; scripts/bench_attention.py --sweep --kind varlen)
 # Launch the query blocks last to first, every KV head's before the next block's: a chunk's late blocks attend the
 # most keys (causal), so they start first instead of forming the grid's tail.
-HEAVY_FIRST = False
+HEAVY_FIRST = True
 
 
 @triton.jit
