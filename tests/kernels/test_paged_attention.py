@@ -1,6 +1,7 @@
 """The Triton paged decode kernel against its torch reference (itself checked against dense softmax attention)."""
 import pytest
 import torch
+from _paged import poisoned_cache
 
 from tp_lora.ops.paged_attention import paged_decode_ref
 
@@ -8,19 +9,7 @@ from tp_lora.ops.paged_attention import paged_decode_ref
 def _case(gen, lens, heads, kv, d, bs, dtype, device, width=None):
     """A cache with shuffled (non-contiguous) block tables for sequences of `lens` positions; padding entries of a
     table point at a poisoned block that a correct kernel never reads."""
-    need = [-(-n // bs) for n in lens]
-    width = width or max(need)
-    total = sum(need) + 1
-    k_cache = torch.randn(total, bs, kv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(total, bs, kv, d, generator=gen).to(dtype)
-    poison = total - 1
-    k_cache[poison] = float("nan")
-    v_cache[poison] = float("nan")
-    ids = torch.randperm(total - 1, generator=gen).tolist()
-    table = torch.full((len(lens), width), poison, dtype=torch.int32)
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
+    k_cache, v_cache, table = poisoned_cache(gen, lens, len(lens), kv, d, bs, dtype, width)
     q = torch.randn(len(lens), heads, d, generator=gen).to(dtype)
     to = lambda t: t.to(device)  # noqa: E731
     return to(q), to(k_cache), to(v_cache), to(table), to(torch.tensor(lens, dtype=torch.int32))

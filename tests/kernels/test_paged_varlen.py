@@ -2,6 +2,7 @@
 gathered SDPA path (build_attn_meta + attend) and against the paged decode reference."""
 import pytest
 import torch
+from _paged import poisoned_cache
 
 from tp_lora.models.attention import KVCache, attend, build_attn_meta
 from tp_lora.ops.paged_attention import paged_decode_ref, paged_varlen_ref
@@ -11,19 +12,8 @@ def _case(gen, seqs, heads, kv, d, bs, dtype, device, pad_seqs=0, pad_tokens=0, 
     """seqs: (q_len, context) per sequence, packed in order, then `pad_seqs` padding sequences (q_len 0, context 0)
     and `pad_tokens` query rows of no sequence. Block tables are shuffled over the cache; their unused entries (and
     every entry of a padding sequence) point at a NaN-poisoned block that a correct kernel never reads."""
-    need = [-(-c // bs) for _, c in seqs]
-    width = width or max(need)
-    total = sum(need) + 1
-    k_cache = torch.randn(total, bs, kv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(total, bs, kv, d, generator=gen).to(dtype)
-    poison = total - 1
-    k_cache[poison] = float("nan")
-    v_cache[poison] = float("nan")
-    ids = torch.randperm(total - 1, generator=gen).tolist()
-    table = torch.full((len(seqs) + pad_seqs, width), poison, dtype=torch.int32)
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
+    k_cache, v_cache, table = poisoned_cache(gen, [c for _, c in seqs], len(seqs) + pad_seqs, kv, d, bs, dtype,
+                                             width)
     lens = [n for n, _ in seqs] + [0] * pad_seqs
     cu_q = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     ctx = torch.tensor([c for _, c in seqs] + [0] * pad_seqs, dtype=torch.int32)

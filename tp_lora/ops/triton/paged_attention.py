@@ -19,6 +19,52 @@ NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel (a sweep on an H200: script
 
 
 @triton.jit
+def online_softmax(q, q_pos, k_ptr, v_ptr, table_ptr, head_off, lo, hi, scale, window, softcap, s_kb, s_ks,
+                   ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+                   F32_DOT: tl.constexpr):
+    """Attention of q [ROWS, D] over the positions lo..hi-1 of one sequence's paged K/V (table_ptr: its block table,
+    head_off: its KV head's offset in a cache row), BLOCK positions per iteration -> (row max, row sum, unnormalized
+    output [ROWS, D]), float32. CAUSAL: row i sees positions <= q_pos[i] (and > q_pos[i] - window if window > 0)."""
+    d = tl.arange(0, D)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for t0 in range(lo - lo % BLOCK, hi, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        valid = (t >= lo) & (t < hi)
+        blk = tl.load(table_ptr + t // BS, mask=valid, other=0).to(tl.int64)
+        place = blk * s_kb + (t % BS) * s_ks + head_off
+        k = tl.load(k_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if F32_DOT:  # float32 operands: full precision (tl.dot takes tf32 by default)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        if softcap > 0:
+            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
+        allowed = valid[None, :]
+        if CAUSAL:
+            allowed = allowed & (t[None, :] <= q_pos[:, None])
+            if window > 0:
+                allowed = allowed & (t[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row whose keys all lie in later tiles (its window starts there) still has m = -inf: keep it at 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return m, l_sum, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                    scale, window, softcap, part_len,
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
@@ -38,35 +84,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
     q = tl.load(q_ptr + b * s_qb + (g * REP + r)[:, None] * s_qh + d[None, :], mask=(r < REP)[:, None], other=0.0)
     if F32_DOT:
         q = q.to(tl.float32)
-    m = tl.full([REP_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([REP_PAD], tl.float32)
-    acc = tl.zeros([REP_PAD, D], tl.float32)
-    for t0 in range(lo - lo % BLOCK, hi, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        valid = (t >= lo) & (t < hi)
-        blk = tl.load(bt_ptr + b * s_btb + t // BS, mask=valid, other=0).to(tl.int64)
-        place = blk * s_kb + (t % BS) * s_ks + g * s_kh
-        k = tl.load(k_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if F32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if F32_DOT:  # float32 operands: full precision (tl.dot takes tf32 by default)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if softcap > 0:
-            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    m, l_sum, acc = online_softmax(q, r, k_ptr, v_ptr, bt_ptr + b * s_btb, g * s_kh, lo, hi, scale, window, softcap,
+                                   s_kb, s_ks, REP_PAD, D, BS, BLOCK, False, F32_DOT)
     heads = g * REP + r
     if PARTS == 1:
         out = acc / l_sum[:, None]

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.triton.paged_attention import online_softmax
+
 BLOCK_N = 64  # key positions per inner iteration
 MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: what tl.dot takes
 CHUNK_ROWS = 64  # tile rows when the step's shapes leave room for chunks (16+ query tokens per sequence on average)
@@ -73,39 +75,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
                 other=0.0)
     if F32_DOT:
         q = q.to(tl.float32)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for t0 in range(lo - lo % BLOCK, hi, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        valid = (t >= lo) & (t < hi)
-        blk = tl.load(bt_ptr + seq * s_btb + t // BS, mask=valid, other=0).to(tl.int64)
-        place = blk * s_kb + (t % BS) * s_ks + g * s_kh
-        k = tl.load(k_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + place[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if F32_DOT:  # float32 operands: full precision (tl.dot takes tf32 by default)
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if softcap > 0:
-            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
-        allowed = valid[None, :] & (t[None, :] <= q_pos[:, None])
-        if window > 0:
-            allowed = allowed & (t[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row whose keys all lie in later tiles (its window starts there) still has m = -inf: keep it at 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    m, l_sum, acc = online_softmax(q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, lo, hi, scale, window,
+                                   softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, True, F32_DOT)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (q_begin + qi)[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
