@@ -19,7 +19,10 @@ BASE = "tiny-llama"
 
 
 def env_for(home) -> dict:
-    return dict(os.environ, TP_LORA_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    """The server's environment: this checkout first on the path, the caller's entries after it (packages some hosts
+    carry on PYTHONPATH)."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, TP_LORA_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
 def children(pid: int) -> list[int]:
