@@ -12,7 +12,7 @@ Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's 
 bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
 512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
 of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
-q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES, HEAVY_FIRST) of
+q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of
 VARLEN_SWEEP for the VARLEN_SWEPT cases.
 """
 from __future__ import annotations
@@ -47,8 +47,7 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
     ("2048", 0, 0, 2048, 32, 8, 64), ("8b", 0, 0, 2048, 32, 8, 128),
 ]
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
-VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3),
-                    HEAVY_FIRST=(False, True))
+VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
 PEAK_FLOPS = 700e12  # dense bf16 tensor-core rate an H100 / H200 reaches in practice
 

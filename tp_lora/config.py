@@ -82,8 +82,7 @@ class SchedulerConfig:
     max_overtakes: int = 16
     # While sequences decode, admit only when this many waiting requests (or all of them, if fewer; at most
     # max_batch_size) fit at once: every admission makes its step mix prefill and decode, a costlier step than a
-    # decode-only one. 1 = admit as soon as any room frees. 8 measured 1.3-3.2x the tokens/s
-    # of 1 on a saturated serving trace (H200, benchmarks/serving_*).
+    # decode-only one. 1 = admit as soon as any room frees (the default's measurements: BENCHMARKS.md).
     admit_batch: int = 8
     # Ctrl-C / SIGTERM: stop admitting, finish in-flight sequences for up to this long, then abandon them
     # (a second signal abandons at once). The ranks agree on stopping every stop_check_steps steps.

@@ -52,7 +52,7 @@ class StepStats:
     graph_seconds: float = 0.0  # wall time of those steps, from launch to the sampled tokens on the host
     eager_seconds: float = 0.0  # the same for the eager steps
     decode_steps: int = 0  # steps of one new token per sequence (what a decode benchmark times)
-    decode_seconds: float = 0.0  # their wall time, measured as graph_seconds
+    decode_seconds: float = 0.0  # their wall time, from launch to the sampled tokens on the host
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0

@@ -17,30 +17,6 @@ from __future__ import annotations
 import torch
 
 
-def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """Every position of every block table gathered and masked beyond each context (or before its window), softmax
-    in float32: no host sync, so a CUDA graph can capture it too."""
-    b, width = block_table.shape
-    bs, kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    rep = q.shape[1] // kv
-    pos = torch.arange(width * bs, device=q.device)
-    slots = block_table.long()[:, pos // bs] * bs + pos % bs  # [B, P]
-    k = k_cache.flatten(0, 1)[slots].float()  # [B, P, KV, d]
-    v = v_cache.flatten(0, 1)[slots].float()
-    scores = torch.einsum("bgrd,bpgd->bgrp", q.view(b, kv, rep, d).float(), k) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    ctx = context_lens.long()[:, None]
-    keep = pos[None] < ctx
-    if window:
-        keep &= pos[None] >= ctx - window
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    v = v.masked_fill(~keep[:, :, None, None], 0.0)  # padding blocks may hold anything
-    out = torch.einsum("bgrp,bpgd->bgrd", torch.softmax(scores, -1), v)
-    return out.reshape(b, kv * rep, d).to(q.dtype)
-
-
 def paged_varlen_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      context_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, window: int = 0,
                      softcap: float = 0.0) -> torch.Tensor:
@@ -70,6 +46,14 @@ def paged_varlen_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.einsum("tgrp,tpgd->tgrd", torch.softmax(scores, -1), v[seq])
     out = torch.where(covered[:, None, None, None], out, 0.0)  # rows of no sequence: all-masked softmax is NaN
     return out.reshape(t, heads, d).to(q.dtype)
+
+
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """A decode is a varlen step of one query per sequence: paged_varlen_ref with cu_q = 0, 1, .., B (no host sync,
+    so a CUDA graph can capture it too)."""
+    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_varlen_ref(q, k_cache, v_cache, block_table, context_lens, cu_q, scale, window, softcap)
 
 
 def kernel_takes(head_dim: int) -> bool:

@@ -15,7 +15,7 @@ import triton.language as tl
 BLOCK_N = 128  # positions per inner iteration
 TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200
 MIN_PART = 256  # positions per partition at least (fewer: the merge costs more than it gains)
-NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel (a sweep on an H200: scripts/bench_attention.py --sweep)
+NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel (chosen by scripts/bench_attention.py --sweep)
 
 
 @triton.jit

@@ -20,9 +20,6 @@ MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: w
 CHUNK_ROWS = 64  # tile rows when the step's shapes leave room for chunks (16+ query tokens per sequence on average)
 CHUNK_MAX_D = 128  # ... and the head is small enough for [CHUNK_ROWS, d] float32 accumulators in registers
 NUM_WARPS, NUM_STAGES = 4, 3  # of the kernel (Triton's defaults; scripts/bench_attention.py --sweep --kind varlen)
-# Launch the query blocks last to first, every KV head's before the next block's: a chunk's late blocks attend the
-# most keys (causal), so they start first instead of forming the grid's tail.
-HEAVY_FIRST = True
 
 
 @triton.jit
@@ -46,13 +43,11 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
                    scale, window, softcap,
                    s_qt, s_qh, s_kb, s_ks, s_kh, s_btb, s_ot, s_oh,
                    REP: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                   BLOCK: tl.constexpr, STEPS: tl.constexpr, F32_DOT: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    if HEAVY_FIRST:  # grid (KV heads, query blocks), blocks taken from the last
-        g = tl.program_id(0)
-        prog = tl.num_programs(1) - 1 - tl.program_id(1)
-    else:  # grid (query blocks, KV heads)
-        prog = tl.program_id(0)
-        g = tl.program_id(1)
+                   BLOCK: tl.constexpr, STEPS: tl.constexpr, F32_DOT: tl.constexpr):
+    # Grid (KV heads, query blocks), blocks taken last to first: a chunk's late blocks attend the most keys (causal),
+    # so they start first instead of forming the grid's tail.
+    g = tl.program_id(0)
+    prog = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = _find_sequence(cu_q_ptr, prog, num_seqs, BLOCK_Q, STEPS)
     q_begin = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
@@ -110,11 +105,11 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     f32 = type(_varlen_kernel).__name__ == "InterpretedFunction" or q.dtype == torch.float32
     blocks = triton.cdiv(t, block_q) + seqs
-    _varlen_kernel[(kv, blocks) if HEAVY_FIRST else (blocks, kv)](
+    _varlen_kernel[(kv, blocks)](
         q, k_cache, v_cache, block_table, context_lens, cu_q, out, seqs, scale, int(window or 0),
         float(softcap or 0.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         REP=rep, BLOCK_Q=block_q, ROWS=rows, D=d, BS=bs, BLOCK=BLOCK_N, STEPS=seqs.bit_length(), F32_DOT=f32,
-        HEAVY_FIRST=HEAVY_FIRST, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
