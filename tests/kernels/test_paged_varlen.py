@@ -5,6 +5,7 @@ import torch
 from _paged import poisoned_cache
 
 from tp_lora.models.attention import KVCache, attend, build_attn_meta
+from tp_lora.ops.fused import write_kv
 from tp_lora.ops.paged_attention import paged_decode_ref, paged_varlen_ref
 
 
@@ -102,7 +103,8 @@ def test_reference_matches_gathered_sdpa(lengths, starts, window, softcap):
     q = torch.randn(t, heads, d, generator=gen)
     k, v = torch.randn(t, kv, d, generator=gen), torch.randn(t, kv, d, generator=gen)
     meta = build_attn_meta(tables, starts, lengths, bs, "cpu", window, decode_kernel=False)
-    want = attend(q, k, v, cache, 0, meta, 0.3, softcap=softcap)  # writes k, v into the cache first
+    write_kv(cache.k[0], cache.v[0], meta.slots, k, v)
+    want = attend(q, cache, 0, meta, 0.3, softcap=softcap)
     width = max(need)
     table = torch.tensor([tb + [tb[0]] * (width - len(tb)) for tb in tables], dtype=torch.int32)
     ctx = torch.tensor([st + n for st, n in zip(starts, lengths)], dtype=torch.int32)

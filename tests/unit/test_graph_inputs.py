@@ -7,6 +7,7 @@ import torch
 from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, fill_block_table, pad_decode_step, pad_mixed_step
 from tp_lora.hostcopy import Staging
 from tp_lora.models.attention import KVCache, attend, build_attn_meta
+from tp_lora.ops.fused import write_kv
 
 
 def test_small_step_exact():
@@ -86,8 +87,10 @@ def test_matches_eager_metadata_and_attention():
     cache.v[0].normal_(generator=gen)
     q = torch.randn(t + 5, heads, d, generator=gen)
     k, v = torch.randn(t + 5, kv, d, generator=gen), torch.randn(t + 5, kv, d, generator=gen)
-    want = attend(q[:t], k[:t], v[:t], cache, 0, eager, 0.4)
-    got = attend(q, k, v, cache, 0, padded.meta(None), 0.4)  # writes padding rows to the scratch block
+    write_kv(cache.k[0], cache.v[0], eager.slots, k[:t], v[:t])
+    want = attend(q[:t], cache, 0, eager, 0.4)
+    write_kv(cache.k[0], cache.v[0], padded.kv_slots, k, v)  # padding rows go to the scratch block
+    got = attend(q, cache, 0, padded.meta(None), 0.4)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
 
 

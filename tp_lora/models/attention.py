@@ -157,16 +157,13 @@ class KVCache:
         return self.num_blocks
 
 
-def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cache: KVCache, layer: int,
-           meta: AttnMeta, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """q [T, H, d], k/v [T, KV, d] for the step's tokens -> [T, H*d]; k/v None: already in the cache at meta.slots
-    (the model writes them with RoPE, tp_lora.ops.fused.rope_write_kv). window: this layer's sliding window (models
+def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttnMeta, scale: float, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, d] for the step's tokens, whose K and V are in the cache at meta.slots already (the model writes them
+    with RoPE, tp_lora.ops.fused.rope_write_kv) -> [T, H*d]. window: this layer's sliding window (models
     whose layers differ; a window shared by every layer is the step's, meta.window). softcap: scores become
     softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     kc, vc = cache.k[layer], cache.v[layer]
-    if k is not None:
-        kc.view(-1, *kc.shape[2:])[meta.slots] = k
-        vc.view(-1, *vc.shape[2:])[meta.slots] = v
     heads, d = q.shape[1], q.shape[2]
 
     def decode(g: AttnGroup, qs: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,7 @@ class Attention(nn.Module):
         q = rope_write_kv(q, k, v, cos, sin, cache.k[self.layer_idx], cache.v[self.layer_idx], meta.slots,
                           self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                           self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset)
-        out = attend(q, None, None, cache, self.layer_idx, meta, self.scale, self.window, self.softcap)
+        out = attend(q, cache, self.layer_idx, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out)
 
 

@@ -357,7 +357,8 @@ class MoECausalLM(CausalLM):
         if self.step_chunked and self.moe_shape.shared_inter and self.rt is not None:
             return False
         ex = next((layer.mlp.base_experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)), None)
-        return ex is None or all(torch_grouped_available(self.device, self.dtype, w.shape[2], w.shape[1]) for w in (ex.w13, ex.w2))
+        return ex is None or all(torch_grouped_available(self.device, self.dtype, w.shape[2], w.shape[1])
+                                 for w in (ex.w13, ex.w2))
 
     def _begin_step(self, num_tokens: int) -> None:
         prepare_step(self.step, self.ps, self.rt, num_tokens, self.device)

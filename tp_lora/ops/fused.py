@@ -64,9 +64,15 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps, offset), rms_norm_ref(k, k_weight, eps, offset)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    write_kv(k_cache, v_cache, slots, k, v)
+    return q
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+             ) -> None:
+    """k / v [T, KV, d] into the paged caches [blocks, bs, KV, d] at slots [T] (block * bs + offset)."""
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v
-    return q
 
 
 def act_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
