@@ -335,6 +335,13 @@ def _gate_name(kind: str) -> str:
     return "model.layers.0." + ("block_sparse_moe." if kind == "mixtral" else "mlp.") + "gate.weight"
 
 
+def _block_kinds(seed):
+    """(kind, config, block weights) of the two MoE block kinds the block tests cover."""
+    for kind in ("mixtral", "qwen2_moe"):
+        hf = moe_config(kind)
+        yield kind, hf, moe_tensors(hf, seed, fused=kind == "qwen2_moe")
+
+
 def _block_cases(ps_world, world, seed):
     """The SparseMoE block in every layout x mode against the same block in one process, on routings that leave
     experts without tokens ("skewed": every token goes to experts 0 and 1) and ranks without tokens (the last DP
@@ -342,9 +349,7 @@ def _block_cases(ps_world, world, seed):
     checked = []
     dev = ps_world.device
     ops = get_backend(backend_under_test(), str(dev))
-    for kind in ("mixtral", "qwen2_moe"):
-        hf = moe_config(kind)
-        base = moe_tensors(hf, seed, fused=kind == "qwen2_moe")
+    for kind, hf, base in _block_kinds(seed):
         g = torch.Generator().manual_seed(seed + 1)
         for routing in ("random", "skewed"):
             t = dict(base)
@@ -425,9 +430,7 @@ def _fixed_capacity_cases(ps_world, world, seed):
     checked = []
     dev = ps_world.device
     ops = get_backend(backend_under_test(), str(dev))
-    for kind in ("mixtral", "qwen2_moe"):
-        hf = moe_config(kind)
-        t = moe_tensors(hf, seed, fused=kind == "qwen2_moe")
+    for kind, hf, t in _block_kinds(seed):
         g = torch.Generator().manual_seed(seed + 2)
         lseed = int(torch.randint(0, 2**31 - 1, (), generator=g))
         for name, (tp, ep, attn) in LAYOUTS[world].items():

@@ -25,18 +25,20 @@ def env_for(home) -> dict:
     return dict(os.environ, TP_LORA_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
-def children(pid: int) -> list[int]:
-    """Direct child processes of `pid` (torchrun's ranks)."""
-    out = []
+def proc_stats():
+    """(pid, the fields of /proc/PID/stat after the command: state, ppid, pgrp, ...) of every live process."""
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return sorted(out)
+                    yield int(d), f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of `pid` (torchrun's ranks)."""
+    return sorted(p for p, fields in proc_stats() if int(fields[1]) == pid)
 
 
 class Server:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from _server import BASE, SERVE, Server, env_for
+from _server import BASE, SERVE, Server, env_for, proc_stats
 
 STREAMS, TOKENS = 32, 24
 KEY = "sesame"
@@ -22,17 +22,7 @@ KEY = "sesame"
 
 def group_alive(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group `pgid`."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(d))
-    return out
+    return [p for p, fields in proc_stats() if int(fields[2]) == pgid and fields[0] != "Z"]
 
 
 @pytest.fixture(scope="module")
