@@ -363,8 +363,10 @@ class AdapterCache:
         self._staged.clear()
 
     def close(self) -> None:
+        """Drop queued reads ahead and wait for the one running (a few ms): no reader thread is left inside torch
+        while the process groups and the interpreter go down."""
         if self._reader is not None:
-            self._reader.shutdown(wait=False, cancel_futures=True)
+            self._reader.shutdown(wait=True, cancel_futures=True)
             self._reader = None
         self._staged.clear()
 
