@@ -19,7 +19,9 @@ of the local experts the step's tokens are actually routed to / this GPU's measu
 FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor. --gemms grouped,loop times
 the expert GEMMs both ways in one run: torch's grouped GEMM (the default path) and the per-expert loop over the same
 routing plan (the reference path, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
-happens once per model step, not per layer: it is excluded here. Writes bench_moe.json and bench_moe.png into
+happens once per model step, not per layer: it is excluded here. --graphs times replays of the layer captured in a
+CUDA graph (grouped GEMMs only: the loop reads offsets on the host), as a graphed decode step runs it; --profile
+prints each case's kernels. Writes bench_moe.json and bench_moe.png into
 --out and prints a markdown table.
 """
 from __future__ import annotations
@@ -35,6 +37,9 @@ from contextlib import contextmanager
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_step import copy_bandwidth  # noqa: E402
 
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.layers import moe as moe_layers  # noqa: E402
@@ -67,26 +72,9 @@ def layouts(world: int) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def copy_bandwidth(device: torch.device, mb: int = 1024) -> float:
-    """Measured device-to-device copy bandwidth in bytes/s (bytes read + bytes written per second); CPU: 0."""
-    if device.type != "cuda":
-        return 0.0
-    a = torch.empty(mb * 2**20, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(10):
-        b.copy_(a)
-    t1.record()
-    torch.cuda.synchronize()
-    return 2 * 10 * a.numel() / (t0.elapsed_time(t1) / 1e3)
-
-
 def routed_floors(block, ps, x: torch.Tensor, bandwidth: float, peak_tflops: float) -> tuple[float, float]:
     """(memory floor ms, FLOP floor ms) of the slowest rank for one step over x: the weight bytes of the local experts
-    the step's tokens are routed to, read once at `bandwidth` (bytes read = half of the copy traffic), and the
+    the step's tokens are routed to, read once at `bandwidth` (the copy's read + written bytes per second), and the
     expert MLP FLOPs of the local pairs at `peak_tflops`."""
     ex = block.base_experts
     with torch.no_grad():
@@ -96,7 +84,7 @@ def routed_floors(block, ps, x: torch.Tensor, bandwidth: float, peak_tflops: flo
     ids = ids.cpu()
     local = ids[(ids >= ex.e0) & (ids < ex.e1)]
     per_expert = (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size()
-    mem_ms = 1e3 * local.unique().numel() * per_expert / (bandwidth / 2) if bandwidth else 0.0
+    mem_ms = 1e3 * local.unique().numel() * per_expert / bandwidth if bandwidth else 0.0
     flop_ms = 1e3 * 2 * local.numel() * (ex.w13[0].numel() + ex.w2[0].numel()) / (peak_tflops * 1e12)
     mem, flop = zip(*comm.all_gather_object((mem_ms, flop_ms), ps.world))
     return max(mem), max(flop)
@@ -135,17 +123,23 @@ def build(hf: dict, ps: comm.ParallelState, dtype, device, mode: str, n_adapters
     return block, step, rt, h
 
 
-def time_case(block, step, rt, ps, x, slots, iters: int, warmup: int, device) -> tuple[float, dict, float]:
-    """(slowest rank's median ms, this rank's {collective: [calls, bytes]} of one step, peak MB)."""
+def time_case(block, step, rt, ps, x, slots, iters: int, warmup: int, device, graph: bool = False,
+              profile: str | None = None) -> tuple[float, dict, float]:
+    """(slowest rank's median ms, this rank's {collective: [calls, bytes]} of one step, peak MB). graph: time replays
+    of the layer captured in a CUDA graph (routing metadata prepared once, as a graphed decode step does); profile:
+    print this label and the step's kernels (rank 0)."""
     n = x.shape[0]
     counts = [n] * ps.ep.size
 
-    def one():
+    def prepare():
         if rt is not None:
             rt.batch = build_lora_batch(slots, rt.max_loras, device)
         if ps.ep_attention == "dp":  # what lockstep would have agreed: no counts exchange inside the timed step
             step.counts, step.lora = counts, rt is not None and rt.active()
         prepare_step(step, ps, rt, n, device)
+
+    def one():
+        prepare()
         return block(x)
 
     cuda = device.type == "cuda"
@@ -158,6 +152,13 @@ def time_case(block, step, rt, ps, x, slots, iters: int, warmup: int, device) ->
         comm.STATS.reset()
         one()
         stats = {k: [comm.STATS.calls[k], comm.STATS.bytes[k]] for k in comm.STATS.calls}
+        run = one
+        if graph and cuda:
+            prepare()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                block(x)
+            run = g.replay
         times = []
         for _ in range(iters):
             sync = torch.zeros(1, device=device)
@@ -165,15 +166,26 @@ def time_case(block, step, rt, ps, x, slots, iters: int, warmup: int, device) ->
             if cuda:
                 t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0.record()
-                one()
+                run()
                 t1.record()
                 torch.cuda.synchronize()
                 times.append(t0.elapsed_time(t1))
             else:
                 t0 = time.perf_counter()
-                one()
+                run()
                 times.append(1e3 * (time.perf_counter() - t0))
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
+        if profile and cuda:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize()
+            if ps.is_driver:
+                print(f"kernels of 3 steps: {profile}")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
+        if run is not one:
+            del g
     med = statistics.median(times)
     return max(comm.all_gather_object(med, ps.world)), stats, peak
 
@@ -192,6 +204,9 @@ def main() -> None:
     ap.add_argument("--gemms", default=None, help="expert GEMMs to time, comma list of grouped, loop "
                                                   "(default: both; grouped only with --smoke)")
     ap.add_argument("--modes", default="none,default,fully_sharded", help="LoRA modes, comma list")
+    ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays of the layer (GPU)")
+    ap.add_argument("--profile", action="store_true", help="print each case's kernels (torch.profiler, GPU)")
+    ap.add_argument("--layouts", default=None, help="comma list of layout names (default: all for the world size)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H200: 989)")
     args = ap.parse_args()
 
@@ -204,9 +219,11 @@ def main() -> None:
     iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
     ops = get_backend(args.backend, str(device))
     gemms = (args.gemms or ("grouped" if args.smoke else "grouped,loop")).split(",")
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(device) if cuda else 0.0
     rows = []
     for lname, (tp, ep, attn) in layouts(world).items():
+        if args.layouts and lname not in args.layouts.split(","):
+            continue
         ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device)), ep, attn)
         for sname, hf in shapes.items():
             for t in tokens:
@@ -222,12 +239,16 @@ def main() -> None:
                         if mem_ms is None:
                             mem_ms, flop_ms = routed_floors(block, ps, x, bandwidth, args.peak_tflops)
                         with expert_gemms(gemm):
-                            ms, stats, peak = time_case(block, step, rt, ps, x, slots, iters, warmup, device)
+                            graphed = args.graphs and cuda and gemm == "grouped"  # the loop syncs: eager
+                            label = f"{sname} {lname} {t} tokens/replica {gemm} GEMMs, LoRA {mode}"
+                            ms, stats, peak = time_case(block, step, rt, ps, x, slots, iters, warmup, device,
+                                                        graphed, label if args.profile else None)
                         base_ms = ms if mode == "none" else base_ms
                         global_tokens = t * ps.dp.size
                         floor = max(mem_ms, flop_ms) if bandwidth else 0.0  # no floors on the CPU
                         rows.append(dict(
-                            shape=sname, layout=lname, tp=tp, ep=ep, ep_attention=attn, tokens_per_replica=t,
+                            shape=sname, layout=lname, graphs=graphed, tp=tp, ep=ep, ep_attention=attn,
+                            tokens_per_replica=t,
                             global_tokens=global_tokens, gemm=gemm, lora=mode, ms=round(ms, 4),
                             tokens_per_s=round(global_tokens / (ms / 1e3), 1),
                             lora_overhead_pct=None if base_ms is None or mode == "none"
@@ -257,14 +278,15 @@ def main() -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| shape | layout | tokens/replica | GEMMs | LoRA | ms/step | x floor | mem floor ms | FLOP floor ms "
+    head = ("| shape | layout | tokens/replica | GEMMs | graph | LoRA | ms/step | x floor | mem floor ms | FLOP floor ms "
             "| tokens/s | LoRA overhead | collectives | comm MB/rank | weights MB/rank | LoRA MB/rank | peak MB |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         coll = ", ".join(f"{k} x{v}" for k, v in sorted(r["collectives"].items())) or "-"
         over = "-" if r["lora_overhead_pct"] is None else f"{r['lora_overhead_pct']:+.1f}%"
         xf = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
-        lines.append(f"| {r['shape']} | {r['layout']} | {r['tokens_per_replica']} | {r['gemm']} | {r['lora']} | "
+        lines.append(f"| {r['shape']} | {r['layout']} | {r['tokens_per_replica']} | {r['gemm']} | "
+                     f"{'yes' if r['graphs'] else 'no'} | {r['lora']} | "
                      f"{r['ms']:.3f} | {xf} | {r['mem_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {over} | {coll} | {r['comm_mb_per_rank']:.3f} | "
                      f"{r['weights_mb_per_rank']:.1f} | {r['lora_mb_per_rank']:.1f} | {r['peak_mb']:.0f} |")

@@ -17,7 +17,7 @@ A step is ModelRunner.execute of --batch decode tokens at position --context (CU
 capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
 warm-up (and capture); the slowest rank's median. Floor: the bytes one rank must read in the step (its attention,
 norm and LM-head weights, and the weights of its experts that the step's tokens are actually routed to, measured on
-one eager step) over the measured device copy bandwidth (read bytes = half of the copy traffic); "% of floor" is
+one eager step) over the measured device copy bandwidth (a copy's read + written bytes per second); "% of floor" is
 floor / step. Adapters' bytes are not in the floor. Prints a markdown table, writes bench_moe_decode.json to --out.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_moe import copy_bandwidth  # noqa: E402
+from bench_step import copy_bandwidth  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from tp_lora.layers.moe import Router  # noqa: E402
@@ -125,7 +125,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     for i, tok in enumerate(torch.randint(0, hf["vocab_size"], (args.batch,), generator=gen).tolist()):
         step.add([tok], list(range(i * per_seq, (i + 1) * per_seq)), args.context, i % n_adapters if n_adapters else -1)
     nbytes = floor_bytes(model, eager, step, cache, ps)
-    floor = nbytes / (bandwidth / 2) * 1e3 if bandwidth else 0.0
+    floor = nbytes / bandwidth * 1e3 if bandwidth else 0.0
     cuda = device.type == "cuda"
     for _ in range(args.warmup):
         execute(runner, model, step, cache)
@@ -142,6 +142,15 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
         times.append(1e3 * (time.perf_counter() - t0))
     ms = max(comm.all_gather_object(statistics.median(times), ps.world))
     floor, nbytes = max(comm.all_gather_object((floor, nbytes), ps.world))
+    if args.profile and cuda:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                execute(runner, model, step, cache)
+            torch.cuda.synchronize()
+        if ps.is_driver:
+            print(f"kernels of 3 steps: {layout}, {n_adapters} adapters")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
     runner.release_graphs()
     tokens = args.batch * ps.dp.size
     return dict(layout=layout, adapters=n_adapters, rank=args.rank if n_adapters else 0, batch_per_replica=args.batch,
@@ -162,6 +171,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graphs", dest="graphs", action="store_false")
+    ap.add_argument("--profile", action="store_true", help="print each case's kernels (torch.profiler, GPU)")
     ap.add_argument("--out", default="bench_results/moe_decode")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU + gloo works)")
     args = ap.parse_args()
@@ -178,7 +188,7 @@ def main() -> None:
     if args.layers:
         hf["num_hidden_layers"] = args.layers
     ops = get_backend("triton" if cuda else "torch", str(device))
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(device) if cuda else 0.0
     rows = []
     for layout in args.layouts.split(","):
         if layout not in LAYOUTS:

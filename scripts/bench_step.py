@@ -258,6 +258,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     rows, extra = [], {}
     for shape in args.shapes.split(","):
+        if ps.is_driver:  # one writer; the other ranks read what it wrote
+            assets(args.cache, shape, max(contexts) + args.new + 8)
+        comm.all_gather_object(None, ps.world)  # a barrier
         model_dir, adapter_dir = assets(args.cache, shape, max(contexts) + args.new + 8)
         cfg = RunConfig()
         cfg.parallel.tp_size = ps.tp.size

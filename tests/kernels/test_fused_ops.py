@@ -1,4 +1,5 @@
-"""The decoder layer's fused Triton kernels (add + RMSNorm, qk-norm + RoPE + K/V cache write, act * up) against
+"""The decoder layer's fused Triton kernels (add + RMSNorm, qk-norm + RoPE + K/V cache write, act * up, the MoE
+combine) against
 their torch references, on fresh random inputs at odd sizes; the references against independent formulas."""
 import math
 
@@ -143,3 +144,41 @@ def test_unknown_activation_is_refused_by_name():
     from tp_lora.ops.triton.fused import act_mul
     with pytest.raises(ValueError, match="'relu'"):
         act_mul(torch.zeros(2, 4), "relu")
+
+
+def _combine_case(gen, n, k, rows, h, dtype, device, missing):
+    """Expert rows yp [rows + 3, h] whose last 3 rows are poison (no pos may reach them), pos [n, k] a random
+    injective map into the first rows with `missing` of the (t, j) entries -1, weights [n, k]."""
+    yp = _randn(gen, rows + 3, h, dtype=dtype, device=device)
+    yp[rows:] = float("nan")
+    flat = torch.randperm(rows, generator=gen)[:n * k].to(torch.int32)
+    flat[torch.randperm(n * k, generator=gen)[:missing]] = -1
+    return yp, flat.view(n, k).to(device), torch.rand(n, k, generator=gen).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, h, missing", [
+    (1, 1, 80, 0),  # one token, top-1
+    (9, 8, 1100, 20),  # top-8, two column programs, pairs other ranks compute
+    (5, 2, 64, 10),  # every pair elsewhere: zeros
+])
+def test_moe_combine(device, dtype, n, k, h, missing):
+    from tp_lora.ops.triton.fused import moe_combine
+    gen = torch.Generator().manual_seed(n * k + h)
+    yp, pos, w = _combine_case(gen, n, k, n * k + 7, h, dtype, device, missing)
+    got = moe_combine(yp, pos, w)
+    assert got.shape == (n, h) and got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got, ref.moe_combine_ref(yp, pos, w), **_tol(device, dtype))
+
+
+def test_moe_combine_reference_matches_index_add():
+    gen = torch.Generator().manual_seed(11)
+    n, k, h = 6, 3, 16
+    yp, pos, w = _combine_case(gen, n, k, 30, h, torch.float64, "cpu", 4)
+    want = torch.zeros(n, h, dtype=torch.float64)
+    for t in range(n):
+        for j in range(k):
+            if pos[t, j] >= 0:
+                want[t].add_(w[t, j].double() * yp[pos[t, j]])
+    torch.testing.assert_close(ref.moe_combine_ref(yp, pos, w), want)
+    assert ref.moe_combine_ref(yp[:0], pos, w).eq(0).all()  # no pairs computed here

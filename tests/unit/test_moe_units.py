@@ -84,9 +84,9 @@ def test_plan_groups_by_expert_then_slot():
     p = build_plan(ids, w, slots, expert_start=2, num_local=2, max_loras=2, lora=True)  # experts 2, 3 are local
     assert p.num_pairs == 8  # static capacity: 4 tokens x min(k=2, 2 local experts)
     # expert 2: token 1 (no adapter) then token 0 (slot 1); expert 3: token 1; then the pairs of other ranks.
-    assert p.token[:3].tolist() == [1, 0, 1] and p.dest.tolist()[:3] == [1, 0, 1] and set(p.dest[3:].tolist()) == {4}
+    assert p.token[:3].tolist() == [1, 0, 1]
+    assert p.pos.tolist() == [[1, -1], [2, 0], [-1, -1], [-1, -1]]  # token 0's expert 2 is pair 1, ...
     assert p.expert.tolist() == [0, 0, 1] + [2] * 5 and p.slot.tolist() == [-1, 1, -1] + [-1] * 5
-    torch.testing.assert_close(p.weight[:3], torch.tensor([0.3, 0.6, 0.7]))
     assert p.expert_ends.tolist() == [2, 3] and p.expert_ends.dtype == torch.int32
     assert [b for b in p.groups.tolist() if b[3]] == [[0, 1, 1, 1]]
     assert build_plan(ids, w, slots, 2, 2, 2, lora=False).groups.shape == (0, 4)  # no LoRA this step: no blocks
@@ -116,8 +116,9 @@ def test_plan_covers_each_local_pair_once_in_expert_slot_order(name, ids, e0, n_
     assert p.num_pairs == n * min(k, n_local) and used == len(want)
     got = [(int(p.expert[i]), int(p.slot[i]), int(p.token[i])) for i in range(used)]
     assert got == [(e, s, t) for e, s, t, _ in want]  # stable: tokens in order inside an (expert, slot) group
-    torch.testing.assert_close(p.weight[:used], torch.tensor([float(w[t, j]) for *_, t, j in want]))
-    assert (p.dest[used:] == n).all() and torch.equal(p.dest[:used], p.token[:used])
+    pos = [(int(p.pos[t, j]), t) for *_, t, j in want]  # every local pair's row, in pair order, of its token
+    assert [r for r, _ in pos] == list(range(used)) and all(int(p.token[r]) == t for r, t in pos)
+    assert int((p.pos >= 0).sum()) == used
     counts = torch.bincount(torch.tensor([e for e, *_ in want], dtype=torch.long), minlength=n_local)
     assert p.expert_ends.tolist() == torch.cumsum(counts, 0).tolist()
     # LoRA blocks: each pair with an adapter in exactly one block of its (expert, slot), none longer than the limit.
@@ -138,7 +139,7 @@ def test_plan_has_no_host_sync_or_data_dependent_shape():
         ids = torch.randint(0, 8, (11, 2), generator=g)
         ids[:, 1] = (ids[:, 0] + 1) % 8
         p = build_plan(ids, torch.rand(11, 2, generator=g), torch.randint(-1, 4, (11,), generator=g), 0, 8, 4, True)
-        shapes.add(tuple(tuple(getattr(p, f).shape) for f in ("token", "dest", "weight", "expert_ends", "groups")))
+        shapes.add(tuple(tuple(getattr(p, f).shape) for f in ("token", "pos", "weight", "expert_ends", "groups")))
     assert len(shapes) == 1
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.linear import column_spec, row_spec
+from tp_lora.ops.fused import act_mul
 from tp_lora.ops.grouped_mm import grouped_mm
 from tp_lora.ops.moe_plan import MoEPlan
 from tp_lora.sharding import even_range, expert_range, shard_weight, take_nd
@@ -97,10 +98,7 @@ class Experts(nn.Module):
         return grouped_mm(xp, self.w13, plan.expert_ends)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
-        if not self.gated:
-            return F.silu(z)
-        gate, up = z.chunk(2, -1)
-        return F.silu(gate) * up
+        return act_mul(z, "silu") if self.gated else F.silu(z)
 
     def down(self, h: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """h [C, I_local] in pair order -> [C, H] (partial over moe-tp)."""

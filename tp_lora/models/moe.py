@@ -40,6 +40,7 @@ from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.lora.layers import LoRALinear, LoRARuntime
 from tp_lora.lora.moe import wrap_experts
 from tp_lora.models.llama import CausalLM, _maybe_wrap
+from tp_lora.ops.fused import moe_combine
 from tp_lora.ops.grouped_mm import torch_grouped_available
 from tp_lora.ops.moe_plan import build_plan
 from tp_lora.sharding import token_chunk
@@ -226,12 +227,8 @@ class SparseMoE(nn.Module):
             xg = xs
         plan = build_plan(ids, w, tags, ex.e0, ex.num_local, self.rt.max_loras if self.rt is not None else 0,
                           self._expert_lora(tags))
-        n = xg.shape[0]
-        y = xg.new_zeros(n + 1, self.hidden)  # row n: scratch for pairs this rank does not compute
-        if plan.num_pairs:
-            yp = self.experts(xg[plan.token], plan)
-            y.index_add_(0, plan.dest, (yp.float() * plan.weight[:, None]).to(y.dtype))
-        y = y[:n]
+        yp = self.experts(xg[plan.token], plan) if plan.num_pairs else xg[:0]
+        y = moe_combine(yp, plan.pos, plan.weight)
         if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention
             if shared is not None:
                 y[c0:c1] += shared

@@ -6,6 +6,8 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
+- moe_combine: each token's router-weighted sum of its top-k expert outputs (rows of a routing plan's pair order),
+  accumulated in float32 and rounded once; no atomics, so the sum's order is fixed.
 
 Every op computes as the torch modules do, rounding to the activations' dtype where they round, so the kernels match
 the references to the last bit but for summation order and fast math.
@@ -81,6 +83,20 @@ def act_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
     return ACTIVATIONS[act](gate) * up
 
 
+def moe_combine_ref(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """yp [C, H] expert outputs in pair order, pos [N, k] int (row of pair (t, j) in yp, -1: not computed here),
+    weight [N, k] float32 -> [N, H] in yp's dtype: sum over j of weight[t, j] * yp[pos[t, j]], in float32."""
+    n, k = pos.shape
+    if yp.shape[0] == 0:
+        return yp.new_zeros(n, yp.shape[1])
+    ok = (pos >= 0)[..., None]
+    rows = torch.where(ok, yp[pos.clamp(min=0).long()].float(), 0.0)  # rows never computed may hold anything
+    out = rows[:, 0] * weight[:, :1]
+    for j in range(1, k):
+        out = out + rows[:, j] * weight[:, j:j + 1]
+    return out.to(yp.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None and x_weight is not None:
@@ -106,3 +122,10 @@ def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
         from tp_lora.ops.triton.fused import act_mul as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, act)
     return act_mul_ref(x, act)
+
+
+def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if _kernels(yp) and yp.shape[0] and pos.shape[0]:
+        from tp_lora.ops.triton.fused import moe_combine as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(yp, pos, weight)
+    return moe_combine_ref(yp, pos, weight)

@@ -6,7 +6,7 @@ Shapes: N dispatched tokens, k top-k, E local experts, L adapter slots (0 withou
 capacity (a token sends at most min(k, E) pairs to this rank's experts), B the static number of LoRA blocks.
 
 Pair order: the first expert_ends[-1] of the C pairs are this rank's, sorted stably by (expert, slot); the rest are
-pairs of other ranks' experts (or of padding rows), which no GEMM reads and whose combine row is N (a scratch row).
+pairs of other ranks' experts (or of padding rows), which no GEMM reads and no token's combine (`pos`) points at.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ LORA_BLOCK = 16  # pairs per LoRA block: one (expert, slot) group is cut into bl
 @dataclass
 class MoEPlan:
     token: torch.Tensor  # [C] int64, row of the pair's token in the dispatched batch (valid for every pair)
-    dest: torch.Tensor  # [C] int64, combine row: the token for this rank's pairs, N for the others
-    weight: torch.Tensor  # [C] float32, router weight of the pair
+    pos: torch.Tensor  # [N, k] int32, the pair order row of token t's j-th expert, -1 where this rank does not compute it
+    weight: torch.Tensor  # [N, k] float32, router weights (token order)
     expert: torch.Tensor  # [C] int32, local expert (E for pairs not on this rank)
     slot: torch.Tensor  # [C] int32, adapter slot of the pair's token (-1 none)
     expert_ends: torch.Tensor  # [E] int32, cumulative end of each expert's pairs (grouped GEMM offsets)
@@ -50,16 +50,18 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
         slot = token_slot.long().reshape(n, 1).expand(n, k).reshape(-1)
     else:
         slot = torch.full_like(local, -1)
-    key = torch.where(mine, local * per_expert + slot + 1, E * per_expert)
+    key = torch.where(mine, local * per_expert + slot + 1, E * per_expert).to(torch.int32)  # int32: fewer radix passes
     sorted_key, order = torch.sort(key, stable=True)
     cap = n * min(k, E)
     sorted_key, order = sorted_key[:cap], order[:cap]
     token = order // k
     on_rank = sorted_key < E * per_expert
-    bounds = torch.arange(1, E + 1, device=dev) * per_expert
+    bounds = (torch.arange(1, E + 1, device=dev) * per_expert).to(torch.int32)
     expert_ends = torch.searchsorted(sorted_key, bounds, out_int32=True)
     expert = torch.where(on_rank, sorted_key // per_expert, E).to(torch.int32)
-    return MoEPlan(token=token, dest=torch.where(on_rank, token, n), weight=topk_weights.reshape(-1)[order].float(),
+    pos = torch.full((n * k + 1,), -1, dtype=torch.int32, device=dev)  # entry n * k: where off-rank pairs land
+    pos.scatter_(0, torch.where(on_rank, order, n * k), torch.arange(cap, dtype=torch.int32, device=dev))
+    return MoEPlan(token=token, pos=pos[:n * k].view(n, k), weight=topk_weights.float(),
                    expert=expert, slot=torch.where(on_rank, slot[order], -1).to(torch.int32),
                    expert_ends=expert_ends, groups=_lora_blocks(sorted_key, E, L, cap), num_experts=E,
                    any_lora=L > 0)
@@ -72,7 +74,7 @@ def _lora_blocks(sorted_key: torch.Tensor, E: int, L: int, cap: int) -> torch.Te
     if L == 0:
         return torch.zeros(0, 4, dtype=torch.int32, device=dev)
     g = torch.arange(E * L, device=dev)
-    key = (g // L) * (L + 1) + g % L + 1
+    key = ((g // L) * (L + 1) + g % L + 1).to(torch.int32)
     start = torch.searchsorted(sorted_key, key)
     count = torch.searchsorted(sorted_key, key, right=True) - start
     blocks = (count + LORA_BLOCK - 1) // LORA_BLOCK

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 ACT_BLOCK = 1024  # columns of act_mul per program
+COMBINE_BLOCK = 1024  # columns of moe_combine per program
 
 
 @triton.jit
@@ -168,4 +169,29 @@ def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     if rows.shape[0]:
         _act_mul_kernel[(rows.shape[0], triton.cdiv(n, ACT_BLOCK))](
             rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=act == "gelu_pytorch_tanh")
+    return out
+
+
+@triton.jit
+def _moe_combine_kernel(yp_ptr, pos_ptr, w_ptr, out_ptr, s_y, s_o, n, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = tl.load(pos_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j)
+        row = tl.load(yp_ptr + tl.maximum(p, 0).to(tl.int64) * s_y + i, mask=ok & (i * 0 + p >= 0), other=0.0)
+        acc += row.to(tl.float32) * w
+    tl.store(out_ptr + t * s_o + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    yp = _rows(yp, "moe_combine yp")
+    n, k = pos.shape
+    h = yp.shape[1]
+    out = torch.empty(n, h, dtype=yp.dtype, device=yp.device)
+    grid = (n, triton.cdiv(h, COMBINE_BLOCK))
+    _moe_combine_kernel[grid](yp, pos.contiguous(), weight.float().contiguous(), out, yp.stride(0), out.stride(0), h,
+                              K=k, BLOCK=COMBINE_BLOCK)
     return out
