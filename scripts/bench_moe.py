@@ -16,11 +16,12 @@ Per case, rank 0 reports: median ms per layer step (CUDA events, after warm-up; 
 tokens/s, LoRA overhead against the same layout without adapters, collectives and bytes one rank sends per step
 (distributed.STATS), weight and LoRA MB per rank, peak CUDA memory, and the floors of the slowest rank: memory (bytes
 of the local experts the step's tokens are actually routed to / this GPU's measured device copy bandwidth) and bf16
-FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor. --gemms grouped,loop times
-the expert GEMMs both ways in one run: torch's grouped GEMM (the default path) and the per-expert loop over the same
-routing plan (the reference path, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
+FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor. --gemms times the
+expert GEMMs several ways in one run: grouped (as the layer runs them: our Triton kernel for few rows per expert, else
+torch's grouped GEMM), torch, triton (each of those alone) and loop (the per-expert reference loop over the same
+routing plan, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
 happens once per model step, not per layer: it is excluded here. --graphs times replays of the layer captured in a
-CUDA graph (grouped GEMMs only: the loop reads offsets on the host), as a graphed decode step runs it; --profile
+CUDA graph (not the loop: it reads offsets on the host), as a graphed decode step runs it; --profile
 prints each case's kernels. Writes bench_moe.json and bench_moe.png into
 --out and prints a markdown table.
 """
@@ -48,6 +49,11 @@ from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
 from tp_lora.ops.grouped_mm import grouped_mm_ref  # noqa: E402
+
+
+def triton_grouped_mm(x, w, ends):
+    from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - GPU only
+    return grouped_mm(x, w, ends)
 
 SHAPES = {
     "mixtral": {"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -201,8 +207,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--backend", default="auto", help="LoRA ops: auto (triton on cuda) | torch | triton")
-    ap.add_argument("--gemms", default=None, help="expert GEMMs to time, comma list of grouped, loop "
-                                                  "(default: both; grouped only with --smoke)")
+    ap.add_argument("--gemms", default=None, help="expert GEMMs to time, comma list of grouped (as the layer runs), "
+                                                  "torch, triton, loop (default: grouped,loop; grouped with --smoke)")
     ap.add_argument("--modes", default="none,default,fully_sharded", help="LoRA modes, comma list")
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays of the layer (GPU)")
     ap.add_argument("--profile", action="store_true", help="print each case's kernels (torch.profiler, GPU)")
@@ -239,7 +245,7 @@ def main() -> None:
                         if mem_ms is None:
                             mem_ms, flop_ms = routed_floors(block, ps, x, bandwidth, args.peak_tflops)
                         with expert_gemms(gemm):
-                            graphed = args.graphs and cuda and gemm == "grouped"  # the loop syncs: eager
+                            graphed = args.graphs and cuda and gemm != "loop"  # the loop syncs: eager
                             label = f"{sname} {lname} {t} tokens/replica {gemm} GEMMs, LoRA {mode}"
                             ms, stats, peak = time_case(block, step, rt, ps, x, slots, iters, warmup, device,
                                                         graphed, label if args.profile else None)
@@ -295,12 +301,14 @@ def table(rows: list[dict]) -> str:
 
 @contextmanager
 def expert_gemms(kind: str):
-    """grouped: the layer as it runs; loop: its expert GEMMs through the per-expert reference loop."""
-    if kind not in ("grouped", "loop"):
-        raise ValueError(f"--gemms {kind!r}: expected grouped or loop")
+    """grouped: the layer as it runs (the dispatcher); torch / triton: every expert GEMM through torch's grouped GEMM /
+    our Triton kernel; loop: through the per-expert reference loop."""
+    impls = {"grouped": moe_layers.grouped_mm, "loop": grouped_mm_ref, "triton": triton_grouped_mm,
+             "torch": lambda x, w, ends: torch.nn.functional.grouped_mm(x.contiguous(), w.transpose(1, 2), offs=ends)}
+    if kind not in impls:
+        raise ValueError(f"--gemms {kind!r}: expected names from {sorted(impls)}")
     saved = moe_layers.grouped_mm
-    if kind == "loop":
-        moe_layers.grouped_mm = grouped_mm_ref
+    moe_layers.grouped_mm = impls[kind]
     try:
         yield
     finally:

@@ -1,14 +1,15 @@
 """End-to-end MoE decode step (every layer, attention + MoE + LM head) at a fixed batch, with and without adapters,
-in each 2-GPU layout, against the step's active-weight floor.
+in each 2-GPU layout (or tp1 on one GPU), against the step's active-weight floor.
 
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model qwen3-30b-a3b --out bench_results/moe_decode
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model mixtral-8x7b --layers 16
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --smoke                  # tiny, CPU + gloo
+    torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --profile  # one GPU, with its kernels
 
 Models (random bf16 weights, built in memory, no checkpoint): "qwen3-30b-a3b" (48 layers, hidden 2048, 128 experts,
 top-8, expert intermediate 768, GQA 32/4, head_dim 128, vocab 151936) and "mixtral-8x7b" (32 layers, hidden 4096,
 8 experts, top-2, intermediate 14336, GQA 32/8, vocab 32000); --layers cuts the depth (the step time and the floor
-scale together). Layouts: tp2 (experts' intermediate split), ep2 (EP over two DP replicas, each serving --batch
+scale together). Layouts: tp1 (one GPU), tp2 (experts' intermediate split), ep2 (EP over two DP replicas, each serving --batch
 sequences; the replicas agree on their token counts once per step, before it, timed with it), tp2_ep2 (EP over the
 attention TP group). LoRA: none, or
 --adapters adapters of rank --rank on every attention and expert projection, sequences round-robin over them.
@@ -58,7 +59,7 @@ MODELS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                  moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True),
 }
-LAYOUTS = {"tp2": (2, 1, "dp"), "ep2": (1, 2, "dp"), "tp2_ep2": (2, 2, "tp")}
+LAYOUTS = {"tp1": (1, 1, "dp"), "tp2": (2, 1, "dp"), "ep2": (1, 2, "dp"), "tp2_ep2": (2, 2, "tp")}
 
 
 @torch.no_grad()
@@ -150,7 +151,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
             torch.cuda.synchronize()
         if ps.is_driver:
             print(f"kernels of 3 steps: {layout}, {n_adapters} adapters")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=32, max_name_column_width=70))
     runner.release_graphs()
     tokens = args.batch * ps.dp.size
     return dict(layout=layout, adapters=n_adapters, rank=args.rank if n_adapters else 0, batch_per_replica=args.batch,
@@ -181,8 +182,12 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.smoke
     ps0 = comm.init_parallel(1, "cuda" if cuda else "cpu")
     device = ps0.device
-    if ps0.world.size != 2:
-        raise SystemExit(f"run on 2 ranks (torchrun --nproc_per_node=2), got {ps0.world.size}")
+    for layout in args.layouts.split(","):
+        if layout not in LAYOUTS:
+            raise SystemExit(f"--layouts {layout!r}: expected names from {sorted(LAYOUTS)}")
+        if max(LAYOUTS[layout][:2]) != ps0.world.size:
+            raise SystemExit(f"--layouts {layout}: needs {max(LAYOUTS[layout][:2])} ranks (torchrun "
+                             f"--nproc_per_node), got {ps0.world.size}")
     dtype = torch.bfloat16 if cuda else torch.float32
     hf = dict(MODELS[args.model])
     if args.layers:
@@ -191,8 +196,6 @@ def main() -> None:
     bandwidth = copy_bandwidth(device) if cuda else 0.0
     rows = []
     for layout in args.layouts.split(","):
-        if layout not in LAYOUTS:
-            raise SystemExit(f"--layouts {layout!r}: expected names from {sorted(LAYOUTS)}")
         for n in (0, args.adapters):
             rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
                              **run_case(hf, layout, n, args, device, dtype, ops, bandwidth)))
@@ -202,7 +205,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
     if ps0.is_driver:
         os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=2,
+        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=ps0.world.size,
                     copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), context=args.context)
         with open(os.path.join(args.out, "bench_moe_decode.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

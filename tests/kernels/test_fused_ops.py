@@ -1,5 +1,5 @@
 """The decoder layer's fused Triton kernels (add + RMSNorm, qk-norm + RoPE + K/V cache write, act * up, the MoE
-combine) against
+router's top-k and combine) against
 their torch references, on fresh random inputs at odd sizes; the references against independent formulas."""
 import math
 
@@ -182,3 +182,30 @@ def test_moe_combine_reference_matches_index_add():
                 want[t].add_(w[t, j].double() * yp[pos[t, j]])
     torch.testing.assert_close(ref.moe_combine_ref(yp, pos, w), want)
     assert ref.moe_combine_ref(yp[:0], pos, w).eq(0).all()  # no pairs computed here
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, experts, k, renormalize, round_weights", [
+    (1, 8, 2, True, False),  # Mixtral: renormalised, float32 weights
+    (33, 60, 4, False, True),  # Qwen2-MoE: 60 experts (not a power of two), top-4, weights rounded
+    (17, 128, 8, True, True),  # Qwen3-MoE
+    (5, 64, 6, False, False),  # top-6
+])
+def test_moe_topk(device, dtype, tokens, experts, k, renormalize, round_weights):
+    from tp_lora.ops.triton.fused import moe_topk
+    gen = torch.Generator().manual_seed(tokens * experts + k)
+    logits = _randn(gen, tokens, experts, dtype=dtype, device=device, std=2.0)
+    ids, w = moe_topk(logits, k, renormalize, round_weights)
+    want_ids, want_w = ref.moe_topk_ref(logits, k, renormalize, round_weights)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (tokens, k)
+    # 16-bit logits tie often, and torch.topk orders equal values as it likes: the experts' logits must agree.
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids)) and (ids.sort(1)[0].diff(1) > 0).all()
+    torch.testing.assert_close(w, want_w, **_tol(device, dtype))
+
+
+def test_moe_topk_takes_the_lowest_index_among_ties(device):
+    from tp_lora.ops.triton.fused import moe_topk
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]], device=device)
+    ids, w = moe_topk(logits, 3, True, False)
+    assert ids.tolist() == [[1, 3, 4]]
+    torch.testing.assert_close(w, torch.full((1, 3), 1 / 3, device=device))

@@ -1,5 +1,5 @@
-"""The grouped expert GEMM (torch's grouped GEMM where this torch runs it on the device, else the loop) against the
-per-expert loop, on the device under test: empty experts, every row to one expert, no routed rows, rows past the last
+"""The grouped expert GEMM (the dispatcher: our Triton kernel for few rows per expert on CUDA, torch's grouped GEMM
+where this torch runs it, else the loop; and the Triton kernel itself) against the per-expert loop, on the device under test: empty experts, every row to one expert, no routed rows, rows past the last
 expert (the plan's capacity), and a Qwen3-MoE expert's shape."""
 import pytest
 import torch
@@ -7,16 +7,21 @@ import torch
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref, torch_grouped_available
 
 
+@pytest.mark.parametrize("impl", ["dispatch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts,k,n", [([3, 0, 9, 4], 32, 24), ([0, 0, 16, 0], 32, 24), ([0, 0, 0, 0], 32, 24),
                                         ([5, 5, 5, 5], 40, 16), ([70, 0, 190, 3, 0, 250], 2048, 768)])
-def test_grouped_mm_matches_the_per_expert_loop(device, dtype, counts, k, n):
+def test_grouped_mm_matches_the_per_expert_loop(device, dtype, counts, k, n, impl):
     g = torch.Generator().manual_seed(sum(counts) + k)
     used = sum(counts)
     x = torch.randn(used + 3, k, generator=g).to(dtype).to(device)  # 3 rows past the last expert
     w = (torch.randn(len(counts), n, k, generator=g) * k ** -0.5).to(dtype).to(device)
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
-    got = grouped_mm(x, w, ends)
+    if impl == "triton":
+        from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel
+        got = kernel(x, w, ends)
+    else:
+        got = grouped_mm(x, w, ends)
     assert got.shape == (used + 3, n) and got.dtype == dtype
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     start = 0

@@ -15,7 +15,7 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.linear import column_spec, row_spec
-from tp_lora.ops.fused import act_mul
+from tp_lora.ops.fused import act_mul, moe_topk
 from tp_lora.ops.grouped_mm import grouped_mm
 from tp_lora.ops.moe_plan import MoEPlan
 from tp_lora.sharding import even_range, expert_range, shard_weight, take_nd
@@ -36,13 +36,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            w = w / w.sum(-1, keepdim=True)
-        if self.round_weights:
-            w = w.to(x.dtype).float()
-        return ids, w
+        return moe_topk(F.linear(x, self.weight), self.top_k, self.renormalize, self.round_weights)
 
 
 class Experts(nn.Module):

@@ -6,6 +6,7 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
+- moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights.
 - moe_combine: each token's router-weighted sum of its top-k expert outputs (rows of a routing plan's pair order),
   accumulated in float32 and rounded once; no atomics, so the sum's order is fixed.
 
@@ -83,6 +84,18 @@ def act_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
     return ACTIVATIONS[act](gate) * up
 
 
+def moe_topk_ref(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, E] in the model dtype -> topk ids [n, k] int64, weights [n, k] float32 of softmax(logits) in float32,
+    renormalised to sum 1 (renormalize), rounded through the logits' dtype (round_weights)."""
+    w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    if round_weights:
+        w = w.to(logits.dtype).float()
+    return ids, w
+
+
 def moe_combine_ref(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """yp [C, H] expert outputs in pair order, pos [N, k] int (row of pair (t, j) in yp, -1: not computed here),
     weight [N, k] float32 -> [N, H] in yp's dtype: sum over j of weight[t, j] * yp[pos[t, j]], in float32."""
@@ -122,6 +135,14 @@ def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
         from tp_lora.ops.triton.fused import act_mul as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, act)
     return act_mul_ref(x, act)
+
+
+def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _kernels(logits) and logits.shape[0]:
+        from tp_lora.ops.triton.fused import moe_topk as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(logits, k, renormalize, round_weights)
+    return moe_topk_ref(logits, k, renormalize, round_weights)
 
 
 def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
     grouped_mm(x [C, K], w [E, N, K], ends [E] int32) -> [C, N],  rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
 
-Rows past ends[-1] are left undefined (the plan never reads them). torch's grouped GEMM (`F.grouped_mm`) where the
-installed torch runs it for the device and dtype (CUDA: bf16 on sm90+; CPU builds that have it), else the per-expert
-loop `grouped_mm_ref`, which reads the offsets on the host (a sync: eager only).
+Rows past ends[-1] are left undefined (the plan never reads them). On CUDA with few rows per expert (decode) our
+Triton kernel (tp_lora/ops/triton/grouped_mm.py: one pass over the routed experts' weights); otherwise torch's
+grouped GEMM (`F.grouped_mm`) where the installed torch runs it for the device and dtype (CUDA: bf16 on sm90+; CPU
+builds that have it), else the per-expert loop `grouped_mm_ref`, which reads the offsets on the host (a sync: eager
+only).
 """
 from __future__ import annotations
 
@@ -25,7 +27,13 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     return out
 
 
+SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA runs the Triton kernel
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda and x.shape[0] <= SMALL_ROWS * w.shape[0]:
+        from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA only
+        return kernel(x, w, ends)
     if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
         return grouped_mm_ref(x, w, ends)
     return F.grouped_mm(x.contiguous(), w.transpose(1, 2), offs=ends)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 LORA_BLOCK = 16  # pairs per LoRA block: one (expert, slot) group is cut into blocks of at most this many pairs
+SMALL_SORT = 4096  # pairs (N * k) up to which CUDA ranks them in one Triton launch (else torch.sort)
 
 
 @dataclass
@@ -40,31 +41,40 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
     """topk_ids [N, k] global expert ids (-1 = padding row), topk_weights [N, k], token_slot [N] int (or None: no
     LoRA); this rank holds experts [expert_start, expert_start + num_local). lora: build the LoRA block table."""
     n, k = topk_ids.shape
-    dev = topk_ids.device
     E = num_local
     L = max_loras if (lora and token_slot is not None) else 0
-    per_expert = L + 1  # keys per expert: no adapter, then slots 0..L-1
+    slots = token_slot if L else None
+    if topk_ids.is_cuda and 0 < n * k <= SMALL_SORT:
+        from tp_lora.ops.triton.moe_plan import sort_pairs as sort  # noqa: PLC0415 - CUDA only
+    else:
+        sort = sort_pairs_ref
+    token, pos, expert, slot, sorted_key = sort(topk_ids, slots, expert_start, E, L)
+    bounds = (torch.arange(1, E + 1, device=topk_ids.device) * (L + 1)).to(torch.int32)
+    return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), expert=expert, slot=slot,
+                   expert_ends=torch.searchsorted(sorted_key, bounds, out_int32=True),
+                   groups=_lora_blocks(sorted_key, E, L, token.shape[0]), num_experts=E, any_lora=L > 0)
+
+
+def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
+                   max_loras: int):
+    """The pairs (t, j) of topk_ids [N, k] sorted stably by key = (local expert, adapter slot) with the pairs of
+    other ranks' experts last, cut to the capacity C = N * min(k, E). slots [N] (None: no LoRA, max_loras 0).
+    -> token [C] int64, pos [N, k] int32 (-1: not this rank's), expert [C] int32 (E past this rank's pairs),
+    slot [C] int32 (-1 there), sorted_key [C] int32 (expert * (L + 1) + slot + 1; E * (L + 1) past them)."""
+    n, k = topk_ids.shape
+    E, per_expert = num_local, max_loras + 1  # keys per expert: no adapter, then slots 0..L-1
     local = topk_ids.long().reshape(-1) - expert_start
     mine = (local >= 0) & (local < E)
-    if L:
-        slot = token_slot.long().reshape(n, 1).expand(n, k).reshape(-1)
-    else:
-        slot = torch.full_like(local, -1)
-    key = torch.where(mine, local * per_expert + slot + 1, E * per_expert).to(torch.int32)  # int32: fewer radix passes
+    slot = slots.long().reshape(n, 1).expand(n, k).reshape(-1) if max_loras else torch.full_like(local, -1)
+    key = torch.where(mine, local * per_expert + slot + 1, E * per_expert).to(torch.int32)
     sorted_key, order = torch.sort(key, stable=True)
     cap = n * min(k, E)
     sorted_key, order = sorted_key[:cap], order[:cap]
-    token = order // k
     on_rank = sorted_key < E * per_expert
-    bounds = (torch.arange(1, E + 1, device=dev) * per_expert).to(torch.int32)
-    expert_ends = torch.searchsorted(sorted_key, bounds, out_int32=True)
-    expert = torch.where(on_rank, sorted_key // per_expert, E).to(torch.int32)
-    pos = torch.full((n * k + 1,), -1, dtype=torch.int32, device=dev)  # entry n * k: where off-rank pairs land
-    pos.scatter_(0, torch.where(on_rank, order, n * k), torch.arange(cap, dtype=torch.int32, device=dev))
-    return MoEPlan(token=token, pos=pos[:n * k].view(n, k), weight=topk_weights.float(),
-                   expert=expert, slot=torch.where(on_rank, slot[order], -1).to(torch.int32),
-                   expert_ends=expert_ends, groups=_lora_blocks(sorted_key, E, L, cap), num_experts=E,
-                   any_lora=L > 0)
+    pos = torch.full((n * k + 1,), -1, dtype=torch.int32, device=key.device)  # entry n * k: off-rank pairs land
+    pos.scatter_(0, torch.where(on_rank, order, n * k), torch.arange(cap, dtype=torch.int32, device=key.device))
+    return (order // k, pos[:n * k].view(n, k), torch.where(on_rank, sorted_key // per_expert, E).to(torch.int32),
+            torch.where(on_rank, slot[order], -1).to(torch.int32), sorted_key)
 
 
 def _lora_blocks(sorted_key: torch.Tensor, E: int, L: int, cap: int) -> torch.Tensor:

@@ -195,3 +195,42 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
     _moe_combine_kernel[grid](yp, pos.contiguous(), weight.float().contiguous(), out, yp.stride(0), out.stride(0), h,
                               K=k, BLOCK=COMBINE_BLOCK)
     return out
+
+
+@triton.jit
+def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, s_l, E, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                     RENORM: tl.constexpr, ROUND: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    x = tl.load(logits_ptr + t * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    j = tl.arange(0, K_PAD)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    w = tl.zeros((K_PAD,), dtype=tl.float32)
+    for r in tl.static_range(K):  # the largest left, the lowest index among equals
+        m = tl.max(p, 0)
+        i = tl.min(tl.where(p == m, e, E_PAD), 0)
+        ids = tl.where(j == r, i, ids)
+        w = tl.where(j == r, m, w)
+        p = tl.where(e == i, -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, 0)
+    if ROUND:
+        w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
+    tl.store(w_ptr + t * K + j, w, mask=j < K)
+
+
+def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _rows(logits, "moe_topk's logits")
+    n, e = rows.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"moe_topk: k={k} outside 1..{e} (the number of experts)")
+    ids = torch.empty(n, k, dtype=torch.int64, device=rows.device)
+    w = torch.empty(n, k, dtype=torch.float32, device=rows.device)
+    _moe_topk_kernel[(n,)](rows, ids, w, rows.stride(0), e, K=k, K_PAD=triton.next_power_of_2(k),
+                           E_PAD=triton.next_power_of_2(e),
+                           RENORM=renormalize, ROUND=round_weights)
+    return ids, w
