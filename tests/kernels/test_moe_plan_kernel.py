@@ -1,10 +1,10 @@
-"""The Triton sort of a routing plan's pairs against sort_pairs_ref (torch's stable sort) on the device under test:
+"""The Triton sort of a routing plan's pairs and its LoRA block table against sort_pairs_ref / lora_blocks_ref (torch's stable sort) on the device under test:
 random routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows,
 one local expert, with and without adapter slots, and more pairs than one program ranks (several blocks)."""
 import pytest
 import torch
 
-from tp_lora.ops.moe_plan import sort_pairs_ref
+from tp_lora.ops.moe_plan import lora_blocks_ref, sort_pairs_ref
 
 CASES = {  # name: (tokens, k, global experts, expert_start, local experts, ids override)
     "random": (40, 3, 8, 0, 8, None),
@@ -34,3 +34,9 @@ def test_sort_pairs_kernel_matches_torch_stable_sort(device, name, lora):
     for field, w, x in zip(("token", "pos", "expert", "slot", "sorted_key"), want, got):
         assert x.dtype == w.dtype and x.shape == w.shape, field
         assert torch.equal(x.cpu(), w), f"{name}: {field} differs"
+    if lora:
+        from tp_lora.ops.triton.moe_plan import lora_blocks
+        want_g, got_g = lora_blocks_ref(want[4], e_local, L), lora_blocks(got[4], e_local, L).cpu()
+        assert got_g.shape == want_g.shape
+        used = want_g[:, 3] > 0
+        assert torch.equal(got_g[:int(used.sum())], want_g[used]) and (got_g[int(used.sum()):] == 0).all()

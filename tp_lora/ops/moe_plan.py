@@ -50,9 +50,16 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
         sort = sort_pairs_ref
     token, pos, expert, slot, sorted_key = sort(topk_ids, slots, expert_start, E, L)
     bounds = (torch.arange(1, E + 1, device=topk_ids.device) * (L + 1)).to(torch.int32)
+    if not L:
+        groups = torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device)
+    elif sorted_key.is_cuda and 0 < sorted_key.shape[0] <= SMALL_SORT:
+        from tp_lora.ops.triton.moe_plan import lora_blocks  # noqa: PLC0415 - CUDA only
+        groups = lora_blocks(sorted_key, E, L)
+    else:
+        groups = lora_blocks_ref(sorted_key, E, L)
     return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), expert=expert, slot=slot,
-                   expert_ends=torch.searchsorted(sorted_key, bounds, out_int32=True),
-                   groups=_lora_blocks(sorted_key, E, L, token.shape[0]), num_experts=E, any_lora=L > 0)
+                   expert_ends=torch.searchsorted(sorted_key, bounds, out_int32=True), groups=groups,
+                   num_experts=E, any_lora=L > 0)
 
 
 def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
@@ -77,19 +84,22 @@ def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_st
             torch.where(on_rank, slot[order], -1).to(torch.int32), sorted_key)
 
 
-def _lora_blocks(sorted_key: torch.Tensor, E: int, L: int, cap: int) -> torch.Tensor:
-    """[B, 4] (expert, slot, start, count) blocks of at most LORA_BLOCK pairs covering every (expert, slot) group,
-    B = cap / LORA_BLOCK + min(E * L, cap) + 1 (static; unused blocks have count 0)."""
-    dev = sorted_key.device
-    if L == 0:
-        return torch.zeros(0, 4, dtype=torch.int32, device=dev)
+def num_lora_blocks(cap: int, E: int, L: int) -> int:
+    """Static row count of the LoRA block table: every group's blocks fit, whatever the routing."""
+    return cap // LORA_BLOCK + min(E * L, cap) + 1
+
+
+def lora_blocks_ref(sorted_key: torch.Tensor, E: int, L: int) -> torch.Tensor:
+    """sorted_key [C] (sort_pairs_ref's, L >= 1 slots) -> [B, 4] (expert, slot, start, count) blocks of at most
+    LORA_BLOCK pairs covering every (expert, slot) group in key order, B = num_lora_blocks (unused blocks: count 0)."""
+    dev, cap = sorted_key.device, sorted_key.shape[0]
     g = torch.arange(E * L, device=dev)
     key = ((g // L) * (L + 1) + g % L + 1).to(torch.int32)
     start = torch.searchsorted(sorted_key, key)
     count = torch.searchsorted(sorted_key, key, right=True) - start
     blocks = (count + LORA_BLOCK - 1) // LORA_BLOCK
     ends = torch.cumsum(blocks, 0)
-    b = torch.arange(cap // LORA_BLOCK + min(E * L, cap) + 1, device=dev)
+    b = torch.arange(num_lora_blocks(cap, E, L), device=dev)
     gb = torch.searchsorted(ends, b, right=True).clamp_(max=E * L - 1)
     m = b - (ends[gb] - blocks[gb])  # block index inside its group
     n = (count[gb] - m * LORA_BLOCK).clamp(0, LORA_BLOCK) * (b < ends[-1])

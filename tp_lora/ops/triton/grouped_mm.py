@@ -14,7 +14,7 @@ import triton.language as tl
 
 from tp_lora.ops.triton.moe_lora import _compute_types, _mm
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
 
 

@@ -27,6 +27,7 @@ from tp_lora.ops.moe_plan import MoEPlan
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
 MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
+SHRINK_MAX_K, EXPAND_MAX_N = 64, 64  # the largest input tile of shrink / output tile of expand
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _FP8 = (torch.float8_e4m3fn,)
 
@@ -184,7 +185,7 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
     groups = pairs.groups.shape[0]
     if groups == 0 or x.shape[0] == 0:
         return out
-    block_m, block_n, block_k = 16, _pow2(rank, 16, 64), _pow2(k, 16, 64)
+    block_m, block_n, block_k = 16, _pow2(rank, 16, 64), _pow2(k, 16, SHRINK_MAX_K)
     n_blocks_r = triton.cdiv(rank, block_n)
     cdt, dot, prec = _compute_types(lora_a[0].dtype)
     for idx in _launches(lora_a):
@@ -226,7 +227,7 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
         bs = [b_scales[i] for i in idx] if has_bs else [buf]  # buf: an unused placeholder
         bs1 = bs[1] if len(bs) > 1 else bs[0]
         width = b[0].shape[2]
-        block_n = _pow2(width, 16, 64)
+        block_n = _pow2(width, 16, EXPAND_MAX_N)
         n_blocks_n = triton.cdiv(width, block_n)
         u = buf[idx[0]:idx[-1] + 1]
         grid = (groups, triton.cdiv(pairs.max_group, block_m), len(idx) * n_blocks_n)

@@ -1,13 +1,18 @@
-"""Triton sort of a routing plan's pairs for small batches (decode), with the signature and results of
-tp_lora.ops.moe_plan.sort_pairs_ref: each pair's place in the stable (key, index) order is the count of pairs before
-it (an all-pairs comparison, cheap for a few thousand pairs), and the program that ranked a pair writes its rows of
-the plan there. One launch; no host sync; grid from shapes only (capturable in a CUDA graph).
+"""Triton kernels building a routing plan for small batches (decode), with the signatures and results of
+tp_lora.ops.moe_plan's references, one launch each, no host sync, grids from shapes only (capturable):
+
+- sort_pairs: each pair's place in the stable (key, index) order is the count of pairs before it (an all-pairs
+  comparison, cheap for a few thousand pairs); the program that ranked a pair writes its rows of the plan there.
+- lora_blocks: the LoRA block table from the sorted keys in one program (group starts by a running max, block rows
+  by a running sum).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from tp_lora.ops.moe_plan import LORA_BLOCK, num_lora_blocks
 
 BLOCK_I, BLOCK_J = 64, 256
 
@@ -62,3 +67,44 @@ def sort_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
             ids, ids if slots is None else slots.contiguous(), token, pos, expert, slot, skey, p, k, expert_start,
             E, cap, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J)
     return token, pos, expert, slot, skey
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _lora_blocks_kernel(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr, C_PAD: tl.constexpr,
+                        LORA_BLOCK: tl.constexpr):
+    p = tl.arange(0, C_PAD)
+    ok = p < C
+    key = tl.load(skey_ptr + p, mask=ok, other=LIMIT)
+    prev = tl.load(skey_ptr + tl.maximum(p - 1, 0), mask=ok & (p > 0), other=-1)
+    group_start = tl.associative_scan(tl.where(key != prev, p, 0), 0, _max)
+    lora = ok & (key < LIMIT) & (key % PER_EXPERT != 0)  # this rank's pairs that have an adapter
+    first = lora & ((p - group_start) % LORA_BLOCK == 0)
+    row = tl.cumsum(first.to(tl.int32), 0) - 1
+    count = tl.zeros((C_PAD,), dtype=tl.int32)
+    for d in tl.static_range(LORA_BLOCK):
+        count += (tl.load(skey_ptr + p + d, mask=first & (p + d < C), other=-1) == key).to(tl.int32)
+    out = groups_ptr + row * 4
+    tl.store(out, key // PER_EXPERT, mask=first)
+    tl.store(out + 1, key % PER_EXPERT - 1, mask=first)
+    tl.store(out + 2, p, mask=first)
+    tl.store(out + 3, count, mask=first)
+    used = tl.sum(first.to(tl.int32), 0)
+    for b0 in range(0, B, C_PAD):  # the rows no block took: count 0
+        b = b0 + p
+        for c in tl.static_range(4):
+            tl.store(groups_ptr + b * 4 + c, 0, mask=(b >= used) & (b < B))
+
+
+def lora_blocks(sorted_key: torch.Tensor, num_local: int, max_loras: int) -> torch.Tensor:
+    """lora_blocks_ref's table (rows no block took are all 0) in one single-program launch."""
+    cap = sorted_key.shape[0]
+    b = num_lora_blocks(cap, num_local, max_loras)
+    groups = torch.empty(b, 4, dtype=torch.int32, device=sorted_key.device)
+    _lora_blocks_kernel[(1,)](sorted_key, groups, cap, b, num_local * (max_loras + 1), PER_EXPERT=max_loras + 1,
+                              C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
+    return groups
