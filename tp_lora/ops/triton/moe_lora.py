@@ -27,7 +27,7 @@ from tp_lora.ops.moe_plan import MoEPlan
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
 MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
-SHRINK_MAX_K, EXPAND_MAX_N = 64, 64  # the largest input tile of shrink / output tile of expand
+SHRINK_MAX_K, EXPAND_MAX_N = 256, 256  # the largest input tile of shrink / output tile of expand
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _FP8 = (torch.float8_e4m3fn,)
 
