@@ -1,6 +1,6 @@
 """Paged decode and varlen attention against their floors on one GPU, with sweeps of the kernels' launch constants.
 
-    python scripts/bench_attention.py --out DIR [--sweep] [--kind decode|varlen|all]
+    python scripts/bench_attention.py --out DIR [--sweep] [--libs] [--kind decode|varlen|all]
 
 Cases: (batch, context) at the Llama-3-8B head layout (32 query / 8 KV heads, head_dim 128) and the Llama 16x2048
 one (32 / 8, 64), bf16, block size 16, each sequence's blocks scattered over the cache. Each call is captured in a CUDA
@@ -14,6 +14,10 @@ bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_ste
 of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
 q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of
 VARLEN_SWEEP for the VARLEN_SWEPT cases.
+--libs also times libraries on the same work with each sequence's K/V contiguous (no paging: a bound on what they
+could do over a paged cache, which adds an indirection): torch's scaled_dot_product_attention (its flash /
+cuDNN / efficient backends, GQA) and torch.compile'd flex_attention, for every decode case and the prefill-only
+varlen cases (causal). FlashInfer and flash-attention do not fit the lent GPU image (see BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -86,18 +90,45 @@ def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g):
 
 def time_case(q, caches, table, lens, scale, cu_q=None) -> float:
     """Median µs per call of the decode kernel (cu_q None) or the varlen kernel over these inputs."""
-    def calls():
-        for i in range(CALLS):
-            k, v = caches[i % COPIES]
-            if cu_q is None:
-                kernel.paged_decode(q, k, v, table, lens, scale)
-            else:
-                varlen.paged_varlen(q, k, v, table, lens, cu_q, scale)
-    calls()  # compile
+    def call(i):
+        k, v = caches[i % COPIES]
+        if cu_q is None:
+            kernel.paged_decode(q, k, v, table, lens, scale)
+        else:
+            varlen.paged_varlen(q, k, v, table, lens, cu_q, scale)
+    return graph_us(call)
+
+
+def library_us(q, k, v, causal: bool) -> dict[str, float]:
+    """Median µs per call of torch SDPA and compiled flex_attention on q [B, H, Lq, d] over contiguous k / v
+    [B, KV, Lk, d] lists (rotated like the caches), both captured in a CUDA graph."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    mask = None
+    if causal:
+        lq, lk = q.shape[2], k[0].shape[2]
+        mask = create_block_mask(lambda b, h, qi, ki: ki <= qi + (lk - lq), None, None, lq, lk, device=q.device)
+    fns = {"sdpa": lambda kk, vv: torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=causal,
+                                                                                  enable_gqa=True),
+           "flex": lambda kk, vv: flex(q, kk, vv, block_mask=mask, enable_gqa=True)}
+    out = {}
+    for name, fn in fns.items():
+        try:
+            out[name] = graph_us(lambda i: fn(k[i % COPIES], v[i % COPIES]))
+        except Exception as e:  # noqa: BLE001 - a library that cannot run this case is reported, not fatal
+            out[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+    return out
+
+
+def graph_us(call) -> float:
+    """Median µs per call of call(i) for i in range(CALLS), captured in one CUDA graph, over 10 replays."""
+    for i in range(2):
+        call(i)  # compile / warm up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        calls()
+        for i in range(CALLS):
+            call(i)
     times = []
     for _ in range(10):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -115,6 +146,7 @@ def main() -> None:
     p.add_argument("--out", default="bench_results")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--kind", choices=("decode", "varlen", "all"), default="all")
+    p.add_argument("--libs", action="store_true", help="also time torch SDPA and flex_attention (contiguous K/V)")
     args = p.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -138,6 +170,11 @@ def main() -> None:
         floor = nbytes / bw * 1e6  # the copy's bytes read + written per second: what HBM moves either way
         us = time_case(q, caches, table, lens, d ** -0.5)
         row = dict(case=name, batch=b, context=ctx, us=us, floor_us=floor, of_floor=floor / us, sweep={})
+        if args.libs:
+            kc = [torch.randn(b, kv, ctx, d, generator=g).to(dev, torch.bfloat16) for _ in range(2 * COPIES)]
+            row["libs"] = library_us(q.unsqueeze(2), kc[:COPIES], kc[COPIES:], causal=False)
+            print(f"libraries, contiguous K/V: {row['libs']}", flush=True)
+            del kc
         if args.sweep and (name, b, ctx) in SWEPT:
             for values in itertools.product(*SWEEP.values()):
                 for k, v in zip(SWEEP, values):
@@ -170,6 +207,12 @@ def main() -> None:
         row = dict(case=name, kind="varlen", decodes=decodes, context=ctx, chunk=chunk, tokens=tokens, seqs=seqs,
                    head_dim=d, us=us, flop_floor_us=flop_floor, byte_floor_us=byte_floor,
                    of_floor=max(flop_floor, byte_floor) / us, sweep={})
+        if args.libs and decodes == 0:
+            kc = [torch.randn(1, kv, chunk, d, generator=g).to(dev, torch.bfloat16) for _ in range(2 * COPIES)]
+            ql = torch.randn(1, h, chunk, d, generator=g).to(dev, torch.bfloat16)
+            row["libs"] = library_us(ql, kc[:COPIES], kc[COPIES:], causal=True)
+            print(f"libraries, contiguous K/V: {row['libs']}", flush=True)
+            del kc
         if args.sweep and (name, chunk) in VARLEN_SWEPT:
             for values in itertools.product(*VARLEN_SWEEP.values()):
                 for k, v in zip(VARLEN_SWEEP, values):
