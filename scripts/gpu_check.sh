@@ -41,7 +41,12 @@ for what in "${@:-all}"; do
       run bench_step 400 24 python3 scripts/bench_step.py --shapes llama-2048 --mixed --out "$RES/step" ;;&
     bench_moe|all)
       step "bench_moe on $NGPU GPUs"
-      run bench_moe 200 30 torchrun --nproc_per_node="$NGPU" scripts/bench_moe.py --out "$RES/moe" ;;&
+      run bench_moe 200 30 torchrun --nproc_per_node="$NGPU" scripts/bench_moe.py --graphs --gemms grouped,loop \
+        --out "$RES/moe"
+      if [ "$NGPU" -ge 2 ]; then
+        step "bench_moe_decode: Qwen3-30B-A3B shape, tp2 / ep2 / tp2_ep2"
+        run bench_moe_decode 200 10 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --out "$RES/moe_decode"
+      fi ;;&
     bench_serving|serving_tp1|all)
       step "bench_serving tp=1: ours at 1/100/1000 adapters"
       run bench_serving_tp1 200 12 python3 scripts/bench_serving.py $serving_args --adapters 1,100,1000 \
