@@ -27,7 +27,8 @@ from tp_lora.ops.moe_plan import MoEPlan
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
 MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
-SHRINK_MAX_K, EXPAND_MAX_N = 256, 256  # the largest input tile of shrink / output tile of expand
+SHRINK_MAX_K, EXPAND_MAX_N = 128, 256  # the largest input tile of shrink / output tile of expand
+SHRINK_LAUNCH, EXPAND_LAUNCH = dict(num_warps=2, num_stages=4), dict(num_warps=4, num_stages=2)
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _FP8 = (torch.float8_e4m3fn,)
 
@@ -201,6 +202,7 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
             sc.stride(0), sc.stride(1), sc.stride(2),
             o.stride(0), o.stride(1), o.stride(2),
             NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, CDT=cdt, DOT=dot, PREC=prec,
+            **SHRINK_LAUNCH,
         )
     return out
 
@@ -239,6 +241,6 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
             *(bs[0].stride() if has_bs else (0, 0, 0)),
             out.stride(0), out.stride(1),
             NUM_SLICES=len(idx), ADD=bool(add), HAS_B_SCALES=has_bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-            CDT=cdt, DOT=dot, PREC=prec,
+            CDT=cdt, DOT=dot, PREC=prec, **EXPAND_LAUNCH,
         )
         col += width * len(idx)
