@@ -121,7 +121,9 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _object_bytes(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(_SETTINGS["device"])
+    """obj pickled, in a tensor of its own: a view of the Python bytes handed to gloo would let its worker thread
+    drop the last reference to a Python object, which needs the GIL (an abort if the interpreter is exiting)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(_SETTINGS["device"], copy=True)
 
 
 def broadcast_object(obj, group: Group, src_rank: int = 0):
