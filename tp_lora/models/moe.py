@@ -347,10 +347,11 @@ class MoECausalLM(CausalLM):
 
     @property
     def cuda_graph_safe(self) -> bool:
-        """Whether a decode step runs with no host sync, so the runner may capture it in a CUDA graph: the expert
-        GEMMs take torch's grouped GEMM (the loop fallback reads offsets on the host), and the layout is not a
-        chunked shared expert with LoRA (its batch is built on the host). EP over DP replicas agrees on its counts
-        once per step before the forward (lockstep) and pads to a fixed capacity: capturable (graph_batch)."""
+        """Whether a decode step runs with no host sync, so the runner may capture it in a CUDA graph: expert GEMMs
+        with more rows per expert than the Triton kernel takes run torch's grouped GEMM (the loop fallback reads
+        offsets on the host), and the layout is not a chunked shared expert with LoRA (its batch is built on the
+        host). EP over DP replicas agrees on its counts once per step before the forward (lockstep) and pads to a
+        fixed capacity: capturable (graph_batch)."""
         if self.step_chunked and self.moe_shape.shared_inter and self.rt is not None:
             return False
         ex = next((layer.mlp.base_experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)), None)
