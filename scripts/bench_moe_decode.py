@@ -9,10 +9,10 @@ in each 2-GPU layout (or tp1 on one GPU), against the step's active-weight floor
 Models (random bf16 weights, built in memory, no checkpoint): "qwen3-30b-a3b" (48 layers, hidden 2048, 128 experts,
 top-8, expert intermediate 768, GQA 32/4, head_dim 128, vocab 151936) and "mixtral-8x7b" (32 layers, hidden 4096,
 8 experts, top-2, intermediate 14336, GQA 32/8, vocab 32000); --layers cuts the depth (the step time and the floor
-scale together). Layouts: tp1 (one GPU), tp2 (experts' intermediate split), ep2 (EP over two DP replicas, each serving --batch
-sequences; the replicas agree on their token counts once per step, before it, timed with it), tp2_ep2 (EP over the
-attention TP group). LoRA: none, or
---adapters adapters of rank --rank on every attention and expert projection, sequences round-robin over them.
+scale together). Layouts: tp1 (one GPU), tp2 (experts' intermediate split), ep2 (EP over two DP replicas, each
+serving --batch sequences; the replicas agree on their token counts once per step, before it, timed with it),
+tp2_ep2 (EP over the attention TP group). LoRA: none, or --adapters adapters of rank --rank on every attention and
+expert projection, sequences round-robin over them.
 
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
 capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after

@@ -1,6 +1,7 @@
 """The grouped expert GEMM (the dispatcher: our Triton kernel for few rows per expert on CUDA, torch's grouped GEMM
-where this torch runs it, else the loop; and the Triton kernel itself) against the per-expert loop, on the device under test: empty experts, every row to one expert, no routed rows, rows past the last
-expert (the plan's capacity), and a Qwen3-MoE expert's shape."""
+where this torch runs it, else the loop; and the Triton kernel itself) against the per-expert loop, on the device
+under test: empty experts, every row to one expert, no routed rows, rows past the last expert (the plan's capacity),
+and a Qwen3-MoE expert's shape."""
 import pytest
 import torch
 

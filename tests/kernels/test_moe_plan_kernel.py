@@ -1,5 +1,5 @@
-"""The Triton sort of a routing plan's pairs and its LoRA block table against sort_pairs_ref / lora_blocks_ref (torch's stable sort) on the device under test:
-random routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows,
+"""The Triton sort of a routing plan's pairs and its LoRA block table against sort_pairs_ref (torch's stable sort) /
+lora_blocks_ref on the device under test: random routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows,
 one local expert, with and without adapter slots, and more pairs than one program ranks (several blocks)."""
 import pytest
 import torch

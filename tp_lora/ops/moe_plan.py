@@ -21,7 +21,7 @@ SMALL_SORT = 4096  # pairs (N * k) up to which CUDA ranks them in one Triton lau
 @dataclass
 class MoEPlan:
     token: torch.Tensor  # [C] int64, row of the pair's token in the dispatched batch (valid for every pair)
-    pos: torch.Tensor  # [N, k] int32, the pair order row of token t's j-th expert, -1 where this rank does not compute it
+    pos: torch.Tensor  # [N, k] int32, pair-order row of token t's j-th expert (-1: this rank does not compute it)
     weight: torch.Tensor  # [N, k] float32, router weights (token order)
     expert: torch.Tensor  # [C] int32, local expert (E for pairs not on this rank)
     slot: torch.Tensor  # [C] int32, adapter slot of the pair's token (-1 none)
