@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import torch
 
-KERNELS: bool | None = None  # None: the Triton kernels for CUDA tensors, else the references; True / False forces
+# None: the Triton kernels for CUDA tensors, else the references; True / False forces (tests, benchmarks). The MoE
+# routing plan and grouped GEMM dispatchers (tp_lora.ops.moe_plan, tp_lora.ops.grouped_mm) follow it too.
+KERNELS: bool | None = None
 
 ACTIVATIONS = {"silu": torch.nn.functional.silu,
                "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
 
 
-def _kernels(t: torch.Tensor) -> bool:
+def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda if KERNELS is None else KERNELS
 
 
@@ -114,7 +116,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None and x_weight is not None:
         raise ValueError("add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
-    if _kernels(x):
+    if use_kernels(x):
         from tp_lora.ops.triton.fused import add_rms_norm as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, residual, weight, eps, offset, x_weight)
     return add_rms_norm_ref(x, residual, weight, eps, offset, x_weight)
@@ -124,14 +126,14 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
                   offset: bool = False) -> torch.Tensor:
-    if _kernels(q):
+    if use_kernels(q):
         from tp_lora.ops.triton.fused import rope_write_kv as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)
     return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)
 
 
 def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
-    if _kernels(x):
+    if use_kernels(x):
         from tp_lora.ops.triton.fused import act_mul as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, act)
     return act_mul_ref(x, act)
@@ -139,14 +141,14 @@ def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
 
 def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _kernels(logits) and logits.shape[0]:
+    if use_kernels(logits) and logits.shape[0]:
         from tp_lora.ops.triton.fused import moe_topk as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(logits, k, renormalize, round_weights)
     return moe_topk_ref(logits, k, renormalize, round_weights)
 
 
 def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if _kernels(yp) and yp.shape[0] and pos.shape[0]:
+    if use_kernels(yp) and yp.shape[0] and pos.shape[0]:
         from tp_lora.ops.triton.fused import moe_combine as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(yp, pos, weight)
     return moe_combine_ref(yp, pos, weight)

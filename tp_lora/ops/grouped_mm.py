@@ -15,6 +15,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from tp_lora.ops.fused import use_kernels
+
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """The per-expert loop (reference and fallback); rows past ends[-1] are 0."""
@@ -31,8 +33,8 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda and x.shape[0] <= SMALL_ROWS * w.shape[0]:
-        from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA only
+    if use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0]:
+        from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, w, ends)
     if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
         return grouped_mm_ref(x, w, ends)

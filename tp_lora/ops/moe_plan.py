@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tp_lora.ops.fused import use_kernels
+
 LORA_BLOCK = 16  # pairs per LoRA block: one (expert, slot) group is cut into blocks of at most this many pairs
 SMALL_SORT = 4096  # pairs (N * k) up to which CUDA ranks them in one Triton launch (else torch.sort)
 
@@ -44,16 +46,16 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
     E = num_local
     L = max_loras if (lora and token_slot is not None) else 0
     slots = token_slot if L else None
-    if topk_ids.is_cuda and 0 < n * k <= SMALL_SORT:
-        from tp_lora.ops.triton.moe_plan import sort_pairs as sort  # noqa: PLC0415 - CUDA only
+    if use_kernels(topk_ids) and 0 < n * k <= SMALL_SORT:
+        from tp_lora.ops.triton.moe_plan import sort_pairs as sort  # noqa: PLC0415 - CUDA / forced only
     else:
         sort = sort_pairs_ref
     token, pos, expert, slot, sorted_key = sort(topk_ids, slots, expert_start, E, L)
     bounds = (torch.arange(1, E + 1, device=topk_ids.device) * (L + 1)).to(torch.int32)
     if not L:
         groups = torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device)
-    elif sorted_key.is_cuda and 0 < sorted_key.shape[0] <= SMALL_SORT:
-        from tp_lora.ops.triton.moe_plan import lora_blocks  # noqa: PLC0415 - CUDA only
+    elif use_kernels(sorted_key) and 0 < sorted_key.shape[0] <= SMALL_SORT:
+        from tp_lora.ops.triton.moe_plan import lora_blocks  # noqa: PLC0415 - CUDA / forced only
         groups = lora_blocks(sorted_key, E, L)
     else:
         groups = lora_blocks_ref(sorted_key, E, L)
