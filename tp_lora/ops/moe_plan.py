@@ -25,17 +25,30 @@ class MoEPlan:
     token: torch.Tensor  # [C] int64, row of the pair's token in the dispatched batch (valid for every pair)
     pos: torch.Tensor  # [N, k] int32, pair-order row of token t's j-th expert (-1: this rank does not compute it)
     weight: torch.Tensor  # [N, k] float32, router weights (token order)
-    expert: torch.Tensor  # [C] int32, local expert (E for pairs not on this rank)
-    slot: torch.Tensor  # [C] int32, adapter slot of the pair's token (-1 none)
+    sorted_key: torch.Tensor  # [C] int32, the pair's (expert, slot) key: expert * S + slot + 1, E * S past this rank's
     expert_ends: torch.Tensor  # [E] int32, cumulative end of each expert's pairs (grouped GEMM offsets)
-    groups: torch.Tensor  # [B, 4] int32 LoRA blocks (expert, slot, start, count), count 0 for unused blocks
-    num_experts: int  # E
-    any_lora: bool  # whether the LoRA ops run (a host fact the caller knows: the step has an adapter somewhere)
-    max_group: int = LORA_BLOCK  # most pairs in one LoRA block (the kernels' grid reads it; static)
+    groups: torch.Tensor  # [B, 4] int32 LoRA blocks (expert, slot, start, count), count 0 for unused blocks; [0, 4]
+    # when the LoRA ops do not run (no adapter in the step: a host fact the caller knows)
+    keys_per_expert: int  # S = adapter slots + 1 (no adapter, then slots 0..L-1)
 
     @property
     def num_pairs(self) -> int:
         return self.token.shape[0]
+
+    @property
+    def any_lora(self) -> bool:
+        return self.groups.shape[0] > 0
+
+    @property
+    def expert(self) -> torch.Tensor:
+        """[C] int32, local expert of each pair (E past this rank's pairs)."""
+        return (self.sorted_key // self.keys_per_expert).clamp(max=self.expert_ends.shape[0]).to(torch.int32)
+
+    @property
+    def slot(self) -> torch.Tensor:
+        """[C] int32, adapter slot of each pair's token (-1: none, or not this rank's)."""
+        on_rank = self.sorted_key < self.expert_ends.shape[0] * self.keys_per_expert
+        return torch.where(on_rank, self.sorted_key % self.keys_per_expert - 1, -1).to(torch.int32)
 
 
 def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: torch.Tensor | None,
@@ -50,7 +63,7 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
         from tp_lora.ops.triton.moe_plan import sort_pairs as sort  # noqa: PLC0415 - CUDA / forced only
     else:
         sort = sort_pairs_ref
-    token, pos, expert, slot, sorted_key = sort(topk_ids, slots, expert_start, E, L)
+    token, pos, sorted_key = sort(topk_ids, slots, expert_start, E, L)
     bounds = (torch.arange(1, E + 1, device=topk_ids.device) * (L + 1)).to(torch.int32)
     if not L:
         groups = torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device)
@@ -59,17 +72,17 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
         groups = lora_blocks(sorted_key, E, L)
     else:
         groups = lora_blocks_ref(sorted_key, E, L)
-    return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), expert=expert, slot=slot,
+    return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), sorted_key=sorted_key,
                    expert_ends=torch.searchsorted(sorted_key, bounds, out_int32=True), groups=groups,
-                   num_experts=E, any_lora=L > 0)
+                   keys_per_expert=L + 1)
 
 
 def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
                    max_loras: int):
     """The pairs (t, j) of topk_ids [N, k] sorted stably by key = (local expert, adapter slot) with the pairs of
     other ranks' experts last, cut to the capacity C = N * min(k, E). slots [N] (None: no LoRA, max_loras 0).
-    -> token [C] int64, pos [N, k] int32 (-1: not this rank's), expert [C] int32 (E past this rank's pairs),
-    slot [C] int32 (-1 there), sorted_key [C] int32 (expert * (L + 1) + slot + 1; E * (L + 1) past them)."""
+    -> token [C] int64, pos [N, k] int32 (-1: not this rank's), sorted_key [C] int32 (expert * (L + 1) + slot + 1;
+    E * (L + 1) past this rank's pairs)."""
     n, k = topk_ids.shape
     E, per_expert = num_local, max_loras + 1  # keys per expert: no adapter, then slots 0..L-1
     local = topk_ids.long().reshape(-1) - expert_start
@@ -82,8 +95,7 @@ def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_st
     on_rank = sorted_key < E * per_expert
     pos = torch.full((n * k + 1,), -1, dtype=torch.int32, device=key.device)  # entry n * k: off-rank pairs land
     pos.scatter_(0, torch.where(on_rank, order, n * k), torch.arange(cap, dtype=torch.int32, device=key.device))
-    return (order // k, pos[:n * k].view(n, k), torch.where(on_rank, sorted_key // per_expert, E).to(torch.int32),
-            torch.where(on_rank, slot[order], -1).to(torch.int32), sorted_key)
+    return order // k, pos[:n * k].view(n, k), sorted_key
 
 
 def num_lora_blocks(cap: int, E: int, L: int) -> int:

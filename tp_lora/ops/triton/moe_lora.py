@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.moe_plan import MoEPlan
+from tp_lora.ops.moe_plan import LORA_BLOCK, MoEPlan
 
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
@@ -193,7 +193,7 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
         a = [lora_a[i] for i in idx]
         a1 = a[1] if len(a) > 1 else a[0]
         sc, o = scales[idx[0]:idx[-1] + 1], out[idx[0]:idx[-1] + 1]
-        grid = (groups, triton.cdiv(pairs.max_group, block_m), len(idx) * n_blocks_r)
+        grid = (groups, triton.cdiv(LORA_BLOCK, block_m), len(idx) * n_blocks_r)
         moe_shrink_kernel[grid](
             x, a[0], a1, sc, o, pairs.groups,
             k, rank, n_blocks_r,
@@ -232,7 +232,7 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
         block_n = _pow2(width, 16, EXPAND_MAX_N)
         n_blocks_n = triton.cdiv(width, block_n)
         u = buf[idx[0]:idx[-1] + 1]
-        grid = (groups, triton.cdiv(pairs.max_group, block_m), len(idx) * n_blocks_n)
+        grid = (groups, triton.cdiv(LORA_BLOCK, block_m), len(idx) * n_blocks_n)
         moe_expand_kernel[grid](
             u, b[0], b1, bs[0], bs1, out, pairs.groups,
             rank, width, col, n_blocks_n,

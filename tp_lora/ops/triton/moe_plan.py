@@ -19,8 +19,8 @@ BLOCK_I, BLOCK_J = 64, 256
 
 @triton.jit
 def _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """(key, slot, mine) of flat pairs i: key = local expert * PER_EXPERT + slot + 1, E * PER_EXPERT for pairs of
-    other ranks, and past the last pair (masked) larger still."""
+    """(key, mine) of flat pairs i: key = local expert * PER_EXPERT + slot + 1, E * PER_EXPERT for pairs of other
+    ranks, and past the last pair (masked) larger still."""
     local = tl.load(ids_ptr + i, mask=ok, other=-1).to(tl.int32) - e0
     mine = (local >= 0) & (local < E)
     if HAS_SLOTS:
@@ -28,27 +28,25 @@ def _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT: tl.constexpr, HAS_SLO
     else:
         slot = tl.full(i.shape, -1, tl.int32)
     key = tl.where(mine, local * PER_EXPERT + slot + 1, E * PER_EXPERT)
-    return tl.where(ok, key, E * PER_EXPERT + 1), slot, mine & ok
+    return tl.where(ok, key, E * PER_EXPERT + 1), mine & ok
 
 
 @triton.jit
-def _sort_pairs_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, expert_ptr, slot_ptr, skey_ptr, P, K, e0, E, cap,
+def _sort_pairs_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, P, K, e0, E, cap,
                        PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
                        BLOCK_J: tl.constexpr):
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
-    key, slot, mine = _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT, HAS_SLOTS)
+    key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT, HAS_SLOTS)
     rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
     for j0 in range(0, P, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
-        kj, _, _ = _keys(ids_ptr, slots_ptr, j, j < P, K, e0, E, PER_EXPERT, HAS_SLOTS)
+        kj, _ = _keys(ids_ptr, slots_ptr, j, j < P, K, e0, E, PER_EXPERT, HAS_SLOTS)
         before = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
         rank += tl.sum(before.to(tl.int32), 1)
     tl.store(pos_ptr + i, tl.where(mine, rank, -1), mask=ok)
     kept = ok & (rank < cap)
     tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
-    tl.store(expert_ptr + rank, tl.where(mine, key // PER_EXPERT, E), mask=kept)
-    tl.store(slot_ptr + rank, tl.where(mine, slot, -1), mask=kept)
     tl.store(skey_ptr + rank, key, mask=kept)
 
 
@@ -60,13 +58,13 @@ def sort_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     dev = topk_ids.device
     token = torch.empty(cap, dtype=torch.int64, device=dev)
     pos = torch.empty(n, k, dtype=torch.int32, device=dev)
-    expert, slot, skey = (torch.empty(cap, dtype=torch.int32, device=dev) for _ in range(3))
+    skey = torch.empty(cap, dtype=torch.int32, device=dev)
     if p:
         ids = topk_ids.contiguous()
         _sort_pairs_kernel[(triton.cdiv(p, BLOCK_I),)](
-            ids, ids if slots is None else slots.contiguous(), token, pos, expert, slot, skey, p, k, expert_start,
+            ids, ids if slots is None else slots.contiguous(), token, pos, skey, p, k, expert_start,
             E, cap, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J)
-    return token, pos, expert, slot, skey
+    return token, pos, skey
 
 
 @triton.jit
