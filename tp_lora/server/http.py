@@ -239,7 +239,13 @@ class Frontend:
                                    "code": _status(res.error)}
                             yield "data: " + json.dumps({"error": err}) + "\n\n"
                             continue
-                        text = self._text(res)
+                        dt = detoks[choice]
+                        if dt is not None and res.text is None:  # the stream's own decoder: one decode, a true tail
+                            dt.add(d.token_ids)
+                            dt.flush()
+                            text = dt.text
+                        else:
+                            text = self._text(res)
                         rest = text[len(emitted[choice]):] if text.startswith(emitted[choice]) else ""
                         emitted[choice] += rest
                         lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, 0) if want_lp else None

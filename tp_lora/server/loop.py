@@ -146,14 +146,14 @@ class ServingLoop:
                                                  res.metrics))
 
     def _flush(self) -> None:
-        """Send the frame built since the last one, with the engine's gauges, step stats and adapter registry where
-        they changed."""
+        """Send the frame built since the last one, with the engine's gauges and adapter registry where they changed
+        and the step stats when a frame goes anyway (no frame for the stats alone)."""
         engine, sched, stats = self.engine, self.engine.sched, self.engine.stats
         gauges = (len(sched.waiting), len(sched.running), stats.slot_hit_rate, engine.cache.stats.host_misses,
                   stats.adapter_loads)
         if gauges != self._gauges:
             self._gauges = self._msg["gauges"] = gauges
-        if stats.steps != self._steps:
+        if self._msg and stats.steps != self._steps:  # with a frame that goes anyway
             self._steps = stats.steps
             self._msg["steps"] = tuple(getattr(stats, f) for f in STEP_FIELDS)
         registry = (len(engine.adapters), len(engine.bad_adapters))
