@@ -4,7 +4,8 @@
 
 Cases: (batch, context) at the Llama-3-8B head layout (32 query / 8 KV heads, head_dim 128) and the Llama 16x2048
 one (32 / 8, 64), bf16, block size 16, each sequence's blocks scattered over the cache. Each call is captured in a CUDA
-graph with 20 calls over rotated caches (so K/V come from HBM, not L2) and replayed; median per call of 10 replays.
+graph with 20 calls over rotated caches (ROTATE_BYTES in all, so K/V come from HBM, not L2) and replayed; median per
+call of 10 replays.
 floor = (K and V bytes attended + q and out bytes) / the device copy bandwidth measured in the same run (read +
 written bytes / time). --sweep times every (BLOCK_N, TARGET_PROGRAMS, num_warps, num_stages) of a small grid and
 prints the best per case beside the module's defaults.
@@ -45,7 +46,13 @@ CASES = [  # (name, batch, context, query heads, kv heads, head_dim)
 ]
 SWEEP = dict(BLOCK_N=(32, 64, 128), TARGET_PROGRAMS=(264, 528, 1056), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 SWEPT = {("8b", 32, 2048), ("8b", 1, 2048), ("8b", 128, 2048), ("2048", 32, 128)}  # cases the sweep covers
-BS, COPIES, CALLS = 16, 4, 20
+BS, CALLS = 16, 20
+ROTATE_BYTES = 256 << 20  # K + V rotated over per case: > 2x the L2 of an H100 / H200, so every call reads HBM
+
+
+def copies(kv_bytes: int) -> int:
+    """Copies of a case's K and V (kv_bytes for one copy of both) to rotate over."""
+    return max(2, -(-ROTATE_BYTES // kv_bytes))
 VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0), h, kv, d)
     ("2048", 31, 128, 512, 32, 8, 64), ("8b", 31, 128, 512, 32, 8, 128),
     ("2048", 0, 0, 2048, 32, 8, 64), ("8b", 0, 0, 2048, 32, 8, 128),
@@ -62,7 +69,8 @@ def case_inputs(b, ctx, h, kv, d, dev, g):
     perm = torch.randperm(n_blocks, generator=g)
     table = perm.view(b, blocks).to(dev, torch.int32)
     caches = [(torch.randn(n_blocks, BS, kv, d, generator=g).to(dev, torch.bfloat16),
-               torch.randn(n_blocks, BS, kv, d, generator=g).to(dev, torch.bfloat16)) for _ in range(COPIES)]
+               torch.randn(n_blocks, BS, kv, d, generator=g).to(dev, torch.bfloat16))
+              for _ in range(copies(2 * n_blocks * BS * kv * d * 2))]
     q = torch.randn(b, h, d, generator=g).to(dev, torch.bfloat16)
     lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     return q, caches, table, lens
@@ -79,7 +87,8 @@ def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g):
     width = max(need)
     host = pad_mixed_step([0] * sum(lens), tables, starts, lens, tokens, seqs, width, BS, perm[-1])
     caches = [(torch.randn(len(perm), BS, kv, d, generator=g).to(dev, torch.bfloat16),
-               torch.randn(len(perm), BS, kv, d, generator=g).to(dev, torch.bfloat16)) for _ in range(COPIES)]
+               torch.randn(len(perm), BS, kv, d, generator=g).to(dev, torch.bfloat16))
+              for _ in range(copies(2 * len(perm) * BS * kv * d * 2))]
     q = torch.randn(tokens, h, d, generator=g).to(dev, torch.bfloat16)
     keys = sum(st + i + 1 for st, n in zip(starts, lens) for i in range(n))  # keys each real query attends
     flops = 4 * h * d * keys
@@ -91,7 +100,7 @@ def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g):
 def time_case(q, caches, table, lens, scale, cu_q=None) -> float:
     """Median µs per call of the decode kernel (cu_q None) or the varlen kernel over these inputs."""
     def call(i):
-        k, v = caches[i % COPIES]
+        k, v = caches[i % len(caches)]
         if cu_q is None:
             kernel.paged_decode(q, k, v, table, lens, scale)
         else:
@@ -114,7 +123,7 @@ def library_us(q, k, v, causal: bool) -> dict[str, float]:
     out = {}
     for name, fn in fns.items():
         try:
-            out[name] = graph_us(lambda i: fn(k[i % COPIES], v[i % COPIES]))
+            out[name] = graph_us(lambda i: fn(k[i % len(k)], v[i % len(v)]))
         except Exception as e:  # noqa: BLE001 - a library that cannot run this case is reported, not fatal
             out[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
     return out
@@ -171,8 +180,9 @@ def main() -> None:
         us = time_case(q, caches, table, lens, d ** -0.5)
         row = dict(case=name, batch=b, context=ctx, us=us, floor_us=floor, of_floor=floor / us, sweep={})
         if args.libs:
-            kc = [torch.randn(b, kv, ctx, d, generator=g).to(dev, torch.bfloat16) for _ in range(2 * COPIES)]
-            row["libs"] = library_us(q.unsqueeze(2), kc[:COPIES], kc[COPIES:], causal=False)
+            n = copies(2 * b * kv * ctx * d * 2)
+            kc = [torch.randn(b, kv, ctx, d, generator=g).to(dev, torch.bfloat16) for _ in range(2 * n)]
+            row["libs"] = library_us(q.unsqueeze(2), kc[:n], kc[n:], causal=False)
             print(f"libraries, contiguous K/V: {row['libs']}", flush=True)
             del kc
         if args.sweep and (name, b, ctx) in SWEPT:
@@ -208,9 +218,10 @@ def main() -> None:
                    head_dim=d, us=us, flop_floor_us=flop_floor, byte_floor_us=byte_floor,
                    of_floor=max(flop_floor, byte_floor) / us, sweep={})
         if args.libs and decodes == 0:
-            kc = [torch.randn(1, kv, chunk, d, generator=g).to(dev, torch.bfloat16) for _ in range(2 * COPIES)]
+            n = copies(2 * kv * chunk * d * 2)
+            kc = [torch.randn(1, kv, chunk, d, generator=g).to(dev, torch.bfloat16) for _ in range(2 * n)]
             ql = torch.randn(1, h, chunk, d, generator=g).to(dev, torch.bfloat16)
-            row["libs"] = library_us(ql, kc[:COPIES], kc[COPIES:], causal=True)
+            row["libs"] = library_us(ql, kc[:n], kc[n:], causal=True)
             print(f"libraries, contiguous K/V: {row['libs']}", flush=True)
             del kc
         if args.sweep and (name, chunk) in VARLEN_SWEPT:

@@ -48,12 +48,8 @@ from tp_lora.lora.batch import build_lora_batch  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
-from tp_lora.ops.grouped_mm import grouped_mm_ref  # noqa: E402
+from tp_lora.ops.grouped_mm import grouped_mm_ref, grouped_mm_torch, grouped_mm_triton  # noqa: E402
 
-
-def triton_grouped_mm(x, w, ends):
-    from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - GPU only
-    return grouped_mm(x, w, ends)
 
 SHAPES = {
     "mixtral": {"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -303,8 +299,8 @@ def table(rows: list[dict]) -> str:
 def expert_gemms(kind: str):
     """grouped: the layer as it runs (the dispatcher); torch / triton: every expert GEMM through torch's grouped GEMM /
     our Triton kernel; loop: through the per-expert reference loop."""
-    impls = {"grouped": moe_layers.grouped_mm, "loop": grouped_mm_ref, "triton": triton_grouped_mm,
-             "torch": lambda x, w, ends: torch.nn.functional.grouped_mm(x.contiguous(), w.transpose(1, 2), offs=ends)}
+    impls = {"grouped": moe_layers.grouped_mm, "loop": grouped_mm_ref, "triton": grouped_mm_triton,
+             "torch": grouped_mm_torch}
     if kind not in impls:
         raise ValueError(f"--gemms {kind!r}: expected names from {sorted(impls)}")
     saved = moe_layers.grouped_mm

@@ -17,9 +17,9 @@ expert projection, sequences round-robin over them.
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
 capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
 warm-up (and capture); the slowest rank's median. Floor: the bytes one rank must read in the step (its attention,
-norm and LM-head weights, and the weights of its experts that the step's tokens are actually routed to, measured on
-one eager step) over the measured device copy bandwidth (a copy's read + written bytes per second); "% of floor" is
-floor / step. Adapters' bytes are not in the floor. Prints a markdown table, writes bench_moe_decode.json to --out.
+norm and LM-head weights, the weights of its experts that the step's tokens are actually routed to, measured on
+one eager step, and the K/V its sequences attend over) over the measured device copy bandwidth (a copy's read +
+written bytes per second); "% of floor" is floor / step. Adapters' bytes are not in the floor. Prints a markdown table, writes bench_moe_decode.json to --out.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_step import copy_bandwidth  # noqa: E402
+from bench_step import copy_bandwidth, kv_bytes  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from tp_lora.layers.moe import Router  # noqa: E402
@@ -125,7 +125,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     step = StepBatch()
     for i, tok in enumerate(torch.randint(0, hf["vocab_size"], (args.batch,), generator=gen).tolist()):
         step.add([tok], list(range(i * per_seq, (i + 1) * per_seq)), args.context, i % n_adapters if n_adapters else -1)
-    nbytes = floor_bytes(model, eager, step, cache, ps)
+    nbytes = floor_bytes(model, eager, step, cache, ps) + int(kv_bytes(model, args.batch, args.context + 1))
     floor = nbytes / bandwidth * 1e3 if bandwidth else 0.0
     cuda = device.type == "cuda"
     for _ in range(args.warmup):

@@ -307,9 +307,10 @@ def main() -> None:
         return
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size}, copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (read + written), layer ops {'torch' if args.torch_ops else 'fused'}")
-    print("| shape | adapters | batch | context | step ms (difference) | floor ms | of floor | adapters / none | "
-          "prefill tok/s | graph steps | decode steps | decode step ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| shape | adapters | batch | context | step ms (difference) | floor ms | of floor | adapters / none | "
+            "prefill tok/s | graph steps | decode steps | decode step ms |")
+    print(head)
+    print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
     base = {(r["shape"], r["batch"], r["context"]): r["decode_step_ms"] for r in rows if not r["adapters"]}
     for r in rows:
         ratio = r["decode_step_ms"] / base[(r["shape"], r["batch"], r["context"])]

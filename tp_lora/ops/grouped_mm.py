@@ -34,11 +34,21 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     if use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0]:
-        from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(x, w, ends)
+        return grouped_mm_triton(x, w, ends)
     if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
         return grouped_mm_ref(x, w, ends)
+    return grouped_mm_torch(x, w, ends)
+
+
+def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM (where torch_grouped_available)."""
     return F.grouped_mm(x.contiguous(), w.transpose(1, 2), offs=ends)
+
+
+def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Our Triton kernel (CUDA, or the interpreter)."""
+    from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
+    return kernel(x, w, ends)
 
 
 def torch_grouped_available(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
