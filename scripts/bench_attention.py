@@ -26,13 +26,13 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_lora_ops import ROTATE_BYTES, Bench  # noqa: E402
 from bench_step import copy_bandwidth  # noqa: E402
 from tp_lora.engine.graph_inputs import pad_mixed_step  # noqa: E402
 from tp_lora.engine.runner import mixed_sizes  # noqa: E402
@@ -47,7 +47,6 @@ CASES = [  # (name, batch, context, query heads, kv heads, head_dim)
 SWEEP = dict(BLOCK_N=(32, 64, 128), TARGET_PROGRAMS=(264, 528, 1056), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 SWEPT = {("8b", 32, 2048), ("8b", 1, 2048), ("8b", 128, 2048), ("2048", 32, 128)}  # cases the sweep covers
 BS, CALLS = 16, 20
-ROTATE_BYTES = 256 << 20  # K + V rotated over per case: > 2x the L2 of an H100 / H200, so every call reads HBM
 
 
 def copies(kv_bytes: int) -> int:
@@ -105,7 +104,7 @@ def time_case(q, caches, table, lens, scale, cu_q=None) -> float:
             kernel.paged_decode(q, k, v, table, lens, scale)
         else:
             varlen.paged_varlen(q, k, v, table, lens, cu_q, scale)
-    return graph_us(call)
+    return graph_us(call)[0]
 
 
 def library_us(q, k, v, causal: bool) -> dict[str, float]:
@@ -123,31 +122,17 @@ def library_us(q, k, v, causal: bool) -> dict[str, float]:
     out = {}
     for name, fn in fns.items():
         try:
-            out[name] = graph_us(lambda i: fn(k[i % len(k)], v[i % len(v)]))
+            us, mode = graph_us(lambda i: fn(k[i % len(k)], v[i % len(v)]))
+            out[name] = us if mode == "graph" else f"{us:.1f} ({mode}: not capturable)"
         except Exception as e:  # noqa: BLE001 - a library that cannot run this case is reported, not fatal
             out[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
     return out
 
 
-def graph_us(call) -> float:
-    """Median µs per call of call(i) for i in range(CALLS), captured in one CUDA graph, over 10 replays."""
-    for i in range(2):
-        call(i)  # compile / warm up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(i)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / CALLS)
-    del graph
-    return statistics.median(times)
+def graph_us(call) -> tuple[float, str]:
+    """(median µs per call of call(i) for i in range(CALLS), "graph", or "eager" where capture failed): bench_lora_ops'
+    timer, 10 replays of one CUDA graph of the calls."""
+    return Bench("cuda", reps=10, warmup=2).time_us(call, CALLS)
 
 
 def main() -> None:

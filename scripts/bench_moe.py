@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_step import copy_bandwidth  # noqa: E402
+from bench_step import copy_bandwidth, print_kernels  # noqa: E402
 
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.layers import moe as moe_layers  # noqa: E402
@@ -178,14 +178,7 @@ def time_case(block, step, rt, ps, x, slots, iters: int, warmup: int, device, gr
                 times.append(1e3 * (time.perf_counter() - t0))
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
         if profile and cuda:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    run()
-                torch.cuda.synchronize()
-            if ps.is_driver:
-                print(f"kernels of 3 steps: {profile}")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
+            print_kernels(run, f"steps: {profile}", show=ps.is_driver)
         if run is not one:
             del g
     med = statistics.median(times)

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_step import copy_bandwidth, kv_bytes  # noqa: E402
+from bench_step import copy_bandwidth, kv_bytes, print_kernels  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from tp_lora.layers.moe import Router  # noqa: E402
@@ -144,14 +144,8 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     ms = max(comm.all_gather_object(statistics.median(times), ps.world))
     floor, nbytes = max(comm.all_gather_object((floor, nbytes), ps.world))
     if args.profile and cuda:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                execute(runner, model, step, cache)
-            torch.cuda.synchronize()
-        if ps.is_driver:
-            print(f"kernels of 3 steps: {layout}, {n_adapters} adapters")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=32, max_name_column_width=70))
+        print_kernels(lambda: execute(runner, model, step, cache), f"steps: {layout}, {n_adapters} adapters", rows=32,
+                      show=ps.is_driver)
     runner.release_graphs()
     tokens = args.batch * ps.dp.size
     return dict(layout=layout, adapters=n_adapters, rank=args.rank if n_adapters else 0, batch_per_replica=args.batch,

@@ -138,6 +138,19 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in emb)
 
 
+def print_kernels(run, label: str, rows: int = 16, show: bool = True) -> None:
+    """The CUDA kernels of 3 calls of run() (torch.profiler), by total device time; every rank profiles (collectives
+    inside run() need all of them), `show` ranks print."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    if show:
+        print(f"kernels of 3 {label}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
 def kv_bytes(model, batch: int, context: float) -> float:
     return 2 * len(model.layers) * model.kv_heads * model.head_dim * model.dtype.itemsize * batch * context
 
@@ -222,15 +235,10 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
     out["ratio"] = out["mixed_31_plus_512_ms"] / out["decode_32_ms"]
     out["eager_ratio"] = out["mixed_31_plus_512_eager_ms"] / out["decode_32_ms"]
     if profile and torch.cuda.is_available():
-        from torch.profiler import ProfilerActivity, profile as torch_profile
         for what, mixed, context in (("decode steps at context 2048", False, 2048),
                                      ("graphed mixed steps (31 decodes + 512 prefill)", True, 128)):
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    runner.execute(batch(mixed, context), cache)
-                torch.cuda.synchronize()
-            print(f"kernels of 3 {what} ({'with' if adapters else 'no'} adapters):")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+            print_kernels(lambda: runner.execute(batch(mixed, context), cache),
+                          f"{what} ({'with' if adapters else 'no'} adapters)", rows=14)
     return out
 
 
