@@ -66,10 +66,15 @@ class SlotBuffers:
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    fp8_views = 0  # trailing views of slot_views that are fp8 channel scales of B
+
     def clear(self, views: list[torch.Tensor]) -> None:
-        """An empty slot: zero weights and scales (fp8 channel scales 1, so zeros stay exact zeros)."""
-        for v in views:
+        """An empty slot: zero weights and scales, fp8 channel scales 1 (so zeros stay exact zeros)."""
+        n = len(views) - self.fp8_views
+        for v in views[:n]:
             v.zero_()
+        for v in views[n:]:
+            v.fill_(1.0)
 
     def write(self, views: list[torch.Tensor], key, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:
@@ -139,6 +144,7 @@ class LoRALinear(SlotBuffers, nn.Module):
         # Per output channel of B; 1 for empty slots so their zeros stay exact zeros.
         self.b_scales = [torch.ones(rt.max_loras, rows, dtype=torch.float32, device=device) for rows in b_rows] \
             if rt.fp8 else None
+        self.fp8_views = len(b_rows) if rt.fp8 else 0
         self.register_buffer("scales", torch.zeros(len(spec.slices), rt.max_loras, dtype=torch.float32,
                                                    device=device))
         self.out_offset = row_lora_out_offset(spec, tp.rank, tp.size) if (
@@ -148,13 +154,6 @@ class LoRALinear(SlotBuffers, nn.Module):
         """[A_s for s] + [B_s for s] + [scales] (+ [fp8 channel scales of B_s for s])."""
         return ([a.data[slot] for a in self.lora_a] + [b.data[slot] for b in self.lora_b] + [self.scales[:, slot]]
                 + [bs[slot] for bs in self.b_scales or ()])
-
-    def clear(self, views: list[torch.Tensor]) -> None:
-        n = 2 * len(self.lora_a) + 1
-        for v in views[:n]:
-            v.zero_()
-        for v in views[n:]:
-            v.fill_(1.0)
 
     def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:

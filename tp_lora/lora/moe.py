@@ -60,6 +60,7 @@ class LoRAExperts(SlotBuffers, nn.Module):
         self.b13_scales = [torch.ones(L, E, il, dtype=torch.float32, device=device) for _ in range(base.slices)] \
             if rt.fp8 else None
         self.b2_scales = torch.ones(L, E, h_b, dtype=torch.float32, device=device) if rt.fp8 else None
+        self.fp8_views = base.slices + 1 if rt.fp8 else 0
         self.register_buffer("scales", torch.zeros(base.slices + 1, L, E, dtype=torch.float32, device=device))
         self.out_offset = row_lora_out_offset(base.down_spec, tp.rank, tp.size) if self.fully_sharded else 0
 
@@ -75,13 +76,6 @@ class LoRAExperts(SlotBuffers, nn.Module):
         fp8 = [] if self.b2_scales is None else [bs[slot] for bs in self.b13_scales] + [self.b2_scales[slot]]
         return ([a.data[slot] for a in self.lora_a13] + [b.data[slot] for b in self.lora_b13]
                 + [self.lora_a2.data[slot], self.lora_b2.data[slot], self.scales[:, slot]] + fp8)
-
-    def clear(self, views: list[torch.Tensor]) -> None:
-        n = 2 * self.base.slices + 3
-        for v in views[:n]:
-            v.zero_()
-        for v in views[n:]:
-            v.fill_(1.0)
 
     def write(self, views: list[torch.Tensor], key: tuple[str, int], a: torch.Tensor, b: torch.Tensor,
               scale: float, copy: Copy = copy_into) -> None:

@@ -27,8 +27,7 @@ def bind_graph_buffers(static: LoRABatch, buffers: list[torch.Tensor]) -> None:
                          f"{[(tuple(b.shape), b.dtype) for b in own]}")
     for dst, src in zip(buffers, own):
         dst.copy_(src)
-    scheme, seg = resolve(static)
-    key = (scheme,) if seg is None else (scheme, seg)
+    key = resolve(static)  # prepare's cache key
     static.token_slot, static.order = buffers[0], buffers[1]
     static.derived[key] = dataclasses.replace(static.derived[key], table=buffers[2])
 

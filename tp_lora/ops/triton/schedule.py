@@ -110,8 +110,7 @@ def prepare(batch: LoRABatch, scheme: str | None = None, segment_size: int | Non
     """The step's schedule for `scheme` (default: the one set by set_scheme), built on first use and cached in
     batch.derived. Call it right after building the batch (outside CUDA-graph capture) to keep the one copy out of
     the model's forward; every shrink / expand of the step then finds it cached."""
-    scheme, seg = resolve(batch, scheme, segment_size)
-    key = (scheme,) if seg is None else (scheme, seg)
+    key = scheme, seg = resolve(batch, scheme, segment_size)  # (scheme, segment size or None): the cache key
     cached = batch.derived.get(key)
     if cached is not None:
         return cached
