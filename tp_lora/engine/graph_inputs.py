@@ -16,7 +16,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from tp_lora.models.attention import AttnGroup, AttnMeta
+from tp_lora.models.attention import AttnGroup, AttnMeta, token_positions
 
 
 class _Fields:
@@ -100,10 +100,7 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
         raise ValueError(f"out holds {out.ids.shape[0]} tokens and tables {tuple(out.block_table.shape)}, expected "
                          f"{tokens} and ({seqs}, {width})")
     o = MixedInputs(*(x.numpy() for x in out.tensors()))
-    lens_a, starts_a = np.array(lens, dtype=np.int64), np.array(starts, dtype=np.int64)
-    ends = np.cumsum(lens_a)
-    seq = np.repeat(np.arange(n), lens_a)
-    pos = np.arange(t) + (starts_a - (ends - lens_a))[seq]
+    seq, pos, ends = token_positions(starts, lens)
     fill_block_table(o.block_table, blocks, scratch)
     o.ids[:t] = ids
     o.ids[t:] = 0
@@ -116,7 +113,7 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
     o.cu_q[0] = 0
     o.cu_q[1:n + 1] = ends
     o.cu_q[n + 1:] = t
-    o.context_lens[:n] = starts_a + lens_a
+    o.context_lens[:n] = np.asarray(starts) + np.asarray(lens)
     o.context_lens[n:] = 0
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -67,6 +68,15 @@ class AttnMeta:
     window: int = 0  # sliding window (0: none)
 
 
+def token_positions(starts: list[int], lengths: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sequence n's lengths[n] new tokens at positions starts[n].. (its run of the step's tokens) -> (sequence of each
+    token [T], its position [T], each sequence's end in the step [N]), int64."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lens)
+    seq = np.repeat(np.arange(len(lens)), lens)
+    return seq, np.arange(seq.shape[0]) + (np.asarray(starts, dtype=np.int64) - (ends - lens))[seq], ends
+
+
 def build_attn_meta(block_tables: list[list[int]], starts: list[int], lengths: list[int], block_size: int, device,
                     sliding_window: int | None = None, decode_kernel: bool | None = None) -> AttnMeta:
     """Sequence n has `lengths[n]` new tokens at positions starts[n] .. starts[n]+lengths[n]-1, kept in the blocks
@@ -88,12 +98,11 @@ def build_attn_meta(block_tables: list[list[int]], starts: list[int], lengths: l
     parts = [p for p in (decodes, chunks) if p]
     groups = [_decode_group(p, block_tables, starts, offs) if p is decodes and decode_kernel
               else _group(p, block_tables, starts, lengths, offs, total, block_size, sliding_window) for p in parts]
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    positions = torch.tensor(starts)[seq_of_token] + torch.arange(total) - torch.tensor(offs[:-1])[seq_of_token]
+    seq, positions, ends = token_positions(starts, lengths)
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
-    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    host = [slots, positions, torch.tensor(offs[1:]) - 1]
+    tables = np.array([t + [0] * (width - len(t)) for t in block_tables], dtype=np.int64)
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    host = [torch.from_numpy(slots), torch.from_numpy(positions), torch.from_numpy(ends - 1)]
     names = ("tokens", "block_table", "context_lens", "kv_index", "pad_index", "flat_index", "mask")
     fields = [[n for n in names if getattr(g, n) is not None and (n != "tokens" or len(groups) > 1)] for g in groups]
     for g, f in zip(groups, fields):
