@@ -81,8 +81,7 @@ def randomize(model: torch.nn.Module, device) -> None:
 
 def execute(runner: ModelRunner, model: MoECausalLM, step: StepBatch, cache) -> torch.Tensor:
     """One step; EP over DP replicas first agrees on the step's token counts and LoRA flag (the engine's lockstep)."""
-    if model.needs_lockstep:
-        model.lockstep(len(step.ids), any(s >= 0 for s in step.slots))
+    model.lockstep(len(step.ids), any(s >= 0 for s in step.slots))  # a no-op outside EP over DP replicas
     return runner.execute(step, cache)
 
 

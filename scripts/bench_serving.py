@@ -260,19 +260,17 @@ def _measured_run(args, ps, engine: Engine, reqs, arrivals) -> dict:
     out.update(slot_hit_rate=s.slot_hit_rate, slot_loads=s.adapter_loads, disk_reads=cs.host_misses,
                host_hit_rate=cs.host_hits / max(1, cs.host_hits + cs.host_misses),
                swap_seconds=cs.read_seconds + cs.copy_seconds, read_seconds=cs.read_seconds, prefetched=cs.prefetched,
-               copy_seconds=cs.copy_seconds, **_step_split(*(getattr(s, f) for f in STEP_FIELDS)),
+               copy_seconds=cs.copy_seconds, **_step_split({f: getattr(s, f) for f in STEP_FIELDS}),
                errors=sorted({r.error for r in results if r.error})[:3],
                _tokens=[r.output_token_ids for r in results])
     return out
 
 
-def _step_split(steps, graph_steps, graph_captures, decode_steps, graph_seconds, eager_seconds, decode_seconds
-                ) -> dict:
-    """The engine's StepStats of a run (in STEP_FIELDS order) under the report's names."""
-    return dict(steps=int(steps), graph_steps=int(graph_steps), graph_captures=int(graph_captures),
-                decode_steps=int(decode_steps),
-                graph_step_seconds=graph_seconds, eager_step_seconds=eager_seconds,
-                decode_step_seconds=decode_seconds)
+def _step_split(values: dict) -> dict:
+    """The engine's StepStats of a run ({STEP_FIELDS name: value}) under the report's names: counts as ints, the
+    seconds fields as <kind>_step_seconds."""
+    return {(f.replace("_seconds", "_step_seconds") if f.endswith("_seconds") else f):
+            (v if f.endswith("_seconds") else int(v)) for f, v in values.items()}
 
 
 def _profiled(fn, out: str, ps):
@@ -523,21 +521,19 @@ def _drive_shard(url: str, reqs, arrivals, base: Optional[str], t0: float) -> tu
     import asyncio
     time.sleep(max(0.0, t0 - time.perf_counter()))
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    timings, _, tokens, errors = asyncio.run(_drive(url, reqs, arrivals, base, t0))
+    timings, tokens, errors = asyncio.run(_drive(url, reqs, arrivals, base, t0))
     return timings, tokens, errors, (time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
 
 
-async def _drive(url: str, reqs, arrivals, base: Optional[str] = None, t0: Optional[float] = None
-                 ) -> tuple[list[dict], float, list, list]:
-    """Send each request at its arrival time after t0 (default: now; streamed, greedy); per request {arrival,
-    first_token, finished, tokens} at the client, the start time, and the token ids. base: send every request to this
-    model instead."""
+async def _drive(url: str, reqs, arrivals, base: Optional[str], t0: float) -> tuple[list[dict], list, list]:
+    """Send each request at its arrival time after t0 (streamed, greedy) -> per request {arrival, first_token,
+    finished, tokens} at the client, its token ids, and the errors. base: send every request to this model instead
+    (None: each its adapter)."""
     import asyncio
     import httpx
     import openai
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600,
                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(reqs) + 8)))
-    t0 = time.perf_counter() if t0 is None else t0
 
     async def one(req, at):
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
@@ -558,7 +554,7 @@ async def _drive(url: str, reqs, arrivals, base: Optional[str] = None, t0: Optio
     await client.close()
     timings = [o[0] if not isinstance(o, BaseException) else {} for o in outs]
     errors = sorted({f"{type(o).__name__}: {o}"[:200] for o in outs if isinstance(o, BaseException)})
-    return timings, t0, [o[1] if not isinstance(o, BaseException) else [] for o in outs], errors
+    return timings, [o[1] if not isinstance(o, BaseException) else [] for o in outs], errors
 
 
 def _server_metrics(url: str) -> dict[str, float]:
@@ -584,8 +580,8 @@ def run_server(args, model: str, adapters: str, reqs, arrivals, server: "ServerP
                disk_reads=values.get("tp_lora_adapter_reads"), errors=errors[:3], _tokens=tokens,
                engine_ttft_mean_s=mean("tp_lora_time_to_first_token_seconds"),
                engine_tpot_mean_s=mean("tp_lora_time_per_output_token_seconds"), client_cpu_fraction=client_cpu,
-               **_step_split(*(values.get(f"tp_lora_engine_{f}", 0.0) - before.get(f"tp_lora_engine_{f}", 0.0)
-                               for f in STEP_FIELDS)))
+               **_step_split({f: values.get(f"tp_lora_engine_{f}", 0.0) - before.get(f"tp_lora_engine_{f}", 0.0)
+                              for f in STEP_FIELDS}))
     return out
 
 

@@ -294,13 +294,14 @@ def main() -> None:
                     # mean wall time (host included).
                     graph_steps = engine.stats.graph_steps - st.graph_steps
                     decode_steps = engine.stats.decode_steps - st.decode_steps
-                    graph_ms = 1e3 * (engine.stats.decode_seconds - st.decode_seconds) / max(1, decode_steps)
+                    decode_ms = 1e3 * (engine.stats.decode_seconds - st.decode_seconds) / max(1, decode_steps)
                     t1, tn = statistics.median(ones), statistics.median(longs)
                     step = (tn - t1) / (args.new - 1)
                     floor = (wb + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
                     rows.append(dict(shape=shape, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
-                                     floor_ms=floor * 1e3, of_floor=floor / (graph_ms / 1e3), prefill_tokens_per_s=b * ctx / t1,
-                                     graph_steps=graph_steps, decode_steps=decode_steps, decode_step_ms=graph_ms,
+                                     floor_ms=floor * 1e3, of_floor=floor / (decode_ms / 1e3) if decode_ms else None,
+                                     prefill_tokens_per_s=b * ctx / t1,
+                                     graph_steps=graph_steps, decode_steps=decode_steps, decode_step_ms=decode_ms,
                                      one_token_runs_s=ones, long_runs_s=longs))
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
@@ -321,10 +322,11 @@ def main() -> None:
     print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
     base = {(r["shape"], r["batch"], r["context"]): r["decode_step_ms"] for r in rows if not r["adapters"]}
     for r in rows:
-        ratio = r["decode_step_ms"] / base[(r["shape"], r["batch"], r["context"])]
-        r["vs_no_adapters"] = ratio
+        none = base[(r["shape"], r["batch"], r["context"])]
+        ratio = r["vs_no_adapters"] = r["decode_step_ms"] / none if none else None  # no decode-only step: None
         print(f"| {r['shape']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
-              f"{r['floor_ms']:.3f} | {r['of_floor']:.0%} | {ratio:.2f} | {r['prefill_tokens_per_s']:.0f} | "
+              f"{r['floor_ms']:.3f} | {'-' if r['of_floor'] is None else format(r['of_floor'], '.0%')} | "
+              f"{'-' if ratio is None else format(ratio, '.2f')} | {r['prefill_tokens_per_s']:.0f} | "
               f"{r['graph_steps']} | {r['decode_steps']} | {r['decode_step_ms']:.3f} |")
     for shape, m in extra.items():
         for k, v in m.items():
