@@ -11,9 +11,9 @@ written bytes / time). --sweep times every (BLOCK_N, TARGET_PROGRAMS, num_warps,
 prints the best per case beside the module's defaults.
 Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's rows padded to the runner's graph
 bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
-512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger
-of FLOPs (4 h d per query and key it attends, causal) / PEAK_FLOPS and (K and V of every sequence's context once +
-q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of
+512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger of FLOPs (4 h d
+per query and key it attends, causal) / --peak-tflops (dense bf16 peak, as bench_moe's) and (K and V of every
+sequence's context once + q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of
 VARLEN_SWEEP for the VARLEN_SWEPT cases.
 --libs also times libraries on the same work with each sequence's K/V contiguous (no paging: a bound on what they
 could do over a paged cache, which adds an indirection): torch's scaled_dot_product_attention (its flash /
@@ -59,7 +59,6 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
-PEAK_FLOPS = 700e12  # dense bf16 tensor-core rate an H100 / H200 reaches in practice
 
 
 def case_inputs(b, ctx, h, kv, d, dev, g):
@@ -140,6 +139,7 @@ def main() -> None:
     p.add_argument("--out", default="bench_results")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--kind", choices=("decode", "varlen", "all"), default="all")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H200: 989)")
     p.add_argument("--libs", action="store_true", help="also time torch SDPA and flex_attention (contiguous K/V)")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -189,7 +189,7 @@ def main() -> None:
         del caches
         torch.cuda.empty_cache()
     if args.kind != "decode":
-        print(f"varlen defaults {varlen_defaults}, floor: max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, bytes / copy "
+        print(f"varlen defaults {varlen_defaults}, floor: max(FLOPs / {args.peak_tflops:.0f} TFLOP/s, bytes / copy "
               f"bandwidth)")
         print("| case | decodes | context | chunk | bucket | µs | flop floor µs | byte floor µs | of floor | "
               "best µs (setting) |")
@@ -197,7 +197,7 @@ def main() -> None:
     for name, decodes, ctx, chunk, h, kv, d in VARLEN_CASES if args.kind != "decode" else []:
         inputs, (tokens, seqs), (flops, nbytes) = varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g)
         q, caches, table, lens, cu_q = inputs
-        flop_floor, byte_floor = flops / PEAK_FLOPS * 1e6, nbytes / bw * 1e6
+        flop_floor, byte_floor = flops / (args.peak_tflops * 1e12) * 1e6, nbytes / bw * 1e6
         us = time_case(q, caches, table, lens, d ** -0.5, cu_q)
         row = dict(case=name, kind="varlen", decodes=decodes, context=ctx, chunk=chunk, tokens=tokens, seqs=seqs,
                    head_dim=d, us=us, flop_floor_us=flop_floor, byte_floor_us=byte_floor,
