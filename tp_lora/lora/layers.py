@@ -36,9 +36,27 @@ class LoRARuntime:
     batch: LoRABatch | None = None
     # module path -> (layer, slice index): where a PEFT target module lands in this model
     targets: dict = field(default_factory=dict)
+    _side: torch.cuda.Stream | None = field(default=None, init=False, repr=False)
 
     def active(self) -> bool:
         return self.batch is not None and self.batch.any_lora
+
+    def beside(self, shrink: Callable[[], torch.Tensor], base: Callable[[], torch.Tensor],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shrink(), base()): on CUDA the LoRA shrink runs on a side stream beside the base GEMM (at decode sizes
+        both are latency-bound and leave SMs idle); every side-stream use waits on the main stream first, so the
+        shrink's output memory is safe to reuse once freed."""
+        if device.type != "cuda":
+            return shrink(), base()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            u = shrink()
+        z = base()
+        main.wait_stream(self._side)
+        return u, z
 
 
 # The key of a PEFT module that covers every packed slice of a layer (Phi-3's qkv_proj / gate_up_proj): one A over the
@@ -178,14 +196,16 @@ class LoRALinear(SlotBuffers, nn.Module):
         views[2 * n][slice_idx] = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.base.partial(x)
-        if self.rt.active():
-            self.add_lora(x, z)
+        if not self.rt.active():
+            return self.base.finish(self.base.partial(x))
+        z = self.add_lora(x, self.base.partial)
         return self.base.finish(z)
 
-    def add_lora(self, x: torch.Tensor, z: torch.Tensor) -> None:
+    def add_lora(self, x: torch.Tensor, partial: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """partial(x) (the base layer's output before its collective) plus this layer's LoRA."""
         ops, batch = self.rt.ops, self.rt.batch
-        u = ops.shrink(x, self.lora_a, self.scales, batch)  # [S, T, r_local] float32
+        u, z = self.rt.beside(lambda: ops.shrink(x, self.lora_a, self.scales, batch),  # [S, T, r_local] float32
+                              lambda: partial(x), x.device)
         if self.fully_sharded:
             # One collective for every slice of a packed layer: the slices travel together in u.
             u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)
@@ -193,6 +213,7 @@ class LoRALinear(SlotBuffers, nn.Module):
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
         else:
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
+        return z
 
 
 class LoRAEmbedding(SlotBuffers, nn.Module):

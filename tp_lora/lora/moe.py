@@ -115,21 +115,21 @@ class LoRAExperts(SlotBuffers, nn.Module):
     def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """xp [C, H] in pair order -> [C, H] partial over moe-tp, with each pair's adapter. The LoRA ops read the
         base GEMMs' routing plan (its LoRA block table): no second sort."""
-        base, ops = self.base, self.rt.ops
-        z = base.up(xp, plan)
-        if plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
-            u = ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan)
-            if self.fully_sharded:
-                u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
-            ops.moe_lora_expand(u, list(self.lora_b13), plan, z, b_scales=self.b13_scales)
+        base, rt, ops = self.base, self.rt, self.rt.ops
+        if not plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
+            return base(xp, plan)
+        u, z = rt.beside(lambda: ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan),
+                         lambda: base.up(xp, plan), xp.device)
+        if self.fully_sharded:
+            u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
+        ops.moe_lora_expand(u, list(self.lora_b13), plan, z, b_scales=self.b13_scales)
         h = base.act(z)
-        y = base.down(h, plan)
-        if plan.any_lora:
-            u = ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], plan)
-            if self.fully_sharded:
-                u = comm.all_reduce(u, self.tp)
-            ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset,
-                                b_scales=None if self.b2_scales is None else [self.b2_scales])
+        u, y = rt.beside(lambda: ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], plan),
+                         lambda: base.down(h, plan), h.device)
+        if self.fully_sharded:
+            u = comm.all_reduce(u, self.tp)
+        ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset,
+                            b_scales=None if self.b2_scales is None else [self.b2_scales])
         return y
 
 

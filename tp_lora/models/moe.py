@@ -257,9 +257,7 @@ class SparseMoE(nn.Module):
             h = F.silu(gate) * up
             down = self.shared_down
             if isinstance(down, LoRALinear):
-                z = down.base.partial(h)
-                if self.rt.active():
-                    down.add_lora(h, z)
+                z = down.add_lora(h, down.base.partial) if self.rt.active() else down.base.partial(h)
             else:
                 z = down.partial(h)
             return torch.sigmoid(self.shared_expert_gate(xs)) * z
