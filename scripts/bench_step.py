@@ -12,8 +12,9 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
   "step ms (difference)": (median time of a run generating N tokens - of one generating 1) / (N - 1), kept for
   comparison, though it carries the prefill's interleaving with early decodes;
 - floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
-  decode's mean context) / the device copy bandwidth measured in the same run (read + written bytes / time); "of
-  floor" = floor / decode step;
+  decode's mean context, + with adapters the A and B of each distinct adapter in the batch) / the device copy
+  bandwidth measured in the same run (read + written bytes / time); "of floor" = floor / decode step; "adapters /
+  none" gives the floors' ratio beside the steps';
 - prefill tokens/s from the one-token run.
 With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replayed from its CUDA graph and run eagerly,
 against a 32-sequence decode step (the runner alone on steps built beforehand, CUDA events, medians; whether each
@@ -133,9 +134,16 @@ def copy_bandwidth(device) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of this rank's weights a decode step reads: all but the embedding table (only B rows of it)."""
+    """Bytes of this rank's base weights a decode step reads: all but the embedding table (only B rows of it) and
+    the LoRA slots."""
     emb = {id(p) for p in model.embed_tokens.parameters()} if not model.tied else set()
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in emb)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if id(p) not in emb and "lora_" not in n)
+
+
+def adapter_bytes(model) -> int:
+    """Bytes of one adapter slot's A and B stacks on this rank (what a step reads per distinct adapter)."""
+    return sum(p[0].numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
 
 
 def print_kernels(run, label: str, rows: int = 16, show: bool = True) -> None:
@@ -279,7 +287,7 @@ def main() -> None:
         cfg.scheduler.max_tokens_per_step = max(4096, max(batches))
         engine = Engine(cfg, ps, model_dir, adapter_dir)
         vocab = engine.hf["vocab_size"]
-        wb = weight_bytes(engine.model)
+        wb, ab = weight_bytes(engine.model), adapter_bytes(engine.model)
         for with_ad in ([False] if args.no_adapters_only else [False, True]):
             engine.generate(requests(min(batches), 16, 3, vocab, with_ad, 0))  # warm-up: compile, capture
             for b in batches:
@@ -297,7 +305,8 @@ def main() -> None:
                     decode_ms = 1e3 * (engine.stats.decode_seconds - st.decode_seconds) / max(1, decode_steps)
                     t1, tn = statistics.median(ones), statistics.median(longs)
                     step = (tn - t1) / (args.new - 1)
-                    floor = (wb + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
+                    lora_b = min(b, ADAPTERS) * ab if with_ad else 0
+                    floor = (wb + lora_b + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
                     rows.append(dict(shape=shape, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
                                      floor_ms=floor * 1e3, of_floor=floor / (decode_ms / 1e3) if decode_ms else None,
                                      prefill_tokens_per_s=b * ctx / t1,
@@ -320,13 +329,15 @@ def main() -> None:
             "prefill tok/s | graph steps | decode steps | decode step ms |")
     print(head)
     print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
-    base = {(r["shape"], r["batch"], r["context"]): r["decode_step_ms"] for r in rows if not r["adapters"]}
+    base = {(r["shape"], r["batch"], r["context"]): r for r in rows if not r["adapters"]}
     for r in rows:
         none = base[(r["shape"], r["batch"], r["context"])]
-        ratio = r["vs_no_adapters"] = r["decode_step_ms"] / none if none else None  # no decode-only step: None
+        ratio = r["vs_no_adapters"] = r["decode_step_ms"] / none["decode_step_ms"] if none["decode_step_ms"] else None
+        r["floor_vs_no_adapters"] = r["floor_ms"] / none["floor_ms"]
         print(f"| {r['shape']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
               f"{r['floor_ms']:.3f} | {'-' if r['of_floor'] is None else format(r['of_floor'], '.0%')} | "
-              f"{'-' if ratio is None else format(ratio, '.2f')} | {r['prefill_tokens_per_s']:.0f} | "
+              f"{'-' if ratio is None else format(ratio, '.2f')} (floor {r['floor_vs_no_adapters']:.2f}) | "
+              f"{r['prefill_tokens_per_s']:.0f} | "
               f"{r['graph_steps']} | {r['decode_steps']} | {r['decode_step_ms']:.3f} |")
     for shape, m in extra.items():
         for k, v in m.items():
