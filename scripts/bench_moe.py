@@ -16,7 +16,8 @@ Per case, rank 0 reports: median ms per layer step (CUDA events, after warm-up; 
 tokens/s, LoRA overhead against the same layout without adapters, collectives and bytes one rank sends per step
 (distributed.STATS), weight and LoRA MB per rank, peak CUDA memory, and the floors of the slowest rank: memory (bytes
 of the local experts the step's tokens are actually routed to / this GPU's measured device copy bandwidth) and bf16
-FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor. --gemms times the
+FLOPs (2 * local pairs * expert MLP MACs / --peak-tflops), with ms over the larger floor; LoRA rows add to the memory
+floor the LoRA bytes the step reads (each distinct adapter x local expert pair routed to), shown on their own. --gemms times the
 expert GEMMs several ways in one run: grouped (as the layer runs them: our Triton kernel for few rows per expert, else
 torch's grouped GEMM), torch, triton (each of those alone) and loop (the per-expert reference loop over the same
 routing plan, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
@@ -74,22 +75,35 @@ def layouts(world: int) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def routed_floors(block, ps, x: torch.Tensor, bandwidth: float, peak_tflops: float) -> tuple[float, float]:
-    """(memory floor ms, FLOP floor ms) of the slowest rank for one step over x: the weight bytes of the local experts
-    the step's tokens are routed to, read once at `bandwidth` (the copy's read + written bytes per second), and the
-    expert MLP FLOPs of the local pairs at `peak_tflops`."""
+def routed_floors(block, ps, x: torch.Tensor, slots: list[int], bandwidth: float, peak_tflops: float
+                  ) -> tuple[float, float, float]:
+    """(memory floor ms, FLOP floor ms, LoRA memory floor ms) of the slowest rank for one step over x: the weight
+    bytes of the local experts the step's tokens are routed to, read once at `bandwidth` (the copy's read + written
+    bytes per second); the expert MLP FLOPs of the local pairs at `peak_tflops`; the A and B bytes of each distinct
+    (adapter slot, local expert) pair routed to plus each distinct slot of the block's other LoRA layers (0 without
+    LoRA)."""
     ex = block.base_experts
     with torch.no_grad():
         ids, _ = block.gate(x)
+    tags = torch.tensor(slots)[:, None].expand_as(ids.cpu())
     if ps.ep.size > 1 and ps.ep_attention == "dp":  # every replica's tokens reach this rank's experts
         ids = torch.cat([torch.as_tensor(i) for i in comm.all_gather_object(ids.cpu(), ps.ep)])
+        tags = torch.cat([torch.as_tensor(t) for t in comm.all_gather_object(tags, ps.ep)])
     ids = ids.cpu()
-    local = ids[(ids >= ex.e0) & (ids < ex.e1)]
+    mine = (ids >= ex.e0) & (ids < ex.e1)
+    local = ids[mine]
     per_expert = (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size()
     mem_ms = 1e3 * local.unique().numel() * per_expert / bandwidth if bandwidth else 0.0
     flop_ms = 1e3 * 2 * local.numel() * (ex.w13[0].numel() + ex.w2[0].numel()) / (peak_tflops * 1e12)
-    mem, flop = zip(*comm.all_gather_object((mem_ms, flop_ms), ps.world))
-    return max(mem), max(flop)
+    expert_lora = sum(p[0, 0].numel() * p.element_size() for n, p in block.experts.named_parameters()
+                      if "lora_" in n)
+    other_lora = sum(p[0].numel() * p.element_size() for n, p in block.named_parameters()
+                     if "lora_" in n and not n.startswith("experts."))
+    pairs = (tags[mine] * ex.num_local + local - ex.e0).unique().numel()
+    lora_bytes = pairs * expert_lora + tags.unique().numel() * other_lora
+    lora_ms = 1e3 * lora_bytes / bandwidth if bandwidth else 0.0
+    mem, flop, lora = zip(*comm.all_gather_object((mem_ms, flop_ms, lora_ms), ps.world))
+    return max(mem), max(flop), max(lora)
 
 
 def module_mb(m: torch.nn.Module, lora: bool) -> float:
@@ -227,12 +241,14 @@ def main() -> None:
                 x = torch.randn(t, hf["hidden_size"], generator=gen).to(device, dtype)
                 slots = [i % args.adapters for i in range(t)]
                 mem_ms = flop_ms = None
+                lora_ms = {}
                 for gemm in gemms:
                     base_ms = None
                     for mode in args.modes.split(","):
                         block, step, rt, _ = build(hf, ps, dtype, device, mode, args.adapters, args.rank, ops)
-                        if mem_ms is None:
-                            mem_ms, flop_ms = routed_floors(block, ps, x, bandwidth, args.peak_tflops)
+                        if mode not in lora_ms:
+                            mem_ms, flop_ms, lora_ms[mode] = routed_floors(block, ps, x, slots, bandwidth,
+                                                                           args.peak_tflops)
                         with expert_gemms(gemm):
                             graphed = args.graphs and cuda and gemm != "loop"  # the loop syncs: eager
                             label = f"{sname} {lname} {t} tokens/replica {gemm} GEMMs, LoRA {mode}"
@@ -240,7 +256,7 @@ def main() -> None:
                                                         graphed, label if args.profile else None)
                         base_ms = ms if mode == "none" else base_ms
                         global_tokens = t * ps.dp.size
-                        floor = max(mem_ms, flop_ms) if bandwidth else 0.0  # no floors on the CPU
+                        floor = max(mem_ms + lora_ms[mode], flop_ms) if bandwidth else 0.0  # none on the CPU
                         rows.append(dict(
                             shape=sname, layout=lname, graphs=graphed, tp=tp, ep=ep, ep_attention=attn,
                             tokens_per_replica=t,
@@ -249,6 +265,7 @@ def main() -> None:
                             lora_overhead_pct=None if base_ms is None or mode == "none"
                             else round(100 * (ms / base_ms - 1), 1),
                             mem_floor_ms=round(mem_ms, 4), flop_floor_ms=round(flop_ms, 4),
+                            lora_floor_ms=round(lora_ms[mode], 4),
                             x_floor=round(ms / floor, 2) if floor else None,
                             collectives={k: v[0] for k, v in stats.items()},
                             comm_mb_per_rank=round(sum(v[1] for v in stats.values()) / 2**20, 3),
@@ -274,7 +291,7 @@ def main() -> None:
 
 def table(rows: list[dict]) -> str:
     head = ("| shape | layout | tokens/replica | GEMMs | graph | LoRA | ms/step | x floor | mem floor ms | FLOP floor ms "
-            "| tokens/s | LoRA overhead | collectives | comm MB/rank | weights MB/rank | LoRA MB/rank | peak MB |")
+            "| LoRA floor ms | tokens/s | LoRA overhead | collectives | comm MB/rank | weights MB/rank | LoRA MB/rank | peak MB |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         coll = ", ".join(f"{k} x{v}" for k, v in sorted(r["collectives"].items())) or "-"
@@ -283,6 +300,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['shape']} | {r['layout']} | {r['tokens_per_replica']} | {r['gemm']} | "
                      f"{'yes' if r['graphs'] else 'no'} | {r['lora']} | "
                      f"{r['ms']:.3f} | {xf} | {r['mem_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} | "
+                     f"{r['lora_floor_ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {over} | {coll} | {r['comm_mb_per_rank']:.3f} | "
                      f"{r['weights_mb_per_rank']:.1f} | {r['lora_mb_per_rank']:.1f} | {r['peak_mb']:.0f} |")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """The decoder layer's fused Triton kernels (add + RMSNorm, qk-norm + RoPE + K/V cache write, act * up, the MoE
-router's top-k and combine) against
+router's top-k and combine, the greedy sampler) against
 their torch references, on fresh random inputs at odd sizes; the references against independent formulas."""
 import math
 
@@ -209,3 +209,32 @@ def test_moe_topk_takes_the_lowest_index_among_ties(device):
     ids, w = moe_topk(logits, 3, True, False)
     assert ids.tolist() == [[1, 3, 4]]
     torch.testing.assert_close(w, torch.full((1, 3), 1 / 3, device=device))
+
+
+@pytest.mark.parametrize("rows, vocab", [
+    (1, 7),  # a vocabulary smaller than one block
+    (5, 4096),  # exactly one block
+    (3, 10007),  # several blocks, the last one partial
+])
+def test_greedy(device, rows, vocab):
+    from tp_lora.ops.triton.fused import greedy
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = _randn(gen, rows, vocab, device=device, std=4.0)
+    logits[0, vocab // 2] = 50.0  # a clear winner in a later block than the first
+    got, want = greedy(logits), ref.greedy_ref(logits)
+    assert got.dtype == torch.float64 and got.shape == (2, rows)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    # the reference: argmax and log_softmax at it
+    want_lp = torch.log_softmax(logits.double(), -1).max(-1)
+    torch.testing.assert_close(want[1], want_lp.values, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_takes_the_lowest_index_among_ties(device):
+    from tp_lora.ops.triton.fused import greedy
+    logits = torch.full((2, 9000), -3.0, device=device)
+    logits[0, [5, 4100, 8999]] = 1.0  # ties in three blocks: the first block's wins
+    logits[1, [4200, 8300]] = 2.0  # ties in later blocks only
+    got = greedy(logits)
+    assert got[0].tolist() == [5.0, 4200.0]
+    torch.testing.assert_close(got[1], ref.greedy_ref(logits)[1], rtol=1e-5, atol=1e-5)

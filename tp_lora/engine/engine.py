@@ -512,7 +512,8 @@ class Engine:
         sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
         if sampled:
             reqs = [s.request for s, _ in sampled]
-            rows = logits[[i for _, i in sampled]]
+            idx = [i for _, i in sampled]  # increasing: all of them is every row, in order
+            rows = logits if len(idx) == logits.shape[0] else logits[idx]
             toks, lps = sample(rows, [self._temperature(r) for r in reqs], self._top_ps(reqs), self._generators(reqs))
             k = max(r.logprobs for r in reqs)
             tops = top_logprobs(rows, k) if k else None

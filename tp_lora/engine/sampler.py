@@ -6,6 +6,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from tp_lora.ops.fused import greedy
+
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Sequence[float]],
            generator: Union[torch.Generator, None, Sequence[Optional[torch.Generator]]]
@@ -13,8 +15,7 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, 
     """logits [N, V] float32 -> (token per row, its log-probability under the unscaled distribution).
     Temperature 0 is greedy. top_p and generator are one for all rows or a list with one per row (a request with
     its own seed has its own generator); the rows sharing a generator draw in one call, in row order."""
-    logprobs = torch.log_softmax(logits, -1)
-    tokens = logprobs.argmax(-1)
+    out = greedy(logits)  # [2, N] float64: each row's argmax token, its log-probability
     hot = [i for i, t in enumerate(temperatures) if t > 0]  # decided on the host: no device round trip for greedy
     if hot:
         rows = torch.tensor(hot, device=logits.device)
@@ -33,10 +34,10 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, 
         for g in dict.fromkeys(gens):  # each generator draws its rows in one call
             mine = [j for j, x in enumerate(gens) if x is g]
             picks[mine] = torch.multinomial(probs[mine], 1, generator=g).flatten()
-        tokens[rows] = picks.to(logits.device)
-    chosen = logprobs.gather(-1, tokens[:, None]).flatten()
-    # One device->host transfer for both (token ids are exact in float64).
-    host = torch.stack([tokens.double(), chosen.double()]).tolist()
+        picks = picks.to(logits.device)
+        out[0, rows] = picks.double()
+        out[1, rows] = torch.log_softmax(logits[rows], -1).gather(-1, picks[:, None]).flatten().double()
+    host = out.tolist()  # one device->host transfer for both (token ids are exact in float64)
     return [int(t) for t in host[0]], host[1]
 
 

@@ -12,6 +12,7 @@ import triton.language as tl
 
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
+GREEDY_BLOCK = 4096  # vocabulary entries per iteration of greedy's one program per row
 
 
 @triton.jit
@@ -234,3 +235,32 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: boo
                            E_PAD=triton.next_power_of_2(e),
                            RENORM=renormalize, ROUND=round_weights)
     return ids, w
+
+
+@triton.jit
+def _greedy_kernel(x_ptr, out_ptr, s_x, n, V, BLOCK: tl.constexpr):
+    """One row per program: running max, its first index and the sum of exp(x - max), rescaled as the max grows."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    best = -float("inf")
+    arg = 0
+    total = 0.0
+    for start in range(0, V, BLOCK):
+        i = start + offs
+        x = tl.load(x_ptr + t * s_x + i, mask=i < V, other=-float("inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        j = tl.min(tl.where(x == m, i, V), 0)  # the lowest index of this block's max
+        new = tl.maximum(best, m)
+        total = total * tl.exp(best - new) + tl.sum(tl.exp(x - new), 0)
+        arg = tl.where(m > best, j, arg)
+        best = new
+    tl.store(out_ptr + t, arg.to(tl.float64))
+    tl.store(out_ptr + n + t, (-tl.log(total)).to(tl.float64))
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    rows = _rows(logits, "greedy's logits")
+    n, v = rows.shape
+    out = torch.empty(2, n, dtype=torch.float64, device=rows.device)
+    _greedy_kernel[(n,)](rows, out, rows.stride(0), n, v, BLOCK=GREEDY_BLOCK)
+    return out
