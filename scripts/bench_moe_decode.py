@@ -19,7 +19,9 @@ capturable; the table says which ran), timed from the host call to the logits on
 warm-up (and capture); the slowest rank's median. Floor: the bytes one rank must read in the step (its attention,
 norm and LM-head weights, the weights of its experts that the step's tokens are actually routed to, measured on
 one eager step, and the K/V its sequences attend over) over the measured device copy bandwidth (a copy's read +
-written bytes per second); "% of floor" is floor / step. Adapters' bytes are not in the floor. Prints a markdown table, writes bench_moe_decode.json to --out.
+written bytes per second); "% of floor" is floor / step. Adapters' bytes are not in the floor. --prefill N also times
+a mixed step (batch - 1 decodes + one N-token prompt chunk) replayed from its graph (where the layout captures mixed
+steps: not EP over DP replicas) and run eagerly. Prints a markdown table, writes bench_moe_decode.json to --out.
 """
 from __future__ import annotations
 
@@ -119,7 +121,8 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     runner = ModelRunner(model, rt, device, graphs)
     eager = ModelRunner(model, rt, device, False)
     bs, per_seq = 16, -(-(args.context + 2) // 16)
-    cache = runner.kv_cache(args.batch * per_seq, bs, args.context + 2)
+    chunk_blocks = -(-args.prefill // bs)
+    cache = runner.kv_cache(args.batch * per_seq + chunk_blocks, bs, max(args.context + 2, args.prefill))
     gen = torch.Generator().manual_seed(7 + ps.dp.rank)
     step = StepBatch()
     for i, tok in enumerate(torch.randint(0, hf["vocab_size"], (args.batch,), generator=gen).tolist()):
@@ -127,21 +130,37 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     nbytes = floor_bytes(model, eager, step, cache, ps) + int(kv_bytes(model, args.batch, args.context + 1))
     floor = nbytes / bandwidth * 1e3 if bandwidth else 0.0
     cuda = device.type == "cuda"
-    for _ in range(args.warmup):
-        execute(runner, model, step, cache)
-    replayed = runner.replayed
-    times = []
-    for _ in range(args.iters):
-        comm.all_reduce(torch.zeros(1, device=device), ps.world)  # start every rank's step together
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        execute(runner, model, step, cache)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    ms = max(comm.all_gather_object(statistics.median(times), ps.world))
+
+    def timed(run: ModelRunner, s: StepBatch) -> tuple[float, bool]:
+        """(slowest rank's median ms of the step, whether it replayed a graph)."""
+        for _ in range(args.warmup):
+            execute(run, model, s, cache)
+        replayed = run.replayed
+        times = []
+        for _ in range(args.iters):
+            comm.all_reduce(torch.zeros(1, device=device), ps.world)  # start every rank's step together
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            execute(run, model, s, cache)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return max(comm.all_gather_object(statistics.median(times), ps.world)), replayed
+
+    ms, replayed = timed(runner, step)
     floor, nbytes = max(comm.all_gather_object((floor, nbytes), ps.world))
+    mixed = {}
+    if args.prefill:  # batch - 1 decodes + one prefill chunk from position 0, graphed (where the layout allows) / eager
+        m = StepBatch()
+        for i in range(args.batch - 1):
+            m.add(step.ids[i:i + 1], step.blocks[i], step.starts[i], step.slots[i])
+        chunk = torch.randint(0, hf["vocab_size"], (args.prefill,), generator=gen).tolist()
+        m.add(chunk, list(range(args.batch * per_seq, args.batch * per_seq + chunk_blocks)), 0,
+              (args.batch - 1) % n_adapters if n_adapters else -1)
+        graph_ms, graph_replayed = timed(runner, m)
+        eager_ms, _ = timed(eager, m)
+        mixed = dict(mixed_ms=round(graph_ms, 3), mixed_graphs=graph_replayed, mixed_eager_ms=round(eager_ms, 3))
     if args.profile and cuda:
         print_kernels(lambda: execute(runner, model, step, cache), f"steps: {layout}, {n_adapters} adapters", rows=32,
                       show=ps.is_driver)
@@ -150,7 +169,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     return dict(layout=layout, adapters=n_adapters, rank=args.rank if n_adapters else 0, batch_per_replica=args.batch,
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
                 floor_mb=round(nbytes / 2**20, 1), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
-                peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0)
+                peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed)
 
 
 def main() -> None:
@@ -166,6 +185,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graphs", dest="graphs", action="store_false")
     ap.add_argument("--profile", action="store_true", help="print each case's kernels (torch.profiler, GPU)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also time a mixed step: batch - 1 decodes + one chunk of this many prompt tokens")
     ap.add_argument("--out", default="bench_results/moe_decode")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU + gloo works)")
     args = ap.parse_args()
@@ -207,15 +228,23 @@ def main() -> None:
     comm.shutdown()
 
 
+def mixed_cell(r: dict) -> str:
+    if "mixed_ms" not in r:
+        return "-"
+    graph = f"{r['mixed_ms']:.3f}" if r["mixed_graphs"] else "(eager)"
+    return f"{graph} / {r['mixed_eager_ms']:.3f}"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | layers | layout | adapters | graphs | batch/replica | ms/step | tokens/s | floor MB/rank "
-            "| floor ms | % of floor | peak MB |")
+            "| floor ms | % of floor | peak MB | mixed step ms (graph / eager) |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         pct = "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.1f}%"
         lines.append(f"| {r['model']} | {r['layers']} | {r['layout']} | {r['adapters']} x r{r['rank']} | "
                      f"{'yes' if r['graphs'] else 'no'} | {r['batch_per_replica']} | {r['ms']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | {r['peak_mb']} |")
+                     f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | {r['peak_mb']} | "
+                     f"{mixed_cell(r)} |")
     return "\n".join(lines)
 
 

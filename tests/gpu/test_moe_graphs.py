@@ -1,6 +1,7 @@
-"""MoE decode steps replayed from CUDA graphs give the eager tokens: one GPU (TP layout, Mixtral and Qwen2-MoE with
-its shared expert) and, on 2 GPUs over NCCL, TP (tp2), EP over the attention TP group (tp2_ep2) and EP over DP
-replicas (ep2: each rank its own requests, uneven counts, a rank idle while the other decodes). Adapters on
+"""MoE steps replayed from CUDA graphs give the eager tokens: one GPU (TP layout, Mixtral and Qwen2-MoE with its
+shared expert) and, on 2 GPUs over NCCL, TP (tp2), EP over the attention TP group (tp2_ep2) and EP over DP replicas
+(ep2: each rank its own requests, uneven counts, a rank idle while the other decodes). Decode steps everywhere; the
+prefill steps too (mixed-step graphs, their padded rows routed nowhere) but over EP over DP replicas. Adapters on
 attention and every expert, mixed with requests without one. bf16 (torch's grouped GEMM on sm90+)."""
 import os
 import sys
@@ -43,7 +44,7 @@ def _requests(seed: int):
 
 def _compare(model, adapters, tp, ep, attn, seed, mine=lambda reqs: reqs):
     """Eager vs graphed tokens for every batch (this rank's share: `mine`); returns the graphed engine's graph step
-    count."""
+    count and how many of them were mixed (prefill) steps."""
     eager = _engine(model, adapters, tp, ep, attn, False)
     graphed = _engine(model, adapters, tp, ep, attn, True)
     assert graphed.runner.use_graphs, f"tp={tp} ep={ep} {attn}: CUDA graphs not enabled for this MoE layout"
@@ -51,16 +52,18 @@ def _compare(model, adapters, tp, ep, attn, seed, mine=lambda reqs: reqs):
         for w, g in zip(eager.generate(reqs), graphed.generate(reqs)):
             assert g.output_token_ids == w.output_token_ids, f"tp={tp} ep={ep} {attn}: request {w.id}"
     steps = graphed.stats.graph_steps
+    mixed = steps - graphed.stats.decode_steps  # every decode step replays a graph here
     eager.close()
     graphed.close()
-    return steps
+    return steps, mixed
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_moe_graph_decode_matches_eager_one_gpu(tmp_path, kind):
     model = write_moe(tmp_path / kind, kind, seed=3, fused=kind == "qwen2_moe")
     adapters = write_adapters(tmp_path / "adapters", moe_config(kind), seed=13)
-    assert _compare(model, adapters, 1, 1, "dp", 0) > 0, "no decode step replayed a graph"
+    steps, mixed = _compare(model, adapters, 1, 1, "dp", 0)
+    assert steps > 0 and mixed > 0, f"graph steps {steps}, of them mixed {mixed}"
 
 
 def _two_ranks(ps, model, adapters):
@@ -76,4 +79,5 @@ def test_moe_graph_decode_matches_eager_tp2_tp2_ep2_and_ep2(tmp_path, monkeypatc
     model = write_moe(tmp_path / "mixtral", "mixtral", seed=5)
     adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral"), seed=15)
     steps = run_ranks(_two_ranks, 2, str(model), str(adapters), tp_size=2, timeout_s=300)
-    assert all(s > 0 for s in steps), f"graph steps per layout: {steps}"
+    assert all(s > 0 for s, _ in steps), f"graph steps per layout: {steps}"
+    assert [m > 0 for _, m in steps] == [True, True, False], f"mixed graph steps per layout: {steps}"

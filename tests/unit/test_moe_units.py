@@ -349,6 +349,26 @@ def _run_block(block, rt, x, slots):
         return block(x)
 
 
+def test_graph_padding_rows_route_nowhere():
+    """A forward over a graph's padded rows (step.valid real ones, as a replayed mixed or decode step runs it): the
+    real rows equal the forward over them alone, and the padding reaches no expert (no pair, zero output)."""
+    hf = _hf(num_local_experts=8, num_experts_per_tok=2, hidden_size=32, intermediate_size=16)
+    block, rt, _ = _block_with_lora(hf, 9, torch_ref)
+    g = torch.Generator().manual_seed(3)
+    real, padded = 11, 16
+    x = torch.randn(padded, 32, generator=g)
+    slots = torch.randint(-1, 2, (padded,), generator=g)
+    slots[real:] = -1
+    want = _run_block(block, rt, x[:real], slots[:real])
+    block.step.valid = torch.tensor([real], dtype=torch.int32)  # the mixed graph's cu_q[-1:] is int32
+    try:
+        got = _run_block(block, rt, x, slots)
+    finally:
+        block.step.valid = None
+    torch.testing.assert_close(got[:real], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[real:], torch.zeros(padded - real, 32))
+
+
 def test_block_fp8_expert_lora():
     """lora.dtype=fp8 on the experts: every expert B is e4m3 with per-output-channel scales (empty slots: scale 1).
     The block equals the per-token math with B as quantized, and its LoRA effect is within the dense fp8 bound
@@ -376,7 +396,7 @@ def test_block_fp8_expert_lora():
 
 
 def test_graph_capture_follows_the_layout():
-    """CUDA graphs only where a decode step has no host sync: not a chunked shared expert with LoRA, not where the
+    """CUDA graphs only where a step has no host sync: not a chunked shared expert with LoRA, not where the
     expert GEMMs fall back to the loop. EP over DP replicas is capturable: counts agreed before the forward, fixed
     capacity (its graph sizing: test_ep_dp_graph_sizing)."""
     from tp_lora.ops.grouped_mm import torch_grouped_available
@@ -395,6 +415,9 @@ def test_graph_capture_follows_the_layout():
     assert model("qwen2_moe", ep=2, attn="dp", lora=True).cuda_graph_safe == grouped
     assert not model("qwen2_moe", ep=2, attn="tp", lora=True).cuda_graph_safe
     assert model("qwen2_moe", ep=2, attn="tp").cuda_graph_safe == grouped
+    # Mixed steps: every layout but EP over DP replicas (whose dispatch size is agreed per step).
+    assert model().mixed_graph_safe and model(ep=2, attn="tp").mixed_graph_safe
+    assert not model(ep=2, attn="dp").mixed_graph_safe
 
 
 def test_ep_dp_graph_sizing():

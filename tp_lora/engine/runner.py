@@ -191,7 +191,9 @@ class ModelRunner:
         g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
         pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
                        self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()[:g.fields]))
-        return self._replay(key, g, lora_slots, n)
+        rows = getattr(self.model, "graph_rows", None)
+        with rows(MixedInputs.of(g.inputs.device[:g.fields]).cu_q[-1:]) if rows is not None else nullcontext():
+            return self._replay(key, g, lora_slots, n)
 
     def _replay(self, key: tuple, g: _Graph, lora_slots: list[list[int]], n: int) -> torch.Tensor:
         """Stage the step's adapter slots (per token, then per logits row) as g's LoRA batches' buffers, send g's

@@ -116,7 +116,7 @@ class MoEStep:
     # EP over DP replicas: batch sizes a dispatch's rows are rounded up to (the runner's CUDA-graph sizes, while it
     # replays graphs), so a rank replaying a graph and one stepping eagerly exchange buffers of the same size.
     buckets: tuple[int, ...] = ()
-    # A forward over rows padded to a graph's size: [1] int64 on the device, how many of them are real tokens
+    # A forward over rows padded to a graph's size: [1] integer on the device, how many of them are real tokens
     # (refreshed before each replay); None: every row is real.
     valid: torch.Tensor | None = None
 
@@ -212,6 +212,9 @@ class SparseMoE(nn.Module):
         c0, c1 = step.owned
         xs = x[c0:c1]
         ids, w = self.gate(xs)
+        if step.valid is not None:  # a graph's padding rows route nowhere
+            rows = torch.arange(c0, c1, device=ids.device)[:, None]
+            ids = torch.where(rows < step.valid, ids, -1)
         shared = self._shared(xs) if self.shared_gate_up is not None else None
         tags = step.slots
         if self.chunked:  # hidden states are replicated: gather the chunks' routing only
@@ -219,8 +222,6 @@ class SparseMoE(nn.Module):
             _, ids, w, tags = unpack_tokens(packed, 0, xs.dtype, self.shape.top_k, tags is not None)
             xg = x
         elif self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
-            if step.valid is not None:  # a graph's padding rows route nowhere
-                ids = torch.where(torch.arange(ids.shape[0], device=ids.device)[:, None] < step.valid, ids, -1)
             packed = comm.all_gather(pack_tokens(xs, ids, w, tags, step.rows), self.ep, dim=0)
             xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
         else:
@@ -340,8 +341,12 @@ class MoECausalLM(CausalLM):
         self.needs_lockstep = ps.ep.size > 1 and ps.ep_attention == "dp"
         self.step_chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
 
-    # Mixed steps (prefill chunks) stay eager: their padded token rows would be routed to experts like real ones.
-    mixed_graph_safe = False
+    @property
+    def mixed_graph_safe(self) -> bool:
+        """Whether mixed steps (prefill chunks beside decodes) may replay graphs: padded rows route nowhere
+        (graph_rows), but EP over DP replicas stays eager there: its dispatch size is agreed per step, and a mixed
+        graph would bake one in."""
+        return not self.needs_lockstep
 
     @property
     def cuda_graph_safe(self) -> bool:
@@ -398,7 +403,7 @@ class MoECausalLM(CausalLM):
 
     @contextmanager
     def graph_rows(self, valid: torch.Tensor):
-        """Forwards inside run over a graph's rows, `valid` ([1] int64 on the device, refreshed before each replay)
+        """Forwards inside run over a graph's rows, `valid` ([1] integer on the device, refreshed before each replay)
         of them real tokens; on leaving, the step's stashed counts are spent (a replay runs no forward)."""
         self.step.valid = valid
         try:
