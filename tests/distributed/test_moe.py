@@ -37,9 +37,9 @@ LAYOUTS = {2: {"tp2": (2, 1, "dp"), "ep2": (1, 2, "dp"), "tp2_ep2": (2, 2, "tp")
 
 
 # ---- tiny checkpoints and adapters in the on-disk formats ----------------------------------------------------
-def moe_config(kind: str) -> dict:
+def moe_config(kind: str, head_dim: int = H // HEADS) -> dict:
     cfg = {"model_type": kind, "vocab_size": V, "hidden_size": H, "num_hidden_layers": LAYERS,
-           "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": H // HEADS, "hidden_act": "silu",
+           "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": head_dim, "hidden_act": "silu",
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": False,
            "num_experts_per_tok": K, "eos_token_id": 1, "bos_token_id": 0}
     if kind == "mixtral":
@@ -94,9 +94,9 @@ def moe_tensors(cfg: dict, seed: int, fused: bool) -> dict[str, torch.Tensor]:
     return t
 
 
-def write_moe(path, kind: str, seed: int, fused: bool = False) -> str:
+def write_moe(path, kind: str, seed: int, fused: bool = False, head_dim: int = H // HEADS) -> str:
     os.makedirs(path, exist_ok=True)
-    cfg = moe_config(kind)
+    cfg = moe_config(kind, head_dim)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     save_file({k: v.contiguous() for k, v in moe_tensors(cfg, seed, fused).items()},

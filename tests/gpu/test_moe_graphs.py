@@ -17,6 +17,8 @@ from tp_lora.testing import run_ranks
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 from test_moe import V, moe_config, write_adapters, write_moe  # noqa: E402  (the tiny MoE checkpoints)
 
+HEAD_DIM = 16  # the smallest the Triton attention kernels (and so the mixed-step graphs) take
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs CUDA sm90+")]
 
@@ -60,8 +62,8 @@ def _compare(model, adapters, tp, ep, attn, seed, mine=lambda reqs: reqs):
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_moe_graph_decode_matches_eager_one_gpu(tmp_path, kind):
-    model = write_moe(tmp_path / kind, kind, seed=3, fused=kind == "qwen2_moe")
-    adapters = write_adapters(tmp_path / "adapters", moe_config(kind), seed=13)
+    model = write_moe(tmp_path / kind, kind, seed=3, fused=kind == "qwen2_moe", head_dim=HEAD_DIM)
+    adapters = write_adapters(tmp_path / "adapters", moe_config(kind, HEAD_DIM), seed=13)
     steps, mixed = _compare(model, adapters, 1, 1, "dp", 0)
     assert steps > 0 and mixed > 0, f"graph steps {steps}, of them mixed {mixed}"
 
@@ -76,8 +78,8 @@ def _two_ranks(ps, model, adapters):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_moe_graph_decode_matches_eager_tp2_tp2_ep2_and_ep2(tmp_path, monkeypatch):
     monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")  # the spawned ranks run NCCL, one GPU each
-    model = write_moe(tmp_path / "mixtral", "mixtral", seed=5)
-    adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral"), seed=15)
+    model = write_moe(tmp_path / "mixtral", "mixtral", seed=5, head_dim=HEAD_DIM)
+    adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral", HEAD_DIM), seed=15)
     steps = run_ranks(_two_ranks, 2, str(model), str(adapters), tp_size=2, timeout_s=300)
     assert all(s > 0 for s, _ in steps), f"graph steps per layout: {steps}"
     assert [m > 0 for _, m in steps] == [True, True, False], f"mixed graph steps per layout: {steps}"
