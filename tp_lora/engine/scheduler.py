@@ -168,10 +168,13 @@ class Scheduler:
         """loadable: the adapters not in a slot that may be copied into one for this step (None: any)."""
         plan = StepPlan()
         budget = self.max_tokens_per_step
-        for seq in [s for s in self.running if self._ready(s) and not s.prefilling]:
-            if seq in self.running:  # not preempted for an older one's room
-                self._make_room(seq)
         decoding = [s for s in self.running if self._ready(s) and not s.prefilling]
+        preemptions = self.preemptions
+        for seq in decoding:
+            if self.preemptions == preemptions or seq in self.running:  # not preempted for an older one's room
+                self._make_room(seq)
+        if self.preemptions != preemptions:
+            decoding = [s for s in decoding if s in self.running]
         for seq in decoding:
             plan.work.append((seq, 1))
         budget -= len(decoding)
@@ -224,6 +227,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence) -> None:
         """Blocks for the decoding sequence's next token, preempting the newest running sequences (possibly seq
         itself) while none is free."""
+        if seq.computed < len(seq.blocks) * self.blocks.block_size:  # its blocks hold the next position already
+            return
         while self.blocks.needed(seq.blocks, seq.computed + 1) > self.blocks.available:
             victim = self.running[-1]
             self.preempt(victim)
