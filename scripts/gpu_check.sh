@@ -5,6 +5,8 @@
 # (the lent host returns few files), re-packed after every step so a run cut short still returns what finished.
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
+#   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
+#   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -39,6 +41,24 @@ for what in "${@:-all}"; do
     bench_step|all)
       step "bench_step: decode step vs its memory floor (llama-2048), mixed step"
       run bench_step 400 24 python3 scripts/bench_step.py --shapes llama-2048 --mixed --out "$RES/step" ;;&
+    step_tp2)
+      step "bench_step tp=2: Llama-3-8B shape, batch 32, context 2048"
+      run bench_step_tp2 240 8 torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-8b \
+        --batches 32 --contexts 2048 --out "$RES/step_tp2" ;;
+    moe_decode_2gpu)
+      step "bench_moe_decode on 2 GPUs: Qwen3-30B-A3B (48 layers) and Mixtral (16 layers), mixed steps too"
+      run moe_decode_qwen3 240 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --prefill 512 \
+        --out "$RES/moe_decode_qwen3"
+      run moe_decode_mixtral 200 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model mixtral-8x7b \
+        --layers 16 --prefill 512 --out "$RES/moe_decode_mixtral" ;;
+    serving_http_tp2)
+      step "bench_serving tp=2: offline engine, then the HTTP server, 1024 requests at 250/s"
+      run serving_offline_tp2 200 8 torchrun --nproc_per_node=2 scripts/bench_serving.py --tp 2 --model llama-2048 \
+        --ranks 16 --rate 250 --requests 1024 --max-loras 64 --batch 64 --adapters 1,100,1000 --systems ours \
+        --out "$RES/serv_offline_tp2"
+      run serving_http_tp2 300 8 python3 scripts/bench_serving.py --server --tp 2 --clients 8 --model llama-2048 \
+        --ranks 16 --rate 250 --requests 1024 --max-loras 64 --batch 64 --adapters 1,100,1000 --systems server \
+        --out "$RES/serv_http_tp2" ;;
     bench_moe|all)
       step "bench_moe on $NGPU GPUs"
       run bench_moe 200 30 torchrun --nproc_per_node="$NGPU" scripts/bench_moe.py --graphs --gemms grouped,loop \
