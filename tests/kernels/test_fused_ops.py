@@ -235,6 +235,7 @@ def test_greedy_takes_the_lowest_index_among_ties(device):
     logits = torch.full((2, 9000), -3.0, device=device)
     logits[0, [5, 4100, 8999]] = 1.0  # ties in three blocks: the first block's wins
     logits[1, [4200, 8300]] = 2.0  # ties in later blocks only
+    logits[1, :4096] = -float("inf")  # a first block masked out whole
     got = greedy(logits)
-    assert got[0].tolist() == [5.0, 4200.0]
+    assert got[0].tolist() == [5.0, 4200.0] and not got[1].isnan().any()
     torch.testing.assert_close(got[1], ref.greedy_ref(logits)[1], rtol=1e-5, atol=1e-5)

@@ -251,7 +251,9 @@ def _greedy_kernel(x_ptr, out_ptr, s_x, n, V, BLOCK: tl.constexpr):
         m = tl.max(x, 0)
         j = tl.min(tl.where(x == m, i, V), 0)  # the lowest index of this block's max
         new = tl.maximum(best, m)
-        total = total * tl.exp(best - new) + tl.sum(tl.exp(x - new), 0)
+        none = -float("inf")  # masked-out logits (and a running max still at -inf) add nothing, never a NaN
+        kept = tl.sum(tl.where(x > none, tl.exp(x - new), 0.0), 0)
+        total = total * tl.where(best > none, tl.exp(best - new), 0.0) + kept
         arg = tl.where(m > best, j, arg)
         best = new
     tl.store(out_ptr + t, arg.to(tl.float64))
