@@ -21,7 +21,8 @@ norm and LM-head weights, the weights of its experts that the step's tokens are 
 one eager step, and the K/V its sequences attend over) over the measured device copy bandwidth (a copy's read +
 written bytes per second); "% of floor" is floor / step. Adapters' bytes are not in the floor. --prefill N also times
 a mixed step (batch - 1 decodes + one N-token prompt chunk) replayed from its graph (where the layout captures mixed
-steps: not EP over DP replicas) and run eagerly. Prints a markdown table, writes bench_moe_decode.json to --out.
+steps: not EP over DP replicas) and run eagerly. --hf (one process) also times transformers + PEFT on the same
+shape (adapters on attention only: PEFT refuses mixed-adapter batches over 3D expert weights). Prints a markdown table, writes bench_moe_decode.json to --out.
 """
 from __future__ import annotations
 
@@ -172,6 +173,55 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
                 peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed)
 
 
+CONFIG_CLASSES = {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
+
+
+def run_hf(hf: dict, args, device, dtype) -> list[dict]:
+    """transformers (+ PEFT) on the same shape in one process: a decode step of --batch sequences after a prefill of
+    --context random tokens each (greedy, the model's own KV cache), median of --iters after --warmup; without
+    adapters, then with --adapters rank --rank adapters mixed in the batch (`adapter_names`) on the attention
+    projections only: PEFT refuses mixed-adapter batches over 3D expert weights (`target_parameters`, the layout
+    transformers 5 gives MoE experts)."""
+    import peft
+    import transformers
+    cfg = getattr(transformers, CONFIG_CLASSES[hf["model_type"]])(
+        **{k: v for k, v in hf.items() if k != "model_type"})
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    ids = torch.randint(0, hf["vocab_size"], (args.batch, args.context), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    cuda = device.type == "cuda"
+    rows = []
+    for n in (0, args.adapters):
+        m, kw = model, {}
+        if n:
+            lc = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, init_lora_weights=False,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+            m = peft.get_peft_model(model, lc, adapter_name="a0")
+            for i in range(1, n):
+                m.add_adapter(f"a{i}", lc)
+            m.eval()
+            kw = dict(adapter_names=[f"a{i % n}" for i in range(args.batch)])
+        times = []
+        with torch.no_grad():
+            out = m(input_ids=ids, use_cache=True, **kw)
+            for _ in range(args.warmup + args.iters):
+                tok = out.logits[:, -1:].argmax(-1)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = m(input_ids=tok, past_key_values=out.past_key_values, use_cache=True, **kw)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(1e3 * (time.perf_counter() - t0))
+        ms = statistics.median(times[args.warmup:])
+        rows.append(dict(system=f"transformers {transformers.__version__} + PEFT {peft.__version__}", adapters=n,
+                         lora_on="attention" if n else "-", batch=args.batch, ms=round(ms, 3),
+                         tokens_per_s=round(args.batch / ms * 1e3, 1)))
+    del model, m
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
@@ -187,6 +237,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print each case's kernels (torch.profiler, GPU)")
     ap.add_argument("--prefill", type=int, default=0,
                     help="also time a mixed step: batch - 1 decodes + one chunk of this many prompt tokens")
+    ap.add_argument("--hf", action="store_true",
+                    help="also time transformers + PEFT on the same shape (one process, layout tp1)")
     ap.add_argument("--out", default="bench_results/moe_decode")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU + gloo works)")
     args = ap.parse_args()
@@ -217,14 +269,18 @@ def main() -> None:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+    hf_rows = run_hf(hf, args, device, dtype) if args.hf and ps0.world.size == 1 else []
     if ps0.is_driver:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=ps0.world.size,
                     copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), context=args.context)
         with open(os.path.join(args.out, "bench_moe_decode.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, transformers=hf_rows), f, indent=1)
         print(f"{meta['device']}, copy bandwidth {meta['copy_bandwidth_gb_s']} GB/s (read + write)")
         print(table(rows))
+        for r in hf_rows:
+            print(f"{r['system']}: {r['adapters']} adapters (LoRA on {r['lora_on']}), batch {r['batch']}: "
+                  f"{r['ms']:.3f} ms/step, {r['tokens_per_s']:.0f} tokens/s")
     comm.shutdown()
 
 

@@ -51,6 +51,10 @@ for what in "${@:-all}"; do
         --out "$RES/moe_decode_qwen3"
       run moe_decode_mixtral 200 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model mixtral-8x7b \
         --layers 16 --prefill 512 --out "$RES/moe_decode_mixtral" ;;
+    moe_decode_hf)
+      step "bench_moe_decode tp1 with transformers + PEFT beside ours: Qwen3-30B-A3B shape, 24 layers"
+      run moe_decode_hf 300 12 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \
+        --hf --iters 10 --out "$RES/moe_decode_hf" ;;
     serving_http_tp2)
       step "bench_serving tp=2: offline engine, then the HTTP server, 1024 requests at 250/s"
       run serving_offline_tp2 200 8 torchrun --nproc_per_node=2 scripts/bench_serving.py --tp 2 --model llama-2048 \
