@@ -196,16 +196,15 @@ class LoRALinear(SlotBuffers, nn.Module):
         views[2 * n][slice_idx] = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.rt.active():
-            return self.base.finish(self.base.partial(x))
-        z = self.add_lora(x, self.base.partial)
-        return self.base.finish(z)
+        return self.base.finish(self.partial(x))
 
-    def add_lora(self, x: torch.Tensor, partial: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """partial(x) (the base layer's output before its collective) plus this layer's LoRA."""
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA."""
+        if not self.rt.active():
+            return self.base.partial(x)
         ops, batch = self.rt.ops, self.rt.batch
         u, z = self.rt.beside(lambda: ops.shrink(x, self.lora_a, self.scales, batch),  # [S, T, r_local] float32
-                              lambda: partial(x), x.device)
+                              lambda: self.base.partial(x), x.device)
         if self.fully_sharded:
             # One collective for every slice of a packed layer: the slices travel together in u.
             u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)

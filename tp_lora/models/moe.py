@@ -37,7 +37,7 @@ from tp_lora.config import ConfigError
 from tp_lora.layers.linear import ParallelLinear, column_spec, replicated_spec, row_spec
 from tp_lora.layers.moe import Experts, Router, pack_tokens, unpack_tokens
 from tp_lora.lora.batch import LoRABatch, build_lora_batch
-from tp_lora.lora.layers import LoRALinear, LoRARuntime
+from tp_lora.lora.layers import LoRARuntime
 from tp_lora.lora.moe import wrap_experts
 from tp_lora.models.llama import CausalLM, _maybe_wrap
 from tp_lora.ops.fused import moe_combine
@@ -256,11 +256,7 @@ class SparseMoE(nn.Module):
         with self._lora_batch(self.step.batch):
             gate, up = self.shared_gate_up(xs).chunk(2, -1)
             h = F.silu(gate) * up
-            down = self.shared_down
-            if isinstance(down, LoRALinear):
-                z = down.add_lora(h, down.base.partial) if self.rt.active() else down.base.partial(h)
-            else:
-                z = down.partial(h)
+            z = self.shared_down.partial(h)  # with its LoRA when wrapped
             return torch.sigmoid(self.shared_expert_gate(xs)) * z
 
     @contextmanager
