@@ -6,7 +6,8 @@ Steps on CUDA can replay a captured CUDA graph, per "any LoRA" flag: decode-only
 mix of prefill chunks and decodes). The step's inputs and metadata (token ids, positions, KV slots, block tables,
 query offsets, LoRA batches) are built on the host into the graph's page-locked staging buffer and sent to its static
 buffers in one copy, so a new step of the same padded size, with any mix of adapters and context lengths, replays
-without capture or host syncs; the kernels read each sequence's real queries and context only. Scoring steps (logits of every token) and steps past the largest bucket run eagerly.
+without capture or host syncs; the kernels read each sequence's real queries and context only. Scoring steps (logits
+of every token) and steps past the largest bucket run eagerly.
 The step that captures a graph takes its result from the warm-up forward before the capture (a capture runs
 nothing), so every step runs the model's collectives exactly once, captured or not: what lets EP-over-DP peers step
 eagerly, replay or capture in the same step.
@@ -177,9 +178,8 @@ class ModelRunner:
         g = self.graphs.get(key) or self._decode_graph(size, lora)
         pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.scratch,
                         DecodeInputs.of(g.inputs.fill()[:g.fields]))
-        rows = getattr(self.model, "graph_rows", None)
-        with rows(DecodeInputs.of(g.inputs.device[:g.fields]).valid) if rows is not None else nullcontext():
-            return self._replay(key, g, [step.slots + [-1] * (size - n)], n)
+        return self._replay(key, g, [step.slots + [-1] * (size - n)], n,
+                            DecodeInputs.of(g.inputs.device[:g.fields]).valid)
 
     def _replay_mixed(self, step: StepBatch, tokens: int, seqs: int, lora: bool) -> torch.Tensor:
         n = len(step.lens)
@@ -191,30 +191,32 @@ class ModelRunner:
         g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
         pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
                        self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()[:g.fields]))
-        rows = getattr(self.model, "graph_rows", None)
-        with rows(MixedInputs.of(g.inputs.device[:g.fields]).cu_q[-1:]) if rows is not None else nullcontext():
-            return self._replay(key, g, lora_slots, n)
+        return self._replay(key, g, lora_slots, n, MixedInputs.of(g.inputs.device[:g.fields]).cu_q[-1:])
 
-    def _replay(self, key: tuple, g: _Graph, lora_slots: list[list[int]], n: int) -> torch.Tensor:
+    def _replay(self, key: tuple, g: _Graph, lora_slots: list[list[int]], n: int, valid: torch.Tensor
+                ) -> torch.Tensor:
         """Stage the step's adapter slots (per token, then per logits row) as g's LoRA batches' buffers, send g's
         staged inputs (its own filled by the caller) to its static ones in one host->device copy, replay (or run and
-        capture g on first use, as `key`); -> the first n rows of the logits."""
-        if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's adapters (staged)
-            host = g.inputs.fill()
-            per = (len(host) - g.fields) // len(g.loras)
-            for i, (static, slots) in enumerate(zip(g.loras, lora_slots)):
-                views = host[g.fields + i * per:g.fields + (i + 1) * per]
-                for view, new in zip(views, self.rt.ops.step_buffers(slots, static)):
-                    view.copy_(new)
-            g.lora_slots = lora_slots
-        g.inputs.send()
-        if g.graph is None:
-            self.captured = True
-            g.graph, g.logits, out = self._record(g.forward)
-            self.graphs[key] = g
-            return out[:n]
-        g.graph.replay()
-        return g.logits[:n]
+        capture g on first use, as `key`); -> the first n rows of the logits. valid: g's count of real token rows
+        ([1] on the device), for models with graph_rows."""
+        rows = getattr(self.model, "graph_rows", None)
+        with rows(valid) if rows is not None else nullcontext():
+            if g.loras and lora_slots != g.lora_slots:  # decode steps mostly repeat the last step's (staged)
+                host = g.inputs.fill()
+                per = (len(host) - g.fields) // len(g.loras)
+                for i, (static, slots) in enumerate(zip(g.loras, lora_slots)):
+                    views = host[g.fields + i * per:g.fields + (i + 1) * per]
+                    for view, new in zip(views, self.rt.ops.step_buffers(slots, static)):
+                        view.copy_(new)
+                g.lora_slots = lora_slots
+            g.inputs.send()
+            if g.graph is None:
+                self.captured = True
+                g.graph, g.logits, out = self._record(g.forward)
+                self.graphs[key] = g
+                return out[:n]
+            g.graph.replay()
+            return g.logits[:n]
 
     def _table_width(self) -> int:
         return -(-self.max_len // self.cache.block_size)
