@@ -4,11 +4,10 @@ A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width buc
 scheme; the value holds block sizes, split-K and warps. Bucket edges are upper bounds: a shape falls into the
 first edge >= its size, the last edge is open-ended. The entries are the winners of
 ``scripts/bench_lora_ops.py --tune`` on an H100 80GB (triton 3.6, hidden 4096, bf16) at its TUNE_SHAPES, one
-shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand), and the chunked shrink's decode
-entry (64, 16, *) comes from whole decode steps on an H200 (the shrink runs beside the base GEMM there, so it is
-timed sharing the GPU with it). Shapes outside the tuned buckets
-take the nearest entry, which is safe (every config is correct for every shape) if not optimal. Re-tune on another
-GPU with --tune and paste the tables it prints.
+shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand), and the chunked shrink's
+(64, 16, *) entry was tuned in whole decode steps, where the shrink shares the GPU with the base GEMM (BENCHMARKS.md).
+Shapes outside the tuned buckets take the nearest entry, which is safe (every config is correct for every shape) if
+not optimal. Re-tune on another GPU with --tune and paste the tables it prints.
 
 Why these shapes (both ops are memory-bound at every LoRA rank we serve):
 - shrink [T, in] x [in, r]: N = r is tiny, so parallelism comes from token blocks and split-K. At decode (few tokens)
