@@ -233,8 +233,8 @@ def test_greedy(device, rows, vocab):
 def test_greedy_takes_the_lowest_index_among_ties(device):
     from tp_lora.ops.triton.fused import greedy
     logits = torch.full((2, 9000), -3.0, device=device)
-    logits[0, [5, 4100, 8999]] = 1.0  # ties in three blocks: the first block's wins
-    logits[1, [4200, 8300]] = 2.0  # ties in later blocks only
+    logits[0, [5, 70, 4100, 8999]] = 1.0  # ties in three blocks (two in the first): the first block's first wins
+    logits[1, [4200, 4300, 8300]] = 2.0  # ties in later blocks only (two in one)
     logits[1, :4096] = -float("inf")  # a first block masked out whole
     got = greedy(logits)
     assert got[0].tolist() == [5.0, 4200.0] and not got[1].isnan().any()
