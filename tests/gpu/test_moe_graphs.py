@@ -52,7 +52,8 @@ def _compare(model, adapters, tp, ep, attn, seed, mine=lambda reqs: reqs):
     assert graphed.runner.use_graphs, f"tp={tp} ep={ep} {attn}: CUDA graphs not enabled for this MoE layout"
     for reqs in map(mine, _requests(seed)):
         for w, g in zip(eager.generate(reqs), graphed.generate(reqs)):
-            assert g.output_token_ids == w.output_token_ids, f"tp={tp} ep={ep} {attn}: request {w.id}"
+            assert g.output_token_ids == w.output_token_ids, (f"tp={tp} ep={ep} {attn}: request {w.request.id} "
+                                                              f"errors: eager {w.error}, graphed {g.error}")
     steps = graphed.stats.graph_steps
     mixed = steps - graphed.stats.decode_steps  # every decode step replays a graph here
     eager.close()

@@ -22,6 +22,7 @@ from tp_lora.ops.triton import configs, schedule
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}  # relative error, by norm
 SCHEMES = ("sorted", "chunked")
+KERNELS = SCHEMES + ("rows",)  # the tiled kernels under each scheme, and the one-token-per-program kernels
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
@@ -34,6 +35,16 @@ def _poison_shrink_buffers(monkeypatch):
         buf = real(shape, zero, device)
         return buf if zero else buf.fill_(float("nan"))
     monkeypatch.setattr(tri, "_new_buffer", poisoned)
+
+
+@pytest.fixture(params=KERNELS)
+def scheme(request, monkeypatch):
+    """The scheme a case passes to shrink / expand, with the kernels forced at every step size: "rows" runs the
+    one-token-per-program kernels (scheme None: they have no work table), a scheme the tiled kernels."""
+    rows = request.param == "rows"
+    monkeypatch.setattr(configs, "SHRINK_ROWS_MAX_T", 1 << 30 if rows else 0)
+    monkeypatch.setattr(configs, "EXPAND_ROWS_MAX_T", 1 << 30 if rows else 0)
+    return None if rows else request.param
 
 
 def _gen(*key) -> torch.Generator:
@@ -128,7 +139,6 @@ def _run_expand(buf, lora_b, batch, out0, slots, offset, add, scheme, **kw):
     return out
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_slices", [1, 3])
 def test_shrink(device, scheme, dtype, n_slices):
@@ -151,7 +161,6 @@ LAYOUTS = {  # widths of the slices, output offset, extra output columns
 }
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("add", [True, False], ids=["add", "overwrite"])
@@ -169,7 +178,6 @@ def test_expand(device, scheme, dtype, layout, add):
     _run_expand(buf, lora_b, batch, out0, slots, offset, add, scheme)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("rank", [1, 8, 16, 64])
 def test_ranks_with_zero_padded_adapters(device, scheme, rank):
     """Slot buffers have max_rank columns; adapters of smaller rank are zero-padded (as LoRALinear.set_slot does)."""
@@ -196,7 +204,6 @@ MIXES = {  # (mix, T, max_loras)
 }
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(MIXES))
 def test_adapter_mixes_end_to_end(device, scheme, case):
     """shrink -> expand of a packed layer for each way tokens can split between adapters (bf16, as served)."""
@@ -214,7 +221,6 @@ def test_adapter_mixes_end_to_end(device, scheme, case):
     _run_expand(u, lora_b, batch, _rand((t, sum(widths)), torch.bfloat16, device, gen), slots, 0, True, scheme)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
 def test_empty_batch(device, scheme):
     batch = build_lora_batch([], 4, device)
     x = torch.zeros(0, 32, dtype=torch.bfloat16, device=device)
@@ -228,9 +234,9 @@ def test_empty_batch(device, scheme):
     assert e.shape == (1, 0, 8)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tiled", SCHEMES)
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_split_k_and_strided_token_blocks(device, scheme, split_k, monkeypatch):
+def test_split_k_and_strided_token_blocks(device, tiled, split_k, monkeypatch):
     """Configs the default table does not pick at these sizes: split-K with atomics, several K blocks per program,
     and (sorted) fewer programs than token blocks, so each program strides over its adapter's blocks."""
     def shrink_cfg(*_):
@@ -240,9 +246,27 @@ def test_split_k_and_strided_token_blocks(device, scheme, split_k, monkeypatch):
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
     monkeypatch.setattr(configs, "shrink_config", shrink_cfg)
     monkeypatch.setattr(configs, "expand_config", expand_cfg)
-    if scheme == "sorted":
+    monkeypatch.setattr(configs, "SHRINK_ROWS_MAX_T", 0)
+    monkeypatch.setattr(configs, "EXPAND_ROWS_MAX_T", 0)
+    if tiled == "sorted":
         monkeypatch.setattr(tri, "_m_programs", lambda *a: 2)
-    gen = torch.Generator().manual_seed(split_k)
+    _split_k_case(device, tiled, split_k)
+
+
+@pytest.mark.parametrize("k_per_program", [32, 1 << 20])
+def test_rows_split_k_and_narrow_tiles(device, k_per_program, monkeypatch):
+    """The one-token-per-program kernels with small tiles: K split over 3 programs (atomics, a ragged last split),
+    or one program looping over every K block; expand over several n blocks of each slice."""
+    monkeypatch.setattr(configs, "SHRINK_ROWS", dict(BLOCK_K=16, K_PER_PROGRAM=k_per_program, num_warps=4,
+                                                     num_stages=2))
+    monkeypatch.setattr(configs, "EXPAND_ROWS", dict(BLOCK_N=16, num_warps=4, num_stages=1))
+    monkeypatch.setattr(configs, "SHRINK_ROWS_MAX_T", 1 << 30)
+    monkeypatch.setattr(configs, "EXPAND_ROWS_MAX_T", 1 << 30)
+    _split_k_case(device, None, 3 if k_per_program == 32 else 1)
+
+
+def _split_k_case(device, scheme, seed):
+    gen = torch.Generator().manual_seed(seed)
     t, max_loras, rank, k, widths = 70, 3, 24, 88, [20, 36]  # rank 24 > BLOCK_K: expand loops over K too
     slots = [0] * 50 + [-1] * 5 + [2] * 15  # 4 blocks of 16 for slot 0
     perm = torch.randperm(t, generator=gen).tolist()
@@ -303,7 +327,6 @@ def test_quantize_fp8_per_channel():
     assert (q.float().abs().amax(-1)[w.abs().amax(-1) > 0] == fp8_lib.FP8_MAX).all()  # full range used
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_fp8_weights(device, scheme, dtype):
     """fp8 A and B with per-channel scales: the kernels dequantise on the fly and match the reference on the very
@@ -371,6 +394,8 @@ def test_grid_shape_depends_only_on_t_and_max_loras(scheme):
 
 def test_schedule_built_once_per_step(device, monkeypatch):
     """Derived metadata is built (and copied to the device) once per step and scheme, not once per layer."""
+    monkeypatch.setattr(configs, "SHRINK_ROWS_MAX_T", 0)  # the tiled kernels (the others build no table)
+    monkeypatch.setattr(configs, "EXPAND_ROWS_MAX_T", 0)
     copies = []
     real = schedule.to_device
     monkeypatch.setattr(schedule, "to_device", lambda tables, dev: copies.append(1) or real(tables, dev))
@@ -416,7 +441,6 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 @cuda_only
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES)
 def test_cuda_graph_replays_another_adapter_split(scheme):
     """Capture shrink + expand for one split of T tokens, copy another split's order and table into the captured
     buffers, replay: the result matches the reference for the new split (grid fixed by T and max_loras)."""
@@ -439,6 +463,7 @@ def test_cuda_graph_replays_another_adapter_split(scheme):
     with torch.cuda.graph(graph):
         step()
     second = build_lora_batch(_slots("mixed", t, max_loras, gen), max_loras, dev)
+    first.token_slot.copy_(second.token_slot)
     first.order.copy_(second.order)
     sched.table.copy_(tri.prepare(second, scheme).table)
     graph.replay()
@@ -449,7 +474,6 @@ def test_cuda_graph_replays_another_adapter_split(scheme):
 
 @cuda_only
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES)
 def test_no_host_sync(scheme):
     dev, gen = "cuda", torch.Generator().manual_seed(12)
     t, max_loras = 40, 4

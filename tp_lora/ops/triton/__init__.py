@@ -25,7 +25,8 @@ import triton.language as tl
 
 from tp_lora.lora.batch import LoRABatch
 from tp_lora.ops.triton import configs
-from tp_lora.ops.triton.kernels import embedding_shrink_kernel, expand_kernel, shrink_kernel
+from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, expand_rows_kernel, shrink_kernel,
+                                        shrink_rows_kernel)
 from tp_lora.ops.triton.schedule import SCHEMES, Schedule, get_scheme, prepare, set_scheme
 
 __all__ = ["shrink", "expand", "embedding_shrink", "set_scheme", "get_scheme", "prepare", "SCHEMES", "Schedule"]
@@ -95,12 +96,6 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
     t = x.shape[0]
     if t == 0:
         return torch.zeros(n_slices, 0, rank, dtype=torch.float32, device=x.device)
-    sched = prepare(batch, scheme)
-    cfg = configs.shrink_config(t, rank, k, sched.scheme)
-    block_m = sched.segment_size or cfg["BLOCK_M"]
-    split_k = cfg["SPLIT_K"]
-    out = _new_buffer((n_slices, t, rank), split_k > 1, x.device)
-    n_blocks_r = triton.cdiv(rank, cfg["BLOCK_N"])
 
     def key(i):
         a = lora_a[i]
@@ -109,6 +104,15 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
     def solo(i):
         return 1 in (lora_a[i].stride(0),) + ((a_scales[i].stride(0),) if a_scales is not None else ())
 
+    rows = configs.shrink_rows_config(t, rank, k)
+    if rows is not None:
+        return _shrink_rows(x, lora_a, scales, batch, a_scales, rows, _launch_groups(n_slices, key, solo))
+    sched = prepare(batch, scheme)
+    cfg = configs.shrink_config(t, rank, k, sched.scheme)
+    block_m = sched.segment_size or cfg["BLOCK_M"]
+    split_k = cfg["SPLIT_K"]
+    out = _new_buffer((n_slices, t, rank), split_k > 1, x.device)
+    n_blocks_r = triton.cdiv(rank, cfg["BLOCK_N"])
     for base, idx in _launch_groups(n_slices, key, solo):
         a3 = _three(lora_a, idx)
         as3 = _three(a_scales, idx) if a_scales is not None else [scales] * 3  # unused placeholders
@@ -131,6 +135,29 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
     return out
 
 
+def _shrink_rows(x, lora_a, scales, batch, a_scales, cfg: dict, groups) -> torch.Tensor:
+    """shrink() through shrink_rows_kernel (one token per program), launched per group of slices."""
+    n_slices, (_, rank, k), t = len(lora_a), lora_a[0].shape, x.shape[0]
+    split_k = cfg["SPLIT_K"]
+    out = _new_buffer((n_slices, t, rank), split_k > 1, x.device)
+    for base, idx in groups:
+        a3 = _three(lora_a, idx)
+        as3 = _three(a_scales, idx) if a_scales is not None else [scales] * 3  # unused placeholders
+        shrink_rows_kernel[(t, len(idx) * split_k)](
+            x, *a3, *as3, scales, out, batch.token_slot,
+            k, rank, base,
+            x.stride(0), x.stride(1),
+            *(a.stride(0) for a in a3), a3[0].stride(1), a3[0].stride(2),
+            as3[0].stride(0) if a_scales is not None else 0, as3[0].stride(1) if a_scales is not None else 0,
+            scales.stride(0), scales.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_SLICES=len(idx), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
+            EVEN_K=k % (cfg["BLOCK_K"] * split_k) == 0, HAS_A_SCALES=a_scales is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out
+
+
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, out: torch.Tensor,
            offset: int = 0, add: bool = True, *, b_scales: Sequence[torch.Tensor] | None = None,
            scheme: str | None = None) -> None:
@@ -144,9 +171,13 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
     rank = buf.shape[2]
     widths = [b.shape[1] for b in lora_b]
     cols = list(itertools.accumulate([offset] + widths))  # first output column of each slice
-    sched = prepare(batch, scheme)
-    cfg = configs.expand_config(t, rank, max(widths), sched.scheme)
-    block_m, block_n = sched.segment_size or cfg["BLOCK_M"], cfg["BLOCK_N"]
+    rows = configs.expand_rows_config(t, rank, max(widths))
+    if rows is None:
+        sched = prepare(batch, scheme)
+        cfg = configs.expand_config(t, rank, max(widths), sched.scheme)
+        block_m, block_n = sched.segment_size or cfg["BLOCK_M"], cfg["BLOCK_N"]
+    else:
+        cfg, block_n = rows, rows["BLOCK_N"]
 
     def key(i):
         b = lora_b[i]
@@ -165,9 +196,21 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
         # buf (f32) is rounded to B's type for the dot; fp8 B is widened to the output's type instead.
         b_dtype = lora_b[idx[0]].dtype
         cdt, dot, prec = _compute_types(out.dtype if b_dtype in _FP8 else b_dtype, b_dtype)
+        has_bs = b_scales is not None
+        if rows is not None:
+            expand_rows_kernel[(t, nb_ends[len(idx) - 1])](
+                buf, *b3, *bs3, out, batch.token_slot,
+                rank, base, cols[base], *w3, nb_ends[0], nb_ends[1],
+                buf.stride(0), buf.stride(1), buf.stride(2),
+                *(b.stride(0) for b in b3), b3[0].stride(1), b3[0].stride(2),
+                *((s.stride(0) for s in bs3) if has_bs else (0, 0, 0)), bs3[0].stride(1) if has_bs else 0,
+                out.stride(0), out.stride(1),
+                NUM_SLICES=len(idx), BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"], ADD=bool(add), HAS_B_SCALES=has_bs,
+                CDT=cdt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
+            continue
         grid = (sched.entries, nb_ends[len(idx) - 1], _m_programs(sched, t, block_m, nb_ends[len(idx) - 1],
                                                                     out.device))
-        has_bs = b_scales is not None
         expand_kernel[grid](
             buf, *b3, *bs3, out, batch.order, sched.table,
             rank, sched.entries, base, cols[base], *w3, nb_ends[0], nb_ends[1],

@@ -132,6 +132,33 @@ def expand_config(t: int, r: int, n: int, scheme: str = "sorted") -> dict:
     return cfg
 
 
+# Steps of few tokens (decode) run the one-token-per-program kernels (shrink_rows_kernel, expand_rows_kernel): with
+# few tokens per adapter a tensor-core tile is mostly padding, and a token per program needs no work table. Up to
+# these step sizes (and ranks up to ROWS_MAX_R) they beat the tiled kernels on one H200 (BENCHMARKS.md).
+SHRINK_ROWS_MAX_T, EXPAND_ROWS_MAX_T, ROWS_MAX_R = 32, 64, 64
+# shrink_rows_kernel splits K so that a program reduces at most K_PER_PROGRAM of it (a few wide tiles in flight).
+SHRINK_ROWS = dict(BLOCK_K=1024, K_PER_PROGRAM=4096, num_warps=8, num_stages=3)
+EXPAND_ROWS = dict(BLOCK_N=128, num_warps=4, num_stages=1)
+
+
+def shrink_rows_config(t: int, r: int, k: int) -> dict | None:
+    """shrink_rows_kernel's launch for x [t, k] x A^T [k, r], or None where shrink_kernel serves the shape."""
+    if t > SHRINK_ROWS_MAX_T or r > ROWS_MAX_R:
+        return None
+    cfg = dict(SHRINK_ROWS, BLOCK_N=_pow2(r, 1))
+    per = cfg.pop("K_PER_PROGRAM")
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], _pow2(k), per)
+    cfg["SPLIT_K"] = -(-k // per)
+    return cfg
+
+
+def expand_rows_config(t: int, r: int, n: int) -> dict | None:
+    """expand_rows_kernel's launch for buf [t, r] x B^T [r, n], or None where expand_kernel serves the shape."""
+    if t > EXPAND_ROWS_MAX_T or r > ROWS_MAX_R:
+        return None
+    return dict(EXPAND_ROWS, BLOCK_N=min(EXPAND_ROWS["BLOCK_N"], _pow2(n)), BLOCK_K=_pow2(r, 1))
+
+
 def embedding_config(t: int, r: int) -> dict:
     return dict(BLOCK_M=16 if t <= 64 else 64, BLOCK_N=_pow2(r), num_warps=4)
 

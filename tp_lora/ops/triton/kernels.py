@@ -223,3 +223,118 @@ def embedding_shrink_kernel(
                    mask=hit[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m[:, None] * stride_ot + offs_n[None, :] * stride_or, rows * scale[:, None],
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["slice_base"])
+def shrink_rows_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, as0_ptr, as1_ptr, as2_ptr, scale_ptr, out_ptr, slot_ptr,
+    K, R, slice_base,
+    stride_xt, stride_xk,
+    stride_al0, stride_al1, stride_al2, stride_ar, stride_ak,
+    stride_asl, stride_asr,
+    stride_ss, stride_sl,
+    stride_os, stride_ot, stride_or,
+    NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_A_SCALES: tl.constexpr,
+):
+    """shrink_kernel's result for few tokens, one token per program: out[slice_base + s, t, :] (+)= scale[s, slot_t]
+    * x[t] @ A_s[slot_t]^T, a [BLOCK_N, BLOCK_K] tile of A times x's run of K per iteration, reduced on the CUDA
+    cores in float32 (no token block padded to a tensor-core tile, no work table). Grid: (T, S x SPLIT_K).
+    SPLIT_K == 1 writes every row (zeros for slot -1); SPLIT_K > 1 adds atomically into a zeroed out."""
+    t = tl.program_id(0)
+    pid_x = tl.program_id(1)
+    pid_k = pid_x % SPLIT_K
+    s = pid_x // SPLIT_K
+    slot = tl.load(slot_ptr + t)
+    is_lora = slot >= 0
+    k_iters = tl.where(is_lora, tl.cdiv(K, BLOCK_K * SPLIT_K), 0)
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    t = t.to(tl.int64)
+
+    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
+    stride_al = _pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
+    scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl, mask=is_lora, other=0.0)
+    offs_n = tl.arange(0, BLOCK_N)
+    n_mask = offs_n < R
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_blk = x_ptr + t * stride_xt + offs_k * stride_xk
+    a_blk = a_ptr + slot * stride_al + offs_n[:, None] * stride_ar + offs_k[None, :] * stride_ak
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kb in range(0, k_iters):
+        if EVEN_K:
+            xv = tl.load(x_blk)
+            av = tl.load(a_blk, mask=n_mask[:, None], other=0.0)
+        else:
+            k_left = K - kb * BLOCK_K * SPLIT_K
+            xv = tl.load(x_blk, mask=offs_k < k_left, other=0.0)
+            av = tl.load(a_blk, mask=n_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        acc += av.to(tl.float32) * xv.to(tl.float32)[None, :]
+        x_blk += BLOCK_K * SPLIT_K * stride_xk
+        a_blk += BLOCK_K * SPLIT_K * stride_ak
+    res = tl.sum(acc, 1) * scale
+    if HAS_A_SCALES:
+        as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
+        res = res * tl.load(as_ptr + slot * stride_asl + offs_n * stride_asr, mask=n_mask, other=0.0)
+    o_ptr = out_ptr + (slice_base + s) * stride_os + t * stride_ot + offs_n * stride_or
+    if SPLIT_K == 1:
+        tl.store(o_ptr, res, mask=n_mask)
+    else:
+        tl.atomic_add(o_ptr, res, mask=offs_n < tl.where(is_lora, R, 0), sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["slice_base", "nb_end0", "nb_end1"])
+def expand_rows_kernel(
+    buf_ptr, b0_ptr, b1_ptr, b2_ptr, bs0_ptr, bs1_ptr, bs2_ptr, out_ptr, slot_ptr,
+    R, slice_base, col0, width0, width1, width2, nb_end0, nb_end1,
+    stride_us, stride_ut, stride_ur,
+    stride_bl0, stride_bl1, stride_bl2, stride_bn, stride_bk,
+    stride_bsl0, stride_bsl1, stride_bsl2, stride_bsn,
+    stride_ot, stride_on,
+    NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ADD: tl.constexpr, HAS_B_SCALES: tl.constexpr, CDT: tl.constexpr,
+):
+    """expand_kernel's result for few tokens, one token per program: out[t, col_s + n] (+)= buf[slice_base + s, t]
+    @ B_s[slot_t]^T over one BLOCK_N run of the slices' concatenated columns (as expand_kernel's n-block axis), on
+    the CUDA cores in float32 (buf rounded to CDT first, as the dot's operand). Rows of slot -1 are not touched.
+    Grid: (T, n blocks of all slices)."""
+    t = tl.program_id(0).to(tl.int64)
+    pid_x = tl.program_id(1)
+    s = pid_x * 0
+    nb = pid_x
+    col = col0
+    width = width0
+    if NUM_SLICES > 1:
+        if pid_x >= nb_end0:
+            s = 1
+            nb = pid_x - nb_end0
+            col = col0 + width0
+            width = width1
+    if NUM_SLICES > 2:
+        if pid_x >= nb_end1:
+            s = 2
+            nb = pid_x - nb_end1
+            col = col0 + width0 + width1
+            width = width2
+    slot = tl.load(slot_ptr + t)
+    is_lora = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
+    stride_bl = _pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < tl.where(is_lora, width, 0)  # (a mask `& is_lora` trips the interpreter)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < tl.where(is_lora, R, 0)
+    o_ptr = out_ptr + t * stride_ot + (col + offs_n) * stride_on
+    if ADD:
+        prev = tl.load(o_ptr, mask=n_mask, other=0.0)
+    u = tl.load(buf_ptr + (slice_base + s) * stride_us + t * stride_ut + offs_k * stride_ur, mask=k_mask, other=0.0)
+    bv = tl.load(b_ptr + slot * stride_bl + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk,
+                 mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    acc = tl.sum(bv.to(tl.float32) * u.to(CDT).to(tl.float32)[None, :], 1)
+    if HAS_B_SCALES:
+        bs_ptr = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
+        stride_bsl = _pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
+        acc = acc * tl.load(bs_ptr + slot * stride_bsl + offs_n * stride_bsn, mask=n_mask, other=0.0)
+    if ADD:
+        acc += prev.to(tl.float32)
+    tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
