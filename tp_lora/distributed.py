@@ -97,15 +97,20 @@ _SETTINGS = {"device": torch.device("cpu"), "timeout_s": 300.0}
 
 
 def wait_device(device: torch.device) -> None:
-    """Block until `device` has run everything queued so far, or raise CollectiveTimeout.
-
-    NCCL collectives are asynchronous: a peer that never joins shows up as a device that never finishes, and a plain
-    host sync (.tolist(), .cpu()) would then wait forever. Waiting on an event with a deadline turns that into an
-    error the caller can report. Gloo collectives block and time out on their own, so CPU needs nothing."""
+    """Block until `device` has run everything queued so far, or raise CollectiveTimeout (see wait_event)."""
     if device.type != "cuda":
         return
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
+    wait_event(done, device)
+
+
+def wait_event(done: torch.cuda.Event, device: torch.device) -> None:
+    """Block until the recorded event `done` on `device` has passed, or raise CollectiveTimeout.
+
+    NCCL collectives are asynchronous: a peer that never joins shows up as a device that never finishes, and a plain
+    host sync (.tolist(), .cpu()) would then wait forever. Waiting on an event with a deadline turns that into an
+    error the caller can report. Gloo collectives block and time out on their own, so CPU needs nothing."""
     start = time.monotonic()
     while not done.query():
         waited = time.monotonic() - start

@@ -1,5 +1,7 @@
 """CUDA-graph steps replay the same computation as eager steps: decode steps for new batches with other adapter mixes,
-and mixed steps (prefill chunks beside decodes), with every step of such a run replaying a graph."""
+and mixed steps (prefill chunks beside decodes), with every step of such a run replaying a graph. The graphed
+engines launch steps ahead of reading the previous step's tokens (run_ahead: their ids fed on the device inside the
+graphs), the eager ones read every step before the next."""
 import pytest
 import torch
 
@@ -20,7 +22,9 @@ def _engine(model, adapters, graphs: bool, dtype: str, chunked: bool = False) ->
     if chunked:  # few sequences and a small token budget: prompts are cut into chunks that run beside other
         # sequences' decodes, and requests are admitted one by one as sequences finish
         cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step, cfg.scheduler.admit_batch = 4, 64, 1
-    return Engine(cfg, comm.single_process("cuda"), str(model), str(adapters))
+    engine = Engine(cfg, comm.single_process("cuda"), str(model), str(adapters))
+    engine.run_ahead = graphs
+    return engine
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -43,6 +47,7 @@ def test_graph_decode_matches_eager(tmp_path, dtype):
             assert g.output_token_ids == w.output_token_ids
             assert max(abs(a - b) for a, b in zip(w.logprobs, g.logprobs)) < (1e-3 if dtype == "float32" else 5e-2)
     assert graphed.runner.graphs, "no CUDA graph was captured"
+    assert graphed.stats.ahead_steps > 0
     graphed.close()
 
 
@@ -81,5 +86,6 @@ def test_mixed_graphs_match_eager(tmp_path, dtype, heads, kv):
     assert graphed.stats.graph_steps == graphed.stats.steps, \
         f"{graphed.stats.steps - graphed.stats.graph_steps} of {graphed.stats.steps} steps ran eagerly"
     assert any(k[0] == "decode" for k in keys), "decode-only steps keep their own graphs"
+    assert graphed.stats.ahead_steps > 0
     eager.close()
     graphed.close()

@@ -21,7 +21,7 @@ from tp_lora.config import ConfigError, RunConfig, resolve_device, resolve_dtype
 from tp_lora.engine.kv_pool import BlockPool, blocks_for, kv_budget_bytes, kv_bytes_per_token, plan_blocks
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.runner import ModelRunner, StepBatch
-from tp_lora.engine.sampler import sample, top_logprobs
+from tp_lora.engine.sampler import draw, top_logprobs
 from tp_lora.engine.tokenizer import Detokenizer, load_tokenizer
 from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler, Sequence, SlotState
 from tp_lora.lora.adapter import AdapterError, discover_adapters
@@ -40,6 +40,7 @@ RUN, DRAIN, ABORT = 0, 1, 2  # stop levels: keep going / admit nothing more, fin
 READ_WAIT_S = 0.1
 ARRIVAL_CHECK_STEPS = 4  # TP ranks busy with work agree on newly arrived requests every this many steps
 INTERRUPTED = "not run: the run was stopped before this request finished (resume=true runs it)"
+PENDING = -1  # in Sequence.tokens: a token sampled by a launched step, not on the host yet
 
 __all__ = ["Engine", "Sequence", "StepOutput", "StepStats", "RUN", "DRAIN", "ABORT"]
 
@@ -49,10 +50,12 @@ class StepStats:
     steps: int = 0
     graph_steps: int = 0  # steps replayed from a CUDA graph (the others ran eagerly)
     graph_captures: int = 0  # of those, the steps that captured their graph (its first use; slow)
-    graph_seconds: float = 0.0  # wall time of those steps, from launch to the sampled tokens on the host
+    graph_seconds: float = 0.0  # wall time of those steps: to the sampled tokens on the host, from the launch or from
+    # the previous step's tokens, whichever is later (steps launched ahead overlap)
     eager_seconds: float = 0.0  # the same for the eager steps
     decode_steps: int = 0  # steps of one new token per sequence (what a decode benchmark times)
-    decode_seconds: float = 0.0  # their wall time, from launch to the sampled tokens on the host
+    decode_seconds: float = 0.0  # their wall time (as graph_seconds)
+    ahead_steps: int = 0  # steps launched before the previous step's tokens were read (run_ahead)
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -67,6 +70,19 @@ class StepStats:
     def slot_hit_rate(self) -> float:
         n = self.slot_hits + self.slot_misses
         return self.slot_hits / n if n else 1.0
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not reached the host yet."""
+    sampled: list[tuple[Sequence, int]]  # (sequence, where its PENDING token is in seq.tokens), in row order
+    host: Optional[torch.Tensor]  # [2, rows] float64 token ids and log-probabilities, copied in once `done`
+    tops: Optional[list]  # the top log-probabilities of each sampled row (when a request asked; read already)
+    done: Optional[torch.cuda.Event]  # recorded after the step's work (None off CUDA: everything ran already)
+    started: float  # perf_counter() at launch
+    decode: bool  # one new token per sequence
+    replayed: bool  # from a CUDA graph
+    captured: bool  # its graph captured by it
 
 
 @dataclass
@@ -163,6 +179,11 @@ class Engine:
         self.sched: Optional[Scheduler] = None  # the open run's (open() .. close_run())
         # EP over DP replicas steps in lockstep with its peers (every rank of the EP group steps until all idle).
         self.lockstep = self.model.lockstep if getattr(self.model, "needs_lockstep", False) else None
+        # On CUDA a step's tokens are read after the next step is launched (where it can be: see step()), so the GPU
+        # does not wait for the host between steps. EP over DP replicas steps in lockstep and reads every step.
+        self.run_ahead = ps.device.type == "cuda" and self.lockstep is None
+        self._inflight: Optional[_InFlight] = None
+        self._last_read = 0.0
         eos = self.hf.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_positions = self.hf.get("max_position_embeddings", 4096)
@@ -330,16 +351,19 @@ class Engine:
         self.stats.adapter_loads += 1
 
     def _step(self, work: list[tuple[Sequence, int]], cache) -> torch.Tensor:
-        """work: (sequence, number of its new tokens). Returns logits [N, V] of each sequence's last new token."""
+        """work: (sequence, number of its new tokens). Returns logits [N, V] of each sequence's last new token. A
+        PENDING last token is fed on the device from the previous step's sampled row of its sequence."""
         step = StepBatch()
         for seq, n in work:
-            step.add(seq.tokens[seq.computed:seq.computed + n], seq.blocks, seq.computed, seq.slot)
+            toks = seq.tokens[seq.computed:seq.computed + n]
+            if toks[-1] == PENDING:
+                step.add(toks[:-1] + [0], seq.blocks, seq.computed, seq.slot, seq.sampled_row)
+            else:
+                step.add(toks, seq.blocks, seq.computed, seq.slot)
         if self._copies_pending:  # adapter copies issued on the side stream land before any slot is read
             torch.cuda.current_stream(self.ps.device).wait_stream(self.copy_stream)
             self._copies_pending = False
         logits = self.runner.execute(step, cache)
-        if self.ps.world.size > 1:  # the step's collectives end here, or in a timeout error naming the cause
-            comm.wait_device(self.ps.device)
         for seq, n in work:
             seq.computed += n
         return logits
@@ -454,6 +478,10 @@ class Engine:
 
     def close_run(self) -> None:
         """End the run, after an error too: what it holds is freed, the slots are usable by the next run."""
+        if self._inflight is not None:  # its tokens are dropped with the run
+            if self._inflight.done is not None:
+                self._inflight.done.synchronize()
+            self._inflight = None
         self.sched.abort()
         st = self.slot_state
         for slot in range(len(st)):
@@ -468,18 +496,37 @@ class Engine:
         else:
             time.sleep(min(0.01, max(0.0, wait_s)))
 
+    @property
+    def busy(self) -> bool:
+        """Whether the run has work: sequences to step, requests to admit, or a launched step to read."""
+        return self.sched.has_work or self._inflight is not None
+
     @torch.no_grad()
     def step(self) -> StepOutput:
         """One step of the run: admit waiting requests, copy their adapters into slots, run the model over the
-        batch, sample, and return which results advanced and which ended. The same on every rank of the TP group."""
+        batch, sample, and return which results advanced and which ended. The same on every rank of the TP group.
+
+        With run_ahead the sampled tokens stay on the device until the next call, which first launches the
+        following step of the running sequences (their new tokens fed on the device; sequences that end by length
+        left out) and then reads them: the host prepares a step while the GPU runs the last one. A sequence found
+        finished then has a row in that step, whose token is dropped. That call admits nothing (it reads first and
+        steps as usual when requests could be admitted, or when a request asked for top log-probabilities), so the
+        results of a call are those of the step before."""
         sched, out = self.sched, StepOutput()
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            if prev.tops is None and not sched.may_admit():
+                ending = [seq for seq, _ in prev.sampled if seq.generated >= seq.request.max_new_tokens]
+                work = self._schedule(set(), admit=False, ending=ending).work
+                if work:
+                    self._launch(work)
+                    self.stats.ahead_steps += 1
+            self._read(prev, out)
+            if self._inflight is not None or not sched.has_work:
+                return out
         now = time.perf_counter()
-        hits0, misses0, pre0 = sched.slot_hits, sched.slot_misses, sched.preemptions
         loadable, unread = self._loadable(sched)
-        plan = sched.schedule(loadable)
-        self.stats.slot_hits += sched.slot_hits - hits0
-        self.stats.slot_misses += sched.slot_misses - misses0
-        self.stats.preemptions += sched.preemptions - pre0
+        plan = self._schedule(loadable)
         for seq in plan.admitted:
             seq.result.metrics.update(arrival=self._arrival.pop(seq.request.index), admitted=now)
             self.stats.prompt_tokens += seq.prompt_len
@@ -497,8 +544,8 @@ class Engine:
         work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
         if self.lockstep is not None:
             self.lockstep(sum(n for _, n in work), any(seq.slot >= 0 for seq, _ in work))
-        t_step = time.perf_counter()
-        logits = self._step(work, self.kv) if work else None
+        if work:
+            self._launch(work)
         self.cache.prefetch(self._wanted(sched))  # disk reads for what the queue asks next run beside the steps
         if not work:
             if unread and not plan.loads:  # nothing to run until an adapter is read: help read one
@@ -508,43 +555,87 @@ class Engine:
                                    f"{len(sched.waiting)} waiting, slots {self.slot_state.names} users "
                                    f"{self.slot_state.users}, {sched.blocks.available} free KV blocks")
             return out
+        if not self.run_ahead:
+            launched, self._inflight = self._inflight, None
+            self._read(launched, out)
+        return out
+
+    def _schedule(self, loadable, **kw):
+        """The scheduler's plan (Scheduler.schedule), its slot hits, misses and preemptions counted."""
+        sched = self.sched
+        hits0, misses0, pre0 = sched.slot_hits, sched.slot_misses, sched.preemptions
+        plan = sched.schedule(loadable, **kw)
+        self.stats.slot_hits += sched.slot_hits - hits0
+        self.stats.slot_misses += sched.slot_misses - misses0
+        self.stats.preemptions += sched.preemptions - pre0
+        return plan
+
+    def _launch(self, work: list[tuple[Sequence, int]]) -> None:
+        """Run the model over `work` and sample each finished sequence's next token on the device; the tokens
+        travel to the host in the background (self._inflight, read by _read) and stand as PENDING meanwhile."""
+        started = time.perf_counter()
+        logits = self._step(work, self.kv)
         self.stats.steps += 1
         sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
+        host = tops = None
         if sampled:
             reqs = [s.request for s, _ in sampled]
             idx = [i for _, i in sampled]  # increasing: all of them is every row, in order
             rows = logits if len(idx) == logits.shape[0] else logits[idx]
-            toks, lps = sample(rows, [self._temperature(r) for r in reqs], self._top_ps(reqs), self._generators(reqs))
+            drawn = draw(rows, [self._temperature(r) for r in reqs], self._top_ps(reqs), self._generators(reqs))
+            self.runner.keep_sampled(drawn[0])
             k = max(r.logprobs for r in reqs)
             tops = top_logprobs(rows, k) if k else None
+            cuda = drawn.device.type == "cuda"
+            host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=cuda).copy_(drawn, non_blocking=cuda)
+        done = None
+        if self.ps.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        for j, (seq, _) in enumerate(sampled):
+            seq.tokens.append(PENDING)
+            seq.sampled_row = j
+        self._inflight = _InFlight([(seq, len(seq.tokens) - 1) for seq, _ in sampled], host, tops, done, started,
+                                   all(n == 1 for _, n in work), self.runner.replayed, self.runner.captured)
+
+    def _read(self, f: _InFlight, out: StepOutput) -> None:
+        """A launched step's tokens onto the host: each sampled sequence that still runs takes its token (and its
+        log-probabilities), and ends when it finished."""
+        if f.done is not None:
+            comm.wait_event(f.done, self.ps.device)  # a peer that never joins a collective: an error, not a hang
         now = time.perf_counter()
-        if self.runner.replayed:
+        seconds = now - max(f.started, self._last_read)  # the step's share of the wall time (steps overlap)
+        self._last_read = now
+        if f.replayed:
             self.stats.graph_steps += 1
-            self.stats.graph_captures += self.runner.captured
-            self.stats.graph_seconds += now - t_step
+            self.stats.graph_captures += f.captured
+            self.stats.graph_seconds += seconds
         else:
-            self.stats.eager_seconds += now - t_step
-        if all(n == 1 for _, n in work):
+            self.stats.eager_seconds += seconds
+        if f.decode:
             self.stats.decode_steps += 1
-            self.stats.decode_seconds += now - t_step
-        if not sampled:
-            return out
-        for j, ((seq, _), tok, lp) in enumerate(zip(sampled, toks, lps)):
-            seq.tokens.append(tok)
+            self.stats.decode_seconds += seconds
+        if not f.sampled:
+            return
+        toks, lps = f.host.tolist()
+        for j, ((seq, at), tok, lp) in enumerate(zip(f.sampled, toks, lps)):
+            tok = int(tok)
+            seq.tokens[at] = tok
+            if seq.stopped:  # finished, cancelled or dropped after this step was launched
+                continue
             res = seq.result
             res.output_token_ids.append(tok)
             res.logprobs.append(lp)
             if seq.request.logprobs:
-                res.top_logprobs.append(tops[j][:seq.request.logprobs])
+                res.top_logprobs.append(f.tops[j][:seq.request.logprobs])
             res.metrics.setdefault("first_token", now)
             self.stats.generated_tokens += 1
             out.advanced.append(res)
-            if self._finished(seq, tok):
-                sched.finish(seq)
+            if self._finished(seq, tok, at + 1 - seq.prompt_len):
+                self.sched.remove(seq.request.index)  # running, or preempted by the step launched since
                 res.metrics["finished"] = now
                 self._final_text(res)
                 out.finished.append(res)
-        return out
 
     # ---- generate(): the offline front end ---------------------------------------------------------------------
     @torch.no_grad()
@@ -639,7 +730,7 @@ class Engine:
             local = stop() if stop is not None else RUN
             if drain_deadline is not None and now >= drain_deadline:
                 local = max(local, ABORT)
-            arrivals_due = timed and fed < len(pending) and (not sched.has_work or it % ARRIVAL_CHECK_STEPS == 0)
+            arrivals_due = timed and fed < len(pending) and (not self.busy or it % ARRIVAL_CHECK_STEPS == 0)
             if arrivals_due or it % sc.stop_check_steps == 0 or self.ps.tp.size == 1:
                 due = fed
                 while due < len(pending) and t0 + pending[due][0] <= now:
@@ -657,7 +748,7 @@ class Engine:
                     if level >= ABORT:
                         interrupted += [s.request for s in sched.abort()]
             it += 1
-            if not sched.has_work:
+            if not self.busy:
                 if fed >= len(pending):
                     break
                 self.idle(t0 + pending[fed][0] - time.perf_counter())
@@ -683,7 +774,8 @@ class Engine:
         return [self.generator if r.seed is None else
                 self._seeded.setdefault(r.index, torch.Generator().manual_seed(r.seed)) for r in reqs]
 
-    def _finished(self, seq: Sequence, tok: int) -> bool:
+    def _finished(self, seq: Sequence, tok: int, generated: int) -> bool:
+        """Whether seq ends with its `generated`-th new token `tok` (a later step may have one pending already)."""
         req = seq.request
         ignore = req.ignore_eos if req.ignore_eos is not None else self.cfg.generation.ignore_eos
         if not ignore and tok in self.eos:
@@ -692,7 +784,7 @@ class Engine:
         if req.stop and self._stop_string(seq.result, tok):
             seq.result.finish_reason = "stop"
             return True
-        return seq.generated >= req.max_new_tokens
+        return generated >= req.max_new_tokens
 
     def _stop_string(self, res: Result, tok: int) -> bool:
         """Whether the text now holds one of the request's stop strings; the result's text then ends before it."""

@@ -7,6 +7,8 @@ order; padding tokens have id 0, position 0 and the scratch block's first KV slo
 is in bounds, which the fused K/V write needs); padding sequences own no query (q_len 0, context 0), their block
 tables and the unused ends of real ones point at the scratch block, and their logits row is token 0's.
 Decode steps: B rows of one token each; padding rows have id 0, position 0 and all-scratch tables.
+A token's `feed` (-1 for none) names the row of the previous step's sampled tokens its id comes from on the device
+(a step launched before that one's tokens reached the host); its staged id is then a placeholder.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class MixedInputs(_Fields):
     cu_q: torch.Tensor  # [S+1] int32 first token row of each sequence, then the end of the last
     context_lens: torch.Tensor  # [S] int32 positions each sequence attends over after this step
     block_table: torch.Tensor  # [S, W] int32
+    feed: torch.Tensor  # [T] int64 row of the previous step's sampled tokens giving the id, or -1
 
     def meta(self, window: int | None) -> AttnMeta:
         """The attention layout over these tensors: one varlen group of every row (computed nothing on the host, so a
@@ -52,7 +55,7 @@ class MixedInputs(_Fields):
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         return cls(torch.zeros(tokens, **i64), torch.zeros(tokens, **i64), torch.zeros(tokens, **i64),
                    torch.zeros(seqs, **i64), torch.zeros(seqs + 1, **i32), torch.zeros(seqs, **i32),
-                   torch.zeros(seqs, width, **i32))
+                   torch.zeros(seqs, width, **i32), torch.full((tokens,), -1, **i64))
 
 
 @dataclass
@@ -61,12 +64,14 @@ class DecodeInputs(_Fields):
     positions: torch.Tensor  # [B] int64 position of each row's token
     block_table: torch.Tensor  # [B, W] int32
     valid: torch.Tensor  # [1] int64 count of real rows (read by models with graph_rows)
+    feed: torch.Tensor  # [B] int64 row of the previous step's sampled tokens giving the id, or -1
 
     @classmethod
     def zeros(cls, rows: int, width: int, device) -> DecodeInputs:
         i64 = dict(dtype=torch.int64, device=device)
         return cls(torch.zeros(rows, **i64), torch.zeros(rows, **i64),
-                   torch.zeros(rows, width, dtype=torch.int32, device=device), torch.zeros(1, **i64))
+                   torch.zeros(rows, width, dtype=torch.int32, device=device), torch.zeros(1, **i64),
+                   torch.full((rows,), -1, **i64))
 
 
 def fill_block_table(table: np.ndarray, blocks: list[list[int]], scratch: int) -> None:
@@ -84,11 +89,11 @@ def fill_block_table(table: np.ndarray, blocks: list[list[int]], scratch: int) -
 
 
 def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], lens: list[int], tokens: int,
-                   seqs: int, width: int, block_size: int, scratch: int, out: MixedInputs | None = None
-                   ) -> MixedInputs:
+                   seqs: int, width: int, block_size: int, scratch: int, out: MixedInputs | None = None,
+                   feeds: list[int] | None = None) -> MixedInputs:
     """Sequence n has lens[n] >= 1 new tokens (its run of `ids`) at positions starts[n].., kept in the blocks
     blocks[n] (covering at least its last new position; entries past `width`, for positions the graph does not
-    serve, are dropped). -> host tensors padded to `tokens` x `seqs` x `width`: written into `out` (host tensors of
+    serve, are dropped), and its last token fed from feeds[n] (None: none fed). -> host tensors padded to `tokens` x `seqs` x `width`: written into `out` (host tensors of
     those sizes, e.g. a graph's staging buffers; every element is set) if given, else new."""
     n, t = len(lens), len(ids)
     if t != sum(lens) or t > tokens or n > seqs or min(lens, default=1) < 1:
@@ -115,12 +120,16 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
     o.cu_q[n + 1:] = t
     o.context_lens[:n] = np.asarray(starts) + np.asarray(lens)
     o.context_lens[n:] = 0
+    o.feed.fill(-1)
+    if feeds is not None:
+        o.feed[ends - 1] = feeds
     return out
 
 
 def pad_decode_step(ids: list[int], blocks: list[list[int]], starts: list[int], rows: int, width: int, scratch: int,
-                    out: DecodeInputs | None = None) -> DecodeInputs:
-    """Row n decodes token ids[n] at position starts[n] with block table blocks[n] (cut to `width`). -> host
+                    out: DecodeInputs | None = None, feeds: list[int] | None = None) -> DecodeInputs:
+    """Row n decodes token ids[n] at position starts[n] with block table blocks[n] (cut to `width`), its id fed from
+    feeds[n] (None: none fed). -> host
     tensors padded to `rows` x `width`: written into `out` (every element is set) if given, else new."""
     n = len(ids)
     if n > rows or len(blocks) != n or len(starts) != n:
@@ -138,4 +147,6 @@ def pad_decode_step(ids: list[int], blocks: list[list[int]], starts: list[int], 
     o.positions[n:] = 0
     fill_block_table(o.block_table, blocks, scratch)
     o.valid[0] = n
+    o.feed[:n] = feeds if feeds is not None else -1
+    o.feed[n:] = -1
     return out

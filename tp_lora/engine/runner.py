@@ -40,21 +40,29 @@ MIXED_TOKEN_SIZES = (64, 128, 256, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4
 @dataclass
 class StepBatch:
     """Sequence n contributes lens[n] tokens at positions starts[n].. into the KV-cache blocks blocks[n] (its block
-    table), with adapter slot slots[n] (-1 none). all_logits: logits for every token (scoring), else for each
-    sequence's last token."""
+    table), with adapter slot slots[n] (-1 none); its last token's id is the one the previous step sampled in row
+    feeds[n] (>= 0: still on the device, its id here a placeholder) or its own (-1). all_logits: logits for every
+    token (scoring), else for each sequence's last token."""
     ids: list[int] = field(default_factory=list)
     blocks: list[list[int]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    feeds: list[int] = field(default_factory=list)
     all_logits: bool = False
 
-    def add(self, tokens: list[int], blocks: list[int], start: int, slot: int) -> None:
+    def add(self, tokens: list[int], blocks: list[int], start: int, slot: int, feed: int = -1) -> None:
         self.ids.extend(tokens)
         self.blocks.append(blocks)
         self.starts.append(start)
         self.lens.append(len(tokens))
         self.slots.append(slot)
+        self.feeds.append(feed)
+
+    @property
+    def fed(self) -> list[int] | None:
+        """feeds, or None when no token is fed."""
+        return self.feeds if any(f >= 0 for f in self.feeds) else None
 
     @property
     def is_decode(self) -> bool:
@@ -94,6 +102,8 @@ class ModelRunner:
         mixed = self.use_graphs and kernel_takes(model.head_dim) and getattr(model, "mixed_graph_safe", True)
         self.mixed_sizes = mixed_sizes(max_tokens, max_seqs) if mixed else []
         self.graphs: dict[tuple, _Graph] = {}
+        # The last sampled tokens, row by row ([max_seqs], then one spare element that a feed of -1 indexes).
+        self.sampled = torch.zeros(max_seqs + 1, dtype=torch.int64, device=self.device)
         self.cache: KVCache | None = None
         self.max_len = 0  # the longest sequence the cache serves (graphs' block tables are this wide)
         self.pool = None
@@ -140,7 +150,14 @@ class ModelRunner:
                                self.model.sliding_window)
         token_slots = [s for s, n in zip(step.slots, step.lens) for _ in range(n)]
         self._set_lora(token_slots)
-        ids, = to_device([torch.tensor(step.ids, dtype=torch.long)], self.device)
+        fed = step.fed
+        if fed is None:
+            ids, = to_device([torch.tensor(step.ids, dtype=torch.long)], self.device)
+        else:
+            feed = torch.full((len(step.ids),), -1, dtype=torch.long)
+            feed[torch.tensor(step.lens).cumsum(0) - 1] = torch.tensor(fed)
+            ids, feed = to_device([torch.tensor(step.ids, dtype=torch.long), feed], self.device)
+            ids = self._fed(ids, feed)
         hidden = self.model(ids, cache, meta)
         if step.all_logits:
             return self.model.logits(hidden)
@@ -160,6 +177,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def keep_sampled(self, tokens: torch.Tensor) -> None:
+        """tokens [N] (any number type, on the device): this step's sampled tokens, which the next step's fed ids
+        read."""
+        self.sampled[:tokens.shape[0]].copy_(tokens)
+
+    def _fed(self, ids: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
+        """ids with each token whose feed >= 0 replaced by the sampled token of that row (on the device)."""
+        return torch.where(feed < 0, ids, self.sampled[feed])
+
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def _decode_meta(self, table: torch.Tensor, g_pos: torch.Tensor) -> AttnMeta:
         """Decode layout computed on the device from the static inputs (inside the graph)."""
@@ -177,7 +203,7 @@ class ModelRunner:
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
         pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.scratch,
-                        DecodeInputs.of(g.inputs.fill()[:g.fields]))
+                        DecodeInputs.of(g.inputs.fill()[:g.fields]), step.fed)
         return self._replay(key, g, [step.slots + [-1] * (size - n)], n,
                             DecodeInputs.of(g.inputs.device[:g.fields]).valid)
 
@@ -190,7 +216,7 @@ class ModelRunner:
         key = ("mixed", tokens, lora)
         g = self.graphs.get(key) or self._mixed_graph(tokens, seqs, lora)
         pad_mixed_step(step.ids, step.blocks, step.starts, step.lens, tokens, seqs, self._table_width(),
-                       self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()[:g.fields]))
+                       self.cache.block_size, self.cache.scratch, MixedInputs.of(g.inputs.fill()[:g.fields]), step.fed)
         return self._replay(key, g, lora_slots, n, MixedInputs.of(g.inputs.device[:g.fields]).cu_q[-1:])
 
     def _replay(self, key: tuple, g: _Graph, lora_slots: list[list[int]], n: int, valid: torch.Tensor
@@ -253,7 +279,7 @@ class ModelRunner:
             if self.rt is not None:
                 self.rt.batch = static_lora
             meta = self._decode_meta(inputs.block_table, inputs.positions)
-            return self.model.logits(self.model(inputs.ids, self.cache, meta))
+            return self.model.logits(self.model(self._fed(inputs.ids, inputs.feed), self.cache, meta))
 
         return _Graph(staging, loras, forward, fields=len(fields))
 
@@ -267,7 +293,7 @@ class ModelRunner:
         def forward():
             if self.rt is not None:
                 self.rt.batch = token_lora
-            hidden = self.model(inputs.ids, self.cache, inputs.meta(self.model.sliding_window))
+            hidden = self.model(self._fed(inputs.ids, inputs.feed), self.cache, inputs.meta(self.model.sliding_window))
             if self.rt is not None:
                 self.rt.batch = row_lora
             return self.model.logits(hidden[inputs.last_token])

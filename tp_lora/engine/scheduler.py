@@ -53,6 +53,8 @@ class Sequence:
     prompt_len: int
     computed: int = 0  # tokens already in the KV cache
     result: Optional[Result] = None
+    stopped: bool = False  # takes no more tokens (finished, cancelled, dropped): a step in flight drops its row
+    sampled_row: int = -1  # its row among the tokens sampled by the step that left its last token pending
 
     @property
     def generated(self) -> int:
@@ -164,11 +166,12 @@ class Scheduler:
         return (self.admitting and bool(self.waiting) and len(self.running) < self.max_batch_size
                 and self._fitting(1) == 1 and self._room_for_a_group(decoding))
 
-    def schedule(self, loadable: Optional[set[str]] = None) -> StepPlan:
-        """loadable: the adapters not in a slot that may be copied into one for this step (None: any)."""
+    def schedule(self, loadable: Optional[set[str]] = None, admit: bool = True, ending=()) -> StepPlan:
+        """loadable: the adapters not in a slot that may be copied into one for this step (None: any). admit: whether
+        waiting requests may enter. ending: running sequences that get no token (they end with what they have)."""
         plan = StepPlan()
         budget = self.max_tokens_per_step
-        decoding = [s for s in self.running if self._ready(s) and not s.prefilling]
+        decoding = [s for s in self.running if self._ready(s) and not s.prefilling and s not in ending]
         preemptions = self.preemptions
         for seq in decoding:
             if self.preemptions == preemptions or seq in self.running:  # not preempted for an older one's room
@@ -183,7 +186,7 @@ class Scheduler:
                 n = min(len(seq.tokens) - seq.computed, budget)
                 plan.work.append((seq, n))
                 budget -= n
-        if self.admitting and self._room_for_a_group(bool(decoding), loadable):
+        if admit and self.admitting and self._room_for_a_group(bool(decoding), loadable):
             self._admit(plan, budget, loadable)
         return plan
 
@@ -310,6 +313,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
+        seq.stopped = True
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.blocks)
@@ -330,7 +334,9 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if r.adapter != name]
         for r in out:
             self.passed.pop(r.index, None)
-            self.preempted.pop(r.index, None)
+            seq = self.preempted.pop(r.index, None)
+            if seq is not None:
+                seq.stopped = True
         return out
 
     def remove(self, index: int):
@@ -344,7 +350,10 @@ class Scheduler:
             if req.index == index:
                 del self.waiting[i]
                 self.passed.pop(index, None)
-                return self.preempted.pop(index, req)
+                seq = self.preempted.pop(index, None)
+                if seq is not None:
+                    seq.stopped = True
+                return seq or req
         return None
 
     def stop_admitting(self) -> list[Request]:
@@ -352,6 +361,8 @@ class Scheduler:
         self.admitting = False
         out, self.waiting = self.waiting, []
         self.passed.clear()
+        for seq in self.preempted.values():
+            seq.stopped = True
         self.preempted.clear()
         return out
 
@@ -360,4 +371,5 @@ class Scheduler:
         out, self.running = self.running, []
         for seq in out:
             self._free(seq)
+            seq.stopped = True
         return out

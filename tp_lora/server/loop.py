@@ -49,7 +49,7 @@ class ServingLoop:
         if self.driver:
             self._registry = (len(engine.adapters), len(engine.bad_adapters))
         while True:
-            busy = engine.sched.has_work
+            busy = engine.busy
             if not busy or it % ARRIVAL_CHECK_STEPS == 0 or self.tp.size == 1:
                 local = stop()
                 if deadline is not None and time.perf_counter() >= deadline:
@@ -65,13 +65,13 @@ class ServingLoop:
                         deadline = time.perf_counter() + stop_grace_s
                 self._apply(msgs)
             it += 1
-            if engine.sched.has_work:
+            if engine.busy:
                 out = engine.step()
                 if self.driver:
                     self._send(out.advanced, out.finished)
             if self.driver:
                 self._flush()
-            if not engine.sched.has_work and self.level >= DRAIN:
+            if not engine.busy and self.level >= DRAIN:
                 break
 
     def _take(self, wait: bool) -> list:
