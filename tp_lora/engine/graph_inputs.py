@@ -93,8 +93,9 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
                    feeds: list[int] | None = None) -> MixedInputs:
     """Sequence n has lens[n] >= 1 new tokens (its run of `ids`) at positions starts[n].., kept in the blocks
     blocks[n] (covering at least its last new position; entries past `width`, for positions the graph does not
-    serve, are dropped), and its last token fed from feeds[n] (None: none fed). -> host tensors padded to `tokens` x `seqs` x `width`: written into `out` (host tensors of
-    those sizes, e.g. a graph's staging buffers; every element is set) if given, else new."""
+    serve, are dropped), and its last token fed from feeds[n] (None: none fed). -> host tensors padded to `tokens` x
+    `seqs` x `width`: written into `out` (host tensors of those sizes, e.g. a graph's staging buffers; every element
+    is set) if given, else new."""
     n, t = len(lens), len(ids)
     if t != sum(lens) or t > tokens or n > seqs or min(lens, default=1) < 1:
         raise ValueError(f"a step of {t} tokens ({sum(lens)} by lens), {n} sequences, lens >= "

@@ -26,6 +26,29 @@ def _pick(s, v0, v1, v2, NUM_SLICES: tl.constexpr):
 
 
 @triton.jit
+def _n_block(pid_x, col0, width0, width1, width2, nb_end0, nb_end1, NUM_SLICES: tl.constexpr):
+    """(slice, n block within it, first output column, width) of n block pid_x of the slices' concatenated blocks
+    (nb_end_s: cumulative block ends)."""
+    s = pid_x * 0  # a runtime int32, like the values the branches below assign
+    nb = pid_x
+    col = col0
+    width = width0
+    if NUM_SLICES > 1:
+        if pid_x >= nb_end0:
+            s = 1
+            nb = pid_x - nb_end0
+            col = col0 + width0
+            width = width1
+    if NUM_SLICES > 2:
+        if pid_x >= nb_end1:
+            s = 2
+            nb = pid_x - nb_end1
+            col = col0 + width0 + width1
+            width = width2
+    return s, nb, col, width
+
+
+@triton.jit
 def _mm(a, b, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     # Operands are rounded to CDT, then fed to the dot as DOT (= CDT, except float32 under the interpreter, whose
     # bf16 dot is wrong). PREC matters for float32 operands only: "ieee" where the caller wants fp32 accuracy.
@@ -141,22 +164,7 @@ def expand_kernel(
     pid_x = tl.program_id(1)
     pid_m = tl.program_id(2)
 
-    s = pid_x * 0  # a runtime int32, like the values the branches below assign
-    nb = pid_x
-    col = col0
-    width = width0
-    if NUM_SLICES > 1:
-        if pid_x >= nb_end0:
-            s = 1
-            nb = pid_x - nb_end0
-            col = col0 + width0
-            width = width1
-    if NUM_SLICES > 2:
-        if pid_x >= nb_end1:
-            s = 2
-            nb = pid_x - nb_end1
-            col = col0 + width0 + width1
-            width = width2
+    s, nb, col, width = _n_block(pid_x, col0, width0, width1, width2, nb_end0, nb_end1, NUM_SLICES)
 
     slot = tl.load(table_ptr + pid_g)
     start = tl.load(table_ptr + table_stride + pid_g)
@@ -299,22 +307,7 @@ def expand_rows_kernel(
     Grid: (T, n blocks of all slices)."""
     t = tl.program_id(0).to(tl.int64)
     pid_x = tl.program_id(1)
-    s = pid_x * 0
-    nb = pid_x
-    col = col0
-    width = width0
-    if NUM_SLICES > 1:
-        if pid_x >= nb_end0:
-            s = 1
-            nb = pid_x - nb_end0
-            col = col0 + width0
-            width = width1
-    if NUM_SLICES > 2:
-        if pid_x >= nb_end1:
-            s = 2
-            nb = pid_x - nb_end1
-            col = col0 + width0 + width1
-            width = width2
+    s, nb, col, width = _n_block(pid_x, col0, width0, width1, width2, nb_end0, nb_end1, NUM_SLICES)
     slot = tl.load(slot_ptr + t)
     is_lora = slot >= 0
     slot = tl.maximum(slot, 0).to(tl.int64)
