@@ -6,11 +6,13 @@
 Shapes (random bf16 weights, written once under --cache): llama-2048 (16 layers, hidden 2048, GQA 32/8, vocab 32000)
 and llama3-8b (32 layers, hidden 4096, intermediate 14336, GQA 32/8, vocab 128256). For each batch x context, without
 adapters and with 32 distinct rank-16 adapters on all seven projections (one per sequence, round-robin):
-- decode step: the mean wall time of the decode-only steps (one new token per sequence) of the last of --reps runs
-  generating N tokens, each run one engine.generate() with every prompt `context` tokens long, measured from launch
-  to the sampled tokens on the host (so host work included; at these sizes every decode step replays a CUDA graph);
-  "step ms (difference)": (median time of a run generating N tokens - of one generating 1) / (N - 1), kept for
-  comparison, though it carries the prefill's interleaving with early decodes;
+- decode step: the mean wall time of the decode-only steps of all `batch` sequences (one new token each) of the last
+  of --reps runs generating N tokens, each run one engine.generate() with every prompt `context` tokens long, per
+  step from its launch, or the previous step's tokens on the host when later (steps launched ahead overlap), to its
+  own sampled tokens on the host (host work included; at these sizes every decode step replays a CUDA graph). Where
+  the prompts take several steps, sequences start decoding (and finish) at different steps: only steps of the whole
+  batch count. "step ms (difference)": (median time of a run generating N tokens - of one generating 1) / (N - 1),
+  kept for comparison, though it carries the prefill's interleaving with early decodes;
 - floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
   decode's mean context, + with adapters the A and B of each distinct adapter in the batch) / the device copy
   bandwidth measured in the same run (read + written bytes / time); "of floor" = floor / decode step; "adapters /
@@ -297,12 +299,14 @@ def main() -> None:
                     for r in range(args.reps):
                         ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, 10 + r)))
                         st = dataclasses.replace(engine.stats)
+                        full0 = list(engine.stats.decode_by_rows.get(b, [0, 0.0]))
                         longs.append(timed(engine, requests(b, ctx, args.new, vocab, with_ad, 10 + r)))
-                    # The last long run: steps replayed from graphs (prefill too), and the decode-only steps' count and
-                    # mean wall time (host included).
+                    # The last long run: steps replayed from graphs (prefill too), and the count and mean wall time
+                    # (host included) of its decode-only steps of the whole batch.
                     graph_steps = engine.stats.graph_steps - st.graph_steps
-                    decode_steps = engine.stats.decode_steps - st.decode_steps
-                    decode_ms = 1e3 * (engine.stats.decode_seconds - st.decode_seconds) / max(1, decode_steps)
+                    full = engine.stats.decode_by_rows.get(b, [0, 0.0])
+                    decode_steps = full[0] - full0[0]
+                    decode_ms = 1e3 * (full[1] - full0[1]) / decode_steps if decode_steps else None
                     t1, tn = statistics.median(ones), statistics.median(longs)
                     step = (tn - t1) / (args.new - 1)
                     lora_b = min(b, ADAPTERS) * ab if with_ad else 0
@@ -332,13 +336,15 @@ def main() -> None:
     base = {(r["shape"], r["batch"], r["context"]): r for r in rows if not r["adapters"]}
     for r in rows:
         none = base[(r["shape"], r["batch"], r["context"])]
-        ratio = r["vs_no_adapters"] = r["decode_step_ms"] / none["decode_step_ms"] if none["decode_step_ms"] else None
+        ratio = r["vs_no_adapters"] = (r["decode_step_ms"] / none["decode_step_ms"]
+                                       if r["decode_step_ms"] and none["decode_step_ms"] else None)
         r["floor_vs_no_adapters"] = r["floor_ms"] / none["floor_ms"]
         print(f"| {r['shape']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
               f"{r['floor_ms']:.3f} | {'-' if r['of_floor'] is None else format(r['of_floor'], '.0%')} | "
               f"{'-' if ratio is None else format(ratio, '.2f')} (floor {r['floor_vs_no_adapters']:.2f}) | "
               f"{r['prefill_tokens_per_s']:.0f} | "
-              f"{r['graph_steps']} | {r['decode_steps']} | {r['decode_step_ms']:.3f} |")
+              f"{r['graph_steps']} | {r['decode_steps']} | "
+              f"{'-' if r['decode_step_ms'] is None else format(r['decode_step_ms'], '.3f')} |")
     for shape, m in extra.items():
         for k, v in m.items():
             print(f"runner {shape} {k}: decode 32 at context 128 {v['decode_32_ms']:.3f} ms, at 2048 "

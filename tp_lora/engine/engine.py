@@ -55,6 +55,7 @@ class StepStats:
     eager_seconds: float = 0.0  # the same for the eager steps
     decode_steps: int = 0  # steps of one new token per sequence (what a decode benchmark times)
     decode_seconds: float = 0.0  # their wall time (as graph_seconds)
+    decode_by_rows: dict = field(default_factory=dict)  # sequences -> [decode steps, seconds] of steps of that many
     ahead_steps: int = 0  # steps launched before the previous step's tokens were read (run_ahead)
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -615,6 +616,9 @@ class Engine:
         if f.decode:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += seconds
+            by = self.stats.decode_by_rows.setdefault(len(f.sampled), [0, 0.0])
+            by[0] += 1
+            by[1] += seconds
         if not f.sampled:
             return
         toks, lps = f.host.tolist()
