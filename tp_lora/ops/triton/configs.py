@@ -4,8 +4,9 @@ A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width buc
 scheme; the value holds block sizes, split-K and warps. Bucket edges are upper bounds: a shape falls into the
 first edge >= its size, the last edge is open-ended. The entries are the winners of
 ``scripts/bench_lora_ops.py --tune`` on an H100 80GB (triton 3.6, hidden 4096, bf16) at its TUNE_SHAPES, one
-shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand), and the chunked shrink's
-(64, 16, *) entry was tuned in whole decode steps, where the shrink shares the GPU with the base GEMM (BENCHMARKS.md).
+shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand), and the chunked scheme's
+(64, 16, *) shrink and (256, 16, *) shrink and expand were tuned in whole decode steps, where the shrink shares the GPU
+with the base GEMM (BENCHMARKS.md).
 Shapes outside the tuned buckets take the nearest entry, which is safe (every config is correct for every shape) if
 not optimal. Re-tune on another GPU with --tune and paste the tables it prints.
 
@@ -46,7 +47,7 @@ _SHRINK: dict[str, dict[tuple[int, int, int], dict]] = {
         (16, 64, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
         (64, 16, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=2, num_stages=3),
         (64, 64, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
-        (256, 16, 8192): dict(BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        (256, 16, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
         (256, 64, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
         (2048, 16, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
         (2048, 64, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
@@ -72,7 +73,7 @@ _EXPAND: dict[str, dict[tuple[int, int, int], dict]] = {
         (16, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
         (64, 16, 8192): dict(BLOCK_N=256, num_warps=4, num_stages=2),
         (64, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
-        (256, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (256, 16, 8192): dict(BLOCK_N=256, num_warps=4, num_stages=2),
         (256, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
         (2048, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
         (2048, 64, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
