@@ -61,7 +61,9 @@ def test_run_ahead_matches_step_by_step(bundle, eos, case):
     for i, (g, w) in enumerate(zip(got, want)):
         assert g[0] == w[0] and g[2:] == w[2:], f"request {i}: {g} != {w}"
         assert g[1] == pytest.approx(w[1], abs=1e-5)
-    assert engine.stats.ahead_steps > 0
+    st = engine.stats
+    assert st.ahead_steps > 0
+    assert sum(n for n, _ in st.decode_by_rows.values()) == st.decode_steps and max(st.decode_by_rows) <= 6
     if kv:
         assert engine.stats.preemptions > 0
     assert engine.sched is None and engine._inflight is None  # the run closed with nothing in flight
