@@ -20,7 +20,7 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, resolve_device, resolve_dtype, validate_for_model
 from tp_lora.engine.kv_pool import BlockPool, blocks_for, kv_budget_bytes, kv_bytes_per_token, plan_blocks
 from tp_lora.engine.requests import Request, Result
-from tp_lora.engine.runner import ModelRunner, StepBatch
+from tp_lora.engine.runner import ModelRunner, StepBatch, pending
 from tp_lora.engine.sampler import draw, top_logprobs
 from tp_lora.engine.tokenizer import Detokenizer, load_tokenizer
 from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler, Sequence, SlotState
@@ -40,7 +40,6 @@ RUN, DRAIN, ABORT = 0, 1, 2  # stop levels: keep going / admit nothing more, fin
 READ_WAIT_S = 0.1
 ARRIVAL_CHECK_STEPS = 4  # TP ranks busy with work agree on newly arrived requests every this many steps
 INTERRUPTED = "not run: the run was stopped before this request finished (resume=true runs it)"
-PENDING = -1  # in Sequence.tokens: a token sampled by a launched step, not on the host yet
 
 __all__ = ["Engine", "Sequence", "StepOutput", "StepStats", "RUN", "DRAIN", "ABORT"]
 
@@ -76,7 +75,7 @@ class StepStats:
 @dataclass
 class _InFlight:
     """A launched step whose sampled tokens have not reached the host yet."""
-    sampled: list[tuple[Sequence, int]]  # (sequence, where its PENDING token is in seq.tokens), in row order
+    sampled: list[tuple[Sequence, int]]  # (sequence, where its pending token is in seq.tokens), in row order
     host: Optional[torch.Tensor]  # [2, rows] float64 token ids and log-probabilities, copied in once `done`
     tops: Optional[list]  # the top log-probabilities of each sampled row (when a request asked; read already)
     done: Optional[torch.cuda.Event]  # recorded after the step's work (None off CUDA: everything ran already)
@@ -352,15 +351,11 @@ class Engine:
         self.stats.adapter_loads += 1
 
     def _step(self, work: list[tuple[Sequence, int]], cache) -> torch.Tensor:
-        """work: (sequence, number of its new tokens). Returns logits [N, V] of each sequence's last new token. A
-        PENDING last token is fed on the device from the previous step's sampled row of its sequence."""
+        """work: (sequence, number of its new tokens). Returns logits [N, V] of each sequence's last new token (a
+        pending last token is read on the device)."""
         step = StepBatch()
         for seq, n in work:
-            toks = seq.tokens[seq.computed:seq.computed + n]
-            if toks[-1] == PENDING:
-                step.add(toks[:-1] + [0], seq.blocks, seq.computed, seq.slot, seq.sampled_row)
-            else:
-                step.add(toks, seq.blocks, seq.computed, seq.slot)
+            step.add(seq.tokens[seq.computed:seq.computed + n], seq.blocks, seq.computed, seq.slot)
         if self._copies_pending:  # adapter copies issued on the side stream land before any slot is read
             torch.cuda.current_stream(self.ps.device).wait_stream(self.copy_stream)
             self._copies_pending = False
@@ -573,7 +568,8 @@ class Engine:
 
     def _launch(self, work: list[tuple[Sequence, int]]) -> None:
         """Run the model over `work` and sample each finished sequence's next token on the device; the tokens
-        travel to the host in the background (self._inflight, read by _read) and stand as PENDING meanwhile."""
+        travel to the host in the background (self._inflight, read by _read) and stand as runner.pending()
+        placeholders meanwhile."""
         started = time.perf_counter()
         logits = self._step(work, self.kv)
         self.stats.steps += 1
@@ -594,8 +590,7 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
         for j, (seq, _) in enumerate(sampled):
-            seq.tokens.append(PENDING)
-            seq.sampled_row = j
+            seq.tokens.append(pending(j))
         self._inflight = _InFlight([(seq, len(seq.tokens) - 1) for seq, _ in sampled], host, tops, done, started,
                                    all(n == 1 for _, n in work), self.runner.replayed, self.runner.captured)
 

@@ -37,12 +37,18 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIXED_TOKEN_SIZES = (64, 128, 256, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 
 
+def pending(row: int) -> int:
+    """The placeholder id of a token still on the device: row `row` of the last step's sampled tokens (keep_sampled);
+    a step fed it reads the token there."""
+    return -1 - row
+
+
 @dataclass
 class StepBatch:
     """Sequence n contributes lens[n] tokens at positions starts[n].. into the KV-cache blocks blocks[n] (its block
     table), with adapter slot slots[n] (-1 none); its last token's id is the one the previous step sampled in row
-    feeds[n] (>= 0: still on the device, its id here a placeholder) or its own (-1). all_logits: logits for every
-    token (scoring), else for each sequence's last token."""
+    feeds[n] (added as a pending() placeholder: on the device, its id here 0) or its own (feeds[n] -1).
+    all_logits: logits for every token (scoring), else for each sequence's last token."""
     ids: list[int] = field(default_factory=list)
     blocks: list[list[int]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -51,13 +57,16 @@ class StepBatch:
     feeds: list[int] = field(default_factory=list)
     all_logits: bool = False
 
-    def add(self, tokens: list[int], blocks: list[int], start: int, slot: int, feed: int = -1) -> None:
+    def add(self, tokens: list[int], blocks: list[int], start: int, slot: int) -> None:
+        feed = -1 - tokens[-1]  # >= 0 for a pending() last token
+        if feed >= 0:
+            tokens = tokens[:-1] + [0]
         self.ids.extend(tokens)
         self.blocks.append(blocks)
         self.starts.append(start)
         self.lens.append(len(tokens))
         self.slots.append(slot)
-        self.feeds.append(feed)
+        self.feeds.append(max(feed, -1))
 
     @property
     def fed(self) -> list[int] | None:

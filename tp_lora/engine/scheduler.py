@@ -54,7 +54,6 @@ class Sequence:
     computed: int = 0  # tokens already in the KV cache
     result: Optional[Result] = None
     stopped: bool = False  # takes no more tokens (finished, cancelled, dropped): a step in flight drops its row
-    sampled_row: int = -1  # its row among the tokens sampled by the step that left its last token pending
 
     @property
     def generated(self) -> int:
