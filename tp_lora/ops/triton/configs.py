@@ -133,9 +133,9 @@ def expand_config(t: int, r: int, n: int, scheme: str = "sorted") -> dict:
     return cfg
 
 
-# Steps of few tokens (decode) run the one-token-per-program kernels (shrink_rows_kernel, expand_rows_kernel): with
-# few tokens per adapter a tensor-core tile is mostly padding, and a token per program needs no work table. Up to
-# these step sizes (and ranks up to ROWS_MAX_R) they beat the tiled kernels on one H200 (BENCHMARKS.md).
+# Steps of at most these many tokens (and ranks up to ROWS_MAX_R) run the one-token-per-program kernels
+# (shrink_rows_kernel, expand_rows_kernel): with few tokens per adapter a tensor-core tile is mostly padding, and a
+# token per program needs no work table. The bounds are where they stop winning (BENCHMARKS.md).
 SHRINK_ROWS_MAX_T, EXPAND_ROWS_MAX_T, ROWS_MAX_R = 32, 64, 64
 # shrink_rows_kernel splits K so that a program reduces at most K_PER_PROGRAM of it (a few wide tiles in flight).
 SHRINK_ROWS = dict(BLOCK_K=1024, K_PER_PROGRAM=4096, num_warps=8, num_stages=3)
