@@ -105,56 +105,35 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
         return 1 in (lora_a[i].stride(0),) + ((a_scales[i].stride(0),) if a_scales is not None else ())
 
     rows = configs.shrink_rows_config(t, rank, k)
-    if rows is not None:
-        return _shrink_rows(x, lora_a, scales, batch, a_scales, rows, _launch_groups(n_slices, key, solo))
-    sched = prepare(batch, scheme)
-    cfg = configs.shrink_config(t, rank, k, sched.scheme)
-    block_m = sched.segment_size or cfg["BLOCK_M"]
+    if rows is None:
+        sched = prepare(batch, scheme)
+        cfg = configs.shrink_config(t, rank, k, sched.scheme)
+        block_m = sched.segment_size or cfg["BLOCK_M"]
+    else:
+        cfg = rows
     split_k = cfg["SPLIT_K"]
     out = _new_buffer((n_slices, t, rank), split_k > 1, x.device)
     n_blocks_r = triton.cdiv(rank, cfg["BLOCK_N"])
     for base, idx in _launch_groups(n_slices, key, solo):
         a3 = _three(lora_a, idx)
         as3 = _three(a_scales, idx) if a_scales is not None else [scales] * 3  # unused placeholders
+        strides = (x.stride(0), x.stride(1),
+                   *(a.stride(0) for a in a3), a3[0].stride(1), a3[0].stride(2),
+                   as3[0].stride(0) if a_scales is not None else 0, as3[0].stride(1) if a_scales is not None else 0,
+                   scales.stride(0), scales.stride(1),
+                   out.stride(0), out.stride(1), out.stride(2))
+        meta = dict(NUM_SLICES=len(idx), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
+                    EVEN_K=k % (cfg["BLOCK_K"] * split_k) == 0, HAS_A_SCALES=a_scales is not None,
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if rows is not None:
+            shrink_rows_kernel[(t, len(idx) * split_k)](x, *a3, *as3, scales, out, batch.token_slot, k, rank, base,
+                                                        *strides, **meta)
+            continue
         cdt, dot, prec = _compute_types(x.dtype, lora_a[idx[0]].dtype)
         other = len(idx) * n_blocks_r * split_k
         grid = (sched.entries, other, _m_programs(sched, t, block_m, other, x.device))
-        shrink_kernel[grid](
-            x, *a3, *as3, scales, out, batch.order, sched.table,
-            k, rank, sched.entries, base, n_blocks_r,
-            x.stride(0), x.stride(1),
-            *(a.stride(0) for a in a3), a3[0].stride(1), a3[0].stride(2),
-            as3[0].stride(0) if a_scales is not None else 0, as3[0].stride(1) if a_scales is not None else 0,
-            scales.stride(0), scales.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            grid[2],
-            NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            SPLIT_K=split_k, EVEN_K=k % (cfg["BLOCK_K"] * split_k) == 0, HAS_A_SCALES=a_scales is not None,
-            CDT=cdt, DOT=dot, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-    return out
-
-
-def _shrink_rows(x, lora_a, scales, batch, a_scales, cfg: dict, groups) -> torch.Tensor:
-    """shrink() through shrink_rows_kernel (one token per program), launched per group of slices."""
-    n_slices, (_, rank, k), t = len(lora_a), lora_a[0].shape, x.shape[0]
-    split_k = cfg["SPLIT_K"]
-    out = _new_buffer((n_slices, t, rank), split_k > 1, x.device)
-    for base, idx in groups:
-        a3 = _three(lora_a, idx)
-        as3 = _three(a_scales, idx) if a_scales is not None else [scales] * 3  # unused placeholders
-        shrink_rows_kernel[(t, len(idx) * split_k)](
-            x, *a3, *as3, scales, out, batch.token_slot,
-            k, rank, base,
-            x.stride(0), x.stride(1),
-            *(a.stride(0) for a in a3), a3[0].stride(1), a3[0].stride(2),
-            as3[0].stride(0) if a_scales is not None else 0, as3[0].stride(1) if a_scales is not None else 0,
-            scales.stride(0), scales.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_SLICES=len(idx), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
-            EVEN_K=k % (cfg["BLOCK_K"] * split_k) == 0, HAS_A_SCALES=a_scales is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        shrink_kernel[grid](x, *a3, *as3, scales, out, batch.order, sched.table, k, rank, sched.entries, base,
+                            n_blocks_r, *strides, grid[2], BLOCK_M=block_m, CDT=cdt, DOT=dot, PREC=prec, **meta)
     return out
 
 
@@ -197,32 +176,20 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
         b_dtype = lora_b[idx[0]].dtype
         cdt, dot, prec = _compute_types(out.dtype if b_dtype in _FP8 else b_dtype, b_dtype)
         has_bs = b_scales is not None
-        if rows is not None:
-            expand_rows_kernel[(t, nb_ends[len(idx) - 1])](
-                buf, *b3, *bs3, out, batch.token_slot,
-                rank, base, cols[base], *w3, nb_ends[0], nb_ends[1],
+        tail = (base, cols[base], *w3, nb_ends[0], nb_ends[1],
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 *(b.stride(0) for b in b3), b3[0].stride(1), b3[0].stride(2),
                 *((s.stride(0) for s in bs3) if has_bs else (0, 0, 0)), bs3[0].stride(1) if has_bs else 0,
-                out.stride(0), out.stride(1),
-                NUM_SLICES=len(idx), BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"], ADD=bool(add), HAS_B_SCALES=has_bs,
-                CDT=cdt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            )
+                out.stride(0), out.stride(1))
+        meta = dict(NUM_SLICES=len(idx), BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"], ADD=bool(add), HAS_B_SCALES=has_bs,
+                    CDT=cdt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if rows is not None:
+            expand_rows_kernel[(t, nb_ends[len(idx) - 1])](buf, *b3, *bs3, out, batch.token_slot, rank, *tail, **meta)
             continue
         grid = (sched.entries, nb_ends[len(idx) - 1], _m_programs(sched, t, block_m, nb_ends[len(idx) - 1],
                                                                     out.device))
-        expand_kernel[grid](
-            buf, *b3, *bs3, out, batch.order, sched.table,
-            rank, sched.entries, base, cols[base], *w3, nb_ends[0], nb_ends[1],
-            buf.stride(0), buf.stride(1), buf.stride(2),
-            *(b.stride(0) for b in b3), b3[0].stride(1), b3[0].stride(2),
-            *((s.stride(0) for s in bs3) if has_bs else (0, 0, 0)), bs3[0].stride(1) if has_bs else 0,
-            out.stride(0), out.stride(1),
-            grid[2],
-            NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
-            ADD=bool(add), HAS_B_SCALES=has_bs, CDT=cdt, DOT=dot, PREC=prec,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        expand_kernel[grid](buf, *b3, *bs3, out, batch.order, sched.table, rank, sched.entries, *tail, grid[2],
+                            BLOCK_M=block_m, DOT=dot, PREC=prec, **meta)
 
 
 def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Tensor, batch: LoRABatch,
