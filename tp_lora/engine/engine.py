@@ -52,9 +52,9 @@ class StepStats:
     graph_seconds: float = 0.0  # wall time of those steps: to the sampled tokens on the host, from the launch or from
     # the previous step's tokens, whichever is later (steps launched ahead overlap)
     eager_seconds: float = 0.0  # the same for the eager steps
-    decode_steps: int = 0  # steps of one new token per sequence (what a decode benchmark times)
-    decode_seconds: float = 0.0  # their wall time (as graph_seconds)
-    decode_by_rows: dict = field(default_factory=dict)  # sequences -> [decode steps, seconds] of steps of that many
+    # decode steps (one new token per sequence: what a decode benchmark times) by their number of sequences ->
+    # [steps, wall seconds (as graph_seconds)]
+    decode_by_rows: dict = field(default_factory=dict)
     ahead_steps: int = 0  # steps launched before the previous step's tokens were read (run_ahead)
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -65,6 +65,14 @@ class StepStats:
     interrupted: int = 0  # requests a stop left unfinished
     preemptions: int = 0  # running sequences sent back to the queue for want of KV blocks (recomputed later)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_steps(self) -> int:
+        return sum(n for n, _ in self.decode_by_rows.values())
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(t for _, t in self.decode_by_rows.values())
 
     @property
     def slot_hit_rate(self) -> float:
@@ -609,8 +617,6 @@ class Engine:
         else:
             self.stats.eager_seconds += seconds
         if f.decode:
-            self.stats.decode_steps += 1
-            self.stats.decode_seconds += seconds
             by = self.stats.decode_by_rows.setdefault(len(f.sampled), [0, 0.0])
             by[0] += 1
             by[1] += seconds
