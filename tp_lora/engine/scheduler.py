@@ -53,7 +53,8 @@ class Sequence:
     prompt_len: int
     computed: int = 0  # tokens already in the KV cache
     result: Optional[Result] = None
-    stopped: bool = False  # takes no more tokens (finished, cancelled, dropped): a step in flight drops its row
+    stopped: bool = False  # left the running set for good (finished, cancelled, dropped): a launched step drops its
+    # row (a preempted sequence is in no step launched since)
 
     @property
     def generated(self) -> int:
@@ -333,9 +334,7 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if r.adapter != name]
         for r in out:
             self.passed.pop(r.index, None)
-            seq = self.preempted.pop(r.index, None)
-            if seq is not None:
-                seq.stopped = True
+            self.preempted.pop(r.index, None)
         return out
 
     def remove(self, index: int):
@@ -349,10 +348,7 @@ class Scheduler:
             if req.index == index:
                 del self.waiting[i]
                 self.passed.pop(index, None)
-                seq = self.preempted.pop(index, None)
-                if seq is not None:
-                    seq.stopped = True
-                return seq or req
+                return self.preempted.pop(index, req)
         return None
 
     def stop_admitting(self) -> list[Request]:
@@ -360,8 +356,6 @@ class Scheduler:
         self.admitting = False
         out, self.waiting = self.waiting, []
         self.passed.clear()
-        for seq in self.preempted.values():
-            seq.stopped = True
         self.preempted.clear()
         return out
 
