@@ -96,3 +96,24 @@ def test_cancel_while_a_step_is_in_flight(bundle, eos):
             assert done[r.index].output_token_ids == want[r.index][0], f"request {r.index}"
     assert engine.sched.blocks.available == total
     engine.close_run()
+
+
+def test_abort_while_a_step_is_in_flight(bundle, eos):
+    """Dropping every running sequence (a server's stop past its grace: it ends them itself) while a launched step
+    holds their rows: reading that step advances and finishes none of them, and every KV block comes back."""
+    engine = _engine(bundle, True)
+    engine.eos = eos
+    reqs = _requests()
+    engine.open(*engine._kv_plan([len(r.prompt_token_ids) + r.max_new_tokens for r in reqs]))
+    total = engine.sched.blocks.available
+    for r in reqs:
+        engine.add(r, 0.0)
+    while engine._inflight is None or not engine._inflight.sampled or engine.stats.ahead_steps < 3:
+        engine.step()
+    dropped = {seq.request.index for seq in engine.sched.abort()}
+    assert dropped and any(seq.request.index in dropped for seq, _ in engine._inflight.sampled)
+    while engine.busy:
+        out = engine.step()
+        assert not {r.request.index for r in out.advanced + out.finished} & dropped
+    assert engine.sched.blocks.available == total
+    engine.close_run()
