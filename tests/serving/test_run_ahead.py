@@ -69,10 +69,9 @@ def test_run_ahead_matches_step_by_step(bundle, eos, case):
     assert engine.sched is None and engine._inflight is None  # the run closed with nothing in flight
 
 
-def test_cancel_while_a_step_is_in_flight(bundle, eos):
-    """A request cancelled between steps, while a launched step holds its row: that row's token is dropped, the
-    others run to their step-by-step tokens, and every KV block comes back."""
-    want = _run(_engine(bundle, False), eos)
+def _open_run(bundle, eos):
+    """A run-ahead engine with _requests() queued through the serving API (open / add, stepped by the test) ->
+    (engine, requests, its free KV blocks before any step)."""
     engine = _engine(bundle, True)
     engine.eos = eos
     reqs = _requests()
@@ -80,6 +79,14 @@ def test_cancel_while_a_step_is_in_flight(bundle, eos):
     total = engine.sched.blocks.available
     for r in reqs:
         engine.add(r, 0.0)
+    return engine, reqs, total
+
+
+def test_cancel_while_a_step_is_in_flight(bundle, eos):
+    """A request cancelled between steps, while a launched step holds its row: that row's token is dropped, the
+    others run to their step-by-step tokens, and every KV block comes back."""
+    want = _run(_engine(bundle, False), eos)
+    engine, reqs, total = _open_run(bundle, eos)
     done, victim, cancelled = {}, reqs[3], None
     while engine.busy:
         out = engine.step()
@@ -101,13 +108,7 @@ def test_cancel_while_a_step_is_in_flight(bundle, eos):
 def test_abort_while_a_step_is_in_flight(bundle, eos):
     """Dropping every running sequence (a server's stop past its grace: it ends them itself) while a launched step
     holds their rows: reading that step advances and finishes none of them, and every KV block comes back."""
-    engine = _engine(bundle, True)
-    engine.eos = eos
-    reqs = _requests()
-    engine.open(*engine._kv_plan([len(r.prompt_token_ids) + r.max_new_tokens for r in reqs]))
-    total = engine.sched.blocks.available
-    for r in reqs:
-        engine.add(r, 0.0)
+    engine, reqs, total = _open_run(bundle, eos)
     while engine._inflight is None or not engine._inflight.sampled or engine.stats.ahead_steps < 3:
         engine.step()
     dropped = {seq.request.index for seq in engine.sched.abort()}
