@@ -24,6 +24,11 @@ from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 
 
+# Rows per weight matrix up to which a base GEMM is bound by reading its weights (below the GPU's FLOPs-per-byte
+# ridge, ~200 on H100 / H200), so a LoRA shrink beside it costs little (LoRARuntime.beside).
+SIDE_STREAM_MAX_ROWS = 256
+
+
 @dataclass
 class LoRARuntime:
     """State every LoRA layer of a model shares: sizes, backend, and the current step's batch metadata
@@ -42,11 +47,12 @@ class LoRARuntime:
         return self.batch is not None and self.batch.any_lora
 
     def beside(self, shrink: Callable[[], torch.Tensor], base: Callable[[], torch.Tensor],
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shrink(), base()): on CUDA the LoRA shrink runs on a side stream beside the base GEMM (at decode sizes
-        both are latency-bound and leave SMs idle); every side-stream use waits on the main stream first, so the
-        shrink's output memory is safe to reuse once freed."""
-        if device.type != "cuda":
+               device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shrink(), base()): on CUDA, where the base GEMM multiplies at most SIDE_STREAM_MAX_ROWS rows by each of
+        its weight matrices, the LoRA shrink runs on a side stream beside it (both then wait on memory and leave SMs
+        idle; with more rows the GEMM needs every SM and the two would contend). Every side-stream use waits on the
+        main stream first, so the shrink's output memory is safe to reuse once freed."""
+        if device.type != "cuda" or rows > SIDE_STREAM_MAX_ROWS:
             return shrink(), base()
         if self._side is None:
             self._side = torch.cuda.Stream(device)
@@ -204,7 +210,7 @@ class LoRALinear(SlotBuffers, nn.Module):
             return self.base.partial(x)
         ops, batch = self.rt.ops, self.rt.batch
         u, z = self.rt.beside(lambda: ops.shrink(x, self.lora_a, self.scales, batch),  # [S, T, r_local] float32
-                              lambda: self.base.partial(x), x.device)
+                              lambda: self.base.partial(x), x.device, x.shape[0])
         if self.fully_sharded:
             # One collective for every slice of a packed layer: the slices travel together in u.
             u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)

@@ -119,13 +119,13 @@ class LoRAExperts(SlotBuffers, nn.Module):
         if not plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
             return base(xp, plan)
         u, z = rt.beside(lambda: ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan),
-                         lambda: base.up(xp, plan), xp.device)
+                         lambda: base.up(xp, plan), xp.device, xp.shape[0] // base.num_local)
         if self.fully_sharded:
             u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
         ops.moe_lora_expand(u, list(self.lora_b13), plan, z, b_scales=self.b13_scales)
         h = base.act(z)
         u, y = rt.beside(lambda: ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], plan),
-                         lambda: base.down(h, plan), h.device)
+                         lambda: base.down(h, plan), h.device, h.shape[0] // base.num_local)
         if self.fully_sharded:
             u = comm.all_reduce(u, self.tp)
         ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset,
