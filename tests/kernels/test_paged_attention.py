@@ -57,11 +57,20 @@ def test_kernel_partitions_merge(device, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     heads, kv, d, bs = 4, 4, 16, 16  # rep 1 (multi-head)
     args = _case(gen, [200, 3], heads, kv, d, bs, torch.float32, device, width=16)
-    assert pa.partitions(2, kv, 16 * bs)[0] > 1
+    assert pa.partitions(2, kv, 16 * bs, d)[0] > 1
     got = pa.paged_decode(*args, 0.5, 0)
     want = paged_decode_ref(*args, 0.5, 0)
     tol = 1e-5 if device == "cpu" else 1e-4
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_partitions_grow_as_heads_shrink():
+    """A head half as wide streams half the bytes per program: its grid aims at twice the programs (32 sequences x
+    8 KV heads: one partition at head_dim 128, two at 64), and every partition holds whole BLOCK_N tiles."""
+    from tp_lora.ops.triton import paged_attention as pa
+    assert pa.partitions(32, 8, 2048, 128) == (1, 2048)
+    parts, part_len = pa.partitions(32, 8, 2048, 64)
+    assert parts == 2 and part_len % pa.BLOCK_N == 0 and parts * part_len >= 2048
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 128  # positions per inner iteration
-TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200
+TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200, at head_dim 128; twice that at 64, whose programs
+# stream half the bytes per position (scripts/bench_attention.py --sweep)
 MIN_PART = 256  # positions per partition at least (fewer: the merge costs more than it gains)
 NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel (chosen by scripts/bench_attention.py --sweep)
 
@@ -118,10 +119,11 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, s_ob, s_oh, H: tl.constexp
     tl.store(out_ptr + b * s_ob + h * s_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def partitions(batch: int, kv_heads: int, max_context: int) -> tuple[int, int]:
+def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int = 128) -> tuple[int, int]:
     """(partition count, positions per partition) for a grid of batch x kv_heads programs over contexts of at most
-    max_context positions: split only while the grid is short of TARGET_PROGRAMS."""
-    parts = max(1, min(TARGET_PROGRAMS // max(1, batch * kv_heads), triton.cdiv(max_context, MIN_PART)))
+    max_context positions: split only while the grid is short of its target (TARGET_PROGRAMS at head_dim >= 128)."""
+    target = TARGET_PROGRAMS * max(1, 128 // head_dim)
+    parts = max(1, min(target // max(1, batch * kv_heads), triton.cdiv(max_context, MIN_PART)))
     part_len = triton.cdiv(triton.cdiv(max_context, parts), BLOCK_N) * BLOCK_N
     return triton.cdiv(max_context, part_len), part_len
 
@@ -133,7 +135,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if d & (d - 1) or k_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError(f"paged_decode needs a power-of-two head_dim and contiguous heads, got d={d}")
     rep = heads // kv
-    parts, part_len = partitions(b, kv, block_table.shape[1] * bs)
+    parts, part_len = partitions(b, kv, block_table.shape[1] * bs, d)
     out = torch.empty_like(q)
     if parts > 1:
         part_acc = torch.empty(b * heads * parts * d, dtype=torch.float32, device=q.device)
