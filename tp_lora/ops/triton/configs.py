@@ -4,9 +4,9 @@ A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width buc
 scheme; the value holds block sizes, split-K and warps. Bucket edges are upper bounds: a shape falls into the
 first edge >= its size, the last edge is open-ended. The entries are the winners of
 ``scripts/bench_lora_ops.py --tune`` on an H100 80GB (triton 3.6, hidden 4096, bf16) at its TUNE_SHAPES, one
-shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand), and the chunked scheme's
-(64, 16, *) shrink and (256, 16, *) shrink and expand were tuned in whole decode steps, where the shrink shares the GPU
-with the base GEMM (BENCHMARKS.md).
+shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand), the chunked scheme's (64, 16, *)
+shrink and (256, 16, *) shrink and expand were tuned in whole decode steps, where the shrink shares the GPU with the
+base GEMM, and its (INF, 16, *) pair and segment on an H200 at prefill steps of 4096 tokens (BENCHMARKS.md).
 Shapes outside the tuned buckets take the nearest entry, which is safe (every config is correct for every shape) if
 not optimal. Re-tune on another GPU with --tune and paste the tables it prints.
 
@@ -51,7 +51,7 @@ _SHRINK: dict[str, dict[tuple[int, int, int], dict]] = {
         (256, 64, 8192): dict(BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=3),
         (2048, 16, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
         (2048, 64, 8192): dict(BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-        (_INF, 16, 8192): dict(BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),
+        (_INF, 16, 8192): dict(BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
         (_INF, 64, 8192): dict(BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=3),
     },
 }
@@ -77,13 +77,13 @@ _EXPAND: dict[str, dict[tuple[int, int, int], dict]] = {
         (256, 64, 8192): dict(BLOCK_N=64, num_warps=4, num_stages=2),
         (2048, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
         (2048, 64, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
-        (_INF, 16, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+        (_INF, 16, 8192): dict(BLOCK_N=256, num_warps=4, num_stages=2),
         (_INF, 64, 8192): dict(BLOCK_N=128, num_warps=4, num_stages=2),
     },
 }
 # chunked scheme: tokens per segment by T bucket (one segment = one program's token block, so also its BLOCK_M),
 # the size that minimised shrink + expand at the bucket's rank-16 shape
-_SEGMENT = {16: 16, 64: 16, 256: 16, 2048: 32, _INF: 32}
+_SEGMENT = {16: 16, 64: 16, 256: 16, 2048: 32, _INF: 64}
 
 # Sorted scheme: programs per adapter group along the token axis are capped so that the whole grid stays near this
 # many programs per SM *for one busy adapter*; the other groups' copies exit at once.
