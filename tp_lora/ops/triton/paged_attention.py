@@ -20,16 +20,20 @@ NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel (chosen by scripts/bench_at
 
 
 @triton.jit
-def online_softmax(q, q_pos, k_ptr, v_ptr, table_ptr, head_off, lo, hi, scale, window, softcap, s_kb, s_ks,
-                   ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-                   F32_DOT: tl.constexpr):
-    """Attention of q [ROWS, D] over the positions lo..hi-1 of one sequence's paged K/V (table_ptr: its block table,
-    head_off: its KV head's offset in a cache row), BLOCK positions per iteration -> (row max, row sum, unnormalized
-    output [ROWS, D]), float32. CAUSAL: row i sees positions <= q_pos[i] (and > q_pos[i] - window if window > 0)."""
+def softmax_start(ROWS: tl.constexpr, D: tl.constexpr):
+    """The empty state of online_softmax: (row max -inf, row sum 0, output 0)."""
+    return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, D], tl.float32)
+
+
+@triton.jit
+def online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, table_ptr, head_off, lo, hi, scale, window, softcap, s_kb,
+                   s_ks, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr,
+                   CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
+    """State (row max, row sum, unnormalized output [ROWS, D], float32) carried on over the positions lo..hi-1 of one
+    sequence's paged K/V for q [ROWS, D] (table_ptr: its block table, head_off: its KV head's offset in a cache row),
+    BLOCK positions per iteration. CAUSAL: row i sees positions <= q_pos[i] (and > q_pos[i] - window if window > 0);
+    else every position in range."""
     d = tl.arange(0, D)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
     for t0 in range(lo - lo % BLOCK, hi, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         valid = (t >= lo) & (t < hi)
@@ -85,8 +89,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
     q = tl.load(q_ptr + b * s_qb + (g * REP + r)[:, None] * s_qh + d[None, :], mask=(r < REP)[:, None], other=0.0)
     if F32_DOT:
         q = q.to(tl.float32)
-    m, l_sum, acc = online_softmax(q, r, k_ptr, v_ptr, bt_ptr + b * s_btb, g * s_kh, lo, hi, scale, window, softcap,
-                                   s_kb, s_ks, REP_PAD, D, BS, BLOCK, False, F32_DOT)
+    m, l_sum, acc = softmax_start(REP_PAD, D)
+    m, l_sum, acc = online_softmax(m, l_sum, acc, q, r, k_ptr, v_ptr, bt_ptr + b * s_btb, g * s_kh, lo, hi, scale,
+                                   window, softcap, s_kb, s_ks, REP_PAD, D, BS, BLOCK, False, F32_DOT)
     heads = g * REP + r
     if PARTS == 1:
         out = acc / l_sum[:, None]

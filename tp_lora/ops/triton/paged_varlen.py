@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.paged_attention import online_softmax
+from tp_lora.ops.triton.paged_attention import online_softmax, softmax_start
 
 BLOCK_N = 64  # key positions per inner iteration
 MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: what tl.dot takes
@@ -70,8 +70,15 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
                 other=0.0)
     if F32_DOT:
         q = q.to(tl.float32)
-    m, l_sum, acc = online_softmax(q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, lo, hi, scale, window,
-                                   softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, True, F32_DOT)
+    # Without a window, the whole tiles before the block's first query are visible to every row: no causal mask.
+    split = lo
+    if window == 0:
+        split = tl.maximum(lo, (ctx - q_len + first) // BLOCK * BLOCK)
+    m, l_sum, acc = softmax_start(ROWS, D)
+    m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, lo, split,
+                                   scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, False, F32_DOT)
+    m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, split, hi,
+                                   scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, True, F32_DOT)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (q_begin + qi)[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
