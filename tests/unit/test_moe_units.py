@@ -207,6 +207,40 @@ def test_target_parameters_reshape_is_peft_paramwrapper(tmp_path):
     validate_adapter(ad, module_shapes(rt), 8)  # fits the model
 
 
+def test_target_parameters_adapters_load_from_many_threads(tmp_path):
+    """The adapter cache reads adapters on several threads at once: every read of a target_parameters adapter
+    succeeds while plain ones load beside it (a refusal lifted for one read must not be lifted or restored for
+    another), and a plain adapter with target_parameters is still refused by load_adapter."""
+    import threading
+
+    from tp_lora.lora.adapter import load_adapter
+    e, r, h, i = 4, 2, 16, 8
+    _write(tmp_path / "experts", {"peft_type": "LORA", "r": r, "lora_alpha": 4, "target_modules": [],
+                                  "target_parameters": ["mlp.experts.down_proj"]},
+           {"base_model.model.model.layers.0.mlp.experts.lora_A.weight": torch.randn(e * r, i),
+            "base_model.model.model.layers.0.mlp.experts.lora_B.weight": torch.randn(h, e * r)})
+    _write(tmp_path / "plain", {"peft_type": "LORA", "r": r, "lora_alpha": 4, "target_modules": ["o_proj"]},
+           {"base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight": torch.randn(r, h),
+            "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight": torch.randn(h, r)})
+    errors, start = [], threading.Barrier(8)
+
+    def read(k):
+        start.wait()
+        for _ in range(40):
+            try:
+                load_peft_adapter(tmp_path / ("experts" if k % 2 else "plain"))
+            except Exception as err:  # noqa: BLE001 - collected, asserted below
+                errors.append(err)
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, f"{len(errors)} of 320 concurrent reads failed, first: {errors[0]}"
+    with pytest.raises(AdapterError, match="target_parameters"):
+        load_adapter(tmp_path / "experts")
+
+
 def test_adapter_shape_errors_are_clear(tmp_path):
     _, rt = _model_with_lora()
     shapes = module_shapes(rt)

@@ -161,9 +161,9 @@ def _err(name: str, msg: str) -> AdapterError:
     return AdapterError(f"adapter {name!r}: {msg}")
 
 
-def read_adapter_config(path: str, name: Optional[str] = None) -> dict:
-    """adapter_config.json of adapter dir `path`, validated (LoRA only, no option that changes the math).
-    Returns the dict as read."""
+def read_adapter_config(path: str, name: Optional[str] = None, allow: tuple[str, ...] = ()) -> dict:
+    """adapter_config.json of adapter dir `path`, validated (LoRA only, no option that changes the math; `allow`:
+    refused options the caller handles itself). Returns the dict as read."""
     path = os.fspath(path)
     name = name or os.path.basename(os.path.normpath(path))
     cfg_path = os.path.join(path, CONFIG_FILE)
@@ -187,7 +187,7 @@ def read_adapter_config(path: str, name: Optional[str] = None) -> dict:
     if str(peft_type).upper() != "LORA":
         raise bad("peft_type", peft_type, "'LORA' (only LoRA adapters are supported)")
     for option, why in _TRUTHY_REJECT.items():
-        if cfg.get(option):
+        if cfg.get(option) and option not in allow:
             raise bad(option, cfg[option], f"false/empty: {why}")
     if cfg.get("bias", "none") != "none":
         raise bad("bias", cfg["bias"], "'none' (trained biases of the base layers are not supported)")
@@ -508,14 +508,8 @@ def load_peft_adapter(path: str, name: Optional[str] = None, dtype: Optional[tor
     a [r, H], b [2I, r]), so the model and validate_adapter see ordinary per-module LoRAs."""
     path = os.fspath(path)
     name = name or os.path.basename(os.path.normpath(path))
-    # read_adapter_config refuses target_parameters because load_adapter cannot map them; this loader can, so that
-    # one refusal is lifted while every other config check still runs.
-    refusal = _TRUTHY_REJECT.pop("target_parameters", None)
-    try:
-        cfg = read_adapter_config(path, name)
-    finally:
-        if refusal is not None:
-            _TRUTHY_REJECT["target_parameters"] = refusal
+    # read_adapter_config refuses target_parameters because load_adapter cannot map them; this loader can.
+    cfg = read_adapter_config(path, name, allow=("target_parameters",))
     if not cfg.get("target_parameters"):
         return load_adapter(path, name, dtype)
     if not isinstance(cfg["target_parameters"], list) or not all(isinstance(t, str) for t in cfg["target_parameters"]):

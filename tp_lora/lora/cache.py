@@ -15,7 +15,6 @@ the same message, and the scheduler on every rank makes the same decision.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
@@ -76,18 +75,9 @@ def read_safetensors_header(path: str, owner: str) -> dict[str, dict]:
 
 def register_adapter(name: str, path: str) -> AdapterInfo:
     """An AdapterInfo from the config and the weights' header; raises AdapterError naming what is wrong."""
-    raw_cfg_path = os.path.join(path, CONFIG_FILE)
-    try:
-        with open(raw_cfg_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except OSError as e:
-        raise _err(name, f"{raw_cfg_path} cannot be read: {e}") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _err(name, f"{raw_cfg_path} is not valid JSON: {e}") from e
-    fused = isinstance(raw, dict) and bool(raw.get("target_parameters"))
-    # read_adapter_config refuses target_parameters, which load_peft_adapter handles: such configs are checked at
-    # their first load.
-    cfg = raw if fused else read_adapter_config(path, name)
+    # target_parameters (fused 3D experts): load_peft_adapter maps them at the first load.
+    cfg = read_adapter_config(path, name, allow=("target_parameters",))
+    fused = bool(cfg.get("target_parameters"))
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights):
         raise _err(name, f"{weights} not found (a PEFT adapter dir holds {CONFIG_FILE} and {WEIGHTS_FILE})")
