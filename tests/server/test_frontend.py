@@ -1,5 +1,5 @@
 """The HTTP front end's own process: 32 concurrent streams get every token through the per-step frames (behind an API
-key, which /v1/* then need); a port in use ends the server at start with a message and no process left; a dead front
+key, which /v1/* then need); its connections with Nagle's algorithm off; a port in use ends the server at start with a message and no process left; a dead front
 end stops the server with exit 1; the front end ends within seconds of rank 0's SIGKILL (last: it kills the module's
 server)."""
 import asyncio
@@ -63,6 +63,17 @@ def test_the_api_key_is_needed_on_v1_only(server):
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_accepted_connections_have_nagle_off():
+    """Streamed tokens are small writes on a kept-alive connection: with Nagle's algorithm on, each waits for the
+    client's delayed ACK (~40 ms), so the front end's listening socket hands TCP_NODELAY to what it accepts."""
+    from tp_lora.server.frontend import _bind
+    listen = _bind("127.0.0.1", 0)
+    with listen, socket.create_connection(listen.getsockname()):
+        conn, _ = listen.accept()
+        with conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 def test_a_port_in_use_ends_the_server_at_start(home, default, tmp_path):
