@@ -3,7 +3,13 @@ sampled rows draw from their temperature / top-p distribution with their own gen
 log-probability is that of the unscaled distribution."""
 import torch
 
-from tp_lora.engine.sampler import sample
+from tp_lora.engine.sampler import draw
+
+
+def sample(logits, temperatures, top_p, generator) -> tuple[list[int], list[float]]:
+    """draw's [2, N] rows on the host: (token ids, log-probabilities)."""
+    toks, lps = draw(logits, temperatures, top_p, generator).tolist()
+    return [int(t) for t in toks], lps
 
 
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:

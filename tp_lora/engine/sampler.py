@@ -9,21 +9,12 @@ import torch
 from tp_lora.ops.fused import greedy
 
 
-def sample(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Sequence[float]],
-           generator: Union[torch.Generator, None, Sequence[Optional[torch.Generator]]]
-           ) -> tuple[list[int], list[float]]:
-    """logits [N, V] float32 -> (token per row, its log-probability under the unscaled distribution), on the host.
-    See draw()."""
-    host = draw(logits, temperatures, top_p, generator).tolist()  # one device->host transfer for both
-    return [int(t) for t in host[0]], host[1]
-
-
 def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Sequence[float]],
          generator: Union[torch.Generator, None, Sequence[Optional[torch.Generator]]]) -> torch.Tensor:
-    """logits [N, V] float32 -> [2, N] float64 on logits' device: each row's token id (exact in float64), its
-    log-probability under the unscaled distribution. Temperature 0 is greedy (no host sync); top_p and generator
-    are one for all rows or a list with one per row (a request with its own seed has its own generator); the rows
-    sharing a generator draw in one call, in row order, on the host."""
+    """logits [N, V] float32 -> [2, N] float64 on logits' device: each row's token id (exact in float64) and its
+    log-probability under the unscaled distribution, so one device->host copy reads both. Temperature 0 is greedy
+    (no host sync); top_p and generator are one for all rows or a list with one per row (a request with its own seed
+    has its own generator); the rows sharing a generator draw in one call, in row order, on the host."""
     out = greedy(logits)  # [2, N] float64: each row's argmax token, its log-probability
     hot = [i for i, t in enumerate(temperatures) if t > 0]  # decided on the host: no device round trip for greedy
     if hot:
