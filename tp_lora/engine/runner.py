@@ -31,8 +31,8 @@ from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_me
 from tp_lora.ops.paged_attention import kernel_takes
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# Every 128 from 512 to 1024: steps there are GEMM-bound, so a padding row costs its share of the step, and a prefill
-# chunk of 512 plus the running decodes lands just past 512 (543 tokens: 18% extra rows in 640 instead of 41% in 768).
+# Every 128 from 512 to 1024 (the GEMMs' row tile, so padding within a bucket costs no tile): steps there are
+# GEMM-bound, and a prefill chunk of 512 plus the running decodes lands just past 512.
 # Graphs share one memory pool, so a bucket adds little more than its static logits ([seqs, V] float32).
 MIXED_TOKEN_SIZES = (64, 128, 256, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 

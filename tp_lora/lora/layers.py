@@ -25,7 +25,7 @@ from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, ta
 
 
 # Rows per weight matrix up to which a base GEMM is bound by reading its weights (below the GPU's FLOPs-per-byte
-# ridge, ~200 on H100 / H200), so a LoRA shrink beside it costs little (LoRARuntime.beside).
+# ridge), so a LoRA shrink beside it costs little (LoRARuntime.beside; measured in BENCHMARKS.md).
 SIDE_STREAM_MAX_ROWS = 256
 
 

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 128  # positions per inner iteration
-TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200, at head_dim 128; twice that at 64, whose programs
-# stream half the bytes per position (scripts/bench_attention.py --sweep)
+# Programs the decode grid aims for at head_dim >= 128 (two waves of SMs); 128 / head_dim times that below, where a
+# program streams fewer bytes per position (scripts/bench_attention.py --sweep).
+TARGET_PROGRAMS = 264
 MIN_PART = 256  # positions per partition at least (fewer: the merge costs more than it gains)
 NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel (chosen by scripts/bench_attention.py --sweep)
 
@@ -124,7 +125,7 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, s_ob, s_oh, H: tl.constexp
     tl.store(out_ptr + b * s_ob + h * s_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int = 128) -> tuple[int, int]:
+def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int) -> tuple[int, int]:
     """(partition count, positions per partition) for a grid of batch x kv_heads programs over contexts of at most
     max_context positions: split only while the grid is short of its target (TARGET_PROGRAMS at head_dim >= 128)."""
     target = TARGET_PROGRAMS * max(1, 128 // head_dim)
