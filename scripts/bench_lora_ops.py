@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tp_lora.lora.batch import build_lora_batch  # noqa: E402
+from tp_lora.ops.batch import build_lora_batch  # noqa: E402
 
 GRID_T = (1, 16, 64, 256, 2048, 8192)
 GRID_N = (1, 8, 32, 128)

@@ -6,9 +6,9 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, replicated_spec, row_spec
-from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime, wrap
 from tp_lora.ops import get_backend
+from tp_lora.ops.batch import build_lora_batch
 from tp_lora.testing import enough_devices, run_ranks, backend_under_test, device_under_test
 
 H, L, R = 16, 4, 8  # hidden, slots, max_rank

@@ -21,10 +21,10 @@ from tp_lora import distributed as comm
 from tp_lora.config import RunConfig
 from tp_lora.engine.engine import Engine
 from tp_lora.engine.requests import Request
-from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, capacity, prepare_step
 from tp_lora.ops import get_backend
+from tp_lora.ops.batch import build_lora_batch
 from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks
 
 V, H, HEADS, KV, E, K, INTER, SHARED, DENSE = 128, 32, 4, 2, 8, 2, 16, 24, 48

@@ -4,7 +4,7 @@ under the interpreter on CPU)."""
 import pytest
 import torch
 
-from tp_lora.lora.batch import build_lora_batch
+from tp_lora.ops.batch import build_lora_batch
 
 
 @pytest.mark.parametrize("scheme", ["sorted", "chunked"])

@@ -13,10 +13,10 @@ import zlib
 import pytest
 import torch
 
-from tp_lora.lora.batch import build_lora_batch
 from tp_lora.ops import fp8 as fp8_lib
 from tp_lora.ops import torch_ref
 from tp_lora.ops import triton as tri
+from tp_lora.ops.batch import build_lora_batch
 from tp_lora.ops.triton import configs, schedule
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

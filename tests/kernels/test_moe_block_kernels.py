@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tp_lora import distributed as comm
-from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe
 from tp_lora.ops import fused, get_backend
+from tp_lora.ops.batch import build_lora_batch
 
 HF = {"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48,
       "norm_topk_prob": True, "num_hidden_layers": 1, "hidden_act": "silu"}

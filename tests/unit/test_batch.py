@@ -1,6 +1,6 @@
 import torch
 
-from tp_lora.lora.batch import build_lora_batch
+from tp_lora.ops.batch import build_lora_batch
 
 
 def test_groups_tokens_by_slot_stably():

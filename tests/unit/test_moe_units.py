@@ -10,10 +10,10 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, validate
 from tp_lora.layers.moe import Router, pack_tokens, unpack_tokens
 from tp_lora.lora.adapter import AdapterError, load_peft_adapter, validate_adapter
-from tp_lora.lora.batch import build_lora_batch
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.models.moe import MoECausalLM, validate_moe
 from tp_lora.ops import torch_ref
+from tp_lora.ops.batch import build_lora_batch
 from tp_lora.ops.fp8 import FP8_DTYPE, dequantize_fp8_per_channel, quantize_fp8_per_channel
 from tp_lora.ops.moe_plan import LORA_BLOCK, build_plan
 from tp_lora.sharding import take_nd, token_chunk

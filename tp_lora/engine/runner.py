@@ -26,8 +26,8 @@ import torch
 
 from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, pad_decode_step, pad_mixed_step
 from tp_lora.hostcopy import Staging, to_device
-from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
+from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.paged_attention import kernel_takes
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)

@@ -19,7 +19,7 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.embedding import VocabParallelEmbedding
-from tp_lora.lora.batch import LoRABatch
+from tp_lora.ops.batch import LoRABatch
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 

@@ -36,10 +36,10 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError
 from tp_lora.layers.linear import ParallelLinear, column_spec, replicated_spec, row_spec
 from tp_lora.layers.moe import Experts, Router, pack_tokens, unpack_tokens
-from tp_lora.lora.batch import LoRABatch, build_lora_batch
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.lora.moe import wrap_experts
 from tp_lora.models.llama import CausalLM, _maybe_wrap
+from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.fused import moe_combine
 from tp_lora.ops.grouped_mm import torch_grouped_available
 from tp_lora.ops.moe_plan import build_plan

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from tp_lora.lora.batch import LoRABatch
+from tp_lora.ops.batch import LoRABatch
 
 
 def _groups(batch: LoRABatch):

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.lora.batch import LoRABatch
+from tp_lora.ops.batch import LoRABatch
 from tp_lora.ops.triton import configs
 from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, expand_rows_kernel, shrink_kernel,
                                         shrink_rows_kernel)

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from tp_lora.lora.batch import LoRABatch, build_lora_batch
+from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.triton.schedule import prepare, resolve
 
 

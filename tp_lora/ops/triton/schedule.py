@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tp_lora.hostcopy import to_device
-from tp_lora.lora.batch import LoRABatch
+from tp_lora.ops.batch import LoRABatch
 from tp_lora.ops.triton import configs
 
 SCHEMES = ("sorted", "chunked")

@@ -37,10 +37,6 @@ class LoRABatch:
         """Decided on the host: no device->host copy on the hot path."""
         return len(self.host_slot_ids) > 0
 
-    @property
-    def max_count(self) -> int:
-        return max(self.host_counts, default=0)
-
 
 def build_lora_batch(token_slot: list[int] | torch.Tensor, max_loras: int, device: torch.device | str) -> LoRABatch:
     """token_slot: per token the adapter slot in [0, max_loras) or -1. Host-side work (numpy), one copy to the
