@@ -15,7 +15,8 @@ from tp_lora.models.moe import MoECausalLM, validate_moe
 from tp_lora.ops import torch_ref
 from tp_lora.ops.batch import build_lora_batch
 from tp_lora.ops.fp8 import FP8_DTYPE, dequantize_fp8_per_channel, quantize_fp8_per_channel
-from tp_lora.ops.moe_plan import LORA_BLOCK, build_plan
+from tp_lora.ops.moe_layout import LORA_BLOCK
+from tp_lora.ops.moe_plan import build_plan
 from tp_lora.sharding import take_nd, token_chunk
 
 

@@ -17,7 +17,7 @@ from tp_lora import distributed as comm
 from tp_lora.layers.linear import column_spec, row_spec
 from tp_lora.ops.fused import act_mul, moe_topk
 from tp_lora.ops.grouped_mm import grouped_mm
-from tp_lora.ops.moe_plan import MoEPlan
+from tp_lora.ops.moe_layout import MoEPlan
 from tp_lora.sharding import even_range, expert_range, shard_weight, take_nd
 
 

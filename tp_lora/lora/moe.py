@@ -19,7 +19,7 @@ from tp_lora import distributed as comm
 from tp_lora.layers.moe import Experts
 from tp_lora.lora.layers import Copy, LoRARuntime, SlotBuffers, _pad, copy_into
 from tp_lora.ops.fp8 import FP8_DTYPE
-from tp_lora.ops.moe_plan import MoEPlan
+from tp_lora.ops.moe_layout import MoEPlan
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
 
 # Target kinds: one expert's w1 (gate) / w3 (up) / w2 (down), or PEFT's fused gate_up (one A for both, B [2I, r]).

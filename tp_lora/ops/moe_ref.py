@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from tp_lora.ops.moe_plan import MoEPlan
+from tp_lora.ops.moe_layout import MoEPlan
 
 
 def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.moe_plan import LORA_BLOCK, MoEPlan
+from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan
 
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 

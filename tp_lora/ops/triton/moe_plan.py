@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.moe_plan import LORA_BLOCK, num_lora_blocks
+from tp_lora.ops.moe_layout import LORA_BLOCK, num_lora_blocks
 
 BLOCK_I, BLOCK_J = 64, 256
 
