@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from tp_lora.app import hydra_job, run  # noqa: E402
+from tp_lora.app import run  # noqa: E402
+from tp_lora.lifecycle import hydra_job  # noqa: E402
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="generate")

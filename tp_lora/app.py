@@ -1,48 +1,18 @@
 """The main job behind launch/generate.py, callable without Hydra: run(RunConfig) -> exit code.
 
-Exit codes: 0 done; 2 bad config or inputs (every rank says why before any collective); 3 lost the other ranks (a
-rank died or a collective did not complete within parallel.timeout_s); 130 stopped by a signal before every request
-finished (the output file holds the finished ones; resume=true runs the rest).
+Exit codes as tp_lora.lifecycle: 0 done; 2 bad config or inputs; 3 lost the other ranks; 130 stopped by a signal
+before every request finished (the output file holds the finished ones; resume=true runs the rest).
 """
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 import time
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig
-
-EXIT_BAD_INPUT, EXIT_LOST_RANKS, EXIT_STOPPED = 2, 3, 130
-# A rank's teardown after losing its peers may itself wait on them (NCCL): the process ends this long after, at most.
-LOST_RANKS_EXIT_S = 10.0
-# Ctrl-C under torchrun reaches every worker twice (the terminal's SIGINT, then torchrun's SIGTERM): signals this close
-# together count as one.
-SIGNAL_DEBOUNCE_S = 1.0
-
-
-def log(msg: str) -> None:
-    print(f"[tp_lora] {msg}", flush=True)
-
-
-def hydra_job(cfg, job) -> None:
-    """A launch script's Hydra main: the composed DictConfig typed as RunConfig (exit 2 naming a bad key or type),
-    job(typed) -> exit code, and the process ends with that code."""
-    from omegaconf import OmegaConf
-    try:
-        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
-    except Exception as e:  # omegaconf's validation errors name the key and the expected type
-        print(f"[tp_lora] rank {os.environ.get('RANK', '0')}: config error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_BAD_INPUT)
-    code = job(typed)
-    # The job has closed its output and torn down its process groups. Leaving through os._exit skips interpreter
-    # teardown, where torch's C++ threads (gloo's, the rendezvous store's) are at times destroyed while still
-    # joinable and abort a finished run ("terminate called without an active exception", exit -6).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+from tp_lora.lifecycle import (EXIT_BAD_INPUT, EXIT_STOPPED, StopSignals, exit_lost_ranks, is_comm_failure, log,
+                               report_lost_ranks)
 
 
 def run(cfg: RunConfig) -> int:
@@ -56,31 +26,12 @@ def run(cfg: RunConfig) -> int:
         return EXIT_BAD_INPUT
     except Exception as e:
         if world_size > 1 and is_comm_failure(e):
-            return _lost_ranks(rank, cfg, e)
+            report_lost_ranks(rank, cfg.parallel.timeout_s, e,
+                              f". Finished requests are in {cfg.output}; resume=true runs the rest.")
+            return exit_lost_ranks()
         raise
     finally:
         comm.shutdown()
-
-
-def is_comm_failure(e: BaseException) -> bool:
-    """An error raised by a collective or the rendezvous store: a peer is gone or too slow."""
-    import torch.distributed as dist
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and any(w in text for w in (
-        "gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe", "store"))
-
-
-def _lost_ranks(rank: int, cfg: RunConfig, e: BaseException) -> int:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    print(f"[tp_lora] rank {rank}: error: lost the other ranks: a rank died or a collective did not complete within "
-          f"parallel.timeout_s={cfg.parallel.timeout_s:g}s ({type(e).__name__}: {first[:300]}). Finished requests "
-          f"are in {cfg.output}; resume=true runs the rest.", file=sys.stderr, flush=True)
-    timer = threading.Timer(LOST_RANKS_EXIT_S, os._exit, args=(EXIT_LOST_RANKS,))
-    timer.daemon = True
-    timer.start()
-    return EXIT_LOST_RANKS
 
 
 def _requests_path(cfg: RunConfig) -> str:
@@ -94,41 +45,6 @@ def _requests_path(cfg: RunConfig) -> str:
         return cfg.requests
     from tp_lora.assets import ensure_default_assets
     return ensure_default_assets()["requests"]
-
-
-class StopSignals:
-    """SIGINT / SIGTERM handlers for the generation loop, on every rank: the first asks the engine to drain (admit
-    nothing more, finish in-flight requests), a later one to abort. The engine's ranks agree on the level."""
-
-    def __init__(self, announce: bool):
-        self.level, self.announce, self.name = 0, announce, None
-        self._last = -1e9
-        self._previous = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame) -> None:
-        now = time.monotonic()
-        if now - self._last < SIGNAL_DEBOUNCE_S:
-            return
-        self._last = now
-        self.level = min(2, self.level + 1)
-        self.name = self.name or signal.Signals(signum).name
-        if self.announce:
-            print(f"[tp_lora] {signal.Signals(signum).name}: "
-                  + ("admitting no more requests, finishing those in flight (again to stop now)" if self.level == 1
-                     else "stopping now"), file=sys.stderr, flush=True)
-
-    def __call__(self) -> int:
-        return self.level
 
 
 def _generate(cfg: RunConfig, requests_path: str) -> int:

@@ -3,7 +3,7 @@
 Every rank runs the engine loop (tp_lora.server.loop) in its main thread, where the signal handlers and the
 collectives live, as in the offline job; rank 0 also starts the HTTP front end in a process of its own
 (tp_lora.server.frontend) and hands requests and tokens to and from it through a local channel, so a step never
-waits for HTTP. Exit codes as tp_lora.app: 0 (stopped by SIGTERM / Ctrl-C after draining), 2 bad config or inputs,
+waits for HTTP. Exit codes as tp_lora.lifecycle: 0 (stopped by SIGTERM / Ctrl-C after draining), 2 bad config or inputs,
 3 lost the other ranks, 1 the front-end process died.
 """
 from __future__ import annotations
@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 from tp_lora import distributed as comm
-from tp_lora.app import EXIT_BAD_INPUT, EXIT_LOST_RANKS, LOST_RANKS_EXIT_S, StopSignals, is_comm_failure, log
 from tp_lora.config import ConfigError, RunConfig
+from tp_lora.lifecycle import EXIT_BAD_INPUT, StopSignals, exit_lost_ranks, is_comm_failure, log, report_lost_ranks
 
 EXIT_FRONTEND_LOST = 1
 
@@ -45,10 +44,7 @@ def run(cfg: RunConfig) -> int:
         return EXIT_BAD_INPUT
     except Exception as e:
         if world_size > 1 and is_comm_failure(e):
-            timer = threading.Timer(LOST_RANKS_EXIT_S, os._exit, args=(EXIT_LOST_RANKS,))
-            timer.daemon = True
-            timer.start()
-            return EXIT_LOST_RANKS
+            return exit_lost_ranks()
         raise
     finally:
         comm.shutdown()
@@ -83,10 +79,7 @@ def _serve(llm, cfg: RunConfig, front) -> int:
             loop.run(stop, cfg.scheduler.stop_grace_s)
         except Exception as e:
             if tp.size > 1 and is_comm_failure(e):  # said at once, before the teardown
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                print(f"[tp_lora] rank {tp.rank}: error: lost the other ranks: a rank died or a collective did not "
-                      f"complete within parallel.timeout_s={cfg.parallel.timeout_s:g}s ({type(e).__name__}: "
-                      f"{first[:300]}); the server stops", file=sys.stderr, flush=True)
+                report_lost_ranks(tp.rank, cfg.parallel.timeout_s, e, "; the server stops")
             raise
         finally:
             engine.close_run()
