@@ -21,9 +21,7 @@ def device() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _default_scheme():
-    """Tests that change the module-wide scheme must not leak it into the next test."""
-    from tp_lora.ops import triton as ops
-    saved = ops.get_scheme()
-    yield
-    ops.set_scheme(*saved)
+def _default_scheme(monkeypatch):
+    """Tests that change the module-wide scheme must not leak it into the next test: each sets a copy of it."""
+    from tp_lora.ops.triton import schedule
+    monkeypatch.setattr(schedule, "_state", dict(schedule._state))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tp_lora.ops import fused as ref
+from tp_lora.ops import sampling
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -217,11 +218,11 @@ def test_moe_topk_takes_the_lowest_index_among_ties(device):
     (3, 10007),  # several blocks, the last one partial
 ])
 def test_greedy(device, rows, vocab):
-    from tp_lora.ops.triton.fused import greedy
+    from tp_lora.ops.triton.sampling import greedy
     gen = torch.Generator().manual_seed(rows * vocab)
     logits = _randn(gen, rows, vocab, device=device, std=4.0)
     logits[0, vocab // 2] = 50.0  # a clear winner in a later block than the first
-    got, want = greedy(logits), ref.greedy_ref(logits)
+    got, want = greedy(logits), sampling.greedy_ref(logits)
     assert got.dtype == torch.float64 and got.shape == (2, rows)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
@@ -231,11 +232,11 @@ def test_greedy(device, rows, vocab):
 
 
 def test_greedy_takes_the_lowest_index_among_ties(device):
-    from tp_lora.ops.triton.fused import greedy
+    from tp_lora.ops.triton.sampling import greedy
     logits = torch.full((2, 9000), -3.0, device=device)
     logits[0, [5, 70, 4100, 8999]] = 1.0  # ties in three blocks (two in the first): the first block's first wins
     logits[1, [4200, 4300, 8300]] = 2.0  # ties in later blocks only (two in one)
     logits[1, :4096] = -float("inf")  # a first block masked out whole
     got = greedy(logits)
     assert got[0].tolist() == [5.0, 4200.0] and not got[1].isnan().any()
-    torch.testing.assert_close(got[1], ref.greedy_ref(logits)[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], sampling.greedy_ref(logits)[1], rtol=1e-5, atol=1e-5)

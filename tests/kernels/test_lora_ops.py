@@ -17,7 +17,7 @@ from tp_lora.ops import fp8 as fp8_lib
 from tp_lora.ops import torch_ref
 from tp_lora.ops import triton as tri
 from tp_lora.ops.batch import build_lora_batch
-from tp_lora.ops.triton import configs, schedule
+from tp_lora.ops.triton import configs, lora_launch, schedule
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}  # relative error, by norm
@@ -29,12 +29,12 @@ INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat
 @pytest.fixture(autouse=True)
 def _poison_shrink_buffers(monkeypatch):
     """Shrink allocates its output uninitialised where the kernel must write every row itself: make that NaN."""
-    real = tri._new_buffer
+    real = lora_launch._new_buffer
 
     def poisoned(shape, zero, device):
         buf = real(shape, zero, device)
         return buf if zero else buf.fill_(float("nan"))
-    monkeypatch.setattr(tri, "_new_buffer", poisoned)
+    monkeypatch.setattr(lora_launch, "_new_buffer", poisoned)
 
 
 @pytest.fixture(params=KERNELS)
@@ -249,7 +249,7 @@ def test_split_k_and_strided_token_blocks(device, tiled, split_k, monkeypatch):
     monkeypatch.setattr(configs, "SHRINK_ROWS_MAX_T", 0)
     monkeypatch.setattr(configs, "EXPAND_ROWS_MAX_T", 0)
     if tiled == "sorted":
-        monkeypatch.setattr(tri, "_m_programs", lambda *a: 2)
+        monkeypatch.setattr(lora_launch, "_m_programs", lambda *a: 2)
     _split_k_case(device, tiled, split_k)
 
 

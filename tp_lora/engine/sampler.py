@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from tp_lora.ops.fused import greedy
+from tp_lora.ops.sampling import greedy
 
 
 def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Sequence[float]],

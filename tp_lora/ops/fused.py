@@ -9,8 +9,6 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights.
 - moe_combine: each token's router-weighted sum of its top-k expert outputs (rows of a routing plan's pair order),
   accumulated in float32 and rounded once; no atomics, so the sum's order is fixed.
-- greedy: each row's most likely token (the lowest id among equals) and its log-probability, as one [2, N] float64
-  tensor the sampler reads back in one copy.
 
 Every op computes as the torch modules do, rounding to the activations' dtype where they round, so the kernels match
 the references to the last bit but for summation order and fast math.
@@ -20,7 +18,7 @@ from __future__ import annotations
 import torch
 
 # None: the Triton kernels for CUDA tensors, else the references; True / False forces (tests, benchmarks). The MoE
-# routing plan and grouped GEMM dispatchers (tp_lora.ops.moe_plan, tp_lora.ops.grouped_mm) follow it too.
+# routing plan, grouped GEMM and sampling dispatchers (tp_lora.ops.moe_plan, .grouped_mm, .sampling) follow it too.
 KERNELS: bool | None = None
 
 ACTIVATIONS = {"silu": torch.nn.functional.silu,
@@ -114,13 +112,6 @@ def moe_combine_ref(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -
     return out.to(yp.dtype)
 
 
-def greedy_ref(logits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] float32 -> [2, N] float64: argmax token ids (exact in float64), their log-probabilities."""
-    lp = torch.log_softmax(logits, -1)
-    tokens = lp.argmax(-1)
-    return torch.stack([tokens.double(), lp.gather(-1, tokens[:, None]).flatten().double()])
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None and x_weight is not None:
@@ -161,10 +152,3 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
         from tp_lora.ops.triton.fused import moe_combine as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(yp, pos, weight)
     return moe_combine_ref(yp, pos, weight)
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    if use_kernels(logits) and logits.shape[0]:
-        from tp_lora.ops.triton.fused import greedy as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(logits)
-    return greedy_ref(logits)

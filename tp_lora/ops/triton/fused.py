@@ -12,7 +12,6 @@ import triton.language as tl
 
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
-GREEDY_BLOCK = 4096  # vocabulary entries per iteration of greedy's one program per row
 
 
 @triton.jit
@@ -108,7 +107,7 @@ def _act_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, GELU: tl.c
     tl.store(out_ptr + t * s_o + i, (a.to(dt).to(tl.float32) * u).to(dt), mask=ok)
 
 
-def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+def as_rows(x: torch.Tensor, what: str) -> torch.Tensor:
     """x as [T, N] rows with a unit column stride (a view where it can be)."""
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
@@ -118,13 +117,13 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _rows(x, "add_rms_norm's x")
+    rows = as_rows(x, "add_rms_norm's x")
     n = rows.shape[1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is None:
         res, res_out = rows, x
     else:
-        res, res_out = _rows(residual, "add_rms_norm's residual"), torch.empty_like(out)
+        res, res_out = as_rows(residual, "add_rms_norm's residual"), torch.empty_like(out)
     res_rows = rows if residual is None else res_out.view(-1, n)
     if rows.shape[0]:
         _add_rms_norm_kernel[(rows.shape[0],)](
@@ -164,7 +163,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise ValueError(f"act_mul: activation {act!r} is not supported (expected silu or gelu_pytorch_tanh)")
-    rows = _rows(x, "act_mul's input")
+    rows = as_rows(x, "act_mul's input")
     n = rows.shape[1] // 2
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
@@ -188,7 +187,7 @@ def _moe_combine_kernel(yp_ptr, pos_ptr, w_ptr, out_ptr, s_y, s_o, n, K: tl.cons
 
 
 def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    yp = _rows(yp, "moe_combine yp")
+    yp = as_rows(yp, "moe_combine yp")
     n, k = pos.shape
     h = yp.shape[1]
     out = torch.empty(n, h, dtype=yp.dtype, device=yp.device)
@@ -225,7 +224,7 @@ def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, s_l, E, K: tl.constexpr, K_PAD:
 
 def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _rows(logits, "moe_topk's logits")
+    rows = as_rows(logits, "moe_topk's logits")
     n, e = rows.shape
     if not 1 <= k <= e:
         raise ValueError(f"moe_topk: k={k} outside 1..{e} (the number of experts)")
@@ -235,34 +234,3 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: boo
                            E_PAD=triton.next_power_of_2(e),
                            RENORM=renormalize, ROUND=round_weights)
     return ids, w
-
-
-@triton.jit
-def _greedy_kernel(x_ptr, out_ptr, s_x, n, V, BLOCK: tl.constexpr):
-    """One row per program: running max, its first index and the sum of exp(x - max), rescaled as the max grows."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    best = -float("inf")
-    arg = 0
-    total = 0.0
-    for start in range(0, V, BLOCK):
-        i = start + offs
-        x = tl.load(x_ptr + t * s_x + i, mask=i < V, other=-float("inf")).to(tl.float32)
-        m = tl.max(x, 0)
-        j = tl.min(tl.where(x == m, i, V), 0)  # the lowest index of this block's max
-        new = tl.maximum(best, m)
-        none = -float("inf")  # masked-out logits (and a running max still at -inf) add nothing, never a NaN
-        kept = tl.sum(tl.where(x > none, tl.exp(x - new), 0.0), 0)
-        total = total * tl.where(best > none, tl.exp(best - new), 0.0) + kept
-        arg = tl.where(m > best, j, arg)
-        best = new
-    tl.store(out_ptr + t, arg.to(tl.float64))
-    tl.store(out_ptr + n + t, (-tl.log(total)).to(tl.float64))
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    rows = _rows(logits, "greedy's logits")
-    n, v = rows.shape
-    out = torch.empty(2, n, dtype=torch.float64, device=rows.device)
-    _greedy_kernel[(n,)](rows, out, rows.stride(0), n, v, BLOCK=GREEDY_BLOCK)
-    return out

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.moe_lora import _compute_types, _mm
+from tp_lora.ops.triton.dot import compute_types, mm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -38,7 +38,7 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, N, K, s_xm, s_we, s_wn, 
             k_mask = offs_k < K - k0
             xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             wv = tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc += _mm(xv, wv, CDT, DOT, PREC)
+            acc += mm(xv, wv, CDT, DOT, PREC)
         o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -52,7 +52,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     out = torch.empty(c, n, dtype=x.dtype, device=x.device)
     if c == 0 or e == 0:
         return out
-    cdt, dot, prec = _compute_types(w.dtype)
+    cdt, dot, prec = compute_types(w.dtype, w.dtype)
     _grouped_mm_kernel[(e, triton.cdiv(n, BLOCK_N))](
         x, w, ends, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CDT=cdt, DOT=dot, PREC=prec,

@@ -1,4 +1,4 @@
-"""Triton kernels of the LoRA ops. Launch wrappers live in tp_lora/ops/triton/__init__.py.
+"""Triton kernels of the LoRA ops. Their launchers live in tp_lora/ops/triton/lora_launch.py.
 
 Notation: T tokens, L adapter slots, r rank, S slices of a packed layer (at most 3 per launch: q/k/v).
 Every program reads one row of a work table (slot, start, count) built by schedule.py, and walks the token ids
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from tp_lora.ops.triton.dot import mm
 
 
 @triton.jit
@@ -46,13 +48,6 @@ def _n_block(pid_x, col0, width0, width1, width2, nb_end0, nb_end1, NUM_SLICES: 
             col = col0 + width0 + width1
             width = width2
     return s, nb, col, width
-
-
-@triton.jit
-def _mm(a, b, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    # Operands are rounded to CDT, then fed to the dot as DOT (= CDT, except float32 under the interpreter, whose
-    # bf16 dot is wrong). PREC matters for float32 operands only: "ieee" where the caller wants fp32 accuracy.
-    return tl.dot(a.to(CDT).to(DOT), b.to(CDT).to(DOT), input_precision=PREC)
 
 
 # Triton specialises integer arguments: multiples of 16 get an alignment hint (what lets loads and stores of a row
@@ -126,7 +121,7 @@ def shrink_kernel(
                 k_left = K - kb * BLOCK_K * SPLIT_K
                 xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
                 av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
-            acc += _mm(xv, av, CDT, DOT, PREC)
+            acc += mm(xv, av, CDT, DOT, PREC)
             x_blk += BLOCK_K * SPLIT_K * stride_xk
             a_blk += BLOCK_K * SPLIT_K * stride_ak
         if HAS_A_SCALES:
@@ -197,7 +192,7 @@ def expand_kernel(
             k_left = R - kb * BLOCK_K
             uv = tl.load(u_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             bv = tl.load(b_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
-            acc += _mm(uv, bv, CDT, DOT, PREC)
+            acc += mm(uv, bv, CDT, DOT, PREC)
             u_blk += BLOCK_K * stride_ur
             b_blk += BLOCK_K * stride_bk
         if HAS_B_SCALES:

@@ -23,21 +23,13 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan
+from tp_lora.ops.triton.dot import FP8, compute_types, mm
 
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
 MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
 SHRINK_MAX_K, EXPAND_MAX_N = 128, 256  # the largest input tile of shrink / output tile of expand
 SHRINK_LAUNCH, EXPAND_LAUNCH = dict(num_warps=2, num_stages=4), dict(num_warps=4, num_stages=2)
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-_FP8 = (torch.float8_e4m3fn,)
-
-
-@triton.jit
-def _mm(a, b, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    # Round operands to CDT (the layer's dtype), feed the dot as DOT (float32 under the interpreter, whose bf16 dot is
-    # wrong); PREC="ieee" keeps float32 layers at float32 accuracy (no tf32).
-    return tl.dot(a.to(CDT).to(DOT), b.to(CDT).to(DOT), input_precision=PREC)
 
 
 @triton.jit
@@ -81,7 +73,7 @@ def moe_shrink_kernel(
             k_left = K - kb * BLOCK_K
             xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
-            acc += _mm(xv, av, CDT, DOT, PREC)
+            acc += mm(xv, av, CDT, DOT, PREC)
             x_blk += BLOCK_K * stride_xk
             a_blk += BLOCK_K * stride_ak
         o_ptr = out_ptr + s * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_or
@@ -131,7 +123,7 @@ def moe_expand_kernel(
             r_left = R - rb * BLOCK_R
             uv = tl.load(u_blk, mask=m_mask[:, None] & (offs_r[None, :] < r_left), other=0.0)
             bv = tl.load(b_blk, mask=(offs_r[:, None] < r_left) & n_mask[None, :], other=0.0)
-            acc += _mm(uv, bv, CDT, DOT, PREC)
+            acc += mm(uv, bv, CDT, DOT, PREC)
             u_blk += BLOCK_R * stride_ur
             b_blk += BLOCK_R * stride_br
         if HAS_B_SCALES:
@@ -143,18 +135,6 @@ def moe_expand_kernel(
         if ADD:
             acc += tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
         tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-def _interpreting() -> bool:
-    # Decided when the kernel was decorated (triton.jit reads TRITON_INTERPRET then).
-    return type(moe_shrink_kernel).__name__ == "InterpretedFunction"
-
-
-def _compute_types(dtype: torch.dtype):
-    """(operand rounding type, dot operand type, dot precision) for weights of `dtype`."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return _TL[dtype], (tl.float32 if dtype == torch.bfloat16 and _interpreting() else _TL[dtype]), "tf32"
-    return tl.float32, tl.float32, "ieee"
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -188,7 +168,7 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
         return out
     block_m, block_n, block_k = 16, _pow2(rank, 16, 64), _pow2(k, 16, SHRINK_MAX_K)
     n_blocks_r = triton.cdiv(rank, block_n)
-    cdt, dot, prec = _compute_types(lora_a[0].dtype)
+    cdt, dot, prec = compute_types(lora_a[0].dtype, lora_a[0].dtype)
     for idx in _launches(lora_a):
         a = [lora_a[i] for i in idx]
         a1 = a[1] if len(a) > 1 else a[0]
@@ -220,7 +200,7 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
     block_m, block_r = 16, _pow2(rank, 16, 64)
     # buf (f32) is rounded to B's type for the dot; fp8 B is widened to the output's type instead.
     b_dtype = lora_b[0].dtype
-    cdt, dot, prec = _compute_types(out.dtype if b_dtype in _FP8 else b_dtype)
+    cdt, dot, prec = compute_types(out.dtype if b_dtype in FP8 else b_dtype, b_dtype)
     has_bs = b_scales is not None
     col = offset
     for idx in _launches(lora_b, b_scales):

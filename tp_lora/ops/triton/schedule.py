@@ -47,10 +47,6 @@ def set_scheme(name: str, segment_size: int | None = None) -> None:
     _state.update(scheme=name, segment_size=segment_size)
 
 
-def get_scheme() -> tuple[str, int | None]:
-    return _state["scheme"], _state["segment_size"]
-
-
 @dataclass(frozen=True)
 class Schedule:
     """One step's work table on the device plus the host-side numbers that shape the grid."""
