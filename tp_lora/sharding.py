@@ -159,7 +159,3 @@ def token_chunk(num_tokens: int, rank: int, size: int) -> Range:
     last shares short or empty, so every rank pads to the same ceil(num_tokens / size) rows."""
     step = -(-num_tokens // size)
     return min(rank * step, num_tokens), min((rank + 1) * step, num_tokens)
-
-
-def concat_slices(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(list(parts), 0)

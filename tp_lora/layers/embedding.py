@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tp_lora import distributed as comm
-from tp_lora.layers.linear import _copy_checked
+from tp_lora.layers.linear import copy_checked
 from tp_lora.sharding import LinearSpec, OutSlice, take, vocab_range
 
 
@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
                                                device=device), requires_grad=False)
 
     def load(self, weight: Any) -> None:
-        _copy_checked(self.weight.data, take(weight, (self.vocab_start, self.vocab_end), 0), "embedding")
+        copy_checked(self.weight.data, take(weight, (self.vocab_start, self.vocab_end), 0), "embedding")
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -56,7 +56,7 @@ class ParallelLMHead(nn.Module):
                                                    device=device), requires_grad=False)
 
     def load(self, weight: Any) -> None:
-        _copy_checked(self.weight.data, take(weight, (self.vocab_start, self.vocab_end), 0), "lm_head")
+        copy_checked(self.weight.data, take(weight, (self.vocab_start, self.vocab_end), 0), "lm_head")
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.t()

@@ -39,14 +39,14 @@ class ParallelLinear(nn.Module):
         row0 = sum(self.local_out_widths[:slice_idx])
         rows = self.local_out_widths[slice_idx]
         part = shard_weight(self.spec, slice_idx, weight, self.tp.rank, self.tp.size)
-        _copy_checked(self.weight.data[row0:row0 + rows], part, f"slice {slice_idx} weight")
+        copy_checked(self.weight.data[row0:row0 + rows], part, f"slice {slice_idx} weight")
         if bias is not None:
             if self.bias is None:
                 raise ValueError("checkpoint has a bias for a layer built without one")
             if self.spec.kind == "row":
-                _copy_checked(self.bias.data, bias[:] if not isinstance(bias, torch.Tensor) else bias, "bias")
+                copy_checked(self.bias.data, bias[:] if not isinstance(bias, torch.Tensor) else bias, "bias")
             else:
-                _copy_checked(self.bias.data[row0:row0 + rows],
+                copy_checked(self.bias.data[row0:row0 + rows],
                               shard_weight(self.spec, slice_idx, bias, self.tp.rank, self.tp.size), "bias")
 
     def load_fused(self, weight: Any, bias: Any = None) -> None:
@@ -61,9 +61,9 @@ class ParallelLinear(nn.Module):
         row0 = 0
         for s, rows in enumerate(self.local_out_widths):
             rng = self.spec.fused_rows(s, self.tp.rank, self.tp.size)
-            _copy_checked(self.weight.data[row0:row0 + rows], take(weight, rng, 0), f"fused slice {s} weight")
+            copy_checked(self.weight.data[row0:row0 + rows], take(weight, rng, 0), f"fused slice {s} weight")
             if bias is not None:
-                _copy_checked(self.bias.data[row0:row0 + rows], take(bias, rng, 0), f"fused slice {s} bias")
+                copy_checked(self.bias.data[row0:row0 + rows], take(bias, rng, 0), f"fused slice {s} bias")
             row0 += rows
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def replicated_spec(in_features: int, out_features: int) -> LinearSpec:
     return LinearSpec("replicated", in_features, (OutSlice(out_features),))
 
 
-def _copy_checked(dst: torch.Tensor, src: Any, what: str) -> None:
+def copy_checked(dst: torch.Tensor, src: Any, what: str) -> None:
     src = src if isinstance(src, torch.Tensor) else torch.as_tensor(src)
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"{what}: checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")

@@ -60,10 +60,6 @@ class AdapterInfo:
     modules: Optional[dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = None
     file_bytes: int = 0
 
-    @property
-    def num_modules(self) -> int:
-        return len(self.modules or {})
-
 
 def read_safetensors_header(path: str, owner: str) -> dict[str, dict]:
     """The weights' header, checked against the file (a truncated file fails at registration, not at first use)."""

@@ -110,7 +110,7 @@ class SlotBuffers:
         self.write(self.slot_views(slot), key, a, b, scale)
 
 
-def _pad(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Tensor:
+def pad_rank(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Tensor:
     """t on `device` (where the slot views being written live: a host image, or the slots themselves), its rank dim
     zero-padded to max_rank (a smaller adapter then contributes exact zeros in the padding)."""
     if t.shape[dim] > size:
@@ -192,7 +192,7 @@ class LoRALinear(SlotBuffers, nn.Module):
         r, size = a.shape[0], (self.tp.rank, self.tp.size)
         a_dst, b_dst = views[slice_idx], views[n + slice_idx]
         if self.fully_sharded and self.spec.kind == "column":  # the ranks split A's rank dim: pad, then split
-            a = _pad(a, 0, self.rt.max_rank, dev)
+            a = pad_rank(a, 0, self.rt.max_rank, dev)
         else:
             a_dst = _first(a_dst, 0, r)
         b_dst = _first(b_dst, 1, r)
@@ -267,6 +267,17 @@ def wrap(base: nn.Module, rt: LoRARuntime, module_paths: list[str], fused: bool 
     for slice_idx, path in enumerate(module_paths):
         rt.targets[path] = (layer, slice_idx)
     return layer
+
+
+def maybe_wrap(base: nn.Module, rt: LoRARuntime | None, paths: list[str], targets: set[str] | None,
+               fused: bool = False) -> nn.Module:
+    """Wrap when LoRA is on and some adapter targets one of the layer's modules (targets None = wrap all); fused:
+    one module path answering for every slice (Phi-3's qkv_proj)."""
+    if rt is None:
+        return base
+    if targets is not None and not any(p.rsplit(".", 1)[-1] in targets for p in paths):
+        return base
+    return wrap(base, rt, paths, fused)
 
 
 def module_shapes(rt: LoRARuntime) -> dict[str, tuple[int, int]]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.moe import Experts
-from tp_lora.lora.layers import Copy, LoRARuntime, SlotBuffers, _pad, copy_into
+from tp_lora.lora.layers import Copy, LoRARuntime, SlotBuffers, copy_into, pad_rank
 from tp_lora.ops.fp8 import FP8_DTYPE
 from tp_lora.ops.moe_layout import MoEPlan
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
@@ -91,7 +91,7 @@ class LoRAExperts(SlotBuffers, nn.Module):
         a13, b13, (a2, b2, scales) = views[:n], views[n:2 * n], views[2 * n:2 * n + 3]
         b13_sc, b2_sc = (views[2 * n + 3:3 * n + 3], views[3 * n + 3]) if self.b2_scales is not None else (None, None)
         dev = scales.device
-        a, b = _pad(a, 0, self.rt.max_rank, dev), _pad(b, 1, self.rt.max_rank, dev)
+        a, b = pad_rank(a, 0, self.rt.max_rank, dev), pad_rank(b, 1, self.rt.max_rank, dev)
         size = (self.tp.rank, self.tp.size, self.fully_sharded)
         if kind == "w2":
             spec = self.base.down_spec

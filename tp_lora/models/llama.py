@@ -16,13 +16,12 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError
 from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spec
-from tp_lora.lora.layers import LoRARuntime, wrap
+from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.models.attention import AttnMeta, KVCache, attend
 from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, rope_write_kv
 from tp_lora.sharding import unit_range
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # per-head RMSNorm on q and k
 GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + weight) norms, scaled embeddings, norms around attention and MLP
 FUSED_TYPES = ("phi3",)  # checkpoints and PEFT adapters name one qkv_proj and one gate_up_proj module
@@ -162,10 +161,10 @@ class Attention(nn.Module):
         bias = kind == "qwen2" or hf.get("attention_bias", False) or hf.get("qkv_bias", False)
         prefix = f"model.layers.{idx}.self_attn."
         fused = kind in FUSED_TYPES
-        self.qkv_proj = _maybe_wrap(
+        self.qkv_proj = maybe_wrap(
             ParallelLinear(qkv_spec(hidden, heads, kv, self.head_dim), tp, bias, dtype, device), rt,
             [prefix + "qkv_proj"] if fused else [prefix + n for n in ("q_proj", "k_proj", "v_proj")], targets, fused)
-        self.o_proj = _maybe_wrap(ParallelLinear(row_spec(heads * self.head_dim, hidden), tp,
+        self.o_proj = maybe_wrap(ParallelLinear(row_spec(heads * self.head_dim, hidden), tp,
                                                  hf.get("attention_bias", False) and kind != "qwen2",
                                                  dtype, device), rt, [prefix + "o_proj"], targets)
         self.layer_idx = idx
@@ -199,10 +198,10 @@ class MLP(nn.Module):
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         prefix = f"model.layers.{idx}.mlp."
         fused = hf.get("model_type") in FUSED_TYPES
-        self.gate_up_proj = _maybe_wrap(ParallelLinear(column_spec(hidden, inter, inter), tp, False, dtype, device),
+        self.gate_up_proj = maybe_wrap(ParallelLinear(column_spec(hidden, inter, inter), tp, False, dtype, device),
                                         rt, [prefix + "gate_up_proj"] if fused else
                                         [prefix + "gate_proj", prefix + "up_proj"], targets, fused)
-        self.down_proj = _maybe_wrap(ParallelLinear(row_spec(inter, hidden), tp, False, dtype, device), rt,
+        self.down_proj = maybe_wrap(ParallelLinear(row_spec(inter, hidden), tp, False, dtype, device), rt,
                                      [prefix + "down_proj"], targets)
 
     def forward(self, x):
@@ -239,17 +238,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-def _maybe_wrap(base: nn.Module, rt: LoRARuntime | None, paths: list[str], targets: set[str] | None,
-                fused: bool = False) -> nn.Module:
-    """Wrap when LoRA is on and some adapter targets one of the layer's modules (targets None = wrap all); fused:
-    one module path answering for every slice (Phi-3's qkv_proj)."""
-    if rt is None:
-        return base
-    if targets is not None and not any(p.rsplit(".", 1)[-1] in targets for p in paths):
-        return base
-    return wrap(base, rt, paths, fused)
-
-
 class CausalLM(nn.Module):
     """Llama-family causal LM. `targets`: short module names some adapter targets (q_proj, ..., embed_tokens,
     lm_head); None wraps every linear layer. `mlp_factory(idx)` lets MoE models swap the MLP."""
@@ -262,7 +250,7 @@ class CausalLM(nn.Module):
         self.hf, self.tp, self.rt = hf, tp, rt
         vocab, hidden = hf["vocab_size"], hf["hidden_size"]
         embed = VocabParallelEmbedding(vocab, hidden, tp, dtype, device)
-        self.embed_tokens = _maybe_wrap(embed, rt, ["model.embed_tokens"], targets if targets is not None else set())
+        self.embed_tokens = maybe_wrap(embed, rt, ["model.embed_tokens"], targets if targets is not None else set())
         self.layers = nn.ModuleList([
             DecoderLayer(hf, i, tp, dtype, device, rt, targets, mlp_factory(i) if mlp_factory else None)
             for i in range(hf["num_hidden_layers"])])
@@ -271,7 +259,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6), dtype, device, gemma)
         self.tied = bool(hf.get("tie_word_embeddings", False))
         head = ParallelLMHead(vocab, hidden, tp, dtype, device, tied_to=embed if self.tied else None)
-        self.lm_head = _maybe_wrap(head, rt, ["lm_head"], targets if targets is not None else set())
+        self.lm_head = maybe_wrap(head, rt, ["lm_head"], targets if targets is not None else set())
         attn = self.layers[0].self_attn
         self.head_dim, self.kv_heads = attn.head_dim, attn.kv_heads
         # Gemma: embeddings times sqrt(hidden) rounded to the model dtype, as transformers does.

@@ -36,9 +36,9 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError
 from tp_lora.layers.linear import ParallelLinear, column_spec, replicated_spec, row_spec
 from tp_lora.layers.moe import Experts, Router, pack_tokens, unpack_tokens
-from tp_lora.lora.layers import LoRARuntime
+from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.lora.moe import wrap_experts
-from tp_lora.models.llama import CausalLM, _maybe_wrap
+from tp_lora.models.llama import CausalLM
 from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.fused import moe_combine
 from tp_lora.ops.grouped_mm import torch_grouped_available
@@ -194,12 +194,12 @@ class SparseMoE(nn.Module):
             step.shared_expert = True
             p = f"model.layers.{idx}.mlp."
             si = shape.shared_inter
-            self.shared_gate_up = _maybe_wrap(ParallelLinear(column_spec(hidden, si, si), ps.moe_tp, False, dtype,
+            self.shared_gate_up = maybe_wrap(ParallelLinear(column_spec(hidden, si, si), ps.moe_tp, False, dtype,
                                                              device), rt,
                                               [p + "shared_expert.gate_proj", p + "shared_expert.up_proj"], targets)
-            self.shared_down = _maybe_wrap(ParallelLinear(row_spec(si, hidden), ps.moe_tp, False, dtype, device), rt,
+            self.shared_down = maybe_wrap(ParallelLinear(row_spec(si, hidden), ps.moe_tp, False, dtype, device), rt,
                                            [p + "shared_expert.down_proj"], targets)
-            self.shared_expert_gate = _maybe_wrap(ParallelLinear(replicated_spec(hidden, 1), ps.moe_tp, False, dtype,
+            self.shared_expert_gate = maybe_wrap(ParallelLinear(replicated_spec(hidden, 1), ps.moe_tp, False, dtype,
                                                                  device), rt, [p + "shared_expert_gate"], targets)
 
     @property
