@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP front end (in the front-end process, tp_lora.server.frontend): FastAPI routes over an
-EngineClient.
+"""The OpenAI-compatible HTTP front end (in the front-end process, tp_lora.server.frontend_process): FastAPI routes
+over an EngineProxy.
 
 Requests are checked and tokenized here first (model, parameters, context), so the engine sees only runnable ones;
 the engine's token ids come back per step and are detokenized and formatted (JSON, SSE) here. Errors are
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from tp_lora.engine.requests import Request, Result, parse_stop
 from tp_lora.engine.tokenizer import Detokenizer
 from tp_lora.server.channel import SHUTTING_DOWN
-from tp_lora.server.client import Delta, EngineClient
+from tp_lora.server.engine_proxy import Delta, EngineProxy
 
 MAX_LOGPROBS = 5  # as OpenAI's completions
 
@@ -68,10 +68,10 @@ def _float(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) ->
     return float(v)
 
 
-class Frontend:
+class OpenAIFrontend:
     """The API's side of the server: checks requests, hands them to the engine, shapes the answers."""
 
-    def __init__(self, engine: EngineClient, tokenizer, model_name: str, model_dir: str, cfg):
+    def __init__(self, engine: EngineProxy, tokenizer, model_name: str, model_dir: str, cfg):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.model_name, self.model_dir = model_name, model_dir
         self.metrics = engine.metrics
@@ -305,7 +305,7 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def make_app(fe: Frontend) -> FastAPI:
+def make_app(fe: OpenAIFrontend) -> FastAPI:
     app = FastAPI(title="tp_lora", docs_url=None, redoc_url=None)
     key = fe.cfg.server.api_key
 

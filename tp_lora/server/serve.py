@@ -2,9 +2,9 @@
 
 Every rank runs the engine loop (tp_lora.server.loop) in its main thread, where the signal handlers and the
 collectives live, as in the offline job; rank 0 also starts the HTTP front end in a process of its own
-(tp_lora.server.frontend) and hands requests and tokens to and from it through a local channel, so a step never
-waits for HTTP. Exit codes as tp_lora.lifecycle: 0 (stopped by SIGTERM / Ctrl-C after draining), 2 bad config or inputs,
-3 lost the other ranks, 1 the front-end process died.
+(tp_lora.server.frontend_process) and hands requests and tokens to and from it through a local channel, so a step
+never waits for HTTP. Exit codes as tp_lora.lifecycle: 0 (stopped by SIGTERM / Ctrl-C after draining), 2 bad config
+or inputs, 3 lost the other ranks, 1 the front-end process died.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def run(cfg: RunConfig) -> int:
                               f"{cfg.parallel.tp_size} processes, not {world_size} (data-parallel replicas are not "
                               f"served)")
         from tp_lora.api import LLM
-        from tp_lora.server.frontend import FrontendProcess
+        from tp_lora.server.frontend_process import FrontendProcess
         front = FrontendProcess() if rank == 0 else None  # first: its imports overlap the model's load
         try:
             llm = LLM.from_config(cfg)
@@ -76,7 +76,7 @@ def _serve(llm, cfg: RunConfig, front) -> int:
     # The handlers stay through the teardown: a signal then (torchrun stopping the ranks) does not cut it short.
     with StopSignals(announce=driver) as stop:
         try:
-            loop.run(stop, cfg.scheduler.stop_grace_s)
+            loop.run(stop)
         except Exception as e:
             if tp.size > 1 and is_comm_failure(e):  # said at once, before the teardown
                 report_lost_ranks(tp.rank, cfg.parallel.timeout_s, e, "; the server stops")

@@ -1,4 +1,4 @@
-"""The HTTP front end's view of rank 0's engine loop, in the front-end process: requests and adapter calls go out
+"""The HTTP front end's proxy of rank 0's engine loop, in the front-end process: requests and adapter calls go out
 over the channel (tp_lora.server.channel) batched per event-loop turn; each step's frame comes back and is dispatched
 to the requests' sinks, and the engine's gauges, stop state and adapter registry are kept here for the routes."""
 from __future__ import annotations
@@ -32,7 +32,7 @@ class _Open:
         self.ids, self.lps, self.tops = [], [], []
 
 
-class EngineClient:
+class EngineProxy:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: int,
                  adapters: dict[str, str], metrics: Metrics):
         self.reader, self.writer = reader, writer

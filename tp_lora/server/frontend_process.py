@@ -1,4 +1,4 @@
-"""The HTTP front-end process: `python -m tp_lora.server.frontend FD`, started by rank 0 (FrontendProcess) and
+"""The HTTP front-end process: `python -m tp_lora.server.frontend_process FD`, started by rank 0 (FrontendProcess) and
 talking to its engine loop over a Unix socket pair (tp_lora.server.channel). It runs uvicorn with the FastAPI app
 (tp_lora.server.http) in its own interpreter, so parsing, tokenizing, detokenizing and the JSON / SSE work of many
 streams never take the GIL from the step loop.
@@ -37,8 +37,9 @@ class FrontendProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         mine, theirs = socket.socketpair()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tp_lora.server.frontend", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tp_lora.server.frontend_process", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.sock = mine
@@ -85,7 +86,7 @@ class FrontendProcess:
 
 
 # ---- the front-end process ---------------------------------------------------------------------------------------
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int) -> socket.socket:
     """The listening socket, Nagle's algorithm off for the connections it accepts (they inherit TCP_NODELAY): asyncio
     turns it off only on sockets made with proto IPPROTO_TCP, which create_server's are not, and with it on each
     streamed token after the first waits for the client's delayed ACK (~40 ms on Linux)."""
@@ -102,7 +103,7 @@ def main(fd: int) -> int:
     sock = socket.socket(fileno=fd)
     try:
         import uvicorn  # noqa: F401
-        from tp_lora.server.http import Frontend, make_app  # noqa: F401
+        from tp_lora.server.http import OpenAIFrontend, make_app  # noqa: F401
     except ImportError as e:
         sock.sendall(encode(("error", f"server: {e} (pip install 'tp_lora[serve]')")))
         return 1
@@ -116,8 +117,8 @@ def main(fd: int) -> int:
 async def _serve(sock: socket.socket, info: dict, parent: int) -> int:
     import uvicorn
     from tp_lora.engine.tokenizer import load_tokenizer
-    from tp_lora.server.client import EngineClient
-    from tp_lora.server.http import Frontend, make_app
+    from tp_lora.server.engine_proxy import EngineProxy
+    from tp_lora.server.http import OpenAIFrontend, make_app
     from tp_lora.server.metrics import Metrics
 
     class Server(uvicorn.Server):
@@ -128,13 +129,13 @@ async def _serve(sock: socket.socket, info: dict, parent: int) -> int:
 
     cfg = info["cfg"]
     try:
-        listen = _bind(cfg.server.host, cfg.server.port)
+        listen = bind_listener(cfg.server.host, cfg.server.port)
     except OSError as e:
         sock.sendall(encode(("error", f"server: cannot listen on {cfg.server.host}:{cfg.server.port}: {e}")))
         return 1
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    engine = EngineClient(reader, writer, info["context"], info["adapters"], Metrics())
-    fe = Frontend(engine, load_tokenizer(info["model_dir"]), info["model_name"], info["model_dir"], cfg)
+    engine = EngineProxy(reader, writer, info["context"], info["adapters"], Metrics())
+    fe = OpenAIFrontend(engine, load_tokenizer(info["model_dir"]), info["model_name"], info["model_dir"], cfg)
     server = Server(uvicorn.Config(make_app(fe), log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=HTTP_STOP_S))
     serving = asyncio.create_task(server.serve(sockets=[listen]))

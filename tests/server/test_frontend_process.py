@@ -68,8 +68,8 @@ def test_the_api_key_is_needed_on_v1_only(server):
 def test_accepted_connections_have_nagle_off():
     """Streamed tokens are small writes on a kept-alive connection: with Nagle's algorithm on, each waits for the
     client's delayed ACK (~40 ms), so the front end's listening socket hands TCP_NODELAY to what it accepts."""
-    from tp_lora.server.frontend import _bind
-    listen = _bind("127.0.0.1", 0)
+    from tp_lora.server.frontend_process import bind_listener
+    listen = bind_listener("127.0.0.1", 0)
     with listen, socket.create_connection(listen.getsockname()):
         conn, _ = listen.accept()
         with conn:
