@@ -53,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.assets import write_random_adapter, write_tiny_llama  # noqa: E402
 from tp_lora.config import RunConfig, validate  # noqa: E402
-from tp_lora.engine.engine import Engine, StepStats  # noqa: E402
+from tp_lora.engine.engine import Engine  # noqa: E402
+from tp_lora.engine.stats import StepStats  # noqa: E402
 from tp_lora.engine.requests import Request  # noqa: E402
 from tp_lora.lora.adapter import load_peft_adapter  # noqa: E402
 from tp_lora.lora import cache as cache_module  # noqa: E402
@@ -245,8 +246,8 @@ def run_ours(args, ps, model: str, adapters: str, reqs, arrivals, vocab) -> dict
 
 
 def _measured_run(args, ps, engine: Engine, reqs, arrivals) -> dict:
-    engine.reset_adapter_cache()
-    engine.stats, engine.cache.stats = StepStats(), CacheStats()
+    engine.registry.forget()
+    engine.stats, engine.registry.cache.stats = StepStats(), CacheStats()
     _sync()
     t0 = time.perf_counter()
     if args.profile:
@@ -256,7 +257,7 @@ def _measured_run(args, ps, engine: Engine, reqs, arrivals) -> dict:
     _sync()
     timings = [dict(r.metrics, tokens=len(r.output_token_ids)) if r.error is None else {} for r in results]
     out = summarize(timings, t0)
-    s, cs = engine.stats, engine.cache.stats
+    s, cs = engine.stats, engine.registry.cache.stats
     out.update(slot_hit_rate=s.slot_hit_rate, slot_loads=s.adapter_loads, disk_reads=cs.host_misses,
                host_hit_rate=cs.host_hits / max(1, cs.host_hits + cs.host_misses),
                swap_seconds=cs.read_seconds + cs.copy_seconds, read_seconds=cs.read_seconds, prefetched=cs.prefetched,

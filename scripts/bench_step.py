@@ -210,7 +210,7 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
     slot = (lambda i: i % engine.cfg.lora.max_loras) if adapters else (lambda i: -1)
     if adapters:
         for i in range(engine.cfg.lora.max_loras):  # every slot holds an adapter
-            engine.cache.load_slot(engine.slots, i, engine.cache.fetch(f"a{i:03d}"))
+            engine.registry.cache.load_slot(engine.registry.slots, i, engine.registry.cache.fetch(f"a{i:03d}"))
     gen = torch.Generator().manual_seed(1)
 
     def batch(mixed: bool, context: int = 128) -> StepBatch:

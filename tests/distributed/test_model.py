@@ -10,6 +10,7 @@ from tp_lora.assets import write_random_adapter, write_tiny_llama
 from tp_lora.config import RunConfig
 from tp_lora.engine.engine import Engine
 from tp_lora.engine.requests import Request
+from tp_lora.engine.scoring import prompt_logits
 from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks
 
 LAYERS = 2
@@ -58,7 +59,7 @@ def _run(ps: comm.ParallelState, cases, requests):
     for model_dir, adapter_dir, fully in cases:
         engine = Engine(_cfg(fully, ps.tp.size), ps, model_dir, adapter_dir)
         comm.STATS.reset()
-        logits = engine.prompt_logits(requests[:4])  # every slot used: a8, none, b4, c16
+        logits = prompt_logits(engine, requests[:4])  # every slot used: a8, none, b4, c16
         calls = dict(comm.STATS.calls)
         results = engine.generate(requests)
         out.append((logits, [r.output_token_ids for r in results], calls))
@@ -100,10 +101,10 @@ def test_adapters_change_outputs_and_none_matches_base(bundle):
     reqs = [Request(i, id=i, adapter=a, prompt_token_ids=[5, 17, 42, 7]) for i, a in
             enumerate([None, "a8", "b4", "c16"])]
     ps = comm.single_process(device_under_test())
-    with_lora = Engine(_cfg(False, 1), ps, model_dir, adapter_dir).prompt_logits(reqs)
+    with_lora = prompt_logits(Engine(_cfg(False, 1), ps, model_dir, adapter_dir), reqs)
     # The same batch without adapters: the no-adapter row must match bit for bit (a batch of a different size may
     # take another GEMM kernel, whose rounding differs).
-    base = Engine(_cfg(False, 1), ps, model_dir, None).prompt_logits([replace(r, adapter=None) for r in reqs])[0]
+    base = prompt_logits(Engine(_cfg(False, 1), ps, model_dir, None), [replace(r, adapter=None) for r in reqs])[0]
     torch.testing.assert_close(with_lora[0], base, rtol=0, atol=0)
     for i in (1, 2, 3):
         assert _relerr(with_lora[i], base) > 1e-3, f"adapter {reqs[i].adapter} did not change the logits"

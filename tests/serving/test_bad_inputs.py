@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
-from tp_lora.engine.requests import Request, parse_request
+from tp_lora.engine.requests import Request
+from tp_lora.request_files import parse_request
 from tp_lora.testing import run_ranks
 
 from _serving import serving_cfg, write_random_adapter
@@ -191,7 +192,7 @@ def _split_view(ps, model, dirty, corrupt_copy):
     """Rank 1 alone reads a corrupt copy of good2: both ranks must fail good2, identically, and run the rest."""
     engine = Engine(serving_cfg(tp=2, max_loras=2, max_cpu_loras=1), ps, model, dirty)
     if ps.tp.rank == 1:
-        engine.cache.infos[GOOD[1]].path = corrupt_copy
+        engine.registry.cache.infos[GOOD[1]].path = corrupt_copy
     reqs = _requests([GOOD[0], GOOD[1], None, "nan_a", GOOD[1], GOOD[0]])
     out = [(r.request.index, r.output_token_ids, r.error) for r in engine.generate(reqs)]
     views = comm.all_gather_object(out, ps.tp)

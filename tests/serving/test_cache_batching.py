@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tp_lora import distributed as comm
-from tp_lora.engine.engine import ABORT, DRAIN, RUN, Engine
+from tp_lora.engine.control import ABORT, DRAIN, RUN
+from tp_lora.engine.engine import Engine
 from tp_lora.testing import run_ranks
 
 from _serving import ADAPTERS, make_requests, serving_cfg
@@ -35,19 +36,20 @@ def test_continuous_batching_equals_alone_with_slot_and_host_churn(bundle, alone
     model, adapters = bundle
     engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=3), comm.single_process(), model, adapters)
     assert len(engine.adapters) == len(ADAPTERS) and not engine.bad_adapters
-    assert not engine.cache.host, "registration must not read weights"
+    assert not engine.registry.cache.host, "registration must not read weights"
     reqs = make_requests(N)
     results = engine.generate(reqs)
     _check_same(results, alone, "tp=1 continuous")
-    s, cs = engine.stats, engine.cache.stats
+    s, cs = engine.stats, engine.registry.cache.stats
     assert s.adapter_loads > 2 and cs.host_misses > 3 and cs.host_evictions > 0, (s, cs)
-    assert len(engine.cache.host) == 3
+    assert len(engine.registry.cache.host) == 3
     assert 0 < s.slot_hit_rate < 1
     # More slots than adapters: each adapter is read and copied once.
     engine = Engine(serving_cfg(max_loras=12, max_cpu_loras=64, batch=12, budget=64), comm.single_process(), model,
                     adapters)
     _check_same(engine.generate(reqs), alone, "tp=1 all resident")
-    assert engine.stats.adapter_loads == engine.cache.stats.host_misses == len({r.adapter for r in reqs} - {None})
+    used = len({r.adapter for r in reqs} - {None})
+    assert engine.stats.adapter_loads == engine.registry.cache.stats.host_misses == used
     # Grouped admissions (scheduler.admit_batch) change when requests join, never what they produce; nor does a
     # warm-up (the compile pass CUDA engines run at start) through a slot that holds an adapter.
     engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=3, admit_batch=4), comm.single_process(), model, adapters)
@@ -142,7 +144,7 @@ SLOW = "r8"
 
 def _slowed(engine, seconds: float) -> list[float]:
     """SLOW's reads on this engine take `seconds` longer; returns the list their end times go to."""
-    ended, read = [], engine.cache._read_safely
+    ended, read = [], engine.registry.cache._read_safely
 
     def slow_read(info, *threads):
         if info.name != SLOW:
@@ -152,7 +154,7 @@ def _slowed(engine, seconds: float) -> list[float]:
         ended.append(time.perf_counter())
         return out
 
-    engine.cache._read_safely = slow_read
+    engine.registry.cache._read_safely = slow_read
     return ended
 
 
@@ -166,7 +168,7 @@ def _run_with_slow_read(ps, model, adapters):
     the rest of the batch."""
     engine = Engine(serving_cfg(tp=ps.tp.size, max_loras=4, max_cpu_loras=8, batch=8, budget=64), ps, model,
                     adapters)
-    engine.overlap_reads = True  # as on CUDA
+    engine.registry.overlap_reads = True  # as on CUDA
     ended = _slowed(engine, 1.0) if ps.tp.rank == 0 else []
     results = engine.generate(_slow_first(make_requests(N)))
     engine.close()

@@ -36,7 +36,7 @@ def _requests():
 
 
 def _run(engine: Engine, eos: set, arrivals=None):
-    engine.eos = eos
+    engine.sampler.eos = eos
     res = engine.generate(_requests(), arrival_times=arrivals)
     return [(r.output_token_ids, r.logprobs, r.finish_reason, r.error) for r in res]
 
@@ -66,16 +66,16 @@ def test_run_ahead_matches_step_by_step(bundle, eos, case):
     assert sum(n for n, _ in st.decode_by_rows.values()) == st.decode_steps and max(st.decode_by_rows) <= 6
     if kv:
         assert engine.stats.preemptions > 0
-    assert engine.sched is None and engine._inflight is None  # the run closed with nothing in flight
+    assert engine.sched is None and engine.inflight is None  # the run closed with nothing in flight
 
 
 def _open_run(bundle, eos):
     """A run-ahead engine with _requests() queued through the serving API (open / add, stepped by the test) ->
     (engine, requests, its free KV blocks before any step)."""
     engine = _engine(bundle, True)
-    engine.eos = eos
+    engine.sampler.eos = eos
     reqs = _requests()
-    engine.open(*engine._kv_plan([len(r.prompt_token_ids) + r.max_new_tokens for r in reqs]))
+    engine.open(*engine.plan_kv([len(r.prompt_token_ids) + r.max_new_tokens for r in reqs]))
     total = engine.sched.blocks.available
     for r in reqs:
         engine.add(r, 0.0)
@@ -91,8 +91,8 @@ def test_cancel_while_a_step_is_in_flight(bundle, eos):
     while engine.busy:
         out = engine.step()
         done.update((res.request.index, res) for res in out.finished)
-        if cancelled is None and engine._inflight is not None and any(
-                seq.request is victim for seq, _ in engine._inflight.sampled):
+        if cancelled is None and engine.inflight is not None and any(
+                seq.request is victim for seq, _ in engine.inflight.sampled):
             cancelled = engine.cancel(victim.index)
             frozen = list(cancelled.output_token_ids)
     assert cancelled is not None and cancelled.finish_reason == "cancelled"
@@ -109,10 +109,10 @@ def test_abort_while_a_step_is_in_flight(bundle, eos):
     """Dropping every running sequence (a server's stop past its grace: it ends them itself) while a launched step
     holds their rows: reading that step advances and finishes none of them, and every KV block comes back."""
     engine, reqs, total = _open_run(bundle, eos)
-    while engine._inflight is None or not engine._inflight.sampled or engine.stats.ahead_steps < 3:
+    while engine.inflight is None or not engine.inflight.sampled or engine.stats.ahead_steps < 3:
         engine.step()
     dropped = {seq.request.index for seq in engine.sched.abort()}
-    assert dropped and any(seq.request.index in dropped for seq, _ in engine._inflight.sampled)
+    assert dropped and any(seq.request.index in dropped for seq, _ in engine.inflight.sampled)
     while engine.busy:
         out = engine.step()
         assert not {r.request.index for r in out.advanced + out.finished} & dropped

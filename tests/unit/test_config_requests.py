@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from tp_lora.config import ConfigError, RunConfig, validate, validate_for_model
-from tp_lora.engine.engine import MAX_READ_THREADS, host_threads, read_threads
-from tp_lora.engine.requests import OutputWriter, Request, Result, parse_request
+from tp_lora.engine.adapters import MAX_READ_THREADS, read_threads
+from tp_lora.engine.engine import host_threads
+from tp_lora.engine.requests import Request, Result
+from tp_lora.request_files import OutputWriter, parse_request
 from tp_lora.threadlocal import torch_threads
 
 

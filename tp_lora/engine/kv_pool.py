@@ -41,6 +41,20 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
+def run_blocks(needs: list[int], block_size: int, max_batch_size: int, budget_bytes: int,
+               bytes_per_token: int) -> int:
+    """KV blocks for a run whose requests need `needs` positions each: as many as its max_batch_size largest
+    requests hold at once (each with its admission's extra position), at most what the budget holds."""
+    wanted = sum(sorted(blocks_for(n + 1, block_size) for n in needs)[-max_batch_size:])
+    return plan_blocks(budget_bytes, block_size, bytes_per_token, wanted)
+
+
+def misfit(need: int, fit: int, kv_memory_fraction: float, kv_cache_mb) -> str:
+    """Why a request needing `need` positions cannot run where `fit` fit."""
+    return (f"prompt + max_new_tokens = {need} positions of KV cache do not fit the {fit} this rank can hold "
+            f"(scheduler.kv_memory_fraction={kv_memory_fraction}, scheduler.kv_cache_mb={kv_cache_mb})")
+
+
 class BlockPool:
     """Free KV-cache blocks of `block_size` positions; the lowest free first, so every rank of a TP group hands out
     the same blocks."""

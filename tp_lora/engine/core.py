@@ -1,0 +1,333 @@
+"""The step core: a run of requests over one KV cache, stepped by a front end's control loop (tp_lora.engine.control).
+One step admits waiting requests, copies their adapters into slots, runs the model over the batch, samples, and
+hands back the results that advanced or ended.
+
+Every rank of a TP group makes the same calls on the same requests, so they agree on every batch without exchanging
+control messages; only the model's collectives cross ranks, plus two small agreements where a rank's local view could
+differ: a lazy adapter read (the file may be corrupt on one read and not another) and the KV blocks that fit (free
+memory differs per GPU).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from tp_lora import distributed as comm
+from tp_lora.config import ConfigError, RunConfig
+from tp_lora.engine.adapters import AdapterRegistry
+from tp_lora.engine.kv_pool import BlockPool, kv_budget_bytes, kv_bytes_per_token, misfit, run_blocks
+from tp_lora.engine.requests import Request, Result
+from tp_lora.engine.runner import ModelRunner, StepBatch, pending
+from tp_lora.engine.sampler import Sampler, top_logprobs
+from tp_lora.engine.scheduler import Scheduler, Sequence
+from tp_lora.engine.stats import Gauges, StepOutput, StepStats
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens have not reached the host yet."""
+    sampled: list[tuple[Sequence, int]]  # (sequence, where its pending token is in seq.tokens), in row order
+    host: Optional[torch.Tensor]  # [2, rows] float64 token ids and log-probabilities, copied in once `done`
+    tops: Optional[list]  # the top log-probabilities of each sampled row (when a request asked; read already)
+    done: Optional[torch.cuda.Event]  # recorded after the step's work (None off CUDA: everything ran already)
+    started: float  # perf_counter() at launch
+    decode: bool  # one new token per sequence
+    replayed: bool  # from a CUDA graph
+    captured: bool  # its graph captured by it
+
+
+class EngineCore:
+    """The model's runner, the adapter registry and the sampler, stepped over one run at a time (open() ..
+    close_run()). `lockstep`: for EP over DP replicas, the model's call that steps with the peers."""
+
+    def __init__(self, cfg: RunConfig, ps: comm.ParallelState, runner: ModelRunner, registry: AdapterRegistry,
+                 sampler: Sampler, vocab_size: int, max_positions: int, lockstep: Optional[Callable] = None):
+        self.cfg, self.ps, self.runner, self.registry, self.sampler = cfg, ps, runner, registry, sampler
+        self.vocab_size, self.max_positions, self.lockstep = vocab_size, max_positions, lockstep
+        self.stats = StepStats()
+        self.sched: Optional[Scheduler] = None  # the open run's
+        # On CUDA a step's tokens are read after the next step is launched (where it can be: see step()), so the GPU
+        # does not wait for the host between steps. EP over DP replicas steps in lockstep and reads every step.
+        self.run_ahead = ps.device.type == "cuda" and lockstep is None
+        self.inflight: Optional[InFlight] = None
+        self._last_read = 0.0
+        self._arrival: dict[int, float] = {}
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def check_request(self, req: Request, max_len: int) -> Optional[str]:
+        """Why this request cannot run, or None."""
+        if req.error:
+            return req.error
+        if req.adapter is not None and (why := self.registry.unknown(req.adapter)):
+            return why
+        if not req.prompt_token_ids:
+            return "empty prompt"
+        if req.stop and self.sampler.tokenizer is None:
+            return "'stop' strings need a tokenizer (tokenizer.json in the model dir)"
+        if req.top_p is not None and not 0 < req.top_p <= 1:
+            return f"top_p={req.top_p}: expected in (0, 1]"
+        vocab = self.vocab_size
+        if not 0 <= req.logprobs <= vocab:
+            return f"logprobs={req.logprobs}: expected in [0, {vocab}]"
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        total = len(req.prompt_token_ids) + req.max_new_tokens
+        if total > max_len:
+            return (f"prompt ({len(req.prompt_token_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
+                    f"exceeds the context of {max_len} tokens")
+        return None
+
+    # ---- a run ------------------------------------------------------------------------------------------------------
+    def plan_kv(self, needs: list[int]) -> tuple[int, int]:
+        """(blocks, longest fitting need) for requests needing `needs` positions each, from the memory this rank has
+        left; the TP ranks take the smallest plan so they schedule alike."""
+        s, m = self.cfg.scheduler, self.runner.model
+        bpt = kv_bytes_per_token(len(m.layers), m.kv_heads, m.head_dim, m.dtype)
+        old = self.runner.cache
+        reusable = 0 if old is None else (old.num_blocks + 1) * old.block_size * bpt
+        budget = kv_budget_bytes(self.ps.device, s.kv_memory_fraction, s.kv_cache_mb, reusable)
+        blocks = run_blocks(needs, s.kv_block_size, s.max_batch_size, budget, bpt)
+        if self.ps.tp.size > 1:
+            blocks = min(comm.all_gather_object(blocks, self.ps.tp))
+        return blocks, max(0, blocks * s.kv_block_size - 1)
+
+    def misfit(self, need: int, fit: int) -> str:
+        return misfit(need, fit, self.cfg.scheduler.kv_memory_fraction, self.cfg.scheduler.kv_cache_mb)
+
+    def open(self, blocks: int, max_len: int) -> None:
+        """Start a run: a KV cache of `blocks` blocks (from plan_kv) for sequences of up to `max_len` positions, and
+        a scheduler over it."""
+        sc = self.cfg.scheduler
+        self.kv = self.runner.kv_cache(blocks, sc.kv_block_size, max_len)
+        self.sched = Scheduler(self.registry.state, BlockPool(blocks, sc.kv_block_size), sc.max_batch_size,
+                               sc.max_tokens_per_step, sc.max_overtakes, admit_batch=sc.admit_batch)
+        self._arrival.clear()
+        self.sampler.reset()
+
+    def open_for_serving(self) -> int:
+        """Open a run for requests that come and go (a server): KV blocks for scheduler.max_batch_size sequences of
+        the whole context, or as many as fit. Returns the longest request (prompt + max_new_tokens) it can hold."""
+        max_len = self.cfg.model.max_seq_len or self.max_positions
+        blocks, fit = self.plan_kv([max_len] * self.cfg.scheduler.max_batch_size)
+        if not blocks:
+            raise ConfigError(f"no KV cache block fits (scheduler.kv_cache_mb={self.cfg.scheduler.kv_cache_mb}, "
+                              f"scheduler.kv_memory_fraction={self.cfg.scheduler.kv_memory_fraction})")
+        fit = min(fit, max_len)
+        self.open(blocks, fit)
+        return fit
+
+    def add(self, req: Request, arrival: float) -> None:
+        """Queue a request that passed check_request and fits the run's KV cache; arrival: its perf_counter time."""
+        self._arrival[req.index] = arrival
+        self.sched.add(req)
+
+    def cancel(self, index: int) -> Optional[Result]:
+        """Drop request `index` from the run (its client went away), freeing its slot and KV blocks; its result so
+        far, or None when the run does not hold it."""
+        out = self.sched.remove(index)
+        if out is None:
+            return None
+        self._arrival.pop(index, None)
+        self.sampler.forget(index)
+        res = out.result if isinstance(out, Sequence) else Result(out)
+        res.finish_reason = "cancelled"
+        return res
+
+    def stop_admitting(self) -> list[Request]:
+        """Admit nothing more; the requests still waiting (they will not run)."""
+        return self.sched.stop_admitting()
+
+    def abort(self) -> list[Request]:
+        """Drop every running sequence; their requests."""
+        return [seq.request for seq in self.sched.abort()]
+
+    def close_run(self) -> None:
+        """End the run, after an error too: what it holds is freed, the slots are usable by the next run."""
+        if self.inflight is not None:  # its tokens are dropped with the run
+            if self.inflight.done is not None:
+                self.inflight.done.synchronize()
+            self.inflight = None
+        self.sched.abort()
+        st = self.registry.state
+        for slot in range(len(st)):
+            if not st.ready[slot]:
+                st.clear(slot)  # assigned but never copied in
+        self.sched = None
+
+    def load_adapter(self, name: str, path: str) -> Optional[str]:
+        """Register adapter `name` from `path` at run time (every rank, between steps). None, or why not."""
+        return self.registry.register(name, path)
+
+    def unload_adapter(self, name: str) -> Optional[str]:
+        """Forget adapter `name` (every rank, between steps); refused while requests of the open run use it."""
+        sched = self.sched
+        users = 0 if sched is None else (sum(s.request.adapter == name for s in sched.running)
+                                         + sum(r.adapter == name for r in sched.waiting))
+        return self.registry.unregister(name, users)
+
+    @property
+    def busy(self) -> bool:
+        """Whether the run has work: sequences to step, requests to admit, or a launched step to read."""
+        return self.sched.has_work or self.inflight is not None
+
+    def idle(self, wait_s: float) -> None:
+        """Nothing to step: take part in the EP peers' steps (lockstep), else sleep up to wait_s (at most 10 ms)."""
+        if self.lockstep is not None:
+            self.lockstep(0)
+        else:
+            time.sleep(min(0.01, max(0.0, wait_s)))
+
+    def gauges(self) -> Gauges:
+        sched, s = self.sched, self.stats
+        queued = (len(sched.waiting), len(sched.running)) if sched is not None else (0, 0)
+        return Gauges(*queued, s.slot_hit_rate, self.registry.cache.stats.host_misses, s.adapter_loads)
+
+    # ---- one step ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> StepOutput:
+        """One step of the run: admit waiting requests, copy their adapters into slots, run the model over the
+        batch, sample, and return which results advanced and which ended. The same on every rank of the TP group.
+
+        With run_ahead the sampled tokens stay on the device until the next call, which first launches the
+        following step of the running sequences (their new tokens fed on the device; sequences that end by length
+        left out) and then reads them: the host prepares a step while the GPU runs the last one. A sequence found
+        finished then has a row in that step, whose token is dropped. That call admits nothing (it reads first and
+        steps as usual when requests could be admitted, or when a request asked for top log-probabilities), so the
+        results of a call are those of the step before."""
+        sched, reg, out = self.sched, self.registry, StepOutput()
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            if prev.tops is None and not sched.may_admit():
+                ending = [seq for seq, _ in prev.sampled if seq.generated >= seq.request.max_new_tokens]
+                work = self._schedule(set(), admit=False, ending=ending).work
+                if work:
+                    self._launch(work)
+                    self.stats.ahead_steps += 1
+            self._read(prev, out)
+            if self.inflight is not None or not sched.has_work:
+                return out
+        now = time.perf_counter()
+        loadable, unread = reg.loadable(sched)
+        plan = self._schedule(loadable)
+        for seq in plan.admitted:
+            seq.result.metrics.update(arrival=self._arrival.pop(seq.request.index), admitted=now)
+            self.stats.prompt_tokens += seq.prompt_len
+        failed = set()
+        for slot, name in plan.loads:  # copied in before the step that prefills their requests
+            image = reg.fetch(name)  # read already (overlap_reads), else read here; and the ranks' verdict
+            if image is None:
+                failed.add(name)
+                for req in sched.fail_adapter(name):
+                    self.sampler.forget(req.index)
+                    out.finished.append(Result(req, error=reg.failure(name)))
+            else:
+                reg.copy_into_slot(slot, image)
+                self.stats.adapter_loads += 1
+                sched.loaded(slot)
+        work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
+        if self.lockstep is not None:
+            self.lockstep(sum(n for _, n in work), any(seq.slot >= 0 for seq, _ in work))
+        if work:
+            self._launch(work)
+        reg.cache.prefetch(reg.wanted(sched))  # disk reads for what the queue asks next run beside the steps
+        if not work:
+            if unread and not plan.loads:  # nothing to run until an adapter is read: help read one
+                reg.cache.wait_any(unread)
+            elif not plan.loads:
+                raise RuntimeError(f"scheduler made no progress: {len(sched.running)} running, "
+                                   f"{len(sched.waiting)} waiting, slots {reg.state.names} users "
+                                   f"{reg.state.users}, {sched.blocks.available} free KV blocks")
+            return out
+        if not self.run_ahead:
+            launched, self.inflight = self.inflight, None
+            self._read(launched, out)
+        return out
+
+    def _schedule(self, loadable, **kw):
+        """The scheduler's plan (Scheduler.schedule), its slot hits, misses and preemptions counted."""
+        sched = self.sched
+        hits0, misses0, pre0 = sched.slot_hits, sched.slot_misses, sched.preemptions
+        plan = sched.schedule(loadable, **kw)
+        self.stats.slot_hits += sched.slot_hits - hits0
+        self.stats.slot_misses += sched.slot_misses - misses0
+        self.stats.preemptions += sched.preemptions - pre0
+        return plan
+
+    def _launch(self, work: list[tuple[Sequence, int]]) -> None:
+        """Run the model over `work` ((sequence, its new tokens)) and sample each finished sequence's next token on
+        the device; the tokens travel to the host in the background (self.inflight, read by _read) and stand as
+        runner.pending() placeholders meanwhile."""
+        started = time.perf_counter()
+        step = StepBatch()
+        for seq, n in work:
+            step.add(seq.tokens[seq.computed:seq.computed + n], seq.blocks, seq.computed, seq.slot)
+        self.registry.sync()
+        logits = self.runner.execute(step, self.kv)  # [sequences, V]: each one's last new token
+        for seq, n in work:
+            seq.computed += n
+        self.stats.steps += 1
+        sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
+        host = tops = None
+        if sampled:
+            reqs = [s.request for s, _ in sampled]
+            idx = [i for _, i in sampled]  # increasing: all of them is every row, in order
+            rows = logits if len(idx) == logits.shape[0] else logits[idx]
+            drawn = self.sampler.sample(rows, reqs)
+            self.runner.keep_sampled(drawn[0])
+            k = max(r.logprobs for r in reqs)
+            tops = top_logprobs(rows, k) if k else None
+            cuda = drawn.device.type == "cuda"
+            host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=cuda).copy_(drawn, non_blocking=cuda)
+        done = None
+        if self.ps.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        for j, (seq, _) in enumerate(sampled):
+            seq.tokens.append(pending(j))
+        self.inflight = InFlight([(seq, len(seq.tokens) - 1) for seq, _ in sampled], host, tops, done, started,
+                                 all(n == 1 for _, n in work), self.runner.replayed, self.runner.captured)
+
+    def _read(self, f: InFlight, out: StepOutput) -> None:
+        """A launched step's tokens onto the host: each sampled sequence that still runs takes its token (and its
+        log-probabilities), and ends when it finished."""
+        if f.done is not None:
+            comm.wait_event(f.done, self.ps.device)  # a peer that never joins a collective: an error, not a hang
+        now = time.perf_counter()
+        seconds = now - max(f.started, self._last_read)  # the step's share of the wall time (steps overlap)
+        self._last_read = now
+        s = self.stats
+        if f.replayed:
+            s.graph_steps += 1
+            s.graph_captures += f.captured
+            s.graph_seconds += seconds
+        else:
+            s.eager_seconds += seconds
+        if f.decode:
+            by = s.decode_by_rows.setdefault(len(f.sampled), [0, 0.0])
+            by[0] += 1
+            by[1] += seconds
+        if not f.sampled:
+            return
+        toks, lps = f.host.tolist()
+        for j, ((seq, at), tok, lp) in enumerate(zip(f.sampled, toks, lps)):
+            tok = int(tok)
+            seq.tokens[at] = tok
+            if seq.stopped:  # finished, cancelled or dropped after this step was launched
+                continue
+            res = seq.result
+            res.output_token_ids.append(tok)
+            res.logprobs.append(lp)
+            if seq.request.logprobs:
+                res.top_logprobs.append(f.tops[j][:seq.request.logprobs])
+            res.metrics.setdefault("first_token", now)
+            s.generated_tokens += 1
+            out.advanced.append(res)
+            if self.sampler.finished(res, tok, at + 1 - seq.prompt_len):
+                self.sched.remove(seq.request.index)  # running, or preempted by the step launched since
+                res.metrics["finished"] = now
+                self.sampler.final_text(res)
+                out.finished.append(res)
