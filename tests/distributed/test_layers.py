@@ -62,7 +62,7 @@ def _check_layers(ps: comm.ParallelState, fully_sharded: bool, seed: int) -> int
             for s in range(len(widths)):
                 if j == 3 and s == 1:
                     continue
-                layer.set_slot(j, s, a[j][s], b[j][s], scale[j])
+                layer.write(layer.slot_views(j), s, a[j][s], b[j][s], scale[j])
         for mix, slots in _mixes(7, gen).items():
             x = torch.randn(7, spec.in_features, generator=gen)
             ref = []
@@ -105,7 +105,7 @@ def _check_layers(ps: comm.ParallelState, fully_sharded: bool, seed: int) -> int
     ea = [torch.randn(4, vocab, generator=gen) for _ in range(L)]
     eb = [torch.randn(H, 4, generator=gen) for _ in range(L)]
     for j in range(L):
-        layer.set_slot(j, 0, ea[j], eb[j], 0.25 * (j + 1))
+        layer.write(layer.slot_views(j), 0, ea[j], eb[j], 0.25 * (j + 1))
     for mix, slots in _mixes(9, gen).items():
         ids = torch.randint(0, vocab, (9,), generator=gen)
         ref = emb_w[ids].clone()

@@ -14,7 +14,7 @@ from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.models.moe import MoECausalLM, validate_moe
 from tp_lora.ops import torch_ref
 from tp_lora.ops.batch import build_lora_batch
-from tp_lora.ops.fp8 import FP8_DTYPE, dequantize_fp8_per_channel, quantize_fp8_per_channel
+from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.ops.moe_layout import LORA_BLOCK
 from tp_lora.ops.moe_plan import build_plan
 from tp_lora.sharding import take_nd, token_chunk
@@ -323,9 +323,10 @@ def _block_with_lora(hf, seed, ops, fp8=False):
             for kind in kinds:
                 fin, fout = (i, h) if kind == "w2" else (h, i)
                 a, b = torch.randn(4, fin, generator=g) * fin ** -0.5, torch.randn(fout, 4, generator=g)
-                block.experts.set_slot(slot, (kind, e), a, b, 0.5 + slot)
-                if fp8:
-                    b = dequantize_fp8_per_channel(*quantize_fp8_per_channel(b))
+                block.experts.write(block.experts.slot_views(slot), (kind, e), a, b, 0.5 + slot)
+                if fp8:  # the fp8 values times their channel scales, as the kernels read them
+                    q, qs = quantize_fp8_per_channel(b)
+                    b = q.float() * qs.unsqueeze(-1)
                 lora[slot, kind, e] = (0.5 + slot) * b @ a
     return block, rt, lora
 

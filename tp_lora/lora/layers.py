@@ -106,9 +106,6 @@ class SlotBuffers:
         Copy): an image builder gathers them into one batched copy and one batched quantization."""
         raise NotImplementedError
 
-    def set_slot(self, slot: int, key, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        self.write(self.slot_views(slot), key, a, b, scale)
-
 
 def pad_rank(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Tensor:
     """t on `device` (where the slot views being written live: a host image, or the slots themselves), its rank dim

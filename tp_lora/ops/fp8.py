@@ -45,9 +45,3 @@ def quantize_fp8_into(dsts: list[torch.Tensor], scale_dsts: list[torch.Tensor], 
         x.div_(scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
         torch._foreach_copy_([dsts[i] for i in idx] + [scale_dsts[i] for i in idx],
                              list(x.split(rows)) + list(scales.split(rows)))
-
-
-def dequantize_fp8_per_channel(w_fp8: torch.Tensor, scales: torch.Tensor,
-                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of quantize_fp8_per_channel (up to fp8 rounding): [..., C, K] in `dtype`."""
-    return (w_fp8.float() * scales.float().unsqueeze(-1)).to(dtype)
