@@ -49,7 +49,7 @@ def _requests_path(cfg: RunConfig) -> str:
 
 def _generate(cfg: RunConfig, requests_path: str) -> int:
     from tp_lora.api import LLM
-    from tp_lora.engine.requests import OutputWriter, read_output_lines, read_requests, split_answered
+    from tp_lora.request_files import OutputWriter, read_output_lines, read_requests, split_answered
 
     t0 = time.perf_counter()
     llm = LLM.from_config(cfg)

@@ -2,7 +2,8 @@
 the writer keeping them on disk at every moment and ending in request order."""
 import json
 
-from tp_lora.engine.requests import OutputWriter, Request, Result, read_output_lines, split_answered
+from tp_lora.engine.requests import Request, Result
+from tp_lora.request_files import OutputWriter, read_output_lines, split_answered
 
 
 def _reqs(ids):
