@@ -21,6 +21,7 @@ from tp_lora import distributed as comm
 from tp_lora.config import RunConfig
 from tp_lora.engine.engine import Engine
 from tp_lora.engine.requests import Request
+from tp_lora.engine.scoring import prompt_logits
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, capacity, prepare_step
 from tp_lora.ops import get_backend
@@ -206,7 +207,7 @@ def _reference(cases, requests):
     out = {}
     for model_dir, adapter_dir in cases:
         engine = Engine(_cfg(1, 1, "dp", False), ps, model_dir, adapter_dir)
-        logits = engine.prompt_logits(requests[:4])
+        logits = prompt_logits(engine, requests[:4])
         tokens = [r.output_token_ids for r in engine.generate(requests)]
         out[model_dir] = ([x.cpu() for x in logits], tokens)
     return out
@@ -223,7 +224,7 @@ def _engine_cases(ps_world: comm.ParallelState, world: int, cases, requests, ref
                 what = f"{name} fully_sharded={fully} {os.path.basename(model_dir)}"
                 ref_logits, ref_tokens = ref[model_dir]
                 mine = _mine(ps, requests[:4])
-                logits = engine.prompt_logits(mine)
+                logits = prompt_logits(engine, mine)
                 for r, got in zip(mine, logits):
                     want = ref_logits[r.index]
                     err = float((got.cpu() - want).abs().max() / want.abs().max())
@@ -238,7 +239,7 @@ def _engine_cases(ps_world: comm.ParallelState, world: int, cases, requests, ref
             engine = Engine(_cfg(tp, ep, attn, fully), ps, count_case[0], count_case[1])
             reqs = [Request(i, id=i, adapter="pe", prompt_token_ids=list(range(2 + i, 14 + i))) for i in range(3)]
             comm.STATS.reset()
-            engine.prompt_logits(reqs)
+            prompt_logits(engine, reqs)
             want = expected_collectives(tp, ep, attn, fully)
             got = dict(comm.STATS.calls)
             assert got == want, f"{name} fully_sharded={fully}: collectives {got}, expected {want}"
@@ -517,7 +518,7 @@ def _fp8_layouts(ps_world: comm.ParallelState, world: int, case, requests, want)
         for fully in (False, True):
             engine = Engine(_fp8_cfg(tp, ep, attn, fully), ps, *case)
             mine = _mine(ps, requests)
-            for r, got in zip(mine, engine.prompt_logits(mine)):
+            for r, got in zip(mine, prompt_logits(engine, mine)):
                 err = float((got.cpu() - want[r.index]).abs().max() / want[r.index].abs().max())
                 assert err < 1e-4, f"fp8 {name} fully_sharded={fully}: request {r.index} prompt logits differ by {err:.2e}"
             checked.append(f"{name} fully_sharded={fully}")
@@ -548,16 +549,17 @@ def test_moe_fp8_expert_lora_every_layout(bundle):
         Request(i, id=i, adapter="w2", prompt_token_ids=list(range(i - 5, i + 4))) for i in range(10, 14)]
     ps = comm.single_process(device_under_test())
     fp8, full = Engine(_fp8_cfg(1, 1, "dp", False), ps, *case), Engine(_cfg(1, 1, "dp", False), ps, *case)
-    got = [x.cpu() for x in fp8.prompt_logits(requests)]
-    ref = [x.cpu() for x in full.prompt_logits(requests)]
+    got = [x.cpu() for x in prompt_logits(fp8, requests)]
+    ref = [x.cpu() for x in prompt_logits(full, requests)]
     for (b8, sc), (b, _) in zip(_expert_b(fp8), _expert_b(full), strict=True):
         assert b8.dtype == torch.float8_e4m3fn and sc.shape == b.shape[:-1]
         amax = b.float().abs().amax(-1)
         torch.testing.assert_close(sc, torch.where(amax > 0, amax / 448.0, 1.0), rtol=1e-6, atol=0)
         back = b8.float() * sc[..., None]
         assert float((back - b).norm() / b.norm()) < 0.05  # e4m3: 3 mantissa bits
-    base = [x.cpu() for x in Engine(_cfg(1, 1, "dp", False), ps, case[0], None).prompt_logits(
-        [Request(r.index, id=r.id, adapter=None, prompt_token_ids=r.prompt_token_ids) for r in requests])]
+    base = [x.cpu() for x in prompt_logits(Engine(_cfg(1, 1, "dp", False), ps, case[0], None),
+                                           [Request(r.index, id=r.id, adapter=None,
+                                                    prompt_token_ids=r.prompt_token_ids) for r in requests])]
     experts_only = [i for i, r in enumerate(requests) if r.adapter == "w2"]
     # Per request; the median, since a near-tied top-k that the two runs break differently (float32 GEMMs round by
     # their blocking) moves one request's logits by far more than fp8 does.

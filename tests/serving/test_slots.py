@@ -30,22 +30,22 @@ def test_image_load_equals_module_by_module_writes(bundle, lora_dtype):
     if cfg.device == "cuda":  # the pinned, asynchronous path, in the dtype GPU users run
         cfg.dtype = "bfloat16"
     engine = Engine(cfg, comm.single_process(cfg.device), model, adapters)
-    slots = engine.slots
+    slots = engine.registry.slots
     for v in slots.views(0):  # poison: whatever the load does not overwrite shows
         v.fill_(7.0)
     # Each load reuses slot 0: a bigger rank after a smaller one, other targets, embeddings, then a single module.
     for name in ["r4", "r16", "emb", "a9"]:
         assert name not in engine.bad_adapters
-        image = engine.cache.fetch(name)
+        image = engine.registry.cache.fetch(name)
         assert (image.pinned is not None) == (cfg.device == "cuda")  # a fresh image loads from page-locked memory
         slots.load(0, image)
         assert image.pinned is None
         slots.load(1, image)  # a reload from the host tier: from pageable memory, the same contents
         for layer in slots.layers:
             layer.clear(layer.slot_views(2))
-        adapter = load_peft_adapter(os.path.join(adapters, name), name=name, dtype=engine.cache.dtype)
+        adapter = load_peft_adapter(os.path.join(adapters, name), name=name, dtype=engine.registry.cache.dtype)
         for path, m in adapter.modules.items():
-            layer, key = engine.rt.targets[path]
+            layer, key = engine.runner.rt.targets[path]
             layer.write(layer.slot_views(2), key, m.a, m.b, m.scale)
         got, want = slots.views(0), slots.views(2)
         assert len(got) == len(want) > 0
@@ -66,8 +66,8 @@ def test_pooled_images_are_recycled_and_start_empty(bundle):
     a bigger adapter with other targets) equals one built in new memory; with the pool empty images still build."""
     model, adapters = bundle
     engine = Engine(serving_cfg(max_loras=3), comm.single_process("cpu"), model, adapters)
-    table = SlotTable(engine.rt, host_images=1)
-    read = {name: load_peft_adapter(os.path.join(adapters, name), name=name, dtype=engine.cache.dtype)
+    table = SlotTable(engine.runner.rt, host_images=1)
+    read = {name: load_peft_adapter(os.path.join(adapters, name), name=name, dtype=engine.registry.cache.dtype)
             for name in ("r16", "emb", "a9")}
     first = table.image(read["r16"])
     assert table._pool.free == []
@@ -77,7 +77,7 @@ def test_pooled_images_are_recycled_and_start_empty(bundle):
     assert table._pool.free == [0]
     pooled = table.image(read["a9"])
     assert all(b.data_ptr() == p.data_ptr() for b, p in zip(pooled.blocks.values(), table._pool.entries[0][0].values()))
-    fresh = SlotTable(engine.rt).image(read["a9"])
+    fresh = SlotTable(engine.runner.rt).image(read["a9"])
     for dtype, block in fresh.blocks.items():
         assert torch.equal(pooled.blocks[dtype], block)
 
@@ -116,20 +116,20 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path, monkeypatch, max_ga
     data[-4:] = struct.pack("<f", float("nan"))
     weights.write_bytes(bytes(data))
     engine = Engine(serving_cfg(max_loras=2, max_cpu_loras=8), comm.single_process(), model, str(root))
-    cache = engine.cache
+    cache = engine.registry.cache
 
     def full_read(name):
         adapter = load_peft_adapter(str(root / name), name=name, dtype=cache.dtype)
-        return engine.slots.image(adapter)
+        return engine.registry.slots.image(adapter)
 
     first = cache.fetch("p0")
     assert first.plan is not None and len(cache._plans) == 1
     # Full rank: only the scales are the template's (a run per layer); max_gaps=0 copies the whole template.
     assert (first.plan.gaps is None) == (max_gaps == 0)
-    assert first.plan.gaps is None or 0 < len(first.plan.gaps) <= len(engine.slots.layers)
+    assert first.plan.gaps is None or 0 < len(first.plan.gaps) <= len(engine.registry.slots.layers)
     assert len(first.plan.screen) == 1  # the file's tensors lie back to back: one norm screens them
     for name in ["p1", "p2", "alpha"]:
-        _poison_free_images(engine.slots)
+        _poison_free_images(engine.registry.slots)
         image = cache.fetch(name)
         assert (image.plan is first.plan) == (name != "alpha"), name
         want = full_read(name)
@@ -139,7 +139,7 @@ def test_read_plans_rebuild_images_exactly(bundle, tmp_path, monkeypatch, max_ga
     assert len(cache._plans) == 2
     small = cache.fetch("q0")
     assert small.plan is not None
-    _poison_free_images(engine.slots)
+    _poison_free_images(engine.registry.slots)
     got, want = cache.fetch("q1"), full_read("q1")
     assert got.plan is small.plan
     for dtype in want.blocks:
@@ -161,9 +161,9 @@ def test_a_smaller_rank_overwrites_a_bigger_ones_padding(bundle):
     model, adapters = bundle
     engine = Engine(serving_cfg(max_loras=2), comm.single_process(), model, adapters)
     gen = torch.Generator().manual_seed(0)
-    shapes = module_shapes(engine.rt)
+    shapes = module_shapes(engine.runner.rt)
     checked = 0
-    for path, (layer, key) in engine.rt.targets.items():
+    for path, (layer, key) in engine.runner.rt.targets.items():
         if not isinstance(layer, LoRALinear):
             continue
         fin, fout = shapes[path]
@@ -206,32 +206,32 @@ def test_read_plans_cast_files_into_the_slots_dtype(bundle, tmp_path, slot_dtype
     cfg = serving_cfg(max_loras=2, max_cpu_loras=8)
     cfg.dtype, cfg.lora.dtype = slot_dtype, lora_dtype
     engine = Engine(cfg, comm.single_process(), model, str(root))
-    cache = engine.cache
+    cache = engine.registry.cache
     images = [cache.fetch(name) for name in ("p0", "p1", "p2")]
     plan = images[0].plan
     assert plan is not None and all(image.plan is plan for image in images)
     assert len(plan.qsrc) == (len(plan.dst) if lora_dtype == "fp8" else 0) > 0 or lora_dtype == "auto"
-    slots = engine.slots
+    slots = engine.registry.slots
     for name, image in zip(("p0", "p1", "p2"), images):
         # Module by module, straight into a slot, from the file's fp32 tensors (fp8 quantizes those, not a cast).
         for layer in slots.layers:
             layer.clear(layer.slot_views(1))
         adapter = load_peft_adapter(str(root / name), name=name, dtype=torch.float32)
         for path, m in adapter.modules.items():
-            layer, key = engine.rt.targets[path]
+            layer, key = engine.runner.rt.targets[path]
             layer.write(layer.slot_views(1), key, m.a, m.b, m.scale)
         slots.load(0, image)
         for i, (got, want) in enumerate(zip(slots.views(0), slots.views(1))):
             assert torch.equal(got.float(), want.float()), f"{name}: view {i} differs"
     if slot_dtype == "float16":
-        free = len(engine.slots._pool.free)
+        free = len(engine.registry.slots._pool.free)
         with pytest.raises(AdapterError, match=r"'big'.*1 values .* beyond the range of the slots' torch.float16"):
             cache.fetch("big")  # replays p0's plan: the screen sends it to the full read, which names it
         cache.forget()
         cache._plans.clear()
         with pytest.raises(AdapterError, match=r"'big_first'.*beyond the range"):
             cache.fetch("big_first")  # no plan yet: the full read
-        assert len(engine.slots._pool.free) == free  # the failed reads gave their pool entries back
+        assert len(engine.registry.slots._pool.free) == free  # the failed reads gave their pool entries back
     else:  # bfloat16 holds 1e6
         assert cache.fetch("big").plan is images[0].plan
 
@@ -244,7 +244,7 @@ def test_reads_waited_on_take_read_threads_and_reads_ahead_one(bundle, monkeypat
     cfg = serving_cfg(max_loras=2)
     cfg.parallel.read_threads = 3
     engine = Engine(cfg, comm.single_process(), model, adapters)
-    cache = engine.cache
+    cache = engine.registry.cache
     assert cache.read_threads == 3
     seen = {}
     read_image = cache._read_image
