@@ -89,7 +89,7 @@ class FrontendProcess:
 def bind_listener(host: str, port: int) -> socket.socket:
     """The listening socket, Nagle's algorithm off for the connections it accepts (they inherit TCP_NODELAY): asyncio
     turns it off only on sockets made with proto IPPROTO_TCP, which create_server's are not, and with it on each
-    streamed token after the first waits for the client's delayed ACK (~40 ms on Linux)."""
+    streamed token after the first waits for the client's delayed ACK."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.create_server((host, port), family=family, backlog=2048)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
