@@ -92,15 +92,56 @@ class LLM:
         """Generate for one prompt or a list (text, or token ids). adapter: a name, None for the base model, or one
         per prompt. Returns on the driver one dict per prompt with the output lines' fields (id = the prompt's
         position; `error` instead of outputs for a prompt that could not run), and None on the other ranks."""
-        batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
-        adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(batch)
-        if len(adapters) != len(batch):
-            raise ValueError(f"{len(adapters)} adapters for {len(batch)} prompts: give one, or one per prompt")
+        batch = self._batch(prompts)
+        adapters = self._adapters(adapter, len(batch))
         requests = [self.request(i, i, p, adapters[i], max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
                     for i, p in enumerate(batch)]
         results = self.engine.generate(self.shard(requests))
         return self.gather(results)
+
+    def score(self, prompts: Union[Prompt, Sequence[Prompt]], adapter: Union[str, None, Sequence] = None
+              ) -> Optional[list[list[float]]]:
+        """Score prompts (text or token ids) without generating: per prompt, the log-probability of each of its
+        tokens after the ones before it (len - 1 values), under its adapter (a name, None for the base model, or one
+        per prompt). Evaluation: perplexity, the likelihood of a continuation. Raises ValueError naming a prompt
+        that cannot run, on every rank alike. Returns the list on the driver, None on the other ranks."""
+        from tp_lora.engine.scoring import prompt_logprobs
+        batch = self._batch(prompts)
+        adapters = self._adapters(adapter, len(batch))
+        requests = [self.request(i, i, p, adapters[i], max_new_tokens=1) for i, p in enumerate(batch)]
+        for req in requests:  # every rank checks every prompt: a bad one stops all replicas alike
+            err = self.engine.check_request(req, self.engine.max_positions)
+            if err:
+                raise ValueError(f"prompt {req.index}: {err}")
+        mine, out = self.shard(requests), []
+        group, names, tokens = [], set(), 0
+        step = self.cfg.scheduler.max_tokens_per_step
+        for req in mine + [None]:  # groups whose adapters fit in the slots at once and whose tokens fit a step
+            fits = req is not None and len(names | {req.adapter} - {None}) <= self.cfg.lora.max_loras and \
+                tokens + len(req.prompt_token_ids) <= step
+            if group and not fits:
+                out += zip(group, prompt_logprobs(self.engine, group))
+                group, names, tokens = [], set(), 0
+            if req is not None:
+                group.append(req)
+                names |= {req.adapter} - {None}
+                tokens += len(req.prompt_token_ids)
+        lines = [(r.index, lps) for r, lps in out]
+        if self.ps.dp.size > 1:
+            lines = [x for part in comm.all_gather_object(lines, self.ps.dp) for x in part]
+        return [lps for _, lps in sorted(lines, key=lambda x: x[0])] if self.is_driver else None
+
+    @staticmethod
+    def _batch(prompts) -> list:
+        return [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
+
+    @staticmethod
+    def _adapters(adapter, n: int) -> list:
+        adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * n
+        if len(adapters) != n:
+            raise ValueError(f"{len(adapters)} adapters for {n} prompts: give one, or one per prompt")
+        return adapters
 
     def request(self, index: int, rid: Any, prompt: Prompt, adapter: Optional[str], *,
                 max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,

@@ -108,10 +108,10 @@ def _generate(cfg: RunConfig, requests_path: str) -> int:
     if driver:
         errors = sum(1 for r in done if r.error)
         tps = s.generated_tokens / s.seconds if s.seconds else 0.0
-        cs = engine.cache.stats
+        reads = engine.gauges().adapter_reads
         log(f"{len(done)} requests ({errors} failed), {s.prompt_tokens} prompt + {s.generated_tokens} generated "
             f"tokens in {s.seconds:.2f}s ({tps:.1f} generated tokens/s on this replica), {s.steps} steps, "
-            f"{s.adapter_loads} adapter loads (slot hit rate {s.slot_hit_rate:.0%}, {cs.host_misses} disk reads) "
+            f"{s.adapter_loads} adapter loads (slot hit rate {s.slot_hit_rate:.0%}, {reads} disk reads) "
             f"-> {cfg.output}")
         if interrupted:
             log(f"stopped: {interrupted} requests not run or not finished; {cfg.output} holds the "

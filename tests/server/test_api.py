@@ -88,3 +88,18 @@ def test_generate_under_torchrun(home, reference, tmp_path):
     for (q, want), got in zip(reference, lines[0]):
         n = len(want["output_token_ids"])
         assert got["output_token_ids"][:n] == want["output_token_ids"], q["id"]
+
+
+def test_score_gives_the_log_probabilities_generation_sampled(llm):
+    """A prompt scored with its greedy continuation: the continuation's scores are the log-probabilities the decode
+    steps reported (one prefill over the whole text against a KV cache filled token by token), per adapter."""
+    prompts, adapters = [[1, 5, 9, 2], [3, 3, 7], [4, 11]], ["alpha", None, "gamma"]
+    out = llm.generate(prompts, adapter=adapters, max_new_tokens=6, ignore_eos=True)
+    texts = [p + o["output_token_ids"] for p, o in zip(prompts, out)]
+    scores = llm.score(texts, adapter=adapters)
+    for p, o, got in zip(prompts, out, scores):
+        assert len(got) == len(p) + 6 - 1
+        assert got[len(p) - 1:] == pytest.approx(o["logprobs"], abs=1e-4)
+    assert llm.score([1, 5, 9], adapter="beta")[0] != llm.score([1, 5, 9])[0]  # the adapter counts
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        llm.score([1, 2], adapter="nope")

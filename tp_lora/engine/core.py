@@ -18,8 +18,8 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig
 from tp_lora.engine.adapters import AdapterRegistry
-from tp_lora.engine.kv_pool import BlockPool, kv_budget_bytes, kv_bytes_per_token, misfit, run_blocks
-from tp_lora.engine.requests import Request, Result
+from tp_lora.engine.kv_pool import BlockPool, misfit, plan_kv
+from tp_lora.engine.requests import Request, Result, request_error
 from tp_lora.engine.runner import ModelRunner, StepBatch, pending
 from tp_lora.engine.sampler import Sampler, top_logprobs
 from tp_lora.engine.scheduler import Scheduler, Sequence
@@ -59,41 +59,14 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------------------------
     def check_request(self, req: Request, max_len: int) -> Optional[str]:
         """Why this request cannot run, or None."""
-        if req.error:
-            return req.error
-        if req.adapter is not None and (why := self.registry.unknown(req.adapter)):
+        if req.adapter is not None and not req.error and (why := self.registry.unknown(req.adapter)):
             return why
-        if not req.prompt_token_ids:
-            return "empty prompt"
-        if req.stop and self.sampler.tokenizer is None:
-            return "'stop' strings need a tokenizer (tokenizer.json in the model dir)"
-        if req.top_p is not None and not 0 < req.top_p <= 1:
-            return f"top_p={req.top_p}: expected in (0, 1]"
-        vocab = self.vocab_size
-        if not 0 <= req.logprobs <= vocab:
-            return f"logprobs={req.logprobs}: expected in [0, {vocab}]"
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
-        total = len(req.prompt_token_ids) + req.max_new_tokens
-        if total > max_len:
-            return (f"prompt ({len(req.prompt_token_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
-                    f"exceeds the context of {max_len} tokens")
-        return None
+        return request_error(req, max_len, self.vocab_size, self.sampler.tokenizer is not None)
 
     # ---- a run ------------------------------------------------------------------------------------------------------
     def plan_kv(self, needs: list[int]) -> tuple[int, int]:
-        """(blocks, longest fitting need) for requests needing `needs` positions each, from the memory this rank has
-        left; the TP ranks take the smallest plan so they schedule alike."""
-        s, m = self.cfg.scheduler, self.runner.model
-        bpt = kv_bytes_per_token(len(m.layers), m.kv_heads, m.head_dim, m.dtype)
-        old = self.runner.cache
-        reusable = 0 if old is None else (old.num_blocks + 1) * old.block_size * bpt
-        budget = kv_budget_bytes(self.ps.device, s.kv_memory_fraction, s.kv_cache_mb, reusable)
-        blocks = run_blocks(needs, s.kv_block_size, s.max_batch_size, budget, bpt)
-        if self.ps.tp.size > 1:
-            blocks = min(comm.all_gather_object(blocks, self.ps.tp))
-        return blocks, max(0, blocks * s.kv_block_size - 1)
+        """(blocks, longest fitting need) for requests needing `needs` positions each (kv_pool.plan_kv)."""
+        return plan_kv(self.runner, self.ps, self.cfg.scheduler, needs)
 
     def misfit(self, need: int, fit: int) -> str:
         return misfit(need, fit, self.cfg.scheduler.kv_memory_fraction, self.cfg.scheduler.kv_cache_mb)

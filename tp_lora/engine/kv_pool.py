@@ -11,6 +11,9 @@ import heapq
 
 import torch
 
+from tp_lora import distributed as comm
+from tp_lora.config import SchedulerConfig
+
 CPU_DEFAULT_MB = 1024.0
 
 
@@ -41,12 +44,21 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
-def run_blocks(needs: list[int], block_size: int, max_batch_size: int, budget_bytes: int,
-               bytes_per_token: int) -> int:
-    """KV blocks for a run whose requests need `needs` positions each: as many as its max_batch_size largest
-    requests hold at once (each with its admission's extra position), at most what the budget holds."""
-    wanted = sum(sorted(blocks_for(n + 1, block_size) for n in needs)[-max_batch_size:])
-    return plan_blocks(budget_bytes, block_size, bytes_per_token, wanted)
+def plan_kv(runner, ps: comm.ParallelState, sc: SchedulerConfig, needs: list[int]) -> tuple[int, int]:
+    """(blocks, longest fitting need) for a run whose requests need `needs` positions each: as many blocks as its
+    max_batch_size largest requests hold at once (each with its admission's extra position), at most what the memory
+    this rank has left holds (runner: the ModelRunner, whose current cache is replaced); the TP ranks take the
+    smallest plan so they schedule alike."""
+    m, bs = runner.model, sc.kv_block_size
+    bpt = kv_bytes_per_token(len(m.layers), m.kv_heads, m.head_dim, m.dtype)
+    old = runner.cache
+    reusable = 0 if old is None else (old.num_blocks + 1) * old.block_size * bpt
+    budget = kv_budget_bytes(ps.device, sc.kv_memory_fraction, sc.kv_cache_mb, reusable)
+    wanted = sum(sorted(blocks_for(n + 1, bs) for n in needs)[-sc.max_batch_size:])
+    blocks = plan_blocks(budget, bs, bpt, wanted)
+    if ps.tp.size > 1:
+        blocks = min(comm.all_gather_object(blocks, ps.tp))
+    return blocks, max(0, blocks * bs - 1)
 
 
 def misfit(need: int, fit: int, kv_memory_fraction: float, kv_cache_mb) -> str:

@@ -54,3 +54,26 @@ def parse_stop(stop) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
         raise ValueError(f"'stop' must be a non-empty string or a list of them, got {stop!r}")
     return stops
+
+
+def request_error(req: Request, max_len: int, vocab: int, has_tokenizer: bool) -> Optional[str]:
+    """Why `req` cannot run on a model of `vocab` tokens with a context of `max_len` positions, or None (its adapter
+    is the registry's to judge)."""
+    if req.error:
+        return req.error
+    if not req.prompt_token_ids:
+        return "empty prompt"
+    if req.stop and not has_tokenizer:
+        return "'stop' strings need a tokenizer (tokenizer.json in the model dir)"
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        return f"top_p={req.top_p}: expected in (0, 1]"
+    if not 0 <= req.logprobs <= vocab:
+        return f"logprobs={req.logprobs}: expected in [0, {vocab}]"
+    bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+    total = len(req.prompt_token_ids) + req.max_new_tokens
+    if total > max_len:
+        return (f"prompt ({len(req.prompt_token_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
+                f"exceeds the context of {max_len} tokens")
+    return None

@@ -10,7 +10,6 @@ import torch
 from tp_lora.config import GenerationConfig
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
-
 from tp_lora.ops.sampling import greedy
 
 
