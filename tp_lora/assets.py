@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Union
 import torch
 from safetensors.torch import save_file
 
-from tp_lora.lora.adapter import lora_scale, module_rank_alpha
+from tp_lora.lora.peft_format import lora_scale, module_rank_alpha
 from tp_lora.models.checkpoint import load_hf_config
 
 BUNDLE_VERSION = "default-v2"  # v2: the model dir has a tokenizer (tokenizer.json, chat template)

@@ -10,9 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tp_lora.assets import model_module_shapes, write_random_adapter, write_tiny_llama
-from tp_lora.lora.adapter import (AdapterError, LoRAAdapter, ModuleLoRA, discover_adapters, is_targeted,
-                                  load_adapter, module_rank_alpha, pattern_key, read_adapter_config,
-                                  validate_adapter)
+from tp_lora.lora.adapter import LoRAAdapter, ModuleLoRA, discover_adapters, load_adapter, validate_adapter
+from tp_lora.lora.peft_format import AdapterError, is_targeted, module_rank_alpha, pattern_key, read_adapter_config
 from tp_lora.models.checkpoint import load_hf_config
 
 transformers = pytest.importorskip("transformers")

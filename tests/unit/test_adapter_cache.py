@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from tp_lora import distributed as comm
 from tp_lora.assets import model_module_shapes, write_random_adapter, write_tiny_llama
 from tp_lora.lora import cache as cache_mod
-from tp_lora.lora.adapter import AdapterError
+from tp_lora.lora.peft_format import AdapterError
 from tp_lora.lora.cache import AdapterCache
 from tp_lora.models.checkpoint import load_hf_config
 

@@ -27,11 +27,10 @@ import torch
 
 from tp_lora import distributed as comm
 from tp_lora.lora import stfile
-from tp_lora.lora.adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, LoRAAdapter, _is_embedding_copy,
-                                  _parse_key, is_targeted, load_peft_adapter, module_rank_alpha, read_adapter_config,
-                                  validate_adapter)
+from tp_lora.lora.adapter import LoRAAdapter, load_peft_adapter, validate_adapter
+from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, is_embedding_copy,
+                                      is_targeted, module_rank_alpha, parse_key, read_adapter_config)
 from tp_lora.threadlocal import torch_threads
-
 
 
 MAX_PLANS = 16  # adapter layouts whose read plans are kept (each holds one image as its template)
@@ -85,10 +84,10 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
         if meta.get("dtype") not in stfile.FLOAT_DTYPES:
             raise _err(name, f"{weights}: tensor {key!r} has dtype {meta.get('dtype')}, expected a floating type "
                              f"{stfile.FLOAT_DTYPES}")
-        parsed = _parse_key(key)
+        parsed = parse_key(key)
         if parsed is None:
             k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-            if _is_embedding_copy(k) or fused:
+            if is_embedding_copy(k) or fused:
                 continue
             raise _err(name, f"{weights}: tensor {key!r} is not a LoRA weight this runtime understands (expected "
                              f"<module>.lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B)")

@@ -23,8 +23,9 @@ from typing import Optional
 import torch
 
 from tp_lora.hostcopy import blocks
-from tp_lora.lora.adapter import AdapterError, count_nonfinite, finite_flags, range_limits
+from tp_lora.lora.adapter import count_nonfinite, finite_flags, range_limits
 from tp_lora.lora.layers import LoRARuntime
+from tp_lora.lora.peft_format import AdapterError
 from tp_lora.ops.fp8 import quantize_fp8_into
 
 
