@@ -30,8 +30,8 @@ class ParallelConfig:
     # (with tp_size > 1 an ep x tp 2D mesh: experts over ep, each expert's intermediate over tp); tp = the EP group
     # is the attention TP group (ep_size == tp_size) and each rank routes a 1/tp chunk of the replicated tokens.
     ep_attention: str = "dp"
-    # torch's host threads per process: 0 = one on CUDA (the host prepares steps and reads adapters, and measured
-    # faster so, as under torchrun's OMP_NUM_THREADS=1), torch's default on CPU (the model computes on them).
+    # torch's host threads per process: 0 = one on CUDA (the host only prepares steps and reads adapters, as under
+    # torchrun's OMP_NUM_THREADS=1), torch's default on CPU (the model computes on them).
     host_threads: int = 0
     # Threads for an adapter read the step loop waits on (its file read in pieces; torch's, for its screen and
     # copies), and for a read ahead of need that starts while the step loop waits for reads; other reads ahead run

@@ -2,9 +2,8 @@
 views to fill (blocks); fixed-shape tensors staged in one page-locked buffer and sent in one copy (Staging).
 
 A plain .to("cuda") of pageable memory makes the host wait until the stream has drained, so every step's metadata
-copy would serialise host and GPU (profiled on an H100: ~34 such waits per serving step). to_device packs the
-tensors, one buffer per dtype, into pinned memory (one page-locked allocation each, ~0.1 ms apiece otherwise), from
-which a copy to the device is asynchronous.
+copy would serialise host and GPU. to_device packs the tensors, one buffer per dtype, into pinned memory (one
+page-locked allocation per dtype instead of one per tensor), from which a copy to the device is asynchronous.
 """
 from __future__ import annotations
 

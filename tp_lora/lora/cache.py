@@ -35,8 +35,8 @@ from tp_lora.threadlocal import torch_threads
 
 MAX_PLANS = 16  # adapter layouts whose read plans are kept (each holds one image as its template)
 PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
-# One reader: reads share the step loop's host; a second reader thread, with read plans, waited
-# less for reads but slowed the steps more (BENCHMARKS.md, 1000 adapters on an H200: 0.82 vs 0.85 of one adapter).
+# One reader: reads share the step loop's host, and a second reader thread waits less for reads but slows the steps
+# more (BENCHMARKS.md).
 READERS = 1
 # A read ahead that starts within BEHIND_S of the step loop waiting for a read takes read_threads (the reads are
 # what holds the steps up); otherwise one, beside the steps.
@@ -357,8 +357,8 @@ class AdapterCache:
 
     def _read_safely(self, info: AdapterInfo, threads: Optional[int] = 1) -> tuple[Optional[object], Optional[str]]:
         """(slot image or adapter, None) or (None, why); on `threads` threads (None: this thread's torch count). A
-        read ahead takes one unless the step loop waits for reads (BEHIND_S): on an H200 host eight threads on every
-        read made a rank-16 read ~10 -> 8 ms and the steps beside them ~8% slower."""
+        read ahead takes one unless the step loop waits for reads (BEHIND_S): more threads on every read would slow
+        the steps beside them more than they speed the read."""
         if self.images is None:
             return _safely(info.name, lambda: load_checked(info, self.dtype, self.module_shapes, self.max_rank))
         # Nothing of the read outlives this call (the image is a copy): its buffer serves the next read.

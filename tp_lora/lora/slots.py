@@ -4,14 +4,14 @@ An adapter enters a slot as a SlotImage: this rank's contents of the slot in eve
 max_rank, untargeted modules empty, B already fp8 where lora.dtype=fp8), packed in one host block per dtype. Images
 are built off the step loop (by the adapter cache's reader, on a background thread) and a load is then one
 host->device copy per dtype plus one batched device copy into the slot's views, instead of a few operations per
-module and layer (measured on an H200 at ~15 ms of host time per load that way).
+module and layer on the step loop's host time.
 
-The host tier keeps images in pageable memory (page-locking each one, cudaHostAlloc, cost ~13 ms per 20 MB in an H100
-profile). But a copy from pageable memory holds the step loop while the driver stages the bytes (~6 ms per 20 MB
-adapter on an H200 host, the biggest part of a slot load), so on CUDA a fresh image also gets a page-locked copy,
-made on the reader thread into blocks of torch's pinned-memory cache (warmed at start, so no cudaHostAlloc on the
-way). Its load is then an asynchronous copy; the page-locked copy is dropped once loaded (torch keeps the block
-until the copy is done) and at most PINNED_IMAGES exist at a time, beyond which images load from pageable memory.
+The host tier keeps images in pageable memory (page-locking each one, cudaHostAlloc, is slow). But a copy from
+pageable memory holds the step loop while the driver stages the bytes (the biggest part of a slot load), so on CUDA
+a fresh image also gets a page-locked copy, made on the reader thread into blocks of torch's pinned-memory cache
+(warmed at start, so no cudaHostAlloc on the way). Its load is then an asynchronous copy; the page-locked copy is
+dropped once loaded (torch keeps the block until the copy is done) and at most PINNED_IMAGES exist at a time, beyond
+which images load from pageable memory.
 """
 from __future__ import annotations
 
@@ -169,9 +169,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 class ImagePool:
     """Host memory for `capacity` slot images shaped like `like`, allocated and faulted in at start, with each
-    entry's views made once; an entry is handed out as a copy of the image it starts from. A fresh image's pages
-    otherwise cost the reader most of a read (on a 2-core VM: ~50 ms to fault in 20 MB while the host tier fills),
-    and the host tier only grows to its bound once anyway. An entry returns to the pool when its image is dropped."""
+    entry's views made once; an entry is handed out as a copy of the image it starts from. A fresh image's page
+    faults would otherwise cost the reader most of a read while the host tier fills, and the host tier only grows to
+    its bound once anyway. An entry returns to the pool when its image is dropped."""
 
     def __init__(self, like: list[torch.Tensor], empty: dict[torch.dtype, torch.Tensor], capacity: int):
         try:

@@ -75,8 +75,8 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors(raw if raw is not None and raw.path == path else read_file(path))
 
 
-# A file read in pieces at once: one thread copies ~10 GB/s out of the page cache (an H200 host read a 37 MB adapter
-# in 3.2 ms on one thread, 0.8 ms in 8 pieces); pieces below MIN_PIECE are not worth a thread.
+# A file read in pieces at once: one thread's copy out of the page cache bounds a read (BENCHMARKS.md); pieces below
+# MIN_PIECE are not worth a thread.
 MAX_PIECES, MIN_PIECE = 8, 4 << 20
 _pieces: Optional[ThreadPoolExecutor] = None
 _pieces_lock = threading.Lock()
@@ -101,7 +101,7 @@ def read_file(path: str, threads: int = 1) -> RawFile:
     """The file's bytes in one read (in pieces on up to `threads` threads); only the header's length is checked
     (tensors() checks the rest)."""
     size = os.path.getsize(path)
-    # Not a bytearray: that one is zeroed with the GIL held, and fresh pages cost ~10 ms per 20 MB to touch on a VM.
+    # Not a bytearray: that one is zeroed with the GIL held, and touching fresh pages costs more than the read.
     if getattr(_local, "reuse", False):
         if getattr(_local, "buf", None) is None or _local.buf.numel() < size:
             _local.buf = torch.empty(size, dtype=torch.uint8)

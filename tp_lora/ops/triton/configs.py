@@ -3,10 +3,8 @@
 A key is a bucketed shape: (T bucket, rank bucket, reduction-or-output-width bucket), one table per scheduling
 scheme; the value holds block sizes, split-K and warps. Bucket edges are upper bounds: a shape falls into the
 first edge >= its size, the last edge is open-ended. The entries are the winners of
-``scripts/bench_lora_ops.py --tune`` on an H100 80GB (triton 3.6, hidden 4096, bf16) at its TUNE_SHAPES, one
-shape per (T, rank) bucket; the (16, 64, *) entries were not tuned (set by hand); the chunked scheme's (64, 16, *)
-shrink and (256, 16, *) pair were tuned in whole decode steps, where the shrink shares the GPU with the base GEMM,
-and its (INF, 16, *) pair and segment at prefill sizes (BENCHMARKS.md).
+``scripts/bench_lora_ops.py --tune`` at its TUNE_SHAPES, one shape per (T, rank) bucket, some of them tuned inside
+whole decode steps (where the shrink shares the GPU with the base GEMM) or at prefill sizes; BENCHMARKS.md says which.
 Shapes outside the tuned buckets take the nearest entry, which is safe (every config is correct for every shape) if
 not optimal. Re-tune on another GPU with --tune and paste the tables it prints.
 
