@@ -78,7 +78,7 @@ class StopSignals:
     requests), a later one to abort. The engine's ranks agree on the level."""
 
     def __init__(self, announce: bool):
-        self.level, self.announce, self.name = 0, announce, None
+        self.level, self.announce = 0, announce
         self._last = -1e9
         self._previous = {}
 
@@ -98,7 +98,6 @@ class StopSignals:
             return
         self._last = now
         self.level = min(2, self.level + 1)
-        self.name = self.name or signal.Signals(signum).name
         if self.announce:
             print(f"[tp_lora] {signal.Signals(signum).name}: "
                   + ("admitting no more requests, finishing those in flight (again to stop now)" if self.level == 1

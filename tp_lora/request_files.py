@@ -110,13 +110,13 @@ class OutputWriter:
     """Appends and flushes a line as each request completes (nothing finished is lost if the run dies); close()
     rewrites the file in request order, lines kept by resume included.
 
-    keep: lines of an earlier run, as (request index, line) or bare lines (placed last). ordered=False only appends
+    keep: lines of an earlier run, as (request index, line). ordered=False only appends
     (a data-parallel replica's part file: its lines are merged by the driver, and an earlier part must survive)."""
 
     def __init__(self, path: str, enabled: bool = True, keep: list | None = None, ordered: bool = True):
         self.path, self.enabled, self.ordered = path, enabled, ordered
         self.done: list[tuple[float, dict]] = []
-        self.kept = [k if isinstance(k, tuple) else (float("inf"), k) for k in keep or []]
+        self.kept = list(keep or [])
         if enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             if ordered:

@@ -117,10 +117,6 @@ class EngineEnd:
             self.flush()
         return not self._out
 
-    def close(self) -> None:
-        self.closed = True
-        self.sock.close()
-
     def _read(self) -> None:
         while True:
             try:
