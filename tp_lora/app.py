@@ -111,7 +111,8 @@ def _generate(cfg: RunConfig, requests_path: str) -> int:
         reads = engine.gauges().adapter_reads
         log(f"{len(done)} requests ({errors} failed), {s.prompt_tokens} prompt + {s.generated_tokens} generated "
             f"tokens in {s.seconds:.2f}s ({tps:.1f} generated tokens/s on this replica), {s.steps} steps, "
-            f"{s.adapter_loads} adapter loads (slot hit rate {s.slot_hit_rate:.0%}, {reads} disk reads) "
+            f"{s.adapter_loads} adapter loads (slot hit rate {s.slot_hit_rate:.0%}, {reads} disk reads), prefix "
+            f"cache hit rate {s.prefix_hit_rate:.0%} ({s.prefix_hit_tokens} prompt tokens reused) "
             f"-> {cfg.output}")
         if interrupted:
             log(f"stopped: {interrupted} requests not run or not finished; {cfg.output} holds the "

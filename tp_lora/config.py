@@ -77,6 +77,9 @@ class SchedulerConfig:
     kv_memory_fraction: float = 0.8
     kv_cache_mb: Optional[float] = None  # None: no cap on CUDA, 1024 MiB on CPU
     kv_block_size: int = 16
+    # Keep the full KV blocks of finished and preempted sequences, and let a new request of the same adapter reuse the
+    # longest cached prefix of its prompt instead of computing it (evicted least recently used, only when needed).
+    prefix_caching: bool = True
     # A request blocked on adapter slots may be overtaken by later requests whose adapter is resident at most this
     # many times; then nothing passes it until it is admitted (no starvation).
     max_overtakes: int = 16

@@ -568,3 +568,26 @@ def test_moe_fp8_expert_lora_every_layout(bundle):
     want = {r.index: x for r, x in zip(requests, got)}
     checked = run_ranks(_fp8_layouts, 2, 2, case, requests, want, tp_size=1, timeout_s=240)
     assert len(checked) == len(LAYOUTS[2]) * 2
+
+
+def test_moe_prefix_cache_gives_the_tokens_of_computing(bundle):
+    """Prefix caching on an MoE model: requests sharing a prompt prefix per adapter (expert LoRA, PEFT 3D
+    parameters, the base) give the tokens of prefix caching off."""
+    gen = torch.Generator().manual_seed(1)
+    system = torch.randint(2, V, (9,), generator=gen).tolist()
+    reqs = [Request(i, id=i, adapter=("pe", "tp", None)[i % 3], max_new_tokens=4, ignore_eos=True,
+                    prompt_token_ids=system + torch.randint(2, V, (1 + i % 4,), generator=gen).tolist())
+            for i in range(9)]
+    ps = comm.single_process(device_under_test())
+    out = {}
+    for caching in (False, True):
+        cfg = _cfg(1, 1, "dp", False)
+        cfg.scheduler.kv_block_size, cfg.scheduler.prefix_caching = 4, caching
+        engine = Engine(cfg, ps, *bundle["qwen2_moe"])
+        res = engine.generate(reqs, arrival_times=[0.02 * i for i in range(len(reqs))])
+        out[caching] = [(r.output_token_ids, r.logprobs) for r in res], engine.stats.prefix_hit_tokens
+    (want, _), (got, hits) = out[False], out[True]
+    assert hits > 0
+    for (gt, gl), (wt, wl) in zip(got, want):
+        assert gt == wt
+        torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), rtol=0, atol=1e-5)

@@ -129,6 +129,33 @@ def test_load_use_unload_an_adapter_at_run_time(server, reference, default, tmp_
     assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "alpha2"}).status_code == 404
 
 
+def test_a_reloaded_adapter_never_meets_its_old_kv_blocks(server, default, tmp_path):
+    """Prefix caching through the server: a prompt sent twice reuses its blocks; an adapter unloaded and loaded
+    again under its name with other weights answers as those weights do (its old cached blocks are never hit)."""
+    c = client(server)
+    prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16 can be cached
+
+    def answer(model):
+        return c.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].token_ids
+
+    def load(path):
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "swap", "lora_path": str(path)})
+        assert r.status_code == 200, r.text
+
+    load(os.path.join(default["adapter_dir"], "alpha"))
+    first = answer("swap")
+    hits = _metric(server, "tp_lora_engine_prefix_hit_tokens")
+    assert answer("swap") == first
+    assert _metric(server, "tp_lora_engine_prefix_hit_tokens") == hits + 32
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "swap"}).status_code == 200
+    load(os.path.join(default["adapter_dir"], "beta"))
+    swapped = answer("swap")
+    assert _metric(server, "tp_lora_engine_prefix_hit_tokens") == hits + 32
+    beta = answer("beta")
+    assert swapped == beta != first
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "swap"}).status_code == 200
+
+
 def test_adapters_that_do_not_fit_are_refused(server, default, tmp_path):
     model = os.path.join(default["model"])
     write_random_adapter(tmp_path / "r32", model, r=32, lora_alpha=32)

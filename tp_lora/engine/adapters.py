@@ -51,6 +51,8 @@ class AdapterRegistry:
         # Admission waits (boundedly) for reads where they overlap GPU steps. On CPU reads and steps share the cores,
         # and the step reading what it admits keeps each run's batches, and so its rounding, the same.
         self.overlap_reads = device.type == "cuda"
+        self._identities: dict[str, int] = {}  # name -> its identity while loaded (identity())
+        self._next_identity = 1
 
     @property
     def infos(self) -> dict[str, AdapterInfo]:
@@ -61,6 +63,16 @@ class AdapterRegistry:
     def bad(self) -> dict[str, str]:
         """name -> why it cannot be used (found at start, or at its first read)."""
         return self.cache.bad
+
+    def identity(self, name: Optional[str]) -> int:
+        """An adapter's identity in the prefix cache: 0 for the base model, else a number given at first use and
+        new after every unload, so a reload under the same name never meets the old weights' KV blocks."""
+        if name is None:
+            return 0
+        if name not in self._identities:
+            self._identities[name] = self._next_identity
+            self._next_identity += 1
+        return self._identities[name]
 
     def failure(self, name: str) -> str:
         why = self.bad[name]
@@ -102,6 +114,7 @@ class AdapterRegistry:
             self.state.clear(slot)
             self.slots.names[slot] = None
         self.cache.remove(name)
+        self._identities.pop(name, None)
         return None
 
     def pin_all(self, max_loras: int, ep_size: int) -> None:

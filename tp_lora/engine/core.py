@@ -76,8 +76,9 @@ class EngineCore:
         a scheduler over it."""
         sc = self.cfg.scheduler
         self.kv = self.runner.kv_cache(blocks, sc.kv_block_size, max_len)
-        self.sched = Scheduler(self.registry.state, BlockPool(blocks, sc.kv_block_size), sc.max_batch_size,
-                               sc.max_tokens_per_step, sc.max_overtakes, admit_batch=sc.admit_batch)
+        self.sched = Scheduler(self.registry.state, BlockPool(blocks, sc.kv_block_size, sc.prefix_caching),
+                               sc.max_batch_size, sc.max_tokens_per_step, sc.max_overtakes,
+                               admit_batch=sc.admit_batch, identity=self.registry.identity)
         self._arrival.clear()
         self.sampler.reset()
 
@@ -157,7 +158,9 @@ class EngineCore:
     def gauges(self) -> Gauges:
         sched, s = self.sched, self.stats
         queued = (len(sched.waiting), len(sched.running)) if sched is not None else (0, 0)
-        return Gauges(*queued, s.slot_hit_rate, self.registry.cache.stats.host_misses, s.adapter_loads)
+        pool = sched.blocks if sched is not None else None
+        kv = (pool.blocks - pool.available, pool.cached, pool.available - pool.cached) if pool else (0, 0, 0)
+        return Gauges(*queued, s.slot_hit_rate, self.registry.cache.stats.host_misses, s.adapter_loads, *kv)
 
     # ---- one step ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -223,8 +226,9 @@ class EngineCore:
     def _schedule(self, loadable, **kw):
         """The scheduler's plan (Scheduler.schedule), its slot hits, misses and preemptions counted."""
         sched = self.sched
-        hits0, misses0, pre0 = sched.slot_hits, sched.slot_misses, sched.preemptions
+        hits0, misses0, pre0, cached0 = sched.slot_hits, sched.slot_misses, sched.preemptions, sched.prefix_hits
         plan = sched.schedule(loadable, **kw)
+        self.stats.prefix_hit_tokens += sched.prefix_hits - cached0
         self.stats.slot_hits += sched.slot_hits - hits0
         self.stats.slot_misses += sched.slot_misses - misses0
         self.stats.preemptions += sched.preemptions - pre0
@@ -242,6 +246,7 @@ class EngineCore:
         logits = self.runner.execute(step, self.kv)  # [sequences, V]: each one's last new token
         for seq, n in work:
             seq.computed += n
+            self.sched.cache_blocks(seq)
         self.stats.steps += 1
         sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
         host = tops = None

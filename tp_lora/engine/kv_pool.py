@@ -8,6 +8,7 @@ allocated: a request that finds too few free blocks waits in the scheduler inste
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 import torch
 
@@ -68,39 +69,110 @@ def misfit(need: int, fit: int, kv_memory_fraction: float, kv_cache_mb) -> str:
 
 
 class BlockPool:
-    """Free KV-cache blocks of `block_size` positions; the lowest free first, so every rank of a TP group hands out
-    the same blocks."""
+    """KV-cache blocks of `block_size` positions: free ones (the lowest first, so every rank of a TP group hands out
+    the same blocks), ones held by running sequences (reference-counted: a cached prefix may be shared), and with
+    `caching` the prefix cache: full blocks whose contents are known, kept when no sequence holds them and evicted
+    least recently used first, only when no free block is left.
 
-    def __init__(self, blocks: int, block_size: int):
+    A cached block's identity is a hash chained over the blocks before it: hash((parent's hash, its token ids)),
+    the first block's parent being the adapter's identity (`root`: an integer that changes whenever an adapter is
+    loaded, so a reload never meets its old blocks). Hashes of tuples of ints are the same in every process."""
+
+    def __init__(self, blocks: int, block_size: int, caching: bool = False):
         if blocks < 1 or block_size < 1:
             raise ValueError(f"a KV block pool needs blocks >= 1 and block_size >= 1, got {blocks}, {block_size}")
-        self.blocks, self.block_size = blocks, block_size
+        self.blocks, self.block_size, self.caching = blocks, block_size, caching
         self._free = list(range(blocks))
-        self._held = [False] * blocks
+        self._refs = [0] * blocks
+        self._cached: dict[int, int] = {}  # hash -> the block holding those contents
+        self._hash: dict[int, int] = {}  # block -> its hash (registered blocks)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, LRU first
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: free, or cached and held by none."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached(self) -> int:
+        """Cached blocks held by no sequence."""
+        return len(self._evictable)
 
     def needed(self, table: list[int], positions: int) -> int:
         """More blocks a sequence holding `table` needs to hold `positions` positions."""
         return max(0, blocks_for(positions, self.block_size) - len(table))
 
     def grow(self, table: list[int], positions: int) -> None:
-        """Extend `table` in place to hold `positions` positions."""
+        """Extend `table` in place to hold `positions` positions: free blocks first, then the least recently used
+        cached ones (forgotten)."""
         n = self.needed(table, positions)
-        if n > len(self._free):
-            raise RuntimeError(f"{n} KV blocks wanted, {len(self._free)} of {self.blocks} free")
+        if n > self.available:
+            raise RuntimeError(f"{n} KV blocks wanted, {self.available} of {self.blocks} free")
         for _ in range(n):
-            b = heapq.heappop(self._free)
-            self._held[b] = True
+            if self._free:
+                b = heapq.heappop(self._free)
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                del self._cached[self._hash.pop(b)]
+            self._refs[b] = 1
             table.append(b)
 
     def release(self, table: list[int]) -> None:
-        """Return every block of `table` (emptied in place)."""
+        """Drop a sequence's hold on every block of `table` (emptied in place). Cached blocks stay, the table's last
+        first in line for eviction (a prefix outlives its continuations)."""
         for b in table:
-            if not 0 <= b < self.blocks or not self._held[b]:
+            if not 0 <= b < self.blocks or self._refs[b] <= 0:
                 raise ValueError(f"KV block {b} is not in use (pool of {self.blocks})")
-            self._held[b] = False
-            heapq.heappush(self._free, b)
+        for b in reversed(table):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash:
+                    self._evictable[b] = None
+                else:
+                    heapq.heappush(self._free, b)
         table.clear()
+
+    def match(self, tokens: list[int], root: int) -> tuple[list[int], list[int]]:
+        """(cached blocks, their hashes) holding the longest prefix of `tokens` under `root`, in full blocks and
+        leaving the last token out (its logits are computed); nothing taken yet (take())."""
+        blocks, hashes = [], []
+        if not self.caching:
+            return blocks, hashes
+        bs, parent = self.block_size, root
+        for i in range((len(tokens) - 1) // bs):
+            h = hash((parent, *tokens[i * bs:(i + 1) * bs]))
+            b = self._cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def take(self, blocks: list[int]) -> None:
+        """Hold matched cached blocks (a sequence's first blocks)."""
+        for b in blocks:
+            self._refs[b] += 1
+            self._evictable.pop(b, None)
+
+    def evictable_in(self, blocks: list[int]) -> int:
+        """How many of `blocks` (matched) are held by no sequence: taking them uses up that many available."""
+        return sum(self._refs[b] == 0 for b in blocks)
+
+    def commit(self, table: list[int], tokens: list[int], computed: int, hashes: list[int], root: int) -> None:
+        """Cache the blocks of a sequence (`table`, its `tokens`) that are full and computed (KV written for the
+        first `computed` positions) and not yet in `hashes` (extended in place). Stops at a token not known yet
+        (negative: sampled on the device, not read). The first holder of some contents is the one cached."""
+        if not self.caching:
+            return
+        bs = self.block_size
+        while len(hashes) < min(computed // bs, len(table)):
+            i = len(hashes)
+            block = tokens[i * bs:(i + 1) * bs]
+            if min(block) < 0:
+                return
+            h = hash((hashes[-1] if hashes else root, *block))
+            hashes.append(h)
+            b = table[i]
+            if h not in self._cached and b not in self._hash:
+                self._cached[h], self._hash[b] = b, h

@@ -36,7 +36,7 @@ or failed) in bounded time, the engine reading it itself once nothing else can r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from tp_lora.engine.kv_pool import BlockPool
 from tp_lora.engine.requests import Request, Result
@@ -55,6 +55,8 @@ class Sequence:
     result: Optional[Result] = None
     stopped: bool = False  # left the running set for good (finished, cancelled, dropped): a launched step drops its
     # row (a preempted sequence is in no step launched since)
+    root: int = 0  # its adapter's identity in the prefix cache (BlockPool)
+    hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of its first full blocks
 
     @property
     def generated(self) -> int:
@@ -131,8 +133,11 @@ class StepPlan:
 
 
 class Scheduler:
+    """identity(adapter name or None) -> the adapter's prefix-cache identity (BlockPool's root)."""
+
     def __init__(self, slots: SlotState, blocks: BlockPool, max_batch_size: int, max_tokens_per_step: int,
-                 max_overtakes: int = 16, lookahead: int = LOOKAHEAD, admit_batch: int = 1):
+                 max_overtakes: int = 16, lookahead: int = LOOKAHEAD, admit_batch: int = 1,
+                 identity: Callable[[Optional[str]], int] = lambda name: 0):
         if max_tokens_per_step < max_batch_size:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} < max_batch_size={max_batch_size}: every "
                              f"running sequence decodes one token per step")
@@ -150,6 +155,8 @@ class Scheduler:
         self.admitting = True
         self.slot_hits = 0  # admissions whose adapter was resident
         self.slot_misses = 0  # admissions that needed a copy into a slot
+        self.prefix_hits = 0  # prompt tokens new admissions found in the prefix cache
+        self.identity = identity
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -221,11 +228,17 @@ class Scheduler:
         """How many of the first n waiting requests the free KV blocks hold together (with their first new token)."""
         free, k = self.blocks.available, 0
         for req in self.waiting[:n]:
-            free -= self.blocks.needed([], len(self._tokens(req)) + 1)
+            free -= self._blocks_to_admit(req)
             if free < 0:
                 break
             k += 1
         return k
+
+    def _blocks_to_admit(self, req: Request) -> int:
+        """Available blocks admitting `req` uses up: its new blocks, and the cached ones it takes from eviction."""
+        tokens = self._tokens(req)
+        cached, _ = self.blocks.match(tokens, self.identity(req.adapter))
+        return self.blocks.needed(cached, len(tokens) + 1) + self.blocks.evictable_in(cached)
 
     def _make_room(self, seq: Sequence) -> None:
         """Blocks for the decoding sequence's next token, preempting the newest running sequences (possibly seq
@@ -244,6 +257,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.computed = 0
+        seq.hashes = []
         self.preempted[seq.request.index] = seq
         self.waiting.insert(0, seq.request)
         self.preemptions += 1
@@ -256,7 +270,7 @@ class Scheduler:
         worst = 0  # the most any of them has been passed
         i = 0
         while (i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size
-               and self.blocks.needed([], len(self._tokens(self.waiting[i])) + 1) <= self.blocks.available):
+               and self._blocks_to_admit(self.waiting[i]) <= self.blocks.available):
             if blocked and (worst >= self.max_overtakes or blocked > self.lookahead):
                 break  # a request passed max_overtakes times is a barrier; and the scan stays short
             req = self.waiting[i]
@@ -279,11 +293,19 @@ class Scheduler:
                 seq = Sequence(req, [], slot, list(req.prompt_token_ids), len(req.prompt_token_ids),
                                result=Result(req))
                 plan.admitted.append(seq)
-            seq.slot = slot
+                fresh = True
+            else:
+                fresh = False
+            seq.slot, seq.root = slot, self.identity(req.adapter)
+            seq.blocks, seq.hashes = self.blocks.match(seq.tokens, seq.root)
+            self.blocks.take(seq.blocks)
+            seq.computed = len(seq.blocks) * self.blocks.block_size
+            if fresh:
+                self.prefix_hits += seq.computed
             self.blocks.grow(seq.blocks, len(seq.tokens) + 1)
             self.running.append(seq)
             if self._ready(seq) or any(slot == s for s, _ in plan.loads):
-                n = min(len(seq.tokens), budget)
+                n = min(len(seq.tokens) - seq.computed, budget)
                 plan.work.append((seq, n))
                 budget -= n
 
@@ -315,7 +337,12 @@ class Scheduler:
         self._free(seq)
         seq.stopped = True
 
+    def cache_blocks(self, seq: Sequence) -> None:
+        """seq's KV now holds its first seq.computed positions: its full blocks of known tokens enter the cache."""
+        self.blocks.commit(seq.blocks, seq.tokens, seq.computed, seq.hashes, seq.root)
+
     def _free(self, seq: Sequence) -> None:
+        self.cache_blocks(seq)
         self.blocks.release(seq.blocks)
         if seq.slot >= 0:
             self.slots.release(seq.slot)

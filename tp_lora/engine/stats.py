@@ -21,6 +21,7 @@ class StepStats:
     decode_by_rows: dict = field(default_factory=dict)
     ahead_steps: int = 0  # steps launched before the previous step's tokens were read (run_ahead)
     prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache (not computed)
     generated_tokens: int = 0
     seconds: float = 0.0
     adapter_loads: int = 0  # copies into device slots
@@ -36,6 +37,10 @@ class StepStats:
     @property
     def decode_seconds(self) -> float:
         return sum(t for _, t in self.decode_by_rows.values())
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def slot_hit_rate(self) -> float:
@@ -58,3 +63,6 @@ class Gauges(NamedTuple):
     slot_hit_rate: float
     adapter_reads: int  # adapters read from disk (host-cache misses)
     adapter_loads: int  # copies into device slots
+    kv_used: int  # KV blocks held by running sequences
+    kv_cached: int  # KV blocks in the prefix cache that no sequence holds (evictable)
+    kv_free: int

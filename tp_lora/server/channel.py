@@ -10,7 +10,7 @@ Engine -> front end, one frame per step (only the keys with news): a dict
                  requests that ended, with the tokens not sent before; text only where a stop string cut it
     "cancelled": [index]             dropped from the engine after the front end's cancel
     "replies":   [(call id, error or None)]
-    "gauges":    (waiting, running, slot hit rate, adapter reads, adapter loads)
+    "gauges":    tp_lora.engine.stats.Gauges as a tuple (queue, running, slots, adapter reads, KV blocks)
     "steps":     the engine's StepStats values named by STEP_FIELDS (totals since start), when they changed
     "draining":  True                 a stop signal came: admit nothing more
     "adapters":  {name: path}         the registry, when it changed
@@ -33,9 +33,10 @@ STOP = "stop"
 SHUTTING_DOWN = "the server is shutting down"
 READ_BYTES = 1 << 20
 # The engine's StepStats fields the "steps" key carries (steps, and how many replayed graphs / captured one / were
-# decode-only, with their wall seconds): where the step loop's time goes under the server.
+# decode-only, with their wall seconds: where the step loop's time goes under the server; prompt tokens admitted and
+# those found in the prefix cache).
 STEP_FIELDS = ("steps", "graph_steps", "graph_captures", "decode_steps", "graph_seconds", "eager_seconds",
-               "decode_seconds")
+               "decode_seconds", "prompt_tokens", "prefix_hit_tokens")
 
 
 def encode(obj: Any) -> bytes:

@@ -28,19 +28,23 @@ class Metrics:
                                    registry=r)
         self.adapter_reads = Gauge("tp_lora_adapter_reads", "Adapter reads from disk into host memory", registry=r)
         self.adapter_loads = Gauge("tp_lora_adapter_loads", "Adapter copies into device slots", registry=r)
+        self.kv_blocks = Gauge("tp_lora_kv_blocks", "KV cache blocks: held by running sequences (used), in the prefix "
+                               "cache and held by none (cached, evictable), free", ["state"], registry=r)
         # tp_lora_engine_steps, ..._graph_steps, ..._decode_steps, ..._graph_seconds, ...: the engine's StepStats
         self.steps = [Gauge(f"tp_lora_engine_{f}", f"The engine's StepStats.{f} since start (its steps, those "
                             f"replayed from CUDA graphs, the decode-only ones, and their wall seconds)", registry=r)
                       for f in STEP_FIELDS]
 
     def set_gauges(self, waiting: int, running: int, slot_hit_rate: float, adapter_reads: int,
-                   adapter_loads: int) -> None:
-        """The engine's values, as its loop sent them (tp_lora.server.channel's "gauges")."""
+                   adapter_loads: int, kv_used: int, kv_cached: int, kv_free: int) -> None:
+        """The engine's values, as its loop sent them (tp_lora.server.channel's "gauges": Gauges' fields)."""
         self.waiting.set(waiting)
         self.running.set(running)
         self.slot_hit_rate.set(slot_hit_rate)
         self.adapter_reads.set(adapter_reads)
         self.adapter_loads.set(adapter_loads)
+        for state, n in (("used", kv_used), ("cached", kv_cached), ("free", kv_free)):
+            self.kv_blocks.labels(state).set(n)
 
     def set_steps(self, values: tuple) -> None:
         """The engine's step stats, as its loop sent them (the channel's "steps", named by STEP_FIELDS)."""
