@@ -21,6 +21,13 @@ class Request:
     top_p: Optional[float] = None  # None: generation.top_p
     seed: Optional[int] = None  # sampling draws from its own generator seeded so (None: the run's)
     logprobs: int = 0  # the most likely tokens (with their log-probabilities) to report at each position
+    # logit rules (OpenAI / vLLM definitions), applied to the logits before the choice; logprobs stay the model's
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token generated so far
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and generated tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens were generated
+    stop_token_ids: list[int] = field(default_factory=list)  # generation ends after any of these (kept in output)
 
 
 @dataclass
@@ -69,6 +76,9 @@ def request_error(req: Request, max_len: int, vocab: int, has_tokenizer: bool) -
         return f"top_p={req.top_p}: expected in (0, 1]"
     if not 0 <= req.logprobs <= vocab:
         return f"logprobs={req.logprobs}: expected in [0, {vocab}]"
+    why = rules_error(req, vocab)
+    if why:
+        return why
     bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
     if bad:
         return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
@@ -76,4 +86,26 @@ def request_error(req: Request, max_len: int, vocab: int, has_tokenizer: bool) -
     if total > max_len:
         return (f"prompt ({len(req.prompt_token_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                 f"exceeds the context of {max_len} tokens")
+    return None
+
+
+def rules_error(req: Request, vocab: int) -> Optional[str]:
+    """Why the request's logit rules (penalties, logit_bias, min_tokens, stop_token_ids) cannot apply on a model of
+    `vocab` tokens, or None."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if not -2.0 <= v <= 2.0:
+            return f"{name}={v}: expected in [-2, 2]"
+    if not 0 < req.repetition_penalty <= 2.0:
+        return f"repetition_penalty={req.repetition_penalty}: expected in (0, 2]"
+    for tok, bias in req.logit_bias.items():
+        if not 0 <= tok < vocab:
+            return f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})"
+        if not -100.0 <= bias <= 100.0:
+            return f"logit_bias[{tok}]={bias}: expected in [-100, 100]"
+    bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        return f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab})"
+    if not 0 <= req.min_tokens <= req.max_new_tokens:
+        return f"min_tokens={req.min_tokens}: expected in [0, max_new_tokens={req.max_new_tokens}]"
     return None

@@ -1,5 +1,6 @@
 """Token choice from gathered logits, and the per-request rules around it: sampling parameters (the request's or the
-run's defaults), seeds, and when a sequence ends (EOS, stop strings, length) with its text. Every TP rank holds the
+run's defaults), logit rules (tp_lora.engine.logit_rules), seeds, and when a sequence ends (EOS, stop_token_ids, stop
+strings, length) with its text. Reported log-probabilities are the model's (before logit rules and temperature). Every TP rank holds the
 same logits and the same generator states, so every rank picks the same token without a broadcast."""
 from __future__ import annotations
 
@@ -8,39 +9,67 @@ from typing import Optional, Sequence, Union
 import torch
 
 from tp_lora.config import GenerationConfig
+from tp_lora.engine.logit_rules import LogitRules
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
 from tp_lora.ops.sampling import greedy
 
 
+MASK32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32) (each product stays below 2^63)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    return (x >> 16) ^ x
+
+
+def seeded_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] float32 Exp(1) variates that depend only on each row's (seed, step) and the token id: a request's
+    draws are the same whatever else shares its step, on every rank and device."""
+    key = _mix((seeds & MASK32) ^ _mix(((seeds >> 32) & MASK32) ^ _mix(steps & MASK32)))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _mix(_mix((key[:, None] + ids[None, :] * 0x9E3779B1) & MASK32) ^ key[:, None])
+    return -torch.log(((h >> 8).float() + 0.5) / float(1 << 24))
+
+
 def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Sequence[float]],
-         generator: Union[torch.Generator, None, Sequence[Optional[torch.Generator]]]) -> torch.Tensor:
-    """logits [N, V] float32 -> [2, N] float64 on logits' device: each row's token id (exact in float64) and its
-    log-probability under the unscaled distribution, so one device->host copy reads both. Temperature 0 is greedy
-    (no host sync); top_p and generator are one for all rows or a list with one per row (a request with its own seed
-    has its own generator); the rows sharing a generator draw in one call, in row order, on the host."""
+         generator: Optional[torch.Generator] = None, seeds: Optional[list[Optional[int]]] = None,
+         steps: Optional[list[int]] = None, raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits [N, V] -> [2, N] float64 on logits' device: each row's token id (exact in float64) and its
+    log-probability under `raw` (the model's logits before any logit rule; default: logits) unscaled by temperature,
+    so one device->host copy reads both. Temperature 0 is greedy (no host sync); the others draw on the device with
+    the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). top_p is one for all rows or one per row; a
+    row whose seeds[i] is set takes its noise from (seed, steps[i]) (seeded_noise), the others from `generator` (a
+    generator of logits' device), in one call."""
     out = greedy(logits)  # [2, N] float64: each row's argmax token, its log-probability
     hot = [i for i, t in enumerate(temperatures) if t > 0]  # decided on the host: no device round trip for greedy
     if hot:
-        rows = torch.tensor(hot, device=logits.device)
-        temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32, device=logits.device)
-        probs = torch.softmax(logits[rows] / temps[:, None], -1)
+        dev = logits.device
+        rows = torch.tensor(hot, device=dev)
+        temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32, device=dev)
+        probs = torch.softmax(logits[rows].float() / temps[:, None], -1)
         tops = [top_p] * len(hot) if isinstance(top_p, (int, float)) else [top_p[i] for i in hot]
         if min(tops) < 1.0:
-            keep = torch.tensor(tops, dtype=torch.float32, device=logits.device)[:, None]
+            keep = torch.tensor(tops, dtype=torch.float32, device=dev)[:, None]
             sorted_p, idx = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > keep  # keep the smallest prefix reaching top_p
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        probs = probs.cpu()
-        gens = [generator] * len(hot) if not isinstance(generator, (list, tuple)) else [generator[i] for i in hot]
-        picks = torch.empty(len(hot), dtype=torch.int64)
-        for g in dict.fromkeys(gens):  # each generator draws its rows in one call
-            mine = [j for j, x in enumerate(gens) if x is g]
-            picks[mine] = torch.multinomial(probs[mine], 1, generator=g).flatten()
-        picks = picks.to(logits.device)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        own = [j for j, i in enumerate(hot) if seeds is not None and seeds[i] is not None]
+        if own:
+            noise[torch.tensor(own, device=dev)] = seeded_noise(
+                torch.tensor([seeds[hot[j]] for j in own], device=dev),
+                torch.tensor([steps[hot[j]] for j in own], device=dev), probs.shape[1])
+        picks = (probs / noise).argmax(-1)
         out[0, rows] = picks.double()
-        out[1, rows] = torch.log_softmax(logits[rows], -1).gather(-1, picks[:, None]).flatten().double()
+    if raw is not None:  # every row's log-probability under the model's logits
+        out[1] = torch.log_softmax(raw.float(), -1).gather(-1, out[0].long()[:, None]).flatten().double()
+    elif hot:
+        lp = torch.log_softmax(logits[rows].float(), -1).gather(-1, picks[:, None]).flatten()
+        out[1, rows] = lp.double()
     return out
 
 
@@ -51,35 +80,39 @@ def top_logprobs(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
 
 
 class Sampler:
-    """draw() with each request's parameters, and the end of each sequence. Holds per-request state (stop-string
-    text, own-seed generators) from a request's first token to its end (forget())."""
+    """draw() with each request's parameters and logit rules, and the end of each sequence. Holds per-request state
+    (stop-string text, tokens drawn so far, logit-rule rows) from a request's first token to its end (forget())."""
 
     def __init__(self, gen: GenerationConfig, eos: set[int], tokenizer: Optional[TextTokenizer]):
         self.gen, self.eos, self.tokenizer = gen, eos, tokenizer
-        self.generator = torch.Generator().manual_seed(gen.seed)
+        self.generators: dict[torch.device, torch.Generator] = {}  # the run's draws, per device
         self.decode_outputs = True  # finished results carry their text (a server's front end decodes on its own)
+        self.rules = LogitRules(eos)
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
-        self._seeded: dict[int, torch.Generator] = {}  # requests with their own seed: their generator
+        self._drawn: dict[int, int] = {}  # tokens drawn per request (its seeded noise, min_tokens)
 
     def sample(self, rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """draw() over logits `rows` [N, V], row i for reqs[i]."""
+        """draw() over logits `rows` [N, V], row i for reqs[i], after their logit rules."""
         temps = [r.temperature if r.temperature is not None else self.gen.temperature for r in reqs]
         top_ps = [r.top_p if r.top_p is not None else self.gen.top_p for r in reqs]
-        return draw(rows, temps, top_ps, self._generators(reqs))
-
-    def _generators(self, reqs: list[Request]):
-        """The run's generator, or per request where one has its own seed (made at its first sample)."""
-        if all(r.seed is None for r in reqs):
-            return self.generator
-        return [self.generator if r.seed is None else
-                self._seeded.setdefault(r.index, torch.Generator().manual_seed(r.seed)) for r in reqs]
+        steps = [self._drawn.get(r.index, 0) for r in reqs]
+        chosen = self.rules.apply(rows, reqs, steps)
+        gen = self.generators.get(rows.device)
+        if gen is None:
+            gen = self.generators[rows.device] = torch.Generator(rows.device).manual_seed(self.gen.seed)
+        out = draw(chosen, temps, top_ps, gen, [r.seed for r in reqs], steps, None if chosen is rows else rows)
+        self.rules.update(out[0])
+        for r, n in zip(reqs, steps):
+            self._drawn[r.index] = n + 1
+        return out
 
     def finished(self, res: Result, tok: int, generated: int) -> bool:
         """Whether the sequence of `res` ends with its `generated`-th new token `tok`; sets its finish_reason and, at
         a stop string, its text."""
         req = res.request
         ignore = req.ignore_eos if req.ignore_eos is not None else self.gen.ignore_eos
-        if (not ignore and tok in self.eos) or (req.stop and self._stop_string(res, tok)):
+        if ((not ignore and tok in self.eos) or tok in req.stop_token_ids
+                or (req.stop and self._stop_string(res, tok))):
             res.finish_reason = "stop"
             return True
         return generated >= req.max_new_tokens
@@ -107,9 +140,11 @@ class Sampler:
     def forget(self, index: int) -> None:
         """Drop request `index`'s state (it ended)."""
         self._text.pop(index, None)
-        self._seeded.pop(index, None)
+        self._drawn.pop(index, None)
+        self.rules.forget(index)
 
     def reset(self) -> None:
         """Drop every request's state (a new run)."""
         self._text.clear()
-        self._seeded.clear()
+        self._drawn.clear()
+        self.rules.reset()
