@@ -196,7 +196,7 @@ def test_an_adapter_failing_to_load_fails_only_its_requests(server, reference):
     ({"model": BASE, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": BASE, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": BASE, "prompt": "hi", "logprobs": 9}, 400, "logprobs"),
-    ({"model": BASE, "prompt": "hi", "n": 2}, 400, "'n'"),
+    ({"model": BASE, "prompt": "hi", "n": 99}, 400, "'n'"),
     ({"model": BASE, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"model": BASE, "prompt": "hi", "seed": -1}, 400, "seed"),
     ({"model": BASE, "prompt": "hi", "stream": "yes"}, 400, "stream"),

@@ -1,0 +1,207 @@
+"""The request bodies of /v1/completions and /v1/chat/completions as pydantic models: every documented OpenAI field
+(and vLLM's sampling extensions) type-checked, unknown fields refused; fields documented but not served are refused
+by name with the reason (refusal()); fields accepted on purpose without effect are listed in ACCEPTED_WITHOUT_EFFECT
+(and the README). parse() turns a body into its model or an APIError (400) naming the field."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tp_lora.server.errors import APIError
+
+MAX_LOGPROBS = 5  # completions' logprobs, as OpenAI
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_N = 16  # n and best_of: sequences per prompt
+
+# Fields taken and given no effect: they tag, route or store requests on OpenAI's side, which this server does not do
+ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                           "parallel_tool_calls")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
+    include_usage: Optional[bool] = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class Sampling(Strict):
+    """The fields both endpoints share."""
+    model: str
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    # vLLM's extensions
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = Field(None, ge=0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=2.0)
+    stop_token_ids: Optional[list[int]] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        for key, bias in v.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if not all(stops) or len(stops) > 4:
+            raise ValueError("expected a non-empty string or a list of up to 4 of them")
+        return v
+
+    def engine_fields(self) -> dict:
+        """The Request fields these values set (None where the generation config's default holds)."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stops,
+                    ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty or 0.0,
+                    frequency_penalty=self.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                    min_tokens=self.min_tokens or 0, stop_token_ids=list(self.stop_token_ids or []))
+
+    def refusal(self) -> Optional[tuple[str, str]]:
+        """(field, why) for a documented field set to what the server does not serve, or None."""
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            return "response_format", f"'response_format' {rf.type!r} is not served (structured output is not " \
+                                      f"implemented yet); only {{\"type\": \"text\"}}"
+        if self.best_of_n() < (self.n or 1):
+            return "best_of", f"'best_of' ({self.best_of_n()}) must be at least 'n' ({self.n})"
+        if self.stream and self.best_of_n() > (self.n or 1):
+            return "best_of", "'best_of' above 'n' cannot stream (the best are known only at the end)"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "'stream_options' needs 'stream': true"
+        return None
+
+    def best_of_n(self) -> int:
+        return self.n or 1
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    echo: Optional[bool] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Optional[str] = None
+
+    def best_of_n(self) -> int:
+        return self.best_of or self.n or 1
+
+    def refusal(self) -> Optional[tuple[str, str]]:
+        if self.suffix:
+            return "suffix", "'suffix' (insertion) is not served: the models served here are not trained for it"
+        if self.echo and self.logprobs is not None:
+            return "echo", "'echo' with 'logprobs' is not served: the prompt's log-probabilities are not computed " \
+                           "by the serving steps (LLM.score computes them offline); drop one of the two"
+        return super().refusal()
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+# chat fields documented by OpenAI that this server does not serve: refused when set (not null), with the reason
+NOT_SERVED = {
+    "tools": "tool calling is not served", "tool_choice": "tool calling is not served",
+    "functions": "function calling is not served", "function_call": "function calling is not served",
+    "audio": "audio output is not served", "prediction": "predicted outputs are not served",
+    "reasoning_effort": "the models served here take no reasoning effort",
+    "web_search_options": "web search is not served", "verbosity": "the models served here take no verbosity",
+}
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    modalities: Optional[list[Literal["text"]]] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    functions: Optional[list] = None
+    function_call: Optional[Union[str, dict]] = None
+    audio: Optional[dict] = None
+    prediction: Optional[dict] = None
+    reasoning_effort: Optional[str] = None
+    web_search_options: Optional[dict] = None
+    verbosity: Optional[str] = None
+
+    def refusal(self) -> Optional[tuple[str, str]]:
+        for name, why in NOT_SERVED.items():
+            v = getattr(self, name)
+            if v is not None and not (name == "tool_choice" and v == "none") and v != []:
+                return name, f"'{name}': {why}"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "'top_logprobs' needs 'logprobs': true"
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            return "max_tokens", "give one of 'max_tokens' and 'max_completion_tokens' (the newer name)"
+        return super().refusal()
+
+
+def parse(cls: type[Sampling], body: Any) -> Sampling:
+    """The body as `cls`, or an APIError (400) naming the first bad field and what it expects."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        where = ".".join(str(x) for x in err["loc"] if not _is_type_tag(x))
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unknown field '{where}' (not an OpenAI {cls.__name__} field nor an extension this "
+                                f"server serves)", field) from None
+        if err["type"] == "missing":
+            raise APIError(400, f"'{where}' is required", field) from None
+        got = repr(err.get("input"))[:80]
+        raise APIError(400, f"'{where}': {err['msg']}, got {got}", field) from None
+    refused = req.refusal()
+    if refused:
+        raise APIError(400, refused[1], refused[0])
+    return req
+
+
+def _is_type_tag(x) -> bool:
+    """pydantic's loc names a union member by its type ('str', 'list[int]', 'function-after[...]'): not a key."""
+    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict", "list"))
