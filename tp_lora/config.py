@@ -117,6 +117,9 @@ class RunConfig:
     resume: bool = False  # keep the lines already in `output` and run only the requests they do not answer
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | float16 | bfloat16
+    # null | fp8: quantize a 16/32-bit checkpoint's linear layers to float8_e4m3 at load (per output channel). FP8
+    # checkpoints (quantization_config in config.json) load as fp8 either way. README "FP8".
+    quantization: Optional[str] = None
     cuda_graphs: bool = True
     progress: bool = True
 
@@ -158,6 +161,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
                f"lora.fully_sharded=true splits the rank dim: lora.max_rank={lo.max_rank} must be divisible by "
                f"parallel.tp_size={p.tp_size}")
     _check(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r}: expected auto, cpu or cuda")
+    _check(cfg.quantization in (None, "fp8"), f"quantization={cfg.quantization!r}: expected null or fp8")
     _check(cfg.dtype in ("auto", "float32", "float16", "bfloat16"),
            f"dtype={cfg.dtype!r}: expected auto, float32, float16 or bfloat16")
     g = cfg.generation

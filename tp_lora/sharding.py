@@ -159,3 +159,45 @@ def token_chunk(num_tokens: int, rank: int, size: int) -> Range:
     last shares short or empty, so every rank pads to the same ceil(num_tokens / size) rows."""
     step = -(-num_tokens // size)
     return min(rank * step, num_tokens), min((rank + 1) * step, num_tokens)
+
+
+def block_range(rng: Range, block: int, total: int, what: str) -> Range:
+    """The blocks of `block` items holding items [a, b) of `total`; a range that would split a block (its start not
+    on a block boundary, its end neither on one nor at the end) is refused, naming `what` and the sizes."""
+    a, b = rng
+    if a % block or (b % block and b != total):
+        raise ValueError(f"{what}: this rank's part [{a}, {b}) of {total} would split a scale block of {block}; "
+                         f"choose a tp_size / ep_size whose shards are multiples of the block")
+    return a // block, -(-b // block)
+
+
+def scale_part(scale: torch.Tensor, rows: Range, rows_total: int, cols: Range, cols_total: int,
+               block: tuple[int, int] | None, what: str) -> torch.Tensor:
+    """The scales of weight rows [rows) x columns [cols) of a [rows_total, cols_total] fp8 tensor, in a quantized
+    layer's form: per channel [n] (the checkpoint's [rows_total], [rows_total, 1], or one per tensor repeated), or per
+    block [n, blocks of cols] (checkpoint [ceil(rows_total / bn), ceil(cols_total / bk)]; each block's scale
+    repeated on its rows). A missing dimension or a wrong shape is refused, naming `what` and the shapes."""
+    shape, n = tuple(scale.shape), rows[1] - rows[0]
+    if block is None:
+        if scale.numel() == 1 and len(shape) <= 2:
+            return scale.float().reshape(1).expand(n).clone()
+        if shape not in ((rows_total,), (rows_total, 1)):
+            raise ValueError(f"{what}: scale of shape {shape}, expected ({rows_total},) or ({rows_total}, 1) per "
+                             f"output channel, or one per tensor")
+        return take(scale, rows, 0).float().reshape(n)
+    bn, bk = block
+    want = (-(-rows_total // bn), -(-cols_total // bk))
+    if shape != want:
+        raise ValueError(f"{what}: scale of shape {shape}, expected {want} for a [{rows_total}, {cols_total}] weight "
+                         f"in blocks of {list(block)}")
+    r0, r1 = block_range(rows, bn, rows_total, f"{what} rows")
+    c0, c1 = block_range(cols, bk, cols_total, f"{what} columns")
+    return take_nd(scale, [(r0, r1), (c0, c1)]).float().repeat_interleave(bn, 0)[:n]  # rows[0] is on a boundary
+
+
+def shard_scale(spec: LinearSpec, slice_idx: int, scale: torch.Tensor, block: tuple[int, int] | None, rank: int, size: int,
+                what: str) -> torch.Tensor:
+    """This rank's scales of one slice's fp8 weight [out_s, in], cut like shard_weight cuts the weight."""
+    out_s = spec.slices[slice_idx].width
+    return scale_part(scale, spec.slice_ranges(rank, size)[slice_idx], out_s, spec.in_range(rank, size),
+                      spec.in_features, block, what)

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from tp_lora import distributed as comm
-from tp_lora.sharding import LinearSpec, OutSlice, shard_weight, take
+from tp_lora.layers.quant import FP8Scheme
+from tp_lora.ops.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8_per_channel
+from tp_lora.sharding import LinearSpec, OutSlice, scale_part, shard_weight, take
 
 
 class ParallelLinear(nn.Module):
@@ -20,26 +22,38 @@ class ParallelLinear(nn.Module):
     column:     W [sum(local out_s), in]; y_i holds this rank's output columns (gathered if gather_output).
     row:        W [out, in/p]; x is this rank's input shard, partial sums are all-reduced, then bias added.
     replicated: the whole W on every rank.
+
+    quant (tp_lora.layers.quant): W is float8_e4m3fn with float32 weight_scale, [rows] per output channel or
+    [rows, in_local / block_k] per block; `dtype` stays the activations' (and a LoRA wrapper's) dtype.
     """
 
     def __init__(self, spec: LinearSpec, tp: comm.Group, bias: bool = False, dtype=torch.float32,
-                 device: Any = "cpu", gather_output: bool = False):
+                 device: Any = "cpu", gather_output: bool = False, quant: FP8Scheme | None = None):
         super().__init__()
         self.spec, self.tp, self.gather_output = spec, tp, gather_output
+        self.dtype, self.quant = dtype, quant
         self.local_out_widths = spec.local_out_widths(tp.rank, tp.size)
         in0, in1 = spec.in_range(tp.rank, tp.size)
-        self.weight = nn.Parameter(torch.empty(sum(self.local_out_widths), in1 - in0, dtype=dtype, device=device),
+        rows = sum(self.local_out_widths)
+        self.weight = nn.Parameter(torch.empty(rows, in1 - in0, dtype=FP8_DTYPE if quant else dtype, device=device),
                                    requires_grad=False)
+        self.block_k = quant.block[1] if quant is not None and quant.block is not None else None
+        scale_shape = (rows,) if self.block_k is None else (rows, -(-(in1 - in0) // self.block_k))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device)
+                             if quant is not None else None)
         bias_rows = spec.out_features if spec.kind == "row" else sum(self.local_out_widths)
         self.bias = nn.Parameter(torch.zeros(bias_rows, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
 
-    def load_slice(self, slice_idx: int, weight: Any, bias: Any = None) -> None:
-        """Copy this rank's part of slice `slice_idx` from a full checkpoint tensor (or lazy safetensors slice)."""
+    def load_slice(self, slice_idx: int, weight: Any, bias: Any = None, scale: torch.Tensor | None = None,
+                   what: str = "") -> None:
+        """Copy this rank's part of slice `slice_idx` from a full checkpoint tensor (or lazy safetensors slice);
+        scale: the fp8 checkpoint's whole scale tensor of that slice. what: the checkpoint name, for messages."""
         row0 = sum(self.local_out_widths[:slice_idx])
         rows = self.local_out_widths[slice_idx]
-        part = shard_weight(self.spec, slice_idx, weight, self.tp.rank, self.tp.size)
-        copy_checked(self.weight.data[row0:row0 + rows], part, f"slice {slice_idx} weight")
+        rng = self.spec.slice_ranges(self.tp.rank, self.tp.size)[slice_idx]
+        self._store(row0, take(weight, rng, 0), rng, self.spec.slices[slice_idx].width, scale,
+                    what or f"slice {slice_idx}")
         if bias is not None:
             if self.bias is None:
                 raise ValueError("checkpoint has a bias for a layer built without one")
@@ -49,7 +63,7 @@ class ParallelLinear(nn.Module):
                 copy_checked(self.bias.data[row0:row0 + rows],
                               shard_weight(self.spec, slice_idx, bias, self.tp.rank, self.tp.size), "bias")
 
-    def load_fused(self, weight: Any, bias: Any = None) -> None:
+    def load_fused(self, weight: Any, bias: Any = None, scale: torch.Tensor | None = None) -> None:
         """Copy this rank's rows of every slice from one fused checkpoint tensor [out_features, in] (slices
         concatenated, e.g. Phi-3's qkv_proj), reading only those rows of a lazy safetensors slice."""
         shape = tuple(getattr(weight, "shape", None) or weight.get_shape())
@@ -61,13 +75,22 @@ class ParallelLinear(nn.Module):
         row0 = 0
         for s, rows in enumerate(self.local_out_widths):
             rng = self.spec.fused_rows(s, self.tp.rank, self.tp.size)
-            copy_checked(self.weight.data[row0:row0 + rows], take(weight, rng, 0), f"fused slice {s} weight")
+            self._store(row0, take(weight, rng, 0), rng, self.spec.out_features, scale, f"fused slice {s}")
             if bias is not None:
                 copy_checked(self.bias.data[row0:row0 + rows], take(bias, rng, 0), f"fused slice {s} bias")
             row0 += rows
 
+    def _store(self, row0: int, src: torch.Tensor, rng: tuple[int, int], rows_total: int,
+               scale: torch.Tensor | None, what: str) -> None:
+        """Weight rows [row0, row0 + len(rng)) from the checkpoint's rows rng (every column: src) of a tensor of
+        rows_total rows."""
+        n = rng[1] - rng[0]
+        store_rows(self.weight.data[row0:row0 + n],
+                   None if self.quant is None else self.weight_scale.data[row0:row0 + n], src, rng, rows_total,
+                   self.spec.in_range(self.tp.rank, self.tp.size), self.spec.in_features, self.quant, scale, what)
+
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight.t()
+        y = x @ self.weight.t() if self.quant is None else fp8_linear(x, self.weight, self.weight_scale, self.block_k)
         if self.bias is not None and self.spec.kind != "row":
             y = y + self.bias
         return y
@@ -109,3 +132,32 @@ def copy_checked(dst: torch.Tensor, src: Any, what: str) -> None:
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"{what}: checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def store_rows(dst: torch.Tensor, dst_scale: torch.Tensor | None, src: torch.Tensor, rows: tuple[int, int],
+               rows_total: int, cols: tuple[int, int], cols_total: int, quant: FP8Scheme | None,
+               scale: torch.Tensor | None, what: str) -> None:
+    """dst (and dst_scale) from the checkpoint's rows [rows) of a [rows_total, cols_total] weight, given with every
+    column (src), columns [cols) kept: unquantized; quantized here per output channel (over whole rows, so every TP
+    layout gets the scales of one process); or fp8 with the checkpoint's whole `scale` tensor. An fp8 tensor where
+    the config says 16/32-bit, the other way round, or a missing scale is refused, naming `what`."""
+    fp8 = src.dtype == FP8_DTYPE
+    if quant is None or quant.at_load:
+        if fp8:
+            raise ValueError(f"{what}: the checkpoint holds float8_e4m3fn weights, but config.json's "
+                             f"quantization_config leaves this layer unquantized (or has none)")
+        if quant is None:
+            copy_checked(dst, take(src, cols, 1), f"{what} weight")
+            return
+        q, s = quantize_fp8_per_channel(src.to(dst.device))
+        copy_checked(dst, take(q, cols, 1), f"{what} weight")
+        copy_checked(dst_scale, s, f"{what} scale")
+        return
+    if not fp8:
+        raise ValueError(f"{what}: the checkpoint holds {src.dtype} weights where quantization_config says "
+                         f"float8_e4m3fn")
+    if scale is None:
+        raise ValueError(f"{what}: float8_e4m3fn weight without its scale (expected a tensor named "
+                         f"{' or '.join(what.rsplit('.', 1)[0] + '.' + n for n in quant.scale_names)})")
+    copy_checked(dst, take(src, cols, 1), f"{what} weight")
+    copy_checked(dst_scale, scale_part(scale, rows, rows_total, cols, cols_total, quant.block, what), f"{what} scale")

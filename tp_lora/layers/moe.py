@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_lora import distributed as comm
-from tp_lora.layers.linear import column_spec, row_spec
+from tp_lora.layers.linear import column_spec, row_spec, store_rows
+from tp_lora.layers.quant import FP8Scheme
+from tp_lora.ops.fp8 import FP8_DTYPE, dequantize, quantize_fp8_per_channel
 from tp_lora.ops.fused import act_mul, moe_topk
 from tp_lora.ops.grouped_mm import grouped_mm
 from tp_lora.ops.moe_layout import MoEPlan
-from tp_lora.sharding import even_range, expert_range, shard_weight, take_nd
+from tp_lora.sharding import even_range, expert_range, take, take_nd
 
 
 class Router(nn.Module):
@@ -42,12 +44,16 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This rank's experts: w13 [E_local, S * I_local, H] (S = 2 gate|up slices when gated, 1 otherwise) and
     w2 [E_local, H, I_local]. `forward(xp, plan)` computes every pair's expert MLP in pair order (one grouped GEMM
-    for gate_up, one for down), as a partial sum over the moe-tp group."""
+    for gate_up, one for down), as a partial sum over the moe-tp group.
+
+    quant: w13 / w2 are float8_e4m3fn with float32 scales w13_scale [E_local, S * I_local] / w2_scale [E_local, H]
+    per output channel, or [..., in_local / block_k] per block; the GEMMs run on the weights dequantised to `dtype`."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, ep: comm.Group, moe_tp: comm.Group,
-                 gated: bool = True, dtype=torch.float32, device: Any = "cpu"):
+                 gated: bool = True, dtype=torch.float32, device: Any = "cpu", quant: FP8Scheme | None = None):
         super().__init__()
         self.num_experts, self.hidden, self.inter, self.gated = num_experts, hidden, inter, gated
+        self.dtype, self.quant = dtype, quant
         self.ep, self.tp = ep, moe_tp
         self.e0, self.e1 = expert_range(num_experts, ep.rank, ep.size)
         self.i0, self.i1 = even_range(inter, moe_tp.rank, moe_tp.size, "moe intermediate size")
@@ -56,9 +62,15 @@ class Experts(nn.Module):
         self.down_spec = row_spec(inter, hidden)
         n, il = self.e1 - self.e0, self.i1 - self.i0
         self.slices = 2 if gated else 1
-        self.w13 = nn.Parameter(torch.empty(n, self.slices * il, hidden, dtype=dtype, device=device),
+        wdtype = FP8_DTYPE if quant is not None else dtype
+        self.w13 = nn.Parameter(torch.empty(n, self.slices * il, hidden, dtype=wdtype, device=device),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, hidden, il, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden, il, dtype=wdtype, device=device), requires_grad=False)
+        self.block_k = quant.block[1] if quant is not None and quant.block is not None else None
+        for name, w in (("w13_scale", self.w13), ("w2_scale", self.w2)):
+            shape = w.shape[:2] if self.block_k is None else (*w.shape[:2], -(-w.shape[2] // self.block_k))
+            self.register_buffer(name, None if quant is None else
+                                 torch.ones(shape, dtype=torch.float32, device=device))
 
     @property
     def num_local(self) -> int:
@@ -67,36 +79,70 @@ class Experts(nn.Module):
     def holds(self, expert: int) -> bool:
         return self.e0 <= expert < self.e1
 
-    def load_expert(self, expert: int, up: list[Any], down: Any) -> None:
+    def load_expert(self, expert: int, up: list[Any], down: Any, up_scales: list[Any] | None = None,
+                    down_scale: Any = None, names: tuple[str, ...] = ()) -> None:
         """One expert from per-expert tensors: up = [w1 [I, H], w3 [I, H]] (or [w1] when not gated), down = w2 [H, I]
-        (tensors or lazy safetensors slices: only this rank's rows / columns are read)."""
+        (tensors or lazy safetensors slices: only this rank's rows / columns are read); fp8 checkpoints: their whole
+        scale tensors up_scales / down_scale. names: the checkpoint names of up + [down], for messages."""
         e = expert - self.e0
         il = self.i1 - self.i0
-        size = (self.tp.rank, self.tp.size)
+        names = names or tuple(f"expert {expert} up slice {s}" for s in range(len(up))) + (f"expert {expert} down",)
+        rows, full_h = (self.i0, self.i1), (0, self.hidden)
         for s, w in enumerate(up):
-            _copy(self.w13.data[e, s * il:(s + 1) * il], shard_weight(self.up_spec, s, w, *size),
-                  f"expert {expert} up slice {s}")
-        _copy(self.w2.data[e], shard_weight(self.down_spec, 0, down, *size), f"expert {expert} down")
+            store_rows(self.w13.data[e, s * il:(s + 1) * il], self._scale_rows("w13_scale", e, s * il, il),
+                       take(w, rows, 0), rows, self.inter, full_h, self.hidden, self.quant,
+                       up_scales[s] if up_scales else None, names[s])
+        store_rows(self.w2.data[e], self._scale_rows("w2_scale", e, 0, self.hidden), take(down, full_h, 0), full_h,
+                   self.hidden, rows, self.inter, self.quant, down_scale, names[-1])
+
+    def _scale_rows(self, name: str, e: int, row0: int, rows: int) -> torch.Tensor | None:
+        scale = getattr(self, name)
+        return None if scale is None else scale.data[e, row0:row0 + rows]
 
     def load_fused(self, gate_up: Any, down: Any) -> None:
         """All local experts from fused 3D tensors: gate_up [E, S*I, H] (gate rows, then up rows), down [E, H, I]."""
         il, inter = self.i1 - self.i0, self.inter
         experts = (self.e0, self.e1)
+        if self.quant is not None and not self.quant.at_load:
+            raise ValueError("fused 3D expert tensors (experts.gate_up_proj [E, 2I, H]) in an fp8 checkpoint are not "
+                             "supported: expected per-expert tensors (experts.N.gate_proj.weight + its scale)")
         for s in range(self.slices):
             part = take_nd(gate_up, [experts, (s * inter + self.i0, s * inter + self.i1), None])
-            _copy(self.w13.data[:, s * il:(s + 1) * il], part, f"fused gate_up_proj slice {s}")
-        _copy(self.w2.data, take_nd(down, [experts, None, (self.i0, self.i1)]), "fused down_proj")
+            self._store_fused(self.w13.data[:, s * il:(s + 1) * il], "w13_scale", s * il, part, (0, self.hidden),
+                              f"fused gate_up_proj slice {s}")
+        whole = None if self.quant is None else (0, inter)  # quantized over whole rows, then cut
+        down_part = take_nd(down, [experts, None, whole or (self.i0, self.i1)])
+        self._store_fused(self.w2.data, "w2_scale", 0, down_part, (self.i0, self.i1) if whole else (0, il),
+                          "fused down_proj")
+
+    def _store_fused(self, dst: torch.Tensor, scale_name: str, row0: int, src: torch.Tensor, cols: tuple[int, int],
+                     what: str) -> None:
+        """dst [E_local, rows, cols] from src [E_local, rows, *] (columns `cols` kept), quantized per output channel
+        at load when the layer is fp8."""
+        if src.dtype == FP8_DTYPE:
+            raise ValueError(f"{what}: the checkpoint holds float8_e4m3fn weights, but config.json's "
+                             f"quantization_config leaves the experts unquantized (or has none)")
+        if self.quant is None:
+            _copy(dst, take(src, cols, 2), what)
+            return
+        q, scale = quantize_fp8_per_channel(src.to(dst.device))
+        _copy(dst, take(q, cols, 2), what)
+        _copy(getattr(self, scale_name).data[:, row0:row0 + dst.shape[1]], scale, f"{what} scale")
 
     def up(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """xp [C, H] in pair order -> [C, S * I_local] (rows past the plan's last expert undefined)."""
-        return grouped_mm(xp, self.w13, plan.expert_ends)
+        return grouped_mm(xp, self._weight(self.w13, self.w13_scale), plan.expert_ends)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
         return act_mul(z, "silu") if self.gated else F.silu(z)
 
     def down(self, h: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """h [C, I_local] in pair order -> [C, H] (partial over moe-tp)."""
-        return grouped_mm(h, self.w2, plan.expert_ends)
+        return grouped_mm(h, self._weight(self.w2, self.w2_scale), plan.expert_ends)
+
+    def _weight(self, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """The GEMM's weights: w, or fp8 w dequantised to the activations' dtype."""
+        return w if scale is None else dequantize(w, scale, self.block_k).to(self.dtype)
 
     def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         return self.down(self.act(self.up(xp, plan)), plan)

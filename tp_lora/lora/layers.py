@@ -154,7 +154,7 @@ class LoRALinear(SlotBuffers, nn.Module):
             b_rows = (spec.out_features // tp.size,)
         else:
             b_rows = spec.out_widths
-        dtype, device = base.weight.dtype, base.weight.device
+        dtype, device = getattr(base, "dtype", base.weight.dtype), base.weight.device  # an fp8 base: its activations'
         self.lora_a = nn.ParameterList(
             [nn.Parameter(torch.zeros(rt.max_loras, r_a, in_local, dtype=dtype, device=device), requires_grad=False)
              for _ in spec.slices])

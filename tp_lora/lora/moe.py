@@ -46,7 +46,7 @@ class LoRAExperts(SlotBuffers, nn.Module):
         il = base.i1 - base.i0
         r_a = R // tp.size if self.fully_sharded else R
         h_b = H // tp.size if self.fully_sharded else H
-        dtype, device = base.w13.dtype, base.w13.device
+        dtype, device = base.dtype, base.w13.device  # the activations' dtype (the weights may be fp8)
 
         b_dtype = FP8_DTYPE if rt.fp8 else dtype
 

@@ -16,6 +16,7 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError
 from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spec
+from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.models.attention import AttnMeta, KVCache, attend
 from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, rope_write_kv
@@ -144,8 +145,14 @@ def layer_windows(hf: dict) -> list[int | None]:
     return [hf.get("sliding_window") if t == "sliding_attention" else None for t in layer_types(hf)]
 
 
+def scheme(quant: QuantConfig | None, paths: list[str]) -> FP8Scheme | None:
+    """The fp8 scheme of the layer answering to these module paths (None: unquantized)."""
+    return None if quant is None else quant.for_module(paths)
+
+
 class Attention(nn.Module):
-    def __init__(self, hf: dict, idx: int, tp: comm.Group, dtype, device, rt: LoRARuntime | None, targets):
+    def __init__(self, hf: dict, idx: int, tp: comm.Group, dtype, device, rt: LoRARuntime | None, targets,
+                 quant: QuantConfig | None = None):
         super().__init__()
         kind = hf.get("model_type")
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -161,12 +168,14 @@ class Attention(nn.Module):
         bias = kind == "qwen2" or hf.get("attention_bias", False) or hf.get("qkv_bias", False)
         prefix = f"model.layers.{idx}.self_attn."
         fused = kind in FUSED_TYPES
+        paths = [prefix + "qkv_proj"] if fused else [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
         self.qkv_proj = maybe_wrap(
-            ParallelLinear(qkv_spec(hidden, heads, kv, self.head_dim), tp, bias, dtype, device), rt,
-            [prefix + "qkv_proj"] if fused else [prefix + n for n in ("q_proj", "k_proj", "v_proj")], targets, fused)
+            ParallelLinear(qkv_spec(hidden, heads, kv, self.head_dim), tp, bias, dtype, device,
+                           quant=scheme(quant, paths)), rt, paths, targets, fused)
         self.o_proj = maybe_wrap(ParallelLinear(row_spec(heads * self.head_dim, hidden), tp,
                                                  hf.get("attention_bias", False) and kind != "qwen2",
-                                                 dtype, device), rt, [prefix + "o_proj"], targets)
+                                                 dtype, device, quant=scheme(quant, [prefix + "o_proj"])), rt,
+                                  [prefix + "o_proj"], targets)
         self.layer_idx = idx
         # Qwen3(-MoE), Gemma 3: RMSNorm over each head's dim on q and k before RoPE (per head, so TP needs nothing),
         # applied by rope_write_kv with these modules' weights.
@@ -189,7 +198,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hf: dict, idx: int, tp: comm.Group, dtype, device, rt, targets):
+    def __init__(self, hf: dict, idx: int, tp: comm.Group, dtype, device, rt, targets,
+                 quant: QuantConfig | None = None):
         super().__init__()
         act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
@@ -198,10 +208,11 @@ class MLP(nn.Module):
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         prefix = f"model.layers.{idx}.mlp."
         fused = hf.get("model_type") in FUSED_TYPES
-        self.gate_up_proj = maybe_wrap(ParallelLinear(column_spec(hidden, inter, inter), tp, False, dtype, device),
-                                        rt, [prefix + "gate_up_proj"] if fused else
-                                        [prefix + "gate_proj", prefix + "up_proj"], targets, fused)
-        self.down_proj = maybe_wrap(ParallelLinear(row_spec(inter, hidden), tp, False, dtype, device), rt,
+        paths = [prefix + "gate_up_proj"] if fused else [prefix + "gate_proj", prefix + "up_proj"]
+        self.gate_up_proj = maybe_wrap(ParallelLinear(column_spec(hidden, inter, inter), tp, False, dtype, device,
+                                                      quant=scheme(quant, paths)), rt, paths, targets, fused)
+        self.down_proj = maybe_wrap(ParallelLinear(row_spec(inter, hidden), tp, False, dtype, device,
+                                                   quant=scheme(quant, [prefix + "down_proj"])), rt,
                                      [prefix + "down_proj"], targets)
 
     def forward(self, x):
@@ -215,17 +226,18 @@ class DecoderLayer(nn.Module):
     The residual stream is carried beside the block's output, as vLLM does: layer(x, residual) -> (x, residual)
     with the stream = x + residual, so each residual add is fused into the norm that follows it."""
 
-    def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None):
+    def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None,
+                 quant: QuantConfig | None = None):
         super().__init__()
         eps, h = hf.get("rms_norm_eps", 1e-6), hf["hidden_size"]
         self.gemma = hf.get("model_type") in GEMMA_TYPES
         self.input_layernorm = RMSNorm(h, eps, dtype, device, self.gemma)
-        self.self_attn = Attention(hf, idx, tp, dtype, device, rt, targets)
+        self.self_attn = Attention(hf, idx, tp, dtype, device, rt, targets, quant)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, self.gemma)
         if self.gemma:
             self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
             self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
-        self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets)
+        self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets, quant)
 
     def forward(self, x, residual, cos, sin, cache, meta):
         """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual)."""
@@ -240,19 +252,20 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Llama-family causal LM. `targets`: short module names some adapter targets (q_proj, ..., embed_tokens,
-    lm_head); None wraps every linear layer. `mlp_factory(idx)` lets MoE models swap the MLP."""
+    lm_head); None wraps every linear layer. `mlp_factory(idx)` lets MoE models swap the MLP. quant: the fp8 layers
+    (tp_lora.layers.quant; embeddings and the LM head stay in `dtype`)."""
 
     def __init__(self, hf: dict, tp: comm.Group, dtype=torch.float32, device="cpu", rt: LoRARuntime | None = None,
-                 targets: set[str] | None = None, mlp_factory=None):
+                 targets: set[str] | None = None, mlp_factory=None, quant: QuantConfig | None = None):
         super().__init__()
         if hf.get("model_type") not in SUPPORTED and mlp_factory is None:
             raise ConfigError(f"model_type={hf.get('model_type')!r} is not supported (expected one of {SUPPORTED})")
-        self.hf, self.tp, self.rt = hf, tp, rt
+        self.hf, self.tp, self.rt, self.quant = hf, tp, rt, quant
         vocab, hidden = hf["vocab_size"], hf["hidden_size"]
         embed = VocabParallelEmbedding(vocab, hidden, tp, dtype, device)
         self.embed_tokens = maybe_wrap(embed, rt, ["model.embed_tokens"], targets if targets is not None else set())
         self.layers = nn.ModuleList([
-            DecoderLayer(hf, i, tp, dtype, device, rt, targets, mlp_factory(i) if mlp_factory else None)
+            DecoderLayer(hf, i, tp, dtype, device, rt, targets, mlp_factory(i) if mlp_factory else None, quant)
             for i in range(hf["num_hidden_layers"])])
         kind = hf.get("model_type")
         gemma = kind in GEMMA_TYPES

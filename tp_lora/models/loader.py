@@ -1,10 +1,11 @@
-"""Fill a CausalLM from a HF checkpoint, each rank reading only the slices it holds."""
+"""Fill a CausalLM from a HF checkpoint, each rank reading only the slices it holds (and, for fp8 layers, the whole
+scale tensors: small, cut per rank by tp_lora.sharding.scale_part)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tp_lora.models.checkpoint import CheckpointReader
+from tp_lora.models.checkpoint import CheckpointError, CheckpointReader
 
 
 def base_of(m: nn.Module) -> nn.Module:
@@ -12,11 +13,22 @@ def base_of(m: nn.Module) -> nn.Module:
     return getattr(m, "base", m)
 
 
+def weight_scale(reader: CheckpointReader, layer: nn.Module, name: str) -> torch.Tensor | None:
+    """The whole scale tensor of module `name` when `layer` holds checkpoint fp8 weights (its scheme's scale
+    names, first present), else None (the layer refuses an fp8 weight without it)."""
+    quant = getattr(layer, "quant", None)
+    if quant is None or quant.at_load:
+        return None
+    found = next((name + "." + n for n in quant.scale_names if reader.has(name + "." + n)), None)
+    return reader.get(found) if found is not None else None
+
+
 def _load_packed(reader: CheckpointReader, layer: nn.Module, names: list[str]) -> None:
     layer = base_of(layer)
     for s, name in enumerate(names):
         bias = reader.get_slice(name + ".bias") if reader.has(name + ".bias") else None
-        layer.load_slice(s, reader.get_slice(name + ".weight"), bias)
+        layer.load_slice(s, reader.get_slice(name + ".weight"), bias, weight_scale(reader, layer, name),
+                         name + ".weight")
 
 
 def _load_fused_or_packed(reader: CheckpointReader, layer: nn.Module, fused: str, names: list[str]) -> None:
@@ -26,7 +38,7 @@ def _load_fused_or_packed(reader: CheckpointReader, layer: nn.Module, fused: str
         _load_packed(reader, layer, names)
         return
     bias = reader.get_slice(fused + ".bias") if reader.has(fused + ".bias") else None
-    base_of(layer).load_fused(reader.get_slice(fused + ".weight"), bias)
+    base_of(layer).load_fused(reader.get_slice(fused + ".weight"), bias, weight_scale(reader, base_of(layer), fused))
 
 
 def _load_norm(reader: CheckpointReader, norm: nn.Module, name: str) -> None:
@@ -59,11 +71,20 @@ def load_dense_layer(reader: CheckpointReader, layer: nn.Module, i: int) -> None
         layer.mlp.load(reader, p + "mlp.")
 
 
+def _unquantized(reader: CheckpointReader, name: str):
+    """A lazy slice of a tensor that is always read in the model's dtype (embeddings, LM head): fp8 is refused."""
+    sl = reader.get_slice(name)
+    if sl.get_dtype() == "F8_E4M3":
+        raise CheckpointError(f"{name} is float8_e4m3fn in {reader.source}: fp8 embeddings / LM heads are not "
+                              f"supported (expected them left unquantized, e.g. quantization_config ignore lm_head)")
+    return sl
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, reader: CheckpointReader) -> None:
-    base_of(model.embed_tokens).load(reader.get_slice("model.embed_tokens.weight"))
+    base_of(model.embed_tokens).load(_unquantized(reader, "model.embed_tokens.weight"))
     for i, layer in enumerate(model.layers):
         load_dense_layer(reader, layer, i)
     _load_norm(reader, model.norm, "model.norm.weight")
     if not model.tied:
-        base_of(model.lm_head).load(reader.get_slice("lm_head.weight"))
+        base_of(model.lm_head).load(_unquantized(reader, "lm_head.weight"))

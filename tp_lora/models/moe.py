@@ -36,9 +36,11 @@ from tp_lora import distributed as comm
 from tp_lora.config import ConfigError
 from tp_lora.layers.linear import ParallelLinear, column_spec, replicated_spec, row_spec
 from tp_lora.layers.moe import Experts, Router, pack_tokens, unpack_tokens
+from tp_lora.layers.quant import QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.lora.moe import wrap_experts
-from tp_lora.models.llama import CausalLM
+from tp_lora.models.llama import CausalLM, scheme
+from tp_lora.models.loader import weight_scale
 from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.fused import moe_combine
 from tp_lora.ops.grouped_mm import torch_grouped_available
@@ -168,7 +170,7 @@ class SparseMoE(nn.Module):
     """Router + experts (+ Qwen2-MoE's gated shared expert) over the layout in `ps`. forward(x [T, H]) -> [T, H]."""
 
     def __init__(self, hf: dict, shape: MoEShape, idx: int, ps: comm.ParallelState, step: MoEStep, dtype, device,
-                 rt: LoRARuntime | None, targets: set[str] | None):
+                 rt: LoRARuntime | None, targets: set[str] | None, quant: QuantConfig | None = None):
         super().__init__()
         hidden = hf["hidden_size"]
         self.shape, self.hidden, self.step, self.rt = shape, hidden, step, rt
@@ -176,10 +178,11 @@ class SparseMoE(nn.Module):
         self.chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
         self.gate = Router(hidden, shape.num_experts, shape.top_k, shape.renormalize,
                            weights_in_model_dtype=shape.model_type != "mixtral", dtype=dtype, device=device)
-        experts = Experts(shape.num_experts, hidden, shape.inter, ps.ep, ps.moe_tp, True, dtype, device)
-        self.experts = experts
         names = EXPERT_NAMES[shape.model_type]
         per_expert = f"model.layers.{idx}.{'block_sparse_moe' if shape.model_type == 'mixtral' else 'mlp'}.experts."
+        experts = Experts(shape.num_experts, hidden, shape.inter, ps.ep, ps.moe_tp, True, dtype, device,
+                          scheme(quant, [per_expert[:-1]]))
+        self.experts = experts
         fused = f"model.layers.{idx}.mlp.experts."
         if rt is not None and (targets is None or targets & set(names + FUSED_NAMES)):
             paths = {}
@@ -194,13 +197,14 @@ class SparseMoE(nn.Module):
             step.shared_expert = True
             p = f"model.layers.{idx}.mlp."
             si = shape.shared_inter
+            up, down, gate = [p + "shared_expert.gate_proj", p + "shared_expert.up_proj"], \
+                [p + "shared_expert.down_proj"], [p + "shared_expert_gate"]
             self.shared_gate_up = maybe_wrap(ParallelLinear(column_spec(hidden, si, si), ps.moe_tp, False, dtype,
-                                                             device), rt,
-                                              [p + "shared_expert.gate_proj", p + "shared_expert.up_proj"], targets)
-            self.shared_down = maybe_wrap(ParallelLinear(row_spec(si, hidden), ps.moe_tp, False, dtype, device), rt,
-                                           [p + "shared_expert.down_proj"], targets)
+                                                             device, quant=scheme(quant, up)), rt, up, targets)
+            self.shared_down = maybe_wrap(ParallelLinear(row_spec(si, hidden), ps.moe_tp, False, dtype, device,
+                                                         quant=scheme(quant, down)), rt, down, targets)
             self.shared_expert_gate = maybe_wrap(ParallelLinear(replicated_spec(hidden, 1), ps.moe_tp, False, dtype,
-                                                                 device), rt, [p + "shared_expert_gate"], targets)
+                                                                 device, quant=scheme(quant, gate)), rt, gate, targets)
 
     @property
     def base_experts(self) -> Experts:
@@ -283,7 +287,11 @@ class SparseMoE(nn.Module):
             raise ValueError(f"MoE router weight not found: expected one of {[c + 'gate.weight' for c in candidates]}")
         E, H, inter = self.shape.num_experts, self.hidden, self.shape.inter
         _check_shape(reader, p + "gate.weight", (E, H))
-        self.gate.weight.data.copy_(reader.get(p + "gate.weight"))
+        gate = reader.get(p + "gate.weight")
+        if gate.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"{p}gate.weight is float8_e4m3fn: fp8 routers are not supported (expected the router "
+                             f"left unquantized, as published fp8 MoE checkpoints do)")
+        self.gate.weight.data.copy_(gate)
         ex = self.base_experts
         if reader.has(p + "experts.gate_up_proj"):
             _check_shape(reader, p + "experts.gate_up_proj", (E, 2 * inter, H))
@@ -295,17 +303,19 @@ class SparseMoE(nn.Module):
                 raise ValueError(f"experts of {p[:-1]} not found: expected {p}experts.gate_up_proj (fused) or "
                                  f"{p}experts.N.{g}.weight (per expert)")
             for e in range(ex.e0, ex.e1):  # only the experts this rank holds are read
-                q = f"{p}experts.{e}."
-                ex.load_expert(e, [reader.get_slice(q + g + ".weight"), reader.get_slice(q + u + ".weight")],
-                               reader.get_slice(q + d + ".weight"))
+                mods = [f"{p}experts.{e}.{n}" for n in (g, u, d)]
+                w = [reader.get_slice(m + ".weight") for m in mods]
+                scales = [weight_scale(reader, ex, m) for m in mods]
+                ex.load_expert(e, w[:2], w[2], scales[:2], scales[2], tuple(m + ".weight" for m in mods))
         if self.shared_gate_up is not None:
             s = p + "shared_expert."
-            base = getattr(self.shared_gate_up, "base", self.shared_gate_up)
-            base.load_slice(0, reader.get_slice(s + "gate_proj.weight"))
-            base.load_slice(1, reader.get_slice(s + "up_proj.weight"))
-            getattr(self.shared_down, "base", self.shared_down).load_slice(0, reader.get_slice(s + "down_proj.weight"))
-            getattr(self.shared_expert_gate, "base", self.shared_expert_gate).load_slice(
-                0, reader.get_slice(p + "shared_expert_gate.weight"))
+            for layer, names in ((self.shared_gate_up, [s + "gate_proj", s + "up_proj"]),
+                                 (self.shared_down, [s + "down_proj"]), (self.shared_expert_gate,
+                                                                         [p + "shared_expert_gate"])):
+                base = getattr(layer, "base", layer)
+                for i, name in enumerate(names):
+                    base.load_slice(i, reader.get_slice(name + ".weight"), None, weight_scale(reader, base, name),
+                                    name + ".weight")
 
 
 def _check_shape(reader, name: str, want: tuple[int, ...]) -> None:
@@ -318,7 +328,7 @@ class MoECausalLM(CausalLM):
     """CausalLM whose MLPs are SparseMoE blocks (dense MLPs where Qwen's mlp_only_layers / decoder_sparse_step say)."""
 
     def __init__(self, hf: dict, ps: comm.ParallelState, dtype=torch.float32, device: Any = "cpu",
-                 rt: LoRARuntime | None = None, targets: set[str] | None = None):
+                 rt: LoRARuntime | None = None, targets: set[str] | None = None, quant: QuantConfig | None = None):
         shape = validate_moe(hf, ps)
         if hf.get("model_type") == "qwen2_moe":  # Qwen2-MoE configs before qkv_bias existed always had q/k/v biases
             hf = {**hf, "qkv_bias": hf.get("qkv_bias", True)}
@@ -327,9 +337,9 @@ class MoECausalLM(CausalLM):
         def mlp(i: int):
             if i not in shape.moe_layers:
                 return None
-            return SparseMoE(hf, shape, i, ps, step, dtype, device, rt, targets)
+            return SparseMoE(hf, shape, i, ps, step, dtype, device, rt, targets, quant)
 
-        super().__init__(hf, ps.tp, dtype, device, rt, targets, mlp_factory=mlp)
+        super().__init__(hf, ps.tp, dtype, device, rt, targets, mlp_factory=mlp, quant=quant)
         self.moe_shape, self.ps, self.step = shape, ps, step
         if hf.get("model_type") == "mixtral":  # Mixtral applies sliding_window whenever it is set
             self.sliding_window = hf.get("sliding_window") or None
@@ -426,10 +436,11 @@ class MoECausalLM(CausalLM):
                 self.rt.batch = saved
 
 
-def build(hf: dict, tp: comm.Group, dtype, device, rt: LoRARuntime | None, targets: set[str] | None) -> MoECausalLM:
+def build(hf: dict, tp: comm.Group, dtype, device, rt: LoRARuntime | None, targets: set[str] | None,
+          quant: QuantConfig | None = None) -> MoECausalLM:
     """Registry entry: the expert layout registered for this tp group by distributed.init_expert_parallel, or the
     TP layout (every expert on every rank of tp) when none was set up."""
     ps = comm.expert_layout(tp)
     if ps is None:
         ps = comm.ParallelState(world=tp, tp=tp, dp=comm.Group("dp"), device=torch.device(device))
-    return MoECausalLM(hf, ps, dtype, device, rt, targets)
+    return MoECausalLM(hf, ps, dtype, device, rt, targets, quant)

@@ -1,4 +1,12 @@
-"""FP8 (e4m3) storage for LoRA weights: per-output-channel scales, dequantised inside the kernels."""
+"""FP8 (e4m3): storage for LoRA weights (per-output-channel scales, dequantised inside the kernels) and the base
+layers' fp8 weights (tp_lora.layers.quant): their dequantisation and the W8A8 GEMM.
+
+    fp8_linear(x [T, K], w [N, K] fp8, scale, block_k) -> [T, N] in x's dtype
+    scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
+
+CUDA, per-channel scales: activations quantized per token, torch._scaled_mm with both scale vectors (W8A8).
+Elsewhere (the CPU, block scales): the weights dequantised in float32, cast to x's dtype, then one GEMM: on the CPU
+that is the exact reference the tests compare layouts with."""
 from __future__ import annotations
 
 import threading
@@ -45,3 +53,29 @@ def quantize_fp8_into(dsts: list[torch.Tensor], scale_dsts: list[torch.Tensor], 
         x.div_(scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
         torch._foreach_copy_([dsts[i] for i in idx] + [scale_dsts[i] for i in idx],
                              list(x.split(rows)) + list(scales.split(rows)))
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
+    """w [..., N, K] fp8 with scale [..., N] or, block_k set, [..., N, ceil(K / block_k)] -> float32 [..., N, K]."""
+    if block_k is None:
+        return w.float() * scale.unsqueeze(-1)
+    return w.float() * scale.repeat_interleave(block_k, -1)[..., :w.shape[-1]]
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (x_fp8 [T, K], scales [T, 1] float32), one scale per row (dynamic activation quantization)."""
+    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
+    """Whether fp8_linear runs torch._scaled_mm: CUDA, per-channel scales, 16-aligned K and N, 16-bit output."""
+    return (x.is_cuda and block_k is None and x.dtype in (torch.bfloat16, torch.float16)
+            and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
+    if x.shape[0] and scaled_mm_ok(x, w, block_k):
+        xq, xs = quantize_per_token(x)
+        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    return x @ dequantize(w, scale, block_k).to(x.dtype).t()
