@@ -178,7 +178,7 @@ def test_expand(device, scheme, dtype, layout, add):
     _run_expand(buf, lora_b, batch, out0, slots, offset, add, scheme)
 
 
-@pytest.mark.parametrize("rank", [1, 8, 16, 64])
+@pytest.mark.parametrize("rank", [1, 8, 16, 64, 128, 256])
 def test_ranks_with_zero_padded_adapters(device, scheme, rank):
     """Slot buffers have max_rank columns; adapters of smaller rank are zero-padded (as LoRALinear.write does)."""
     gen = torch.Generator().manual_seed(rank)
@@ -193,6 +193,30 @@ def test_ranks_with_zero_padded_adapters(device, scheme, rank):
     u = tri.shrink(x, lora_a, scales, batch, scheme=scheme)
     _check_shrink(u, torch_ref.shrink(x, lora_a, scales, batch), slots, torch.float32)
     _run_expand(u, lora_b, batch, _rand((t, sum(widths)), torch.float32, device, gen), slots, 0, True, scheme)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("base_bias", [False, True], ids=["no_base_bias", "base_bias"])
+def test_lora_epilogue(device, dtype, base_bias):
+    """DoRA scale and lora_B bias per token's slot; rows of tokens without an adapter stay bit for bit."""
+    gen = _gen("epilogue", str(dtype), base_bias)
+    t, max_loras, p = 19, 4, 300  # p: more than one column block, not a multiple of one
+    slots = _slots("mixed", t, max_loras, gen)
+    batch = build_lora_batch(slots, max_loras, device)
+    scale = (torch.rand(max_loras, p, generator=gen) + 0.5).to(device)
+    bias = _rand((max_loras, p), torch.float32, device, gen)
+    _poison_unused([scale, bias], slots)
+    bb = _rand((p,), dtype, device, gen) if base_bias else None
+    out0 = _rand((t, p), dtype, device, gen)
+    out, ref = out0.clone(), out0.clone()
+    tri.lora_epilogue(out, scale, bias, batch, base_bias=bb)
+    torch_ref.lora_epilogue(ref, scale, bias, batch, base_bias=bb)
+    none = torch.tensor(slots, device=device) < 0
+    iv = INT_VIEW[dtype]
+    assert torch.equal(out.view(iv)[none], out0.view(iv)[none]), "rows of tokens without an adapter changed"
+    assert not out.isnan().any(), "NaN: the kernel read a slot no token uses"
+    assert _rel(out[~none], ref[~none]) <= TOL[dtype]
+    assert _rel(ref[~none], out0[~none]) > 0.1, "the epilogue must change the rows it scales"
 
 
 MIXES = {  # (mix, T, max_loras)

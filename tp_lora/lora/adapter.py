@@ -11,8 +11,8 @@ import torch
 
 from tp_lora.lora import stfile
 from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, AdapterFileNotFoundError,
-                                      is_embedding_copy, is_targeted, lora_scale, module_rank_alpha, parse_key,
-                                      read_adapter_config)
+                                      is_embedding_copy, is_targeted, lora_scale, module_rank_alpha, parse_extra_key,
+                                      parse_key, read_adapter_config, saved_module)
 
 
 @dataclass
@@ -21,11 +21,15 @@ class ModuleLoRA:
 
     a: [r, in]   (embeddings: lora_embedding_A as stored, [r, vocab])
     b: [out, r]  (embeddings: lora_embedding_B as stored, [hidden, r])
+    magnitude: [out], DoRA's m (use_dora): y = g * (x W^T + delta), g = m / ||W + scale * b a|| per output row
+    bias: [out], lora_B's bias (lora_bias): delta = scale * ((x a^T) b^T + bias)
     """
     a: torch.Tensor
     b: torch.Tensor
     scale: float
     embedding: bool = False
+    magnitude: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
 
     @property
     def rank(self) -> int:
@@ -42,6 +46,8 @@ class LoRAAdapter:
     # Base-layer copies PEFT saves next to embedding LoRAs (name -> shape); unused, but their shape tells a vocab
     # resized during training apart from this model's.
     saved_base_weights: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # modules_to_save: model path ("lm_head", "model.embed_tokens") -> the adapter's whole copy [vocab, hidden]
+    saved: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"LoRAAdapter({self.name!r}, rank={self.rank}, {len(self.modules)} modules, path={self.path!r})"
@@ -96,10 +102,23 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
     parts: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, bool] = {}
     base_copies: dict[str, tuple[int, ...]] = {}
+    extras: dict[str, dict[str, torch.Tensor]] = {}  # module -> {"M": magnitude, "bias": lora_B's bias}
+    saved: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         parsed = parse_key(key)
         if parsed is None:
             k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+            extra, copy_of = parse_extra_key(key), saved_module(cfg, k)
+            if extra is not None:
+                _check_extra(name, cfg, key, t, extra[1])
+                extras.setdefault(extra[0], {})[extra[1]] = t
+                continue
+            if copy_of is not None:
+                if t.dim() != 2 or not t.is_floating_point():
+                    raise _err(name, f"{weights}: modules_to_save copy {key!r} has shape {tuple(t.shape)} / dtype "
+                                     f"{t.dtype}, expected a 2-dim floating [vocab, hidden] table")
+                saved[copy_of] = _as(t, dtype)
+                continue
             if is_embedding_copy(k):
                 base_copies[k] = tuple(t.shape)  # PEFT saves whole embedding tables beside embedding LoRAs
                 continue
@@ -136,12 +155,38 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
         if a.shape[0] != r:
             raise _err(name, f"{weights}: module {module!r} has rank {a.shape[0]} but {CONFIG_FILE} gives it "
                              f"r={r} (r / rank_pattern mismatch)")
-        modules[module] = ModuleLoRA(_as(a, dtype), _as(b, dtype),
-                                     lora_scale(r, alpha, use_rslora), embedding=kinds[module])
-    if not modules:
+        ex = extras.pop(module, {})
+        if bool(cfg.get("use_dora")) != ("M" in ex) and not kinds[module]:
+            raise _err(name, f"{weights}: module {module!r} {'lacks' if cfg.get('use_dora') else 'has'} a "
+                             f"lora_magnitude_vector but use_dora={cfg.get('use_dora')!r}")
+        if kinds[module] and ex:
+            raise _err(name, f"{weights}: embedding module {module!r} has {sorted(ex)}: DoRA and lora_bias apply "
+                             f"to linear layers only here")
+        modules[module] = ModuleLoRA(_as(a, dtype), _as(b, dtype), lora_scale(r, alpha, use_rslora),
+                                     embedding=kinds[module], magnitude=_opt(ex.get("M"), dtype),
+                                     bias=_opt(ex.get("bias"), dtype))
+    if extras:
+        raise _err(name, f"{weights}: {sorted(extras)[0]!r} has a DoRA magnitude / lora_B bias but no lora_A / "
+                         f"lora_B")
+    if not modules and not saved:
         raise _err(name, f"{weights} holds no LoRA weights (keys: {sorted(tensors)[:4]}...)")
-    return LoRAAdapter(name=name, path=path, rank=max(m.rank for m in modules.values()), config=cfg,
-                       modules=modules, saved_base_weights=base_copies)
+    rank = max((m.rank for m in modules.values()), default=0)
+    return LoRAAdapter(name=name, path=path, rank=rank, config=cfg, modules=modules, saved_base_weights=base_copies,
+                       saved=saved)
+
+
+def _check_extra(name: str, cfg: dict, key: str, t: torch.Tensor, which: str) -> None:
+    """A DoRA magnitude / lora_B bias tensor: 1-dim floating, and allowed by the config."""
+    option = "use_dora" if which == "M" else "lora_bias"
+    if not cfg.get(option):
+        raise _err(name, f"tensor {key!r} needs {option}=true in {CONFIG_FILE}, which has {cfg.get(option)!r}")
+    if t.dim() != 1 or not t.is_floating_point():
+        raise _err(name, f"tensor {key!r} has shape {tuple(t.shape)} / dtype {t.dtype}, expected a 1-dim floating "
+                         f"[out] vector")
+
+
+def _opt(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    return None if t is None else _as(t, dtype)
 
 
 def discover_adapters(adapter_dir: str) -> dict[str, str]:
@@ -194,14 +239,17 @@ def finite_flags(tensors: list[torch.Tensor], limits: Optional[torch.Tensor] = N
 def _check_finite(adapter: LoRAAdapter) -> None:
     """Raise for the first module holding a NaN/Inf. One batched norm per adapter screens every tensor (a NaN/Inf
     makes its norm non-finite); only the flagged ones are counted exactly (a norm can overflow on finite values)."""
-    named = [(module, what, t) for module, m in adapter.modules.items() for what, t in (("A", m.a), ("B", m.b))]
+    named = [(module, what, t) for module, m in adapter.modules.items()
+             for what, t in (("lora_A", m.a), ("lora_B", m.b), ("lora_magnitude_vector", m.magnitude),
+                             ("lora_B bias", m.bias))
+             if t is not None] + [(module, "modules_to_save copy", t) for module, t in adapter.saved.items()]
     if not named:
         return
     flags = finite_flags([t for _, _, t in named])
     for (module, what, t), ok in zip(named, flags):
         bad = 0 if ok else count_nonfinite(t)
         if bad:
-            raise _err(adapter.name, f"module {module!r}: lora_{what} has {bad} NaN/Inf values")
+            raise _err(adapter.name, f"module {module!r}: {what} has {bad} NaN/Inf values")
 
 
 def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:
@@ -231,6 +279,19 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
                           f"A {want_a} / B {want_b} (in={fin}, out={fout}) — built for another model?")
         if not math.isfinite(m.scale):
             raise _err(n, f"module {module!r}: scale {m.scale} is not finite")
+        for what, v in (("lora_magnitude_vector", m.magnitude), ("lora_B bias", m.bias)):
+            if v is not None and tuple(v.shape) != (fout,):
+                raise _err(n, f"module {module!r}: {what} has shape {tuple(v.shape)}, expected ({fout},) (out)")
+    for module, t in adapter.saved.items():
+        want = module_shapes.get(module)
+        if want is None:
+            raise _err(n, f"modules_to_save copy of {module!r}: this model has no room for it (lora.lora_embeddings"
+                          f"=false, or the model was built before the adapter was registered)")
+        want = want if module != "lm_head" else (want[1], want[0])  # lm_head: (in=hidden, out=vocab)
+        if tuple(t.shape) != tuple(want):
+            raise _err(n, f"modules_to_save copy of {module!r} has shape {tuple(t.shape)} but the model's is "
+                          f"{tuple(want)}: a vocabulary resized in training (resize_token_embeddings) is refused; "
+                          f"serve it on a base model with that vocabulary")
     _check_finite(adapter)
     vocab = (module_shapes["model.embed_tokens"][0] if "model.embed_tokens" in module_shapes else
              module_shapes["lm_head"][1] if "lm_head" in module_shapes else None)

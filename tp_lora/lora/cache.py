@@ -28,8 +28,9 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.lora import stfile
 from tp_lora.lora.adapter import LoRAAdapter, load_peft_adapter, validate_adapter
-from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, is_embedding_copy,
-                                      is_targeted, module_rank_alpha, parse_key, read_adapter_config)
+from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, SAVED, WEIGHTS_FILE, AdapterError, is_embedding_copy,
+                                      is_targeted, module_rank_alpha, parse_extra_key, parse_key, read_adapter_config,
+                                      saved_module)
 from tp_lora.threadlocal import torch_threads
 
 
@@ -80,6 +81,7 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
     if not header:
         raise _err(name, f"{weights} holds no tensors")
     parts: dict[str, dict[str, tuple[int, ...]]] = {}
+    saved: set[str] = set()  # modules_to_save copies: the layers to wrap, with room for them
     for key, meta in header.items():
         if meta.get("dtype") not in stfile.FLOAT_DTYPES:
             raise _err(name, f"{weights}: tensor {key!r} has dtype {meta.get('dtype')}, expected a floating type "
@@ -87,7 +89,11 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
         parsed = parse_key(key)
         if parsed is None:
             k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-            if is_embedding_copy(k) or fused:
+            copy_of = saved_module(cfg, k)
+            if copy_of is not None:
+                saved.add(copy_of.rsplit(".", 1)[-1])
+                continue
+            if is_embedding_copy(k) or fused or parse_extra_key(key) is not None:  # extras: checked at the read
                 continue
             raise _err(name, f"{weights}: tensor {key!r} is not a LoRA weight this runtime understands (expected "
                              f"<module>.lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B)")
@@ -117,10 +123,11 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
             raise _err(name, f"{weights}: module {module!r} has rank {a[0]} but {CONFIG_FILE} gives it r={r} "
                              f"(r / rank_pattern mismatch)")
         modules[module] = (a, b)
-    if not modules:
+    if not modules and not saved:
         raise _err(name, f"{weights} holds no LoRA weights (keys: {sorted(header)[:4]}...)")
-    return AdapterInfo(name, path, max(a[0] for a, _ in modules.values()), {m.rsplit(".", 1)[-1] for m in modules},
-                       modules, os.path.getsize(weights))
+    targets = {m.rsplit(".", 1)[-1] for m in modules} | saved | {SAVED + m for m in saved}
+    return AdapterInfo(name, path, max((a[0] for a, _ in modules.values()), default=0), targets, modules,
+                       os.path.getsize(weights))
 
 
 def check_shapes(info: AdapterInfo, module_shapes: dict[str, tuple[int, int]], max_rank: int) -> None:

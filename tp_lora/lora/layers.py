@@ -90,11 +90,11 @@ class SlotBuffers:
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    fp8_views = 0  # trailing views of slot_views that are fp8 channel scales of B
+    unit_views = 0  # trailing views of slot_views whose empty value is 1 (fp8 channel scales of B, DoRA scales)
 
     def clear(self, views: list[torch.Tensor]) -> None:
-        """An empty slot: zero weights and scales, fp8 channel scales 1 (so zeros stay exact zeros)."""
-        n = len(views) - self.fp8_views
+        """An empty slot: zero weights and scales, the unit views 1 (fp8: zeros stay exact zeros; DoRA: no scale)."""
+        n = len(views) - self.unit_views
         for v in views[:n]:
             v.zero_()
         for v in views[n:]:
@@ -105,6 +105,11 @@ class SlotBuffers:
         """Put one target module's LoRA (whole: a [r, in], b [out, r]) into the views, tensors through copy (see
         Copy): an image builder gathers them into one batched copy and one batched quantization."""
         raise NotImplementedError
+
+    def write_extras(self, views: list[torch.Tensor], key, scale: float, magnitude: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], copy: Copy = copy_into) -> None:
+        """DoRA's magnitude / lora_B's bias of one target module (whole, [out]); layers without them refuse."""
+        raise ValueError(f"{type(self).__name__} takes no DoRA magnitude or lora_B bias (linear layers only)")
 
 
 def pad_rank(t: torch.Tensor, dim: int, size: int, device: torch.device) -> torch.Tensor:
@@ -133,7 +138,13 @@ def _first(view: torch.Tensor, dim: int, r: int) -> torch.Tensor:
 class LoRALinear(SlotBuffers, nn.Module):
     """Multi-LoRA over a ParallelLinear (column / merged / qkv / row / replicated) or the LM head.
 
-    Buffers per packed slice s: lora_a[s] [L, r_local, in_local], lora_b[s] [L, out_local_s, r], scales [S, L].
+    Buffers per packed slice s: lora_a[s] [L, r_local, in_local], lora_b[s] [L, out_local_s, r], scales [S, L];
+    per layer, over the columns of its partial output P (column: the local rows of every slice; row: all `out`):
+    dora [S, L] (1 where the slot's slice is DoRA), dora_g [L, P] float32 (DoRA's g, 1 elsewhere; holds m from the
+    slot copy until tp_lora.lora.dora.refresh turns it into g), lora_bias [L, P] float32 (scale * lora_B's bias, on
+    the columns this rank adds: a row layer's default mode adds it on rank 0 only). With DoRA or lora_bias in a slot
+    the partial output becomes g * (z - base bias) + base bias + lora_bias for its tokens (ops.lora_epilogue): g
+    scales each rank's partial sum of a row layer, the same as scaling the sum.
     """
 
     def __init__(self, base: nn.Module, rt: LoRARuntime):
@@ -165,16 +176,22 @@ class LoRALinear(SlotBuffers, nn.Module):
         # Per output channel of B; 1 for empty slots so their zeros stay exact zeros.
         self.b_scales = [torch.ones(rt.max_loras, rows, dtype=torch.float32, device=device) for rows in b_rows] \
             if rt.fp8 else None
-        self.fp8_views = len(b_rows) if rt.fp8 else 0
+        self.unit_views = (len(b_rows) if rt.fp8 else 0) + 1  # fp8 channel scales, then dora_g
         self.register_buffer("scales", torch.zeros(len(spec.slices), rt.max_loras, dtype=torch.float32,
                                                    device=device))
+        cols = sum(b_rows) if spec.kind == "column" else spec.out_features
+        self.register_buffer("dora", torch.zeros(len(spec.slices), rt.max_loras, dtype=torch.float32, device=device))
+        self.register_buffer("dora_g", torch.ones(rt.max_loras, cols, dtype=torch.float32, device=device))
+        self.register_buffer("lora_bias", torch.zeros(rt.max_loras, cols, dtype=torch.float32, device=device))
+        self.epilogue = False  # set once a slot image with DoRA or lora_bias in this layer is made
         self.out_offset = row_lora_out_offset(spec, tp.rank, tp.size) if (
             spec.kind == "row" and self.fully_sharded) else 0
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
-        """[A_s for s] + [B_s for s] + [scales] (+ [fp8 channel scales of B_s for s])."""
-        return ([a.data[slot] for a in self.lora_a] + [b.data[slot] for b in self.lora_b] + [self.scales[:, slot]]
-                + [bs[slot] for bs in self.b_scales or ()])
+        """[A_s for s] + [B_s for s] + [scales, dora, lora_bias] (+ [fp8 channel scales of B_s for s]) + [dora_g]."""
+        return ([a.data[slot] for a in self.lora_a] + [b.data[slot] for b in self.lora_b]
+                + [self.scales[:, slot], self.dora[:, slot], self.lora_bias[slot]]
+                + [bs[slot] for bs in self.b_scales or ()] + [self.dora_g[slot]])
 
     def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:
@@ -195,8 +212,43 @@ class LoRALinear(SlotBuffers, nn.Module):
         b_dst = _first(b_dst, 1, r)
         copy(a_dst, shard_lora_a(self.spec, a, *size, self.fully_sharded))
         b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
-        copy(b_dst, b, views[2 * n + 1 + slice_idx] if self.b_scales is not None else None)
+        copy(b_dst, b, views[2 * n + 3 + slice_idx] if self.b_scales is not None else None)
         views[2 * n][slice_idx] = scale
+
+    def columns(self, slice_idx: int) -> tuple[int, int]:
+        """[start, stop) of slice `slice_idx` among the columns of this rank's partial output."""
+        if self.spec.kind != "column":
+            return 0, self.spec.out_features
+        widths = [b.shape[1] for b in self.lora_b]
+        return sum(widths[:slice_idx]), sum(widths[:slice_idx + 1])
+
+    def write_extras(self, views: list[torch.Tensor], slice_idx, scale: float, magnitude: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], copy: Copy = copy_into) -> None:
+        """DoRA's m / lora_B's bias of one slice, given whole ([out_s]; FUSED: [out] over every slice)."""
+        if slice_idx == FUSED:
+            for s, (m_s, b_s) in enumerate(zip(*(v.split(self.spec.out_widths) if v is not None else
+                                                 [None] * len(self.spec.out_widths) for v in (magnitude, bias)))):
+                self.write_extras(views, s, scale, m_s, b_s, copy)
+            return
+        n, size = len(self.lora_a), (self.tp.rank, self.tp.size)
+        lo, hi = self.columns(slice_idx)
+        self.epilogue = True
+        if magnitude is not None:
+            copy(views[-1][lo:hi], self._own_rows(slice_idx, magnitude))
+            views[2 * n + 1][slice_idx] = 1.0
+        if bias is not None:
+            dst = views[2 * n + 2]
+            if self.spec.kind == "row" and self.fully_sharded:  # this rank adds its own columns of the sum
+                lo, hi = self.out_offset, self.out_offset + self.lora_b[0].shape[1]
+                copy(dst[lo:hi], shard_lora_b(self.spec, slice_idx, bias[:, None], *size, True)[:, 0] * scale)
+            elif self.spec.kind != "row" or self.tp.rank == 0:  # a row layer's default mode: rank 0 adds it
+                copy(dst[lo:hi], self._own_rows(slice_idx, bias) * scale)
+
+    def _own_rows(self, slice_idx: int, v: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a per-output vector of a slice (column: its shard; row: whole)."""
+        if self.spec.kind != "column":
+            return v
+        return shard_lora_b(self.spec, slice_idx, v[:, None], self.tp.rank, self.tp.size, False)[:, 0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base.finish(self.partial(x))
@@ -215,6 +267,10 @@ class LoRALinear(SlotBuffers, nn.Module):
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
         else:
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
+        if self.epilogue:
+            # z holds a column layer's bias; a row layer adds its own after the all-reduce.
+            base_bias = getattr(self.base, "bias", None) if self.spec.kind == "column" else None
+            ops.lora_epilogue(z, self.dora_g, self.lora_bias, batch, base_bias=base_bias)
         return z
 
 

@@ -60,7 +60,7 @@ class LoRAExperts(SlotBuffers, nn.Module):
         self.b13_scales = [torch.ones(L, E, il, dtype=torch.float32, device=device) for _ in range(base.slices)] \
             if rt.fp8 else None
         self.b2_scales = torch.ones(L, E, h_b, dtype=torch.float32, device=device) if rt.fp8 else None
-        self.fp8_views = base.slices + 1 if rt.fp8 else 0
+        self.unit_views = base.slices + 1 if rt.fp8 else 0
         self.register_buffer("scales", torch.zeros(base.slices + 1, L, E, dtype=torch.float32, device=device))
         self.out_offset = row_lora_out_offset(base.down_spec, tp.rank, tp.size) if self.fully_sharded else 0
 

@@ -6,13 +6,18 @@ On disk (PEFT `save_pretrained`): adapter_config.json + adapter_model.safetensor
     base_model.model.<module>.lora_B.weight            [out, r]
     base_model.model.<module>.lora_embedding_A         [r, vocab]     (embeddings: parameters, no ".weight")
     base_model.model.<module>.lora_embedding_B         [hidden, r]
+    base_model.model.<module>.lora_magnitude_vector    [out]          (use_dora: DoRA's magnitude m)
+    base_model.model.<module>.lora_B.bias              [out]          (lora_bias)
+    base_model.model.<lm_head | model.embed_tokens>.weight   [vocab, hidden]   (modules_to_save: a whole copy)
 (the adapter name, e.g. ".default", may appear before ".weight" / at the end in files written by other tools).
 
 Per module PEFT takes (tuners/lora/model.py `_create_and_replace`, utils/other.py `get_pattern_key`):
     r     = rank_pattern[first key k in order with re.match(rf"(.*\\.)?({k})$", module)]  else config r
     alpha = alpha_pattern[same rule]                                                        else lora_alpha
     scale = alpha / sqrt(r) if use_rslora else alpha / r
-and the forward is y += scale * (x A^T) B^T (embeddings: scale * B[:, A[:, ids]]^T).
+and the forward is y += scale * (x A^T) B^T (embeddings: scale * B[:, A[:, ids]]^T); with lora_bias
+y += scale * ((x A^T) B^T + b); with DoRA y = g * (x W^T + scale * (x A^T) B^T) (+ the base bias), g = m / ||W +
+scale * B A|| per output row (the norm over the input dim); modules_to_save replace the whole module.
 """
 from __future__ import annotations
 
@@ -29,8 +34,15 @@ PEFT_PREFIX = "base_model.model."
 # PEFT's name for all linear layers but the output head; saved configs usually hold the expanded list instead.
 ALL_LINEAR = "all-linear"
 EMBEDDING_MODULES = ("embed_tokens",)
+# modules_to_save this runtime serves (per-adapter whole copies, tp_lora.lora.saved); AdapterInfo.targets names them
+# SAVED + short name, so the model wraps the layer with room for the copies.
+SAVABLE = {"lm_head": "lm_head", "embed_tokens": "model.embed_tokens"}
+SAVED = "saved:"
 _KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
                   r"(?:\.(?P<adapter>[^.]+))??(?P<weight>\.weight)?$")
+# DoRA's magnitude ("M") and lora_bias's bias ("bias") of a linear module, with or without the adapter name.
+_EXTRA = re.compile(r"^(?P<module>.+)\.(?:(?P<m>lora_magnitude_vector)(?:\.[^.]+)?(?:\.weight)?|"
+                    r"lora_B(?:\.[^.]+)?\.bias)$")
 
 
 class AdapterError(ValueError):
@@ -109,10 +121,7 @@ def is_targeted(config: dict, module: str) -> bool:
 # ---- config -------------------------------------------------------------------------------------------------
 # Options that change the forward (or add weights) beyond y += s x A^T B^T; name -> why they are refused.
 _TRUTHY_REJECT = {
-    "use_dora": "DoRA (weight-decomposed LoRA) needs the magnitude vector and base-weight norms",
     "fan_in_fan_out": "fan_in_fan_out=true is for Conv1D (GPT-2 style) layers, not Llama-family linears",
-    "lora_bias": "lora_bias=true adds a bias to lora_B",
-    "modules_to_save": "modules_to_save stores whole trained copies of base modules",
     "layer_replication": "layer_replication changes the model's layer stack",
     "trainable_token_indices": "trainable_token_indices stores trained embedding rows",
     "target_parameters": "target_parameters (LoRA on nn.Parameter experts) is not supported",
@@ -153,6 +162,17 @@ def read_adapter_config(path: str, name: Optional[str] = None, allow: tuple[str,
     for option, why in _TRUTHY_REJECT.items():
         if cfg.get(option) and option not in allow:
             raise bad(option, cfg[option], f"false/empty: {why}")
+    if cfg.get("use_dora") and cfg.get("lora_bias"):
+        raise bad("lora_bias", cfg["lora_bias"], "false with use_dora=true (PEFT refuses the pair too)")
+    if cfg.get("use_dora") and cfg.get("target_parameters"):
+        raise bad("use_dora", True, "false with target_parameters: PEFT defines no DoRA for fused expert parameters")
+    saved = cfg.get("modules_to_save") or []
+    if not isinstance(saved, list) or not all(isinstance(x, str) for x in saved):
+        raise bad("modules_to_save", saved, "a list of module names")
+    for module in saved:
+        if module.rsplit(".", 1)[-1] not in SAVABLE:
+            raise bad("modules_to_save", saved, f"only {sorted(SAVABLE)}: a whole trained copy of {module!r} "
+                                                f"cannot be served beside other adapters")
     if cfg.get("bias", "none") != "none":
         raise bad("bias", cfg["bias"], "'none' (trained biases of the base layers are not supported)")
     r = cfg.get("r", 8)
@@ -213,6 +233,25 @@ def parse_key(key: str) -> Optional[tuple[str, str]]:
     if embedding == bool(m.group("weight")):
         return None  # linear LoRAs are modules (".weight"), embedding LoRAs are bare parameters
     return m.group("module"), {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B"}[kind]
+
+
+def parse_extra_key(key: str) -> Optional[tuple[str, str]]:
+    """'base_model.model.<module>.lora_magnitude_vector' -> (module, 'M'); '<module>.lora_B.bias' -> (module,
+    'bias'); None for anything else."""
+    k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+    m = _EXTRA.match(k)
+    return None if m is None else (m.group("module"), "M" if m.group("m") else "bias")
+
+
+def saved_module(config: dict, k: str) -> Optional[str]:
+    """The model path ("lm_head", "model.embed_tokens") when key `k` (PEFT prefix stripped) is the whole copy of a
+    module the config's modules_to_save names, else None."""
+    short = k.removesuffix(".weight").rsplit(".", 1)[-1]
+    if not k.endswith(".weight") or short not in SAVABLE:
+        return None
+    if not any(m.rsplit(".", 1)[-1] == short for m in config.get("modules_to_save") or []):
+        return None
+    return SAVABLE[short] if k.removesuffix(".weight") == SAVABLE[short] else None
 
 
 def is_embedding_copy(k: str) -> bool:

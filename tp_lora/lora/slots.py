@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from tp_lora.hostcopy import blocks
+from tp_lora.lora import dora
 from tp_lora.lora.adapter import count_nonfinite, finite_flags, range_limits
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.lora.peft_format import AdapterError
@@ -36,6 +37,7 @@ class SlotImage:
     views: list[torch.Tensor]  # SlotTable.views(slot)'s shapes, views of the blocks
     pinned: Optional[dict[torch.dtype, torch.Tensor]] = None  # a page-locked copy of the blocks, until loaded
     plan: Optional["ImagePlan"] = None  # how to build it again from another file of the same layout
+    dora: tuple[int, ...] = ()  # SlotTable.layers indices of the layers whose DoRA g a load computes
 
 
 # A view as (dtype of the tensor it views, its dtype, storage offset in its elements, size, stride).
@@ -82,6 +84,7 @@ class ImagePlan:
     # The template's parts that no dst / qdst / qscale view covers (scales, rank padding), copied instead of the
     # whole template; None: the whole template (too many pieces, as with rank padding in every row of B).
     gaps: Optional[list[ViewSpec]]
+    dora: tuple[int, ...]  # as SlotImage.dora
     _views: dict = field(default_factory=dict, repr=False)  # (which, buffer address) -> views made before
 
     def views(self, which: str, base: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
@@ -213,6 +216,7 @@ class SlotTable:
         for layer, _ in rt.targets.values():
             layers[id(layer)] = layer
         self.layers = list(layers.values())
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         self._spans = {}
         n = 0
         for layer in self.layers:
@@ -261,10 +265,19 @@ class SlotTable:
             srcs.append(src)
             owners.append(path)
 
+        dora_layers = set()
         try:
             for path, m in adapter.modules.items():
                 layer, key = self.rt.targets[path]
-                layer.write(views[slice(*self._spans[id(layer)])], key, m.a, m.b, m.scale, copy=gather)
+                mine = views[slice(*self._spans[id(layer)])]
+                layer.write(mine, key, m.a, m.b, m.scale, copy=gather)
+                if m.magnitude is not None or m.bias is not None:
+                    try:
+                        layer.write_extras(mine, key, m.scale, m.magnitude, m.bias, copy=gather)
+                    except ValueError as e:
+                        raise AdapterError(f"adapter {adapter.name!r}: module {path!r}: {e}") from e
+                if m.magnitude is not None:
+                    dora_layers.add(self._index[id(layer)])
             _check_casts(adapter.name, owners, dsts, srcs)
             # One call (GIL released inside) instead of hundreds of small copies; it casts where the file's dtype is
             # not the slot's.
@@ -276,10 +289,10 @@ class SlotTable:
             if entry is not None:
                 self._pool.give(entry)
             raise
-        plan = None
+        plan, dora_at = None, tuple(sorted(dora_layers))
         if source is not None:
-            plan = self._plan(adapter, host, source, (dsts, srcs), (qdsts, qscales, qsrcs))
-        return self._finish(adapter.name, host, views, entry, plan)
+            plan = self._plan(adapter, host, source, (dsts, srcs), (qdsts, qscales, qsrcs), dora_at)
+        return self._finish(adapter.name, host, views, entry, plan, dora_at)
 
     def replay(self, name: str, plan: ImagePlan, source: torch.Tensor) -> Optional[SlotImage]:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
@@ -294,7 +307,7 @@ class SlotTable:
         torch._foreach_copy_(plan.views("dst", host), srcs)
         if qsrcs:
             quantize_fp8_into(plan.views("qdst", host), plan.views("qscale", host), qsrcs)
-        return self._finish(name, host, views, entry, plan)
+        return self._finish(name, host, views, entry, plan, plan.dora)
 
     def _entry(self, init: Optional[dict[torch.dtype, torch.Tensor]]):
         """(pool entry or None, blocks, views) of a new image starting as a copy of `init` (None: any contents):
@@ -303,14 +316,15 @@ class SlotTable:
         host, views = blocks(self._template, init) if entry is None else self._pool.entries[entry]
         return entry, host, views
 
-    def _finish(self, name: str, host, views, entry: Optional[int], plan: Optional[ImagePlan]) -> SlotImage:
-        image = SlotImage(name, host, views, self._pinned(host), plan)
+    def _finish(self, name: str, host, views, entry: Optional[int], plan: Optional[ImagePlan],
+                dora: tuple[int, ...]) -> SlotImage:
+        image = SlotImage(name, host, views, self._pinned(host), plan, dora)
         if entry is not None:
             weakref.finalize(image, self._pool.give, entry)
         return image
 
     @staticmethod
-    def _plan(adapter, host, source: torch.Tensor, copies, quants) -> Optional[ImagePlan]:
+    def _plan(adapter, host, source: torch.Tensor, copies, quants, dora: tuple[int, ...]) -> Optional[ImagePlan]:
         """copies: (dsts, srcs); quants: (fp8 dsts, scale dsts, srcs). None when a src is not a view of the file's
         bytes (`source`), or a dst not one of the image's blocks."""
         dsts, srcs = copies
@@ -326,7 +340,7 @@ class SlotTable:
         # Quantization scales values into range: only a NaN/Inf fails it (the file's own dtype's bound).
         screen, limits = _screen_runs(src + qsrc, range_limits([sp[1] for sp in dst] + [sp[1] for sp in qsrc]).tolist())
         return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst, qsrc, qdst, qscale,
-                         screen, limits, _gaps(dst + qdst + qscale, host))
+                         screen, limits, _gaps(dst + qdst + qscale, host), dora)
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
         if self._pins is None or not self._pins.acquire(blocking=False):
@@ -345,6 +359,8 @@ class SlotTable:
                 torch._foreach_copy_(dense, [pieces[k] for k in dense_at])
             if strided:
                 torch._foreach_copy_(strided, [pieces[k].view(v.shape) for k, v in zip(strided_at, strided)])
+        for i in image.dora:  # the same layers on every rank: the refresh's collectives match
+            dora.refresh(self.layers[i], slot)
         self.names[slot] = image.name
 
     def _targets(self, slot: int) -> dict[torch.dtype, tuple[tuple[list, list], tuple[list, list]]]:

@@ -66,3 +66,19 @@ def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Te
         out[0, idx] = rows * inside.unsqueeze(-1)
     return out
 from tp_lora.ops.moe_ref import moe_lora_expand, moe_lora_shrink  # noqa: E402,F401  (MoE LoRA ops, pair order)
+
+
+def lora_epilogue(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, batch: LoRABatch,
+                  base_bias: torch.Tensor | None = None) -> None:
+    """out [T, P] (a layer's partial output after expand), scale / bias [L, P] float32 (per slot: DoRA's g, 1 for
+    other adapters; lora_B's bias times the LoRA scale, 0 for other adapters), base_bias [P] or None (the base
+    layer's bias, already in out). For tokens with an adapter, in place:
+    out = scale[slot] * (out - base_bias) + base_bias + bias[slot]."""
+    for slot, idx in _groups(batch):
+        y = out[idx].float()
+        if base_bias is None:
+            y = y * scale[slot] + bias[slot]
+        else:
+            bb = base_bias.float()
+            y = (y - bb) * scale[slot] + bb + bias[slot]
+        out[idx] = y.to(out.dtype)

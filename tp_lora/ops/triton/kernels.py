@@ -326,3 +326,26 @@ def expand_rows_kernel(
     if ADD:
         acc += prev.to(tl.float32)
     tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def lora_epilogue_kernel(out_ptr, scale_ptr, bias_ptr, base_bias_ptr, token_slot_ptr, P, out_stride, w_stride,
+                         HAS_BASE_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (token, BLOCK_N columns): out = scale[slot] * (out - base_bias) + base_bias + bias[slot] for
+    a token with an adapter (slot >= 0); tokens without one exit at once."""
+    t = tl.program_id(0)
+    slot = tl.load(token_slot_ptr + t)
+    if slot < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < P
+    ptrs = out_ptr + t.to(tl.int64) * out_stride + cols
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(scale_ptr + slot.to(tl.int64) * w_stride + cols, mask=mask, other=1.0)
+    b = tl.load(bias_ptr + slot.to(tl.int64) * w_stride + cols, mask=mask, other=0.0)
+    if HAS_BASE_BIAS:
+        bb = tl.load(base_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (y - bb) * g + bb + b
+    else:
+        y = y * g + b
+    tl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -25,8 +25,8 @@ import triton
 from tp_lora.ops.batch import LoRABatch
 from tp_lora.ops.triton import configs
 from tp_lora.ops.triton.dot import FP8, compute_types
-from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, expand_rows_kernel, shrink_kernel,
-                                        shrink_rows_kernel)
+from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, expand_rows_kernel,
+                                        lora_epilogue_kernel, shrink_kernel, shrink_rows_kernel)
 from tp_lora.ops.triton.schedule import Schedule, prepare
 
 MAX_SLICES_PER_LAUNCH = 3
@@ -188,6 +188,22 @@ def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Te
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
     return out
+
+
+def lora_epilogue(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, batch: LoRABatch,
+                  base_bias: torch.Tensor | None = None) -> None:
+    """torch_ref.lora_epilogue: one program per (token, column block), the token's slot read on the device (no
+    host data: graph-safe)."""
+    t, p = out.shape
+    if t == 0 or not batch.any_lora:
+        return
+    if out.stride(1) != 1 or scale.stride(1) != 1 or bias.stride() != scale.stride():
+        raise ValueError(f"lora_epilogue: expected unit column strides and scale / bias of one layout, got out "
+                         f"{out.stride()}, scale {scale.stride()}, bias {bias.stride()}")
+    block = min(1024, triton.next_power_of_2(p))
+    lora_epilogue_kernel[(t, triton.cdiv(p, block))](
+        out, scale, bias, base_bias if base_bias is not None else scale, batch.token_slot, p, out.stride(0),
+        scale.stride(0), HAS_BASE_BIAS=base_bias is not None, BLOCK_N=block, num_warps=4)
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
