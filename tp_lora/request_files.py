@@ -2,7 +2,9 @@
 results back as output lines.
 
 Request line: {"id": ..., "adapter": NAME or null, "prompt_token_ids": [...] (or "prompt": text with a tokenizer),
-               "max_new_tokens": N, optional "temperature", "ignore_eos", "stop": [strings]}
+               "max_new_tokens": N, optional "temperature", "top_p", "seed", "ignore_eos", "stop": [strings],
+               "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "logit_bias": {token id: bias}}
 Output line:  {"id": ..., "adapter": ..., "output_token_ids": [...], "logprobs": [...], "finish_reason": ...,
                "text": ... (with a tokenizer)}
               or, for a request that could not run, {"id": ..., "adapter": ..., "error": "..."} (Result.to_json).
@@ -13,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from tp_lora.engine.requests import Request, Result, parse_stop
+from tp_lora.engine.requests import RULES, Request, Result, parse_stop, set_rules
 
 
 def parse_request(index: int, line: str, default_max_new_tokens: int, tokenizer=None) -> Request:
@@ -55,6 +57,16 @@ def parse_request(index: int, line: str, default_max_new_tokens: int, tokenizer=
             req.ignore_eos = bool(obj["ignore_eos"])
         if "stop" in obj:
             req.stop = parse_stop(obj["stop"])
+        if obj.get("top_p") is not None:
+            t = obj["top_p"]
+            if not isinstance(t, (int, float)) or isinstance(t, bool):
+                raise ValueError(f"'top_p' must be a number in (0, 1], got {t!r}")
+            req.top_p = float(t)
+        if obj.get("seed") is not None:
+            if not isinstance(obj["seed"], int) or isinstance(obj["seed"], bool) or obj["seed"] < 0:
+                raise ValueError(f"'seed' must be a non-negative integer, got {obj['seed']!r}")
+            req.seed = obj["seed"]
+        set_rules(req, {k: obj[k] for k in RULES if k in obj})
     except ValueError as e:
         req.error = f"request {req.id!r}: {e}"
     return req

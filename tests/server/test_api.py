@@ -61,6 +61,14 @@ def test_text_prompts_stop_strings_and_errors(llm):
     assert "temperature" in llm.generate([1, 2], temperature=-1)[0]["error"]
     a = llm.generate("hi", temperature=1.0, seed=7, max_new_tokens=6)
     assert a == llm.generate("hi", temperature=1.0, seed=7, max_new_tokens=6)  # its own seed: the same draws
+    # logit rules per call: a bias forces its token; a stop token id ends the sequence; bad values are named
+    forced = llm.generate([1, 2], max_new_tokens=4, logit_bias={33: 100.0}, presence_penalty=0.5)[0]
+    assert forced["output_token_ids"] == [33] * 4
+    stopped = llm.generate([1, 2], max_new_tokens=4, logit_bias={33: 100.0}, stop_token_ids=[33])[0]
+    assert stopped["output_token_ids"] == [33] and stopped["finish_reason"] == "stop"
+    assert "repetition_penalty" in llm.generate([1, 2], repetition_penalty=0)[0]["error"]
+    assert "min_tokens" in llm.generate([1, 2], max_new_tokens=2, min_tokens=3)[0]["error"]
+    assert "unknown sampling field" in llm.generate([1, 2], top_k=3)[0]["error"]
 
 
 @pytest.mark.parametrize("overrides, words", [

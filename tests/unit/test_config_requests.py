@@ -8,6 +8,7 @@ from tp_lora.config import ConfigError, RunConfig, validate, validate_for_model
 from tp_lora.engine.adapters import MAX_READ_THREADS, read_threads
 from tp_lora.engine.engine import host_threads
 from tp_lora.engine.requests import Request, Result
+from tp_lora.engine.requests import request_error
 from tp_lora.request_files import OutputWriter, parse_request
 from tp_lora.threadlocal import torch_threads
 
@@ -109,10 +110,30 @@ def test_kv_heads_may_be_replicated():
     ('{"id": 1, "prompt_token_ids": [1], "max_new_tokens": 0}', "positive integer"),
     ('{"id": 1, "prompt": "hello"}', "needs a tokenizer"),
     ('[1, 2]', "expected a JSON object"),
+    ('{"id": 1, "prompt_token_ids": [1], "logit_bias": {"x": 1}}', "logit_bias"),
+    ('{"id": 1, "prompt_token_ids": [1], "presence_penalty": "high"}', "presence_penalty"),
+    ('{"id": 1, "prompt_token_ids": [1], "stop_token_ids": 5}', "stop_token_ids"),
+    ('{"id": 1, "prompt_token_ids": [1], "min_tokens": 1.5}', "min_tokens"),
+    ('{"id": 1, "prompt_token_ids": [1], "seed": -3}', "seed"),
+    ('{"id": 1, "prompt_token_ids": [1], "top_p": "all"}', "top_p"),
 ])
 def test_bad_request_lines_become_errors(line, msg):
     req = parse_request(0, line, 8)
     assert req.error and msg in req.error
+
+
+def test_request_lines_carry_sampling_fields_and_logit_rules():
+    req = parse_request(0, '{"id": 1, "prompt_token_ids": [1, 2], "max_new_tokens": 5, "top_p": 0.9, "seed": 4, '
+                           '"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, '
+                           '"logit_bias": {"7": -100}, "min_tokens": 2, "stop_token_ids": [3, 9]}', 8)
+    assert req.error is None
+    assert (req.top_p, req.seed, req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == \
+        (0.9, 4, 0.5, -1.0, 1.2)
+    assert req.logit_bias == {7: -100.0} and req.min_tokens == 2 and req.stop_token_ids == [3, 9]
+    assert "min_tokens=2" in request_error(parse_request(0, '{"prompt_token_ids": [1], "max_new_tokens": 1, '
+                                                            '"min_tokens": 2}', 8), 64, 50, False)
+    assert "logit_bias token id 70" in request_error(parse_request(0, '{"prompt_token_ids": [1], '
+                                                                      '"logit_bias": {"70": 1}}', 8), 64, 50, False)
 
 
 def test_writer_flushes_each_line_and_ends_in_request_order(tmp_path):

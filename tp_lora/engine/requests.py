@@ -63,6 +63,49 @@ def parse_stop(stop) -> list[str]:
     return stops
 
 
+RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids")
+
+
+def _number(name: str, v) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise ValueError(f"'{name}' must be a number, got {v!r}")
+    return float(v)
+
+
+def _int_id(name: str, v) -> int:
+    """A token id: an integer, or an integer as a string (JSON object keys)."""
+    if isinstance(v, str) and v.lstrip("-").isdigit():
+        return int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"'{name}' holds {v!r}: expected token ids (integers)")
+    return v
+
+
+def set_rules(req: Request, values: dict) -> None:
+    """Set req's logit rules from `values` (names in RULES, None for the default), type-checked: ValueError naming
+    the field (ranges are request_error's)."""
+    unknown = sorted(set(values) - set(RULES))
+    if unknown:
+        raise ValueError(f"unknown sampling field(s) {unknown}; expected some of {list(RULES)}")
+    for name, v in values.items():
+        if v is None:
+            continue
+        if name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            setattr(req, name, _number(name, v))
+        elif name == "min_tokens":
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"'min_tokens' must be an integer, got {v!r}")
+            req.min_tokens = v
+        elif name == "logit_bias":
+            if not isinstance(v, dict):
+                raise ValueError(f"'logit_bias' must be an object of token id -> bias, got {v!r:.80}")
+            req.logit_bias = {_int_id(name, k): _number(f"logit_bias[{k}]", b) for k, b in v.items()}
+        else:
+            if not isinstance(v, list):
+                raise ValueError(f"'stop_token_ids' must be a list of token ids, got {v!r:.80}")
+            req.stop_token_ids = [_int_id(name, t) for t in v]
+
+
 def request_error(req: Request, max_len: int, vocab: int, has_tokenizer: bool) -> Optional[str]:
     """Why `req` cannot run on a model of `vocab` tokens with a context of `max_len` positions, or None (its adapter
     is the registry's to judge)."""
