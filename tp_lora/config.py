@@ -77,6 +77,9 @@ class SchedulerConfig:
     kv_memory_fraction: float = 0.8
     kv_cache_mb: Optional[float] = None  # None: no cap on CUDA, 1024 MiB on CPU
     kv_block_size: int = 16
+    # auto: the model's dtype | fp8: float8_e4m3 K and V (half the bytes of bf16 per position), scale 1 per tensor
+    # (stored values saturate at +-448); README "FP8".
+    kv_cache_dtype: str = "auto"
     # Keep the full KV blocks of finished and preempted sequences, and let a new request of the same adapter reuse the
     # longest cached prefix of its prompt instead of computing it (evicted least recently used, only when needed).
     prefix_caching: bool = True
@@ -175,6 +178,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"{s.max_batch_size} (every running sequence decodes one token per step)")
     _check(0 < s.kv_memory_fraction <= 1, f"scheduler.kv_memory_fraction={s.kv_memory_fraction}: expected in (0, 1]")
     _check(s.kv_cache_mb is None or s.kv_cache_mb > 0, f"scheduler.kv_cache_mb={s.kv_cache_mb}: expected null or > 0")
+    _check(s.kv_cache_dtype in ("auto", "fp8"), f"scheduler.kv_cache_dtype={s.kv_cache_dtype!r}: expected auto or fp8")
     _check(s.kv_block_size >= 1, f"scheduler.kv_block_size={s.kv_block_size}: expected >= 1")
     _check(s.max_overtakes >= 0, f"scheduler.max_overtakes={s.max_overtakes}: expected >= 0")
     _check(s.admit_batch >= 1, f"scheduler.admit_batch={s.admit_batch}: expected >= 1")

@@ -67,7 +67,8 @@ class Engine(EngineCore):
         if not lo.lora_embeddings:
             targets -= {"embed_tokens", "lm_head"}
         comm.init_expert_parallel(ps, p.ep_size, p.ep_attention, p.timeout_s)  # before the MoE blocks are built
-        self.model = models.build(self.hf, ps.tp, self.dtype, ps.device, rt, targets, cfg.quantization)
+        self.model = models.build(self.hf, ps.tp, self.dtype, ps.device, rt, targets, cfg.quantization,
+                                  cfg.scheduler.kv_cache_dtype)
         load_weights(self.model, CheckpointReader(model_dir))
         slots = None
         if rt is not None:

@@ -201,8 +201,9 @@ def _attend_group(q_ext, kc, vc, g: AttnGroup, scale: float, window: int | None,
                   ) -> torch.Tensor:
     heads, d = q_ext.shape[1], q_ext.shape[2]
     n, max_q = g.pad_index.shape
-    keys = kc.view(-1, *kc.shape[2:])[g.kv_index].transpose(1, 2)  # [n, KV, max_kv, d]
-    vals = vc.view(-1, *vc.shape[2:])[g.kv_index].transpose(1, 2)
+    # [n, KV, max_kv, d] in the queries' dtype (an fp8 cache widens exactly)
+    keys = kc.view(-1, *kc.shape[2:])[g.kv_index].transpose(1, 2).to(q_ext.dtype)
+    vals = vc.view(-1, *vc.shape[2:])[g.kv_index].transpose(1, 2).to(q_ext.dtype)
     kv = keys.shape[1]
     rep = heads // kv
     # The `rep` query heads of one KV head (heads h = kv_i * rep + r) share its keys: folded into the query length,

@@ -285,9 +285,11 @@ class CausalLM(nn.Module):
         windows = layer_windows(hf)
         self.sliding_window = windows[0] if len(set(windows)) == 1 else None  # per-layer windows: in Attention
         self.dtype, self.device = dtype, torch.device(device)
+        self.kv_dtype = dtype  # what the KV cache holds: dtype, or float8_e4m3fn (scheduler.kv_cache_dtype=fp8)
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        return KVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, self.dtype, self.device)
+        return KVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, self.kv_dtype,
+                       self.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H]."""

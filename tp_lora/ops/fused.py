@@ -75,7 +75,11 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              ) -> None:
-    """k / v [T, KV, d] into the paged caches [blocks, bs, KV, d] at slots [T] (block * bs + offset)."""
+    """k / v [T, KV, d] into the paged caches [blocks, bs, KV, d] at slots [T] (block * bs + offset). An fp8 cache
+    (scale 1) takes them saturated at its largest finite value, as the kernels' conversion does."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        big = torch.finfo(torch.float8_e4m3fn).max
+        k, v = k.clamp(-big, big).to(k_cache.dtype), v.clamp(-big, big).to(v_cache.dtype)
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v
 

@@ -46,7 +46,9 @@ def online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, table_ptr, head_off, l
             k = k.to(tl.float32)
             v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
+        else:  # an fp8 cache widens to the queries' type
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale
         if softcap > 0:
             s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
