@@ -73,7 +73,8 @@ class SchedulerConfig:
     max_tokens_per_step: int = 4096  # tokens per step: one per decoding sequence + prefill chunks
     # KV cache (blocks of kv_block_size positions, taken by sequences as they grow) sized from the memory left after
     # weights and adapter slots: on CUDA this fraction of torch.cuda.mem_get_info's free bytes; kv_cache_mb caps it
-    # (and is the size on CPU). A run allocates no more than its requests can use at once.
+    # (and is the size on CPU). A run allocates no more than its requests can use at once, but on CUDA with
+    # prefix_caching the whole budget (the prefix cache keeps what the running requests leave).
     kv_memory_fraction: float = 0.8
     kv_cache_mb: Optional[float] = None  # None: no cap on CUDA, 1024 MiB on CPU
     kv_block_size: int = 16
