@@ -52,6 +52,21 @@ def test_n_with_a_seed_is_n_single_requests_with_seed_plus_i(c):
     assert len(two.choices) == 4 and ids(two)[0] == ids(two)[1]
 
 
+def _metric(srv, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_n_siblings_share_the_first_ones_prompt_blocks(server, c):
+    """40 prompt tokens: two full blocks of 16, computed once by the first sequence, found cached by the 3 others."""
+    before = _metric(server, "tp_lora_engine_prefix_hit_tokens")
+    out = c.completions.create(model="gamma", prompt=list(range(50, 90)), max_tokens=3, temperature=1.0, n=4, seed=1)
+    assert len(out.choices) == 4
+    assert _metric(server, "tp_lora_engine_prefix_hit_tokens") == before + 3 * 32
+
+
 def test_best_of_keeps_the_highest_cumulative_logprob(c):
     kw = dict(model="gamma", prompt=[1, 5, 6], max_tokens=6, temperature=1.0, seed=3)
     out = c.completions.create(best_of=4, n=2, logprobs=0, **kw)

@@ -28,6 +28,9 @@ class Request:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens were generated
     stop_token_ids: list[int] = field(default_factory=list)  # generation ends after any of these (kept in output)
+    # n / best_of: the index of the first of this prompt's sequences; admitted once that one's prompt is computed,
+    # so its full KV blocks are cached and shared (prefix cache) instead of computed again
+    sibling_of: Optional[int] = None
 
 
 @dataclass

@@ -269,11 +269,16 @@ class Scheduler:
         blocked = 0  # requests skipped in this scan for want of a slot (or of their adapter's read)
         worst = 0  # the most any of them has been passed
         i = 0
+        prefilling = self._prefilling_leaders()
         while (i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size
                and self._blocks_to_admit(self.waiting[i]) <= self.blocks.available):
             if blocked and (worst >= self.max_overtakes or blocked > self.lookahead):
                 break  # a request passed max_overtakes times is a barrier; and the scan stays short
             req = self.waiting[i]
+            if req.sibling_of in prefilling:  # waits for its first sibling's prompt blocks (not an overtake)
+                i += 1
+                continue
+            prefilling.add(req.index)
             slot = self._slot_for(req, i, plan, loadable)
             if slot is None:
                 blocked += 1
@@ -308,6 +313,14 @@ class Scheduler:
                 n = min(len(seq.tokens) - seq.computed, budget)
                 plan.work.append((seq, n))
                 budget -= n
+
+    def _prefilling_leaders(self) -> set[int]:
+        """The requests whose prompt is not computed yet (running or waiting), when a waiting request is a later
+        sibling (n / best_of) of one of them: its siblings wait for its prompt's blocks."""
+        if not any(r.sibling_of is not None for r in self.waiting):
+            return set()
+        return ({s.request.index for s in self.running if s.computed < s.prompt_len}
+                | {r.index for r in self.waiting})
 
     def _slot_for(self, req: Request, pos: int, plan: StepPlan, loadable: Optional[set[str]]) -> Optional[int]:
         """-1 for no adapter, the slot holding req.adapter (reassigning a free one), or None: no slot free, or the

@@ -71,8 +71,9 @@ class OpenAIFrontend:
 
     def requests(self, body: Sampling, prompts: list[list[int]], adapter: Optional[str], max_tokens: Optional[int],
                  key: str, logprobs: int = 0) -> list[Request]:
-        """body.best_of_n() engine Requests per prompt (consecutive), sibling i seeded seed + i (token ids and the
-        logit rules' ids are checked against the vocabulary by the engine: a 400 naming them)."""
+        """body.best_of_n() engine Requests per prompt (consecutive), sibling i seeded seed + i and admitted once the
+        first one's prompt is computed (its KV blocks then shared through the prefix cache). Token ids and the logit
+        rules' ids are checked against the vocabulary by the engine: a 400 naming them."""
         max_tokens = max_tokens or self.cfg.generation.max_new_tokens
         fields = body.engine_fields()
         if fields["stop"] and self.tokenizer is None:
@@ -86,11 +87,12 @@ class OpenAIFrontend:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) + {key} ({max_tokens}) = "
                                     f"{len(ids) + max_tokens} exceeds the context of {self.engine.context} tokens",
                                key)
-            rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+            rid, first = f"cmpl-{uuid.uuid4().hex[:16]}", None
             for i in range(per_prompt):
                 reqs.append(Request(next(self._index), id=rid, adapter=adapter, prompt_token_ids=ids,
-                                    max_new_tokens=max_tokens, logprobs=logprobs,
+                                    max_new_tokens=max_tokens, logprobs=logprobs, sibling_of=first,
                                     seed=None if seed is None else (seed + i) % 2 ** 63, **fields))
+                first = reqs[-1].index if first is None else first
         return reqs
 
     def check_capacity(self, n: int) -> None:
