@@ -22,6 +22,8 @@ With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replaye
 against a 32-sequence decode step (the runner alone on steps built beforehand, CUDA events, medians; whether each
 replayed a graph; and the host's time until execute() returns, its preparation and launches, during which a graph
 step's GPU idles).
+--quantization none,fp8 runs each shape once per value (fp8: the linear layers quantized at load, W8A8 on CUDA) and
+--kv-cache-dtype auto,fp8 once per KV cache dtype; the floor counts the weights' and the cache's bytes as stored.
 --torch-ops runs the decoder layers' norms, RoPE + cache write and activations as torch ops instead of the fused
 Triton kernels (tp_lora/ops/fused.py). Prints a table; writes bench_step.json into --out.
 """
@@ -162,7 +164,7 @@ def print_kernels(run, label: str, rows: int = 16, show: bool = True) -> None:
 
 
 def kv_bytes(model, batch: int, context: float) -> float:
-    return 2 * len(model.layers) * model.kv_heads * model.head_dim * model.dtype.itemsize * batch * context
+    return 2 * len(model.layers) * model.kv_heads * model.head_dim * model.kv_dtype.itemsize * batch * context
 
 
 def requests(batch: int, context: int, new: int, vocab: int, adapters: bool, seed: int) -> list[Request]:
@@ -265,6 +267,8 @@ def main() -> None:
     p.add_argument("--mixed", action="store_true")
     p.add_argument("--profile", action="store_true", help="with --mixed: print the decode step's kernels")
     p.add_argument("--no-adapters-only", action="store_true")
+    p.add_argument("--quantization", default="none", help="comma list of none | fp8 (weights quantized at load)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto | fp8")
     p.add_argument("--torch-ops", action="store_true",
                    help="norms, RoPE + cache write and activations in torch, not the fused Triton kernels (A/B)")
     args = p.parse_args()
@@ -275,7 +279,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     rows, extra = [], {}
-    for shape in args.shapes.split(","):
+    variants = [(q, kv) for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
+    for shape, (quant, kv_dtype) in ((s, v) for s in args.shapes.split(",") for v in variants):
         if ps.is_driver:  # one writer; the other ranks read what it wrote
             assets(args.cache, shape, max(contexts) + args.new + 8)
         comm.all_gather_object(None, ps.world)  # a barrier
@@ -287,6 +292,8 @@ def main() -> None:
         cfg.lora.max_loras, cfg.lora.max_rank = ADAPTERS, RANK
         cfg.scheduler.max_batch_size = max(batches)
         cfg.scheduler.max_tokens_per_step = max(4096, max(batches))
+        cfg.quantization = None if quant == "none" else quant
+        cfg.scheduler.kv_cache_dtype = kv_dtype
         engine = Engine(cfg, ps, model_dir, adapter_dir)
         vocab = engine.hf["vocab_size"]
         wb, ab = weight_bytes(engine.model), adapter_bytes(engine.model)
@@ -311,7 +318,7 @@ def main() -> None:
                     step = (tn - t1) / (args.new - 1)
                     lora_b = min(b, ADAPTERS) * ab if with_ad else 0
                     floor = (wb + lora_b + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
-                    rows.append(dict(shape=shape, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
+                    rows.append(dict(shape=shape, quantization=quant, kv_cache_dtype=kv_dtype, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
                                      floor_ms=floor * 1e3, of_floor=floor / (decode_ms / 1e3) if decode_ms else None,
                                      prefill_tokens_per_s=b * ctx / t1,
                                      graph_steps=graph_steps, decode_steps=decode_steps, decode_step_ms=decode_ms,
@@ -319,7 +326,7 @@ def main() -> None:
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
         if args.mixed:
-            extra[shape] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
+            extra[f"{shape} {quant} kv={kv_dtype}"] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
                             "adapters": mixed_step(engine, vocab, True, args.profile)}
         engine.close()
         del engine
@@ -329,17 +336,20 @@ def main() -> None:
         return
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size}, copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (read + written), layer ops {'torch' if args.torch_ops else 'fused'}")
-    head = ("| shape | adapters | batch | context | step ms (difference) | floor ms | of floor | adapters / none | "
+    head = ("| shape | weights | kv | adapters | batch | context | step ms (difference) | floor ms | of floor | adapters / none | "
             "prefill tok/s | graph steps | decode steps | decode step ms |")
     print(head)
     print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
-    base = {(r["shape"], r["batch"], r["context"]): r for r in rows if not r["adapters"]}
+    def key(r):
+        return r["shape"], r["quantization"], r["kv_cache_dtype"], r["batch"], r["context"]
+
+    base = {key(r): r for r in rows if not r["adapters"]}
     for r in rows:
-        none = base[(r["shape"], r["batch"], r["context"])]
+        none = base[key(r)]
         ratio = r["vs_no_adapters"] = (r["decode_step_ms"] / none["decode_step_ms"]
                                        if r["decode_step_ms"] and none["decode_step_ms"] else None)
         r["floor_vs_no_adapters"] = r["floor_ms"] / none["floor_ms"]
-        print(f"| {r['shape']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
+        print(f"| {r['shape']} | {r['quantization']} | {r['kv_cache_dtype']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
               f"{r['floor_ms']:.3f} | {'-' if r['of_floor'] is None else format(r['of_floor'], '.0%')} | "
               f"{'-' if ratio is None else format(ratio, '.2f')} (floor {r['floor_vs_no_adapters']:.2f}) | "
               f"{r['prefill_tokens_per_s']:.0f} | "
