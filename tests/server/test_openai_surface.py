@@ -210,3 +210,29 @@ def test_fuzzed_bodies_never_get_a_5xx(server):
         for raw in (b"[]", b"1", b'"x"', b"null", b"{", b'{"model": NaN}'):
             r = h.post(f"{server.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400, (raw, r.text)
+
+
+def test_per_adapter_metrics_and_residency(server, c):
+    def value(name: str) -> float:
+        for line in httpx.get(server.url + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    before = value('tp_lora_adapter_requests_total{adapter="beta"}')
+    tokens = value('tp_lora_adapter_generation_tokens_total{adapter="beta"}')
+    c.completions.create(model="beta", prompt=[1, 2, 3], max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    c.completions.create(model=BASE, prompt=[1, 2], max_tokens=2, temperature=0)
+    assert value('tp_lora_adapter_requests_total{adapter="beta"}') == before + 1
+    assert value('tp_lora_adapter_generation_tokens_total{adapter="beta"}') == tokens + 4
+    assert value('tp_lora_adapter_requests_total{adapter="base"}') >= 1
+    assert value('tp_lora_adapter_time_to_first_token_seconds_count{adapter="beta"}') >= 1
+    assert value('tp_lora_adapter_resident{adapter="beta",tier="device"}') == 1
+    assert value('tp_lora_adapter_resident{adapter="beta",tier="host"}') == 1
+    used, free = value('tp_lora_adapter_slots{state="used"}'), value('tp_lora_adapter_slots{state="free"}')
+    assert used >= 1 and used + free >= 1 and value("tp_lora_adapters_in_host_memory") >= 1
+
+
+def test_adapter_labels_are_capped():
+    from tp_lora.server.metrics import AdapterLabels
+    label = AdapterLabels(cap=2)
+    assert [label(x) for x in ("a", None, "b", "c", "a", "d")] == ["a", "base", "b", "other", "a", "other"]

@@ -12,6 +12,7 @@ Engine -> front end, one frame per step (only the keys with news): a dict
     "replies":   [(call id, error or None)]
     "gauges":    tp_lora.engine.stats.Gauges as a tuple (queue, running, slots, adapter reads, KV blocks)
     "steps":     the engine's StepStats values named by STEP_FIELDS (totals since start), when they changed
+    "residency": (slot names (None: free), host-memory names)    adapter residency, when loads changed it
     "draining":  True                 a stop signal came: admit nothing more
     "adapters":  {name: path}         the registry, when it changed
 and at the end STOP: the engine loop is over; the front end fails what is still open and exits.

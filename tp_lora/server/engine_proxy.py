@@ -135,6 +135,8 @@ class EngineProxy:
             self.metrics.set_gauges(*frame["gauges"])
         if "steps" in frame:
             self.metrics.set_steps(frame["steps"])
+        if "residency" in frame:
+            self.metrics.set_residency(*frame["residency"])
 
     def close(self) -> None:
         """The engine loop is over: what is open ends with SHUTTING_DOWN, and nothing more goes out."""

@@ -57,6 +57,7 @@ class FrameSink:
         self._gauges = None
         self._steps = -1  # the step count the front end was last sent stats of
         self._adapters = (len(engine.adapters), len(engine.bad_adapters))  # sent at start by the launcher
+        self._loads = None  # the adapter-load counts residency was last sent at
 
     def accepted(self, req: Request, stream: bool) -> None:
         if stream and self.link is not None:
@@ -115,6 +116,11 @@ class FrameSink:
         if self._msg and stats.steps != self._steps:  # with a frame that goes anyway
             self._steps = stats.steps
             self._msg["steps"] = tuple(getattr(stats, f) for f in STEP_FIELDS)
+        reg = engine.registry
+        loads = (stats.adapter_loads, reg.cache.stats.host_misses, len(engine.adapters))
+        if loads != self._loads:  # residency changes only with a slot load, a host read or an unload
+            self._loads = loads
+            self._msg["residency"] = (tuple(reg.state.names), tuple(reg.cache.host))
         adapters = (len(engine.adapters), len(engine.bad_adapters))
         if adapters != self._adapters or "replies" in self._msg:  # a load, an unload, or a failed read
             self._adapters = adapters

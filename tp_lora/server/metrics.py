@@ -8,6 +8,27 @@ from tp_lora.engine.requests import Result
 from tp_lora.server.channel import STEP_FIELDS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MAX_ADAPTER_LABELS = 100  # adapters named in per-adapter series (first seen first); the rest count as "other"
+BASE_LABEL = "base"  # requests without an adapter
+OTHER_LABEL = "other"
+
+
+class AdapterLabels:
+    """An adapter's label in per-adapter series: its name for the first MAX_ADAPTER_LABELS names seen, else "other",
+    so the series stay bounded whatever the number of adapters."""
+
+    def __init__(self, cap: int = MAX_ADAPTER_LABELS):
+        self.cap, self.named = cap, set()
+
+    def __call__(self, adapter) -> str:
+        if adapter is None:
+            return BASE_LABEL
+        if adapter in self.named:
+            return adapter
+        if len(self.named) < self.cap:
+            self.named.add(adapter)
+            return adapter
+        return OTHER_LABEL
 
 
 class Metrics:
@@ -30,6 +51,23 @@ class Metrics:
         self.adapter_loads = Gauge("tp_lora_adapter_loads", "Adapter copies into device slots", registry=r)
         self.kv_blocks = Gauge("tp_lora_kv_blocks", "KV cache blocks: held by running sequences (used), in the prefix "
                                "cache and held by none (cached, evictable), free", ["state"], registry=r)
+        self.label = AdapterLabels()
+        by = ["adapter"]
+        self.adapter_requests = Counter("tp_lora_adapter_requests", f"Finished requests per adapter ({BASE_LABEL!r}: "
+                                        f"none; past {MAX_ADAPTER_LABELS} adapters: {OTHER_LABEL!r})", by, registry=r)
+        self.adapter_prompt_tokens = Counter("tp_lora_adapter_prompt_tokens", "Prompt tokens of finished requests per "
+                                             "adapter", by, registry=r)
+        self.adapter_generation_tokens = Counter("tp_lora_adapter_generation_tokens", "Generated tokens of finished "
+                                                 "requests per adapter", by, registry=r)
+        self.adapter_ttft = Histogram("tp_lora_adapter_time_to_first_token_seconds", "Arrival to first token per "
+                                      "adapter", by, buckets=LATENCY_BUCKETS, registry=r)
+        self.resident = Gauge("tp_lora_adapter_resident", "Adapters held per tier (device: in a slot; host: in host "
+                              "memory), per adapter label (1, or the count under 'other')", ["adapter", "tier"],
+                              registry=r)
+        self.slots = Gauge("tp_lora_adapter_slots", "Device adapter slots holding an adapter (used) or none (free)",
+                           ["state"], registry=r)
+        self.host_adapters = Gauge("tp_lora_adapters_in_host_memory", "Adapters held in host memory", registry=r)
+        self._resident: set[tuple[str, str]] = set()
         # tp_lora_engine_steps, ..._graph_steps, ..._decode_steps, ..._graph_seconds, ...: the engine's StepStats
         self.steps = [Gauge(f"tp_lora_engine_{f}", f"The engine's StepStats.{f} since start (its steps, those "
                             f"replayed from CUDA graphs, the decode-only ones, and their wall seconds)", registry=r)
@@ -46,6 +84,24 @@ class Metrics:
         for state, n in (("used", kv_used), ("cached", kv_cached), ("free", kv_free)):
             self.kv_blocks.labels(state).set(n)
 
+    def set_residency(self, slots: tuple, host: tuple) -> None:
+        """Which adapters sit in the device slots (slot order, None for a free slot) and in host memory (the channel's
+        "residency")."""
+        counts: dict[tuple[str, str], int] = {}
+        for tier, names in (("device", [n for n in slots if n is not None]), ("host", host)):
+            for name in names:
+                key = (self.label(name), tier)
+                counts[key] = counts.get(key, 0) + 1
+        for key in self._resident - set(counts):
+            self.resident.remove(*key)
+        for key, n in counts.items():
+            self.resident.labels(*key).set(n)
+        self._resident = set(counts)
+        used = sum(n is not None for n in slots)
+        self.slots.labels("used").set(used)
+        self.slots.labels("free").set(len(slots) - used)
+        self.host_adapters.set(len(host))
+
     def set_steps(self, values: tuple) -> None:
         """The engine's step stats, as its loop sent them (the channel's "steps", named by STEP_FIELDS)."""
         for gauge, value in zip(self.steps, values):
@@ -55,11 +111,15 @@ class Metrics:
         self.requests.labels(status).inc()
         if res.error is not None:
             return
-        m = res.metrics
+        m, label = res.metrics, self.label(res.request.adapter)
         self.prompt_tokens.inc(len(res.request.prompt_token_ids))
         self.generation_tokens.inc(len(res.output_token_ids))
+        self.adapter_requests.labels(label).inc()
+        self.adapter_prompt_tokens.labels(label).inc(len(res.request.prompt_token_ids))
+        self.adapter_generation_tokens.labels(label).inc(len(res.output_token_ids))
         if "first_token" in m and "arrival" in m:
             self.ttft.observe(m["first_token"] - m["arrival"])
+            self.adapter_ttft.labels(label).observe(m["first_token"] - m["arrival"])
         if len(res.output_token_ids) > 1 and "finished" in m:
             self.tpot.observe((m["finished"] - m["first_token"]) / (len(res.output_token_ids) - 1))
 
