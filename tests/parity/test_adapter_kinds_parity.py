@@ -1,6 +1,7 @@
 """Adapters as people train them, against the outside world: on a tiny random Qwen2 checkpoint (q/k/v biases: DoRA
 must leave the base bias out of its scale), random PEFT adapters of each kind — DoRA on every projection and the LM
-head, lora_bias, rank 128 and rank 256 (DoRA) — in one batch with a plain LoRA adapter and the base model give the
+head, lora_bias, rank 128 and rank 256 (DoRA), modules_to_save lm_head + embed_tokens (same vocabulary; a resized one
+is refused) — in one batch with a plain LoRA adapter and the base model give the
 greedy tokens and logprobs of transformers + PEFT running each request alone (float32, within 1e-3), at tp=1, tp=2
 in both LoRA modes and tp=4 fully sharded."""
 import pytest
@@ -24,6 +25,8 @@ ADAPTERS = {
     "r256": dict(r=256, lora_alpha=128, use_dora=True, use_rslora=True, target_modules=["k_proj", "up_proj",
                                                                                         "down_proj"]),
     "plain": dict(r=4, lora_alpha=8, target_modules=LINEAR),
+    "saved": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head",
+                                                                                          "embed_tokens"]),
 }
 MAX_RANK = 256
 
@@ -55,11 +58,13 @@ def _make(root):
                     p.normal_(0, 0.2)
                 elif "lora_magnitude_vector" in n:  # away from ||W + s B A||, so g != 1
                     p.mul_(1.0 + 0.3 * torch.randn_like(p))
+                elif "modules_to_save" in n:  # the trained copies start as the base's
+                    p.add_(torch.randn_like(p) * p.std())
         pm.save_pretrained(root / "adapters" / name)
     gen = torch.Generator().manual_seed(3)
-    names = ["dora", None, "bias", "r128", "r256", "plain", "dora", "bias"]
+    names = ["dora", None, "bias", "r128", "saved", "r256", "plain", "dora", "saved", "bias"]
     reqs = [(a, torch.randint(2, 96, (int(n),), generator=gen).tolist())
-            for a, n in zip(names, [7, 5, 9, 6, 8, 4, 3, 10])]
+            for a, n in zip(names, [7, 5, 9, 6, 8, 4, 3, 10, 5, 6])]
     return model_dir, root / "adapters", reqs
 
 

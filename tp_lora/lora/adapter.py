@@ -283,6 +283,8 @@ def validate_adapter(adapter: LoRAAdapter, module_shapes: dict[str, tuple[int, i
             if v is not None and tuple(v.shape) != (fout,):
                 raise _err(n, f"module {module!r}: {what} has shape {tuple(v.shape)}, expected ({fout},) (out)")
     for module, t in adapter.saved.items():
+        if module in adapter.modules:
+            raise _err(n, f"{module!r} has both a LoRA and a modules_to_save copy: expected one of them")
         want = module_shapes.get(module)
         if want is None:
             raise _err(n, f"modules_to_save copy of {module!r}: this model has no room for it (lora.lora_embeddings"

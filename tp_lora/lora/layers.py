@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from tp_lora import distributed as comm
-from tp_lora.layers.embedding import VocabParallelEmbedding
+from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.ops.batch import LoRABatch
+from tp_lora.lora.peft_format import SAVED
+from tp_lora.lora.saved import SavedCopies
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 
@@ -135,7 +137,7 @@ def _first(view: torch.Tensor, dim: int, r: int) -> torch.Tensor:
     return view.narrow(dim, 0, r)
 
 
-class LoRALinear(SlotBuffers, nn.Module):
+class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
     """Multi-LoRA over a ParallelLinear (column / merged / qkv / row / replicated) or the LM head.
 
     Buffers per packed slice s: lora_a[s] [L, r_local, in_local], lora_b[s] [L, out_local_s, r], scales [S, L];
@@ -147,10 +149,11 @@ class LoRALinear(SlotBuffers, nn.Module):
     scales each rank's partial sum of a row layer, the same as scaling the sum.
     """
 
-    def __init__(self, base: nn.Module, rt: LoRARuntime):
+    def __init__(self, base: nn.Module, rt: LoRARuntime, saved: bool = False):
         super().__init__()
         self.base, self.rt = base, rt
         spec, tp = base.spec, base.tp
+        self.init_saved(base, rt.max_loras, saved)  # the LM head's modules_to_save copies (tp_lora.lora.saved)
         self.spec, self.tp = spec, tp
         # With one rank "fully sharded" and default coincide; keep the collective-free path.
         self.fully_sharded = rt.fully_sharded and tp.size > 1 and spec.kind != "replicated"
@@ -188,10 +191,16 @@ class LoRALinear(SlotBuffers, nn.Module):
             spec.kind == "row" and self.fully_sharded) else 0
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
-        """[A_s for s] + [B_s for s] + [scales, dora, lora_bias] (+ [fp8 channel scales of B_s for s]) + [dora_g]."""
+        """[A_s for s] + [B_s for s] + [scales, dora, lora_bias] (+ saved_views) (+ [fp8 channel scales of B_s for s])
+        + [dora_g]."""
         return ([a.data[slot] for a in self.lora_a] + [b.data[slot] for b in self.lora_b]
-                + [self.scales[:, slot], self.dora[:, slot], self.lora_bias[slot]]
+                + [self.scales[:, slot], self.dora[:, slot], self.lora_bias[slot]] + self.saved_views(slot)
                 + [bs[slot] for bs in self.b_scales or ()] + [self.dora_g[slot]])
+
+    @property
+    def saved_at(self) -> int:
+        """Where the saved views start in slot_views."""
+        return 2 * len(self.lora_a) + 3
 
     def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:
@@ -212,7 +221,8 @@ class LoRALinear(SlotBuffers, nn.Module):
         b_dst = _first(b_dst, 1, r)
         copy(a_dst, shard_lora_a(self.spec, a, *size, self.fully_sharded))
         b = shard_lora_b(self.spec, slice_idx, b, *size, self.fully_sharded)
-        copy(b_dst, b, views[2 * n + 3 + slice_idx] if self.b_scales is not None else None)
+        copy(b_dst, b, views[self.saved_at + len(self.saved_views(0)) + slice_idx] if self.b_scales is not None
+             else None)
         views[2 * n][slice_idx] = scale
 
     def columns(self, slice_idx: int) -> tuple[int, int]:
@@ -267,6 +277,9 @@ class LoRALinear(SlotBuffers, nn.Module):
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
         else:
             ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
+        saved = self.saved_active(batch)
+        if saved:
+            ops.saved_logits(x, self.saved_table, saved, batch, z)
         if self.epilogue:
             # z holds a column layer's bias; a row layer adds its own after the all-reduce.
             base_bias = getattr(self.base, "bias", None) if self.spec.kind == "column" else None
@@ -274,14 +287,16 @@ class LoRALinear(SlotBuffers, nn.Module):
         return z
 
 
-class LoRAEmbedding(SlotBuffers, nn.Module):
+class LoRAEmbedding(SlotBuffers, SavedCopies, nn.Module):
     """Multi-LoRA over the vocab-parallel embedding. A^T [L, V/p, r] is split by vocab like the base table and
     B [L, H, r] kept whole, so each rank adds its partial delta before the base all-reduce: no extra collective in
     either sharding mode."""
 
-    def __init__(self, base: VocabParallelEmbedding, rt: LoRARuntime):
+    def __init__(self, base: VocabParallelEmbedding, rt: LoRARuntime, saved: bool = False):
         super().__init__()
         self.base, self.rt = base, rt
+        self.init_saved(base, rt.max_loras, saved)  # modules_to_save copies (tp_lora.lora.saved)
+        self.saved_at = 3
         dtype, device = base.weight.dtype, base.weight.device
         self.lora_a_t = nn.Parameter(torch.zeros(rt.max_loras, base.weight.shape[0], rt.max_rank, dtype=dtype,
                                                  device=device), requires_grad=False)
@@ -290,7 +305,7 @@ class LoRAEmbedding(SlotBuffers, nn.Module):
         self.register_buffer("scales", torch.zeros(1, rt.max_loras, dtype=torch.float32, device=device))
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
-        return [self.lora_a_t.data[slot], self.lora_b.data[slot], self.scales[:, slot]]
+        return [self.lora_a_t.data[slot], self.lora_b.data[slot], self.scales[:, slot]] + self.saved_views(slot)
 
     def write(self, views: list[torch.Tensor], slice_idx: int, a: torch.Tensor, b: torch.Tensor, scale: float,
               copy: Copy = copy_into) -> None:
@@ -304,15 +319,19 @@ class LoRAEmbedding(SlotBuffers, nn.Module):
         z = self.base.partial(ids)
         if self.rt.active():
             ops, batch = self.rt.ops, self.rt.batch
+            saved = self.saved_active(batch)
+            if saved:
+                ops.saved_embedding(ids, self.saved_table, saved, batch, z, self.base.vocab_start)
             u = ops.embedding_shrink(ids, self.lora_a_t, self.scales, batch, self.base.vocab_start)
             ops.expand(u, [self.lora_b], batch, z)
         return self.base.finish(z)
 
 
-def wrap(base: nn.Module, rt: LoRARuntime, module_paths: list[str], fused: bool = False) -> nn.Module:
+def wrap(base: nn.Module, rt: LoRARuntime, module_paths: list[str], fused: bool = False,
+         saved: bool = False) -> nn.Module:
     """Wrap a base layer and register the PEFT module paths its slices answer to (q/k/v -> slices 0/1/2); fused: one
-    path answering for every slice (qkv_proj)."""
-    layer = LoRAEmbedding(base, rt) if isinstance(base, VocabParallelEmbedding) else LoRALinear(base, rt)
+    path answering for every slice (qkv_proj); saved: room for modules_to_save copies (embedding, LM head)."""
+    layer = LoRAEmbedding(base, rt, saved) if isinstance(base, VocabParallelEmbedding) else LoRALinear(base, rt, saved)
     if fused:
         (path,) = module_paths
         rt.targets[path] = (layer, FUSED)
@@ -330,7 +349,9 @@ def maybe_wrap(base: nn.Module, rt: LoRARuntime | None, paths: list[str], target
         return base
     if targets is not None and not any(p.rsplit(".", 1)[-1] in targets for p in paths):
         return base
-    return wrap(base, rt, paths, fused)
+    table = isinstance(base, (VocabParallelEmbedding, ParallelLMHead))
+    saved = table and targets is not None and any(SAVED + p.rsplit(".", 1)[-1] in targets for p in paths)
+    return wrap(base, rt, paths, fused, saved)
 
 
 def module_shapes(rt: LoRARuntime) -> dict[str, tuple[int, int]]:

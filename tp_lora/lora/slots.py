@@ -38,6 +38,7 @@ class SlotImage:
     pinned: Optional[dict[torch.dtype, torch.Tensor]] = None  # a page-locked copy of the blocks, until loaded
     plan: Optional["ImagePlan"] = None  # how to build it again from another file of the same layout
     dora: tuple[int, ...] = ()  # SlotTable.layers indices of the layers whose DoRA g a load computes
+    saved: tuple[int, ...] = ()  # ... and of the layers it brings a modules_to_save copy to
 
 
 # A view as (dtype of the tensor it views, its dtype, storage offset in its elements, size, stride).
@@ -85,6 +86,7 @@ class ImagePlan:
     # whole template; None: the whole template (too many pieces, as with rank padding in every row of B).
     gaps: Optional[list[ViewSpec]]
     dora: tuple[int, ...]  # as SlotImage.dora
+    saved: tuple[int, ...]  # as SlotImage.saved
     _views: dict = field(default_factory=dict, repr=False)  # (which, buffer address) -> views made before
 
     def views(self, which: str, base: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
@@ -265,7 +267,7 @@ class SlotTable:
             srcs.append(src)
             owners.append(path)
 
-        dora_layers = set()
+        dora_layers, saved_layers = set(), set()
         try:
             for path, m in adapter.modules.items():
                 layer, key = self.rt.targets[path]
@@ -278,6 +280,13 @@ class SlotTable:
                         raise AdapterError(f"adapter {adapter.name!r}: module {path!r}: {e}") from e
                 if m.magnitude is not None:
                     dora_layers.add(self._index[id(layer)])
+            for path, table in adapter.saved.items():
+                layer, _ = self.rt.targets[path]
+                try:
+                    layer.write_saved(views[slice(*self._spans[id(layer)])], layer.saved_at, table, copy=gather)
+                except ValueError as e:
+                    raise AdapterError(f"adapter {adapter.name!r}: modules_to_save {path!r}: {e}") from e
+                saved_layers.add(self._index[id(layer)])
             _check_casts(adapter.name, owners, dsts, srcs)
             # One call (GIL released inside) instead of hundreds of small copies; it casts where the file's dtype is
             # not the slot's.
@@ -289,10 +298,10 @@ class SlotTable:
             if entry is not None:
                 self._pool.give(entry)
             raise
-        plan, dora_at = None, tuple(sorted(dora_layers))
+        plan, marks = None, (tuple(sorted(dora_layers)), tuple(sorted(saved_layers)))
         if source is not None:
-            plan = self._plan(adapter, host, source, (dsts, srcs), (qdsts, qscales, qsrcs), dora_at)
-        return self._finish(adapter.name, host, views, entry, plan, dora_at)
+            plan = self._plan(adapter, host, source, (dsts, srcs), (qdsts, qscales, qsrcs), marks)
+        return self._finish(adapter.name, host, views, entry, plan, marks)
 
     def replay(self, name: str, plan: ImagePlan, source: torch.Tensor) -> Optional[SlotImage]:
         """The image of a file laid out as the one `plan` was made from, from its bytes (`source`); None when one of
@@ -307,7 +316,7 @@ class SlotTable:
         torch._foreach_copy_(plan.views("dst", host), srcs)
         if qsrcs:
             quantize_fp8_into(plan.views("qdst", host), plan.views("qscale", host), qsrcs)
-        return self._finish(name, host, views, entry, plan, plan.dora)
+        return self._finish(name, host, views, entry, plan, (plan.dora, plan.saved))
 
     def _entry(self, init: Optional[dict[torch.dtype, torch.Tensor]]):
         """(pool entry or None, blocks, views) of a new image starting as a copy of `init` (None: any contents):
@@ -317,14 +326,15 @@ class SlotTable:
         return entry, host, views
 
     def _finish(self, name: str, host, views, entry: Optional[int], plan: Optional[ImagePlan],
-                dora: tuple[int, ...]) -> SlotImage:
-        image = SlotImage(name, host, views, self._pinned(host), plan, dora)
+                marks: tuple[tuple[int, ...], tuple[int, ...]]) -> SlotImage:
+        """marks: (SlotImage.dora, SlotImage.saved)."""
+        image = SlotImage(name, host, views, self._pinned(host), plan, *marks)
         if entry is not None:
             weakref.finalize(image, self._pool.give, entry)
         return image
 
     @staticmethod
-    def _plan(adapter, host, source: torch.Tensor, copies, quants, dora: tuple[int, ...]) -> Optional[ImagePlan]:
+    def _plan(adapter, host, source: torch.Tensor, copies, quants, marks) -> Optional[ImagePlan]:
         """copies: (dsts, srcs); quants: (fp8 dsts, scale dsts, srcs). None when a src is not a view of the file's
         bytes (`source`), or a dst not one of the image's blocks."""
         dsts, srcs = copies
@@ -340,7 +350,7 @@ class SlotTable:
         # Quantization scales values into range: only a NaN/Inf fails it (the file's own dtype's bound).
         screen, limits = _screen_runs(src + qsrc, range_limits([sp[1] for sp in dst] + [sp[1] for sp in qsrc]).tolist())
         return ImagePlan(modules, {dtype: b.clone() for dtype, b in host.items()}, src, dst, qsrc, qdst, qscale,
-                         screen, limits, _gaps(dst + qdst + qscale, host), dora)
+                         screen, limits, _gaps(dst + qdst + qscale, host), *marks)
 
     def _pinned(self, host: dict[torch.dtype, torch.Tensor]) -> Optional[dict[torch.dtype, torch.Tensor]]:
         if self._pins is None or not self._pins.acquire(blocking=False):
@@ -361,6 +371,9 @@ class SlotTable:
                 torch._foreach_copy_(strided, [pieces[k].view(v.shape) for k, v in zip(strided_at, strided)])
         for i in image.dora:  # the same layers on every rank: the refresh's collectives match
             dora.refresh(self.layers[i], slot)
+        for i, layer in enumerate(self.layers):
+            if getattr(layer, "saved_table", None) is not None:
+                (layer.saved_slots.add if i in image.saved else layer.saved_slots.discard)(slot)
         self.names[slot] = image.name
 
     def _targets(self, slot: int) -> dict[torch.dtype, tuple[tuple[list, list], tuple[list, list]]]:

@@ -82,3 +82,25 @@ def lora_epilogue(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, ba
             bb = base_bias.float()
             y = (y - bb) * scale[slot] + bb + bias[slot]
         out[idx] = y.to(out.dtype)
+
+
+def saved_embedding(ids: torch.Tensor, tables: torch.Tensor, slots: Sequence[int], batch: LoRABatch,
+                    out: torch.Tensor, vocab_start: int = 0) -> None:
+    """ids [T], tables [L, V_local, H] (per slot a whole embedding copy, this rank's vocab rows), out [T, H] this
+    rank's base rows: for tokens of the given slots (host ints), out[t] = tables[slot][ids[t] - vocab_start], 0 for
+    ids another rank holds."""
+    vocab_local = tables.shape[1]
+    for slot, idx in _groups(batch):
+        if slot in slots:
+            local = ids[idx].long() - vocab_start
+            inside = ((local >= 0) & (local < vocab_local)).unsqueeze(-1)
+            out[idx] = tables[slot][local.clamp(0, vocab_local - 1)] * inside.to(out.dtype)
+
+
+def saved_logits(x: torch.Tensor, tables: torch.Tensor, slots: Sequence[int], batch: LoRABatch,
+                 out: torch.Tensor) -> None:
+    """x [T, H], tables [L, V_local, H] (per slot a whole LM-head copy, this rank's vocab rows), out [T, V_local]:
+    for tokens of the given slots (host ints), out[t] = x[t] @ tables[slot]^T."""
+    for slot, idx in _groups(batch):
+        if slot in slots:
+            out[idx] = (x[idx] @ tables[slot].t()).to(out.dtype)
