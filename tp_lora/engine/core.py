@@ -126,6 +126,7 @@ class EngineCore:
                 self.inflight.done.synchronize()
             self.inflight = None
         self.sched.abort()
+        self.kv = None  # the runner keeps the cache for the next run
         st = self.registry.state
         for slot in range(len(st)):
             if not st.ready[slot]:

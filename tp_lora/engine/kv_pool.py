@@ -57,8 +57,8 @@ def plan_kv(runner, ps: comm.ParallelState, sc: SchedulerConfig, needs: list[int
     reusable = 0 if old is None else (old.num_blocks + 1) * old.block_size * bpt
     budget = kv_budget_bytes(ps.device, sc.kv_memory_fraction, sc.kv_cache_mb, reusable)
     wanted = sum(sorted(blocks_for(n + 1, bs) for n in needs)[-sc.max_batch_size:])
-    if sc.prefix_caching and ps.device.type == "cuda":
-        wanted = budget // max(1, bs * bpt)
+    if sc.prefix_caching and ps.device.type == "cuda":  # the budget, or the cache there is (no regrowth)
+        wanted = budget // max(1, bs * bpt) if old is None else min(budget // max(1, bs * bpt), old.num_blocks)
     blocks = plan_blocks(budget, bs, bpt, wanted)
     if ps.tp.size > 1:
         blocks = min(comm.all_gather_object(blocks, ps.tp))
