@@ -207,8 +207,9 @@ def _edit_config(path, **changes):
 
 
 @pytest.mark.parametrize("option,value", [
-    ("use_dora", True), ("bias", "all"), ("bias", "lora_only"), ("fan_in_fan_out", True), ("peft_type", "IA3"),
-    ("peft_type", "LOHA"), ("modules_to_save", ["lm_head"]), ("lora_bias", True), ("layer_replication", [[0, 2]]),
+    ("bias", "all"), ("bias", "lora_only"), ("fan_in_fan_out", True), ("peft_type", "IA3"),
+    ("peft_type", "LOHA"), ("modules_to_save", ["score"]), ("modules_to_save", "lm_head"),
+    ("layer_replication", [[0, 2]]),
     ("trainable_token_indices", [1, 2]), ("target_parameters", ["mlp.experts.gate_up_proj"]),
     ("alora_invocation_tokens", [5, 6]), ("r", 0), ("r", "8"), ("rank_pattern", {"q_proj": 0}),
     ("rank_pattern", ["q_proj"]), ("lora_alpha", "x"), ("alpha_pattern", {"(": 2}), ("exclude_modules", "(["),
@@ -222,6 +223,19 @@ def test_rejected_options_name_adapter_and_option(good_adapter, option, value):
     assert "'bad-one'" in msg and option in msg and "adapter_config.json" in msg, msg
     with pytest.raises(AdapterError):
         read_adapter_config(good_adapter)
+
+
+def test_dora_and_lora_bias_configs_checked_against_the_tensors(good_adapter):
+    """use_dora without magnitude vectors, or with lora_bias, is refused naming the option; lora_bias without bias
+    tensors reads (a zero bias)."""
+    _edit_config(good_adapter, use_dora=True)
+    with pytest.raises(AdapterError, match="lora_magnitude_vector but adapter_config.json has use_dora=True"):
+        load_adapter(good_adapter, name="bad-one")
+    _edit_config(good_adapter, lora_bias=True)
+    with pytest.raises(AdapterError, match="lora_bias"):
+        read_adapter_config(good_adapter)
+    _edit_config(good_adapter, use_dora=False)
+    assert all(m.bias is None and m.magnitude is None for m in load_adapter(good_adapter).modules.values())
 
 
 def test_accepted_harmless_options(good_adapter):
@@ -286,7 +300,7 @@ def test_unknown_tensor_and_half_pairs(good_adapter):
     t = load_file(w)
     key = PREFIX + "model.layers.0.self_attn.q_proj"
     save_file(dict(t, **{key + ".lora_magnitude_vector": torch.ones(64)}), w)
-    with pytest.raises(AdapterError, match="lora_magnitude_vector.*DoRA"):
+    with pytest.raises(AdapterError, match="lora_magnitude_vector. needs use_dora=true"):
         load_adapter(good_adapter)
     save_file({k: v for k, v in t.items() if k != key + ".lora_B.weight"}, w)
     with pytest.raises(AdapterError, match="q_proj' has lora_A but no lora_B"):

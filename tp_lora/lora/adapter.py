@@ -158,7 +158,7 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
         ex = extras.pop(module, {})
         if bool(cfg.get("use_dora")) != ("M" in ex) and not kinds[module]:
             raise _err(name, f"{weights}: module {module!r} {'lacks' if cfg.get('use_dora') else 'has'} a "
-                             f"lora_magnitude_vector but use_dora={cfg.get('use_dora')!r}")
+                             f"lora_magnitude_vector but {CONFIG_FILE} has use_dora={cfg.get('use_dora')!r}")
         if kinds[module] and ex:
             raise _err(name, f"{weights}: embedding module {module!r} has {sorted(ex)}: DoRA and lora_bias apply "
                              f"to linear layers only here")

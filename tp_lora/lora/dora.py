@@ -13,6 +13,7 @@ import torch
 
 from tp_lora import distributed as comm
 from tp_lora.lora.layers import LoRALinear
+from tp_lora.ops.fp8 import dequantize
 
 ROW_CHUNK = 4096  # rows of W + s * B A formed at a time (a [ROW_CHUNK, in] float32 temporary)
 
@@ -25,6 +26,12 @@ def squared_norms(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torc
         hi = min(lo + ROW_CHUNK, w.shape[0])
         out[lo:hi] = (w[lo:hi].float() + scale * (b[lo:hi].float() @ a)).square().sum(1)
     return out
+
+
+def _w(layer: LoRALinear, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of the base weight this rank holds, in float32 where it is fp8 (times its weight_scale)."""
+    w, scale = layer.base.weight[lo:hi], getattr(layer.base, "weight_scale", None)
+    return w if scale is None else dequantize(w, scale[lo:hi], layer.base.block_k)
 
 
 def _b(layer: LoRALinear, s: int, slot: int) -> torch.Tensor:
@@ -42,7 +49,7 @@ def refresh(layer: LoRALinear, slot: int) -> None:
         b = _b(layer, 0, slot)
         if layer.fully_sharded:
             b = comm.all_gather(b, layer.tp, dim=0)
-        norm2 = squared_norms(layer.base.weight, a, b, layer.scales[0, slot])
+        norm2 = squared_norms(_w(layer, 0, layer.base.weight.shape[0]), a, b, layer.scales[0, slot])
         if layer.tp.size > 1:
             norm2 = comm.all_reduce(norm2, layer.tp)
         g.copy_(torch.where(layer.dora[0, slot] > 0, g / norm2.sqrt(), g))
@@ -52,5 +59,5 @@ def refresh(layer: LoRALinear, slot: int) -> None:
         a_all = comm.all_gather(torch.stack(a_all), layer.tp, dim=1).unbind(0)
     for s, a in enumerate(a_all):
         lo, hi = layer.columns(s)
-        norm2 = squared_norms(layer.base.weight[lo:hi], a, _b(layer, s, slot), layer.scales[s, slot])
+        norm2 = squared_norms(_w(layer, lo, hi), a, _b(layer, s, slot), layer.scales[s, slot])
         g[lo:hi] = torch.where(layer.dora[s, slot] > 0, g[lo:hi] / norm2.sqrt(), g[lo:hi])
