@@ -17,6 +17,7 @@ mean decode step; writes bench_prefix.json into --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -220,6 +221,7 @@ def main() -> None:
                       f"{row['decode_step_ms'] or float('nan'):>10.3f}", flush=True)
             engine.close()
             del engine
+            gc.collect()  # the engine's reference cycles hold its KV cache until collected
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         rows = {(r["trace"], r["caching"]): r for r in report["rows"] if r["shape"] == shape}
