@@ -124,12 +124,15 @@ class ModelRunner:
     def kv_cache(self, blocks: int, block_size: int, max_len: int) -> KVCache:
         """A cache of at least `blocks` blocks for sequences of up to `max_len` positions (the width of the graphs'
         block tables). Kept across calls so captured graphs stay valid; replaced (and graphs dropped) only when too
-        small."""
+        small, graphs dropped alone when sequences grow longer."""
         c = self.cache
-        if c is None or c.num_blocks < blocks or c.block_size != block_size or self.max_len < max_len:
+        if c is None or c.num_blocks < blocks or c.block_size != block_size:
             self.release_graphs()
             self.cache = None  # free the old one before allocating the new
             self.cache = self.model.new_cache(blocks, block_size)
+            self.max_len = max_len
+        elif self.max_len < max_len:  # wider block tables: new graphs over the same cache
+            self.release_graphs()
             self.max_len = max_len
         return self.cache
 
