@@ -82,7 +82,7 @@ AT_START = {
     "st_rank_mismatch": (lambda p: _edit_tensors(p, lambda t: {**t, _first(t, "lora_B"): torch.zeros(
         t[_first(t, "lora_B")].shape[0], 3)}), "rank"),
     "st_foreign_key": (lambda p: _edit_tensors(p, lambda t: {**t, "base_model.model.x.lora_magnitude_vector":
-                                                             torch.zeros(3)}), "not a LoRA weight"),
+                                                             torch.zeros(3)}), "needs use_dora=true"),
     "st_no_weights_file": (lambda p: os.remove(os.path.join(p, WEIGHTS)), "not found"),
     "st_too_big_rank": (None, "lora.max_rank=16"),  # written with r=32 below
     "st_extra_layer": (lambda p: _edit_tensors(p, lambda t: {

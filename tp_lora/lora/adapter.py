@@ -11,7 +11,7 @@ import torch
 
 from tp_lora.lora import stfile
 from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError, AdapterFileNotFoundError,
-                                      is_embedding_copy, is_targeted, lora_scale, module_rank_alpha, parse_extra_key,
+                                      check_extras, is_embedding_copy, is_targeted, lora_scale, module_rank_alpha, parse_extra_key,
                                       parse_key, read_adapter_config, saved_module)
 
 
@@ -110,7 +110,7 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
             k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
             extra, copy_of = parse_extra_key(key), saved_module(cfg, k)
             if extra is not None:
-                _check_extra(name, cfg, key, t, extra[1])
+                _check_extra(name, key, t)
                 extras.setdefault(extra[0], {})[extra[1]] = t
                 continue
             if copy_of is not None:
@@ -137,6 +137,8 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
         parts[module][which] = t
         kinds[module] = "embedding" in key
 
+    check_extras(name, cfg, weights, {m: set(ex) for m, ex in extras.items()},
+                 {m: kinds.get(m, False) for m in parts})
     use_rslora = bool(cfg.get("use_rslora", False))
     modules: dict[str, ModuleLoRA] = {}
     for module in sorted(parts):
@@ -155,19 +157,10 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
         if a.shape[0] != r:
             raise _err(name, f"{weights}: module {module!r} has rank {a.shape[0]} but {CONFIG_FILE} gives it "
                              f"r={r} (r / rank_pattern mismatch)")
-        ex = extras.pop(module, {})
-        if bool(cfg.get("use_dora")) != ("M" in ex) and not kinds[module]:
-            raise _err(name, f"{weights}: module {module!r} {'lacks' if cfg.get('use_dora') else 'has'} a "
-                             f"lora_magnitude_vector but {CONFIG_FILE} has use_dora={cfg.get('use_dora')!r}")
-        if kinds[module] and ex:
-            raise _err(name, f"{weights}: embedding module {module!r} has {sorted(ex)}: DoRA and lora_bias apply "
-                             f"to linear layers only here")
+        ex = extras.get(module, {})
         modules[module] = ModuleLoRA(_as(a, dtype), _as(b, dtype), lora_scale(r, alpha, use_rslora),
                                      embedding=kinds[module], magnitude=_opt(ex.get("M"), dtype),
                                      bias=_opt(ex.get("bias"), dtype))
-    if extras:
-        raise _err(name, f"{weights}: {sorted(extras)[0]!r} has a DoRA magnitude / lora_B bias but no lora_A / "
-                         f"lora_B")
     if not modules and not saved:
         raise _err(name, f"{weights} holds no LoRA weights (keys: {sorted(tensors)[:4]}...)")
     rank = max((m.rank for m in modules.values()), default=0)
@@ -175,11 +168,8 @@ def _load(path: str, name: str, dtype: Optional[torch.dtype]) -> LoRAAdapter:
                        saved=saved)
 
 
-def _check_extra(name: str, cfg: dict, key: str, t: torch.Tensor, which: str) -> None:
-    """A DoRA magnitude / lora_B bias tensor: 1-dim floating, and allowed by the config."""
-    option = "use_dora" if which == "M" else "lora_bias"
-    if not cfg.get(option):
-        raise _err(name, f"tensor {key!r} needs {option}=true in {CONFIG_FILE}, which has {cfg.get(option)!r}")
+def _check_extra(name: str, key: str, t: torch.Tensor) -> None:
+    """A DoRA magnitude / lora_B bias tensor: 1-dim floating."""
     if t.dim() != 1 or not t.is_floating_point():
         raise _err(name, f"tensor {key!r} has shape {tuple(t.shape)} / dtype {t.dtype}, expected a 1-dim floating "
                          f"[out] vector")

@@ -28,7 +28,8 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.lora import stfile
 from tp_lora.lora.adapter import LoRAAdapter, load_peft_adapter, validate_adapter
-from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, SAVED, WEIGHTS_FILE, AdapterError, is_embedding_copy,
+from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, SAVED, WEIGHTS_FILE, AdapterError, check_extras,
+                                      is_embedding_copy,
                                       is_targeted, module_rank_alpha, parse_extra_key, parse_key, read_adapter_config,
                                       saved_module)
 from tp_lora.threadlocal import torch_threads
@@ -82,6 +83,8 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
         raise _err(name, f"{weights} holds no tensors")
     parts: dict[str, dict[str, tuple[int, ...]]] = {}
     saved: set[str] = set()  # modules_to_save copies: the layers to wrap, with room for them
+    extras: dict[str, set[str]] = {}  # module -> its DoRA magnitude ("M") / lora_B bias
+    kinds: dict[str, bool] = {}  # module -> whether it is an embedding
     for key, meta in header.items():
         if meta.get("dtype") not in stfile.FLOAT_DTYPES:
             raise _err(name, f"{weights}: tensor {key!r} has dtype {meta.get('dtype')}, expected a floating type "
@@ -93,7 +96,11 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
             if copy_of is not None:
                 saved.add(copy_of.rsplit(".", 1)[-1])
                 continue
-            if is_embedding_copy(k) or fused or parse_extra_key(key) is not None:  # extras: checked at the read
+            extra = parse_extra_key(key)
+            if extra is not None:
+                extras.setdefault(extra[0], set()).add(extra[1])
+                continue
+            if is_embedding_copy(k) or fused:
                 continue
             raise _err(name, f"{weights}: tensor {key!r} is not a LoRA weight this runtime understands (expected "
                              f"<module>.lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B)")
@@ -101,11 +108,13 @@ def register_adapter(name: str, path: str) -> AdapterInfo:
         if len(meta["shape"]) != 2:
             raise _err(name, f"{weights}: tensor {key!r} has shape {tuple(meta['shape'])}, expected 2 dims")
         parts.setdefault(module, {})[which] = tuple(meta["shape"])
+        kinds[module] = "embedding" in key
     if fused:
         targets = {t.rsplit(".", 1)[-1] for t in cfg["target_parameters"] if isinstance(t, str)}
         targets |= {m.replace(".base_layer", "").rsplit(".", 1)[-1] for m in parts}
         ranks = [s["A"][0] for s in parts.values() if "A" in s]
         return AdapterInfo(name, path, max(ranks, default=0), targets, None, os.path.getsize(weights))
+    check_extras(name, cfg, weights, extras, kinds)
     modules = {}
     for module, ab in sorted(parts.items()):
         if set(ab) != {"A", "B"}:

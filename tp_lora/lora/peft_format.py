@@ -262,3 +262,26 @@ def is_embedding_copy(k: str) -> bool:
     module = k[: -len(".weight")].removesuffix(".base_layer")
     return module.rsplit(".", 1)[-1] in EMBEDDING_MODULES + ("lm_head",)
 
+
+
+def check_extras(name: str, cfg: dict, weights: str, extras: dict[str, set[str]], modules: dict[str, bool]) -> None:
+    """DoRA magnitudes and lora_B biases (extras: module -> {"M", "bias"}) against the config and the file's LoRA
+    modules (module -> whether it is an embedding): each needs its option on, a linear module of its own, and with
+    use_dora every linear module has its magnitude."""
+    for module, which in sorted(extras.items()):
+        for w in sorted(which):
+            option, what = ("use_dora", "DoRA magnitude (lora_magnitude_vector)") if w == "M" else \
+                ("lora_bias", "lora_B bias")
+            if not cfg.get(option):
+                raise _err(name, f"{weights}: module {module!r} has a {what}, which needs {option}=true in "
+                                 f"{CONFIG_FILE} (it has {cfg.get(option)!r})")
+        if module not in modules:
+            raise _err(name, f"{weights}: {module!r} has a DoRA magnitude / lora_B bias but no lora_A / lora_B")
+        if modules[module]:
+            raise _err(name, f"{weights}: embedding module {module!r} has {sorted(which)}: DoRA and lora_bias apply "
+                             f"to linear layers only here")
+    if cfg.get("use_dora"):
+        for module, embedding in sorted(modules.items()):
+            if not embedding and "M" not in extras.get(module, ()):
+                raise _err(name, f"{weights}: module {module!r} lacks its DoRA magnitude (lora_magnitude_vector) "
+                                 f"but {CONFIG_FILE} has use_dora=true")
