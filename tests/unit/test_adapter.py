@@ -229,7 +229,8 @@ def test_dora_and_lora_bias_configs_checked_against_the_tensors(good_adapter):
     """use_dora without magnitude vectors, or with lora_bias, is refused naming the option; lora_bias without bias
     tensors reads (a zero bias)."""
     _edit_config(good_adapter, use_dora=True)
-    with pytest.raises(AdapterError, match=r"lacks its DoRA magnitude \(lora_magnitude_vector\) but adapter_config.json has use_dora=true"):
+    with pytest.raises(AdapterError,
+                       match=r"lacks its DoRA magnitude \(lora_magnitude_vector\) but adapter_config.json has use_dora=true"):
         load_adapter(good_adapter, name="bad-one")
     _edit_config(good_adapter, lora_bias=True)
     with pytest.raises(AdapterError, match="lora_bias"):
@@ -300,7 +301,8 @@ def test_unknown_tensor_and_half_pairs(good_adapter):
     t = load_file(w)
     key = PREFIX + "model.layers.0.self_attn.q_proj"
     save_file(dict(t, **{key + ".lora_magnitude_vector": torch.ones(64)}), w)
-    with pytest.raises(AdapterError, match=r"q_proj. has a DoRA magnitude \(lora_magnitude_vector\), which needs use_dora=true"):
+    with pytest.raises(AdapterError,
+                       match=r"q_proj. has a DoRA magnitude \(lora_magnitude_vector\), which needs use_dora=true"):
         load_adapter(good_adapter)
     save_file({k: v for k, v in t.items() if k != key + ".lora_B.weight"}, w)
     with pytest.raises(AdapterError, match="q_proj' has lora_A but no lora_B"):
