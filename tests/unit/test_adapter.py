@@ -229,8 +229,8 @@ def test_dora_and_lora_bias_configs_checked_against_the_tensors(good_adapter):
     """use_dora without magnitude vectors, or with lora_bias, is refused naming the option; lora_bias without bias
     tensors reads (a zero bias)."""
     _edit_config(good_adapter, use_dora=True)
-    with pytest.raises(AdapterError,
-                       match=r"lacks its DoRA magnitude \(lora_magnitude_vector\) but adapter_config.json has use_dora=true"):
+    with pytest.raises(AdapterError, match=r"lacks its DoRA magnitude \(lora_magnitude_vector\) but "
+                                           r"adapter_config.json has use_dora=true"):
         load_adapter(good_adapter, name="bad-one")
     _edit_config(good_adapter, lora_bias=True)
     with pytest.raises(AdapterError, match="lora_bias"):

@@ -11,8 +11,9 @@ import torch
 
 from tp_lora.lora import stfile
 from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, AdapterError,
-                                      AdapterFileNotFoundError, check_extras, is_embedding_copy, is_targeted, lora_scale, module_rank_alpha, parse_extra_key,
-                                      parse_key, read_adapter_config, saved_module)
+                                      AdapterFileNotFoundError, check_extras, is_embedding_copy, is_targeted,
+                                      lora_scale, module_rank_alpha, parse_extra_key, parse_key,
+                                      read_adapter_config, saved_module)
 
 
 @dataclass
