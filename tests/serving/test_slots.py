@@ -1,6 +1,8 @@
 """Slot images: an adapter's host image copied into a used slot leaves exactly what emptying the slot and writing
 the adapter module by module leaves (untargeted modules, rank padding and the slot's previous adapter included), with
 B in the model dtype and in fp8; on CUDA from page-locked memory first, then again from the pageable host tier."""
+import dataclasses
+import json
 import math
 import os
 import shutil
@@ -9,6 +11,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
@@ -18,7 +21,7 @@ from tp_lora.lora import cache as cache_module, slots as slots_module
 from tp_lora.lora.slots import SlotTable
 from tp_lora.testing import device_under_test
 
-from _serving import serving_cfg, write_random_adapter
+from _serving import make_requests, serving_cfg, write_random_adapter
 
 
 @pytest.mark.parametrize("lora_dtype", ["auto", "fp8"])
@@ -268,3 +271,26 @@ def test_reads_waited_on_take_read_threads_and_reads_ahead_one(bundle, monkeypat
     cache._staged["r4"].result()
     assert seen["r4"] == (3, 3)
     assert cache.fetch("a9") is not None and cache.stats.prefetched == 1
+
+
+def test_graphs_captured_before_a_dora_adapter_are_dropped(bundle, tmp_path):
+    """A layer that gains work when a DoRA adapter first enters a slot (its epilogue) bumps the LoRA runtime's layout,
+    and the runner drops the CUDA graphs captured without it before its next step."""
+    model, adapters = bundle
+    shutil.copytree(os.path.join(adapters, "r8"), tmp_path / "plain")
+    shutil.copytree(os.path.join(adapters, "r8"), tmp_path / "dora")
+    weights = tmp_path / "dora" / "adapter_model.safetensors"
+    t = load_file(str(weights))
+    for key in [k for k in t if k.endswith("lora_B.weight")]:
+        t[key.replace("lora_B.weight", "lora_magnitude_vector")] = torch.ones(t[key].shape[0])
+    save_file(t, str(weights))
+    cfg_path = tmp_path / "dora" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps(dict(cfg, use_dora=True)))
+    engine = Engine(serving_cfg(), comm.single_process(), model, str(tmp_path))
+    req = make_requests(1)[0]
+    engine.generate([dataclasses.replace(req, adapter="plain")])
+    rt, before = engine.runner.rt, engine.runner.rt.layout
+    engine.runner.graphs[("captured", "before")] = None
+    engine.generate([dataclasses.replace(req, adapter="dora")])
+    assert rt.layout > before and not engine.runner.graphs

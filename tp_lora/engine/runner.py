@@ -111,6 +111,7 @@ class ModelRunner:
         mixed = self.use_graphs and kernel_takes(model.head_dim) and getattr(model, "mixed_graph_safe", True)
         self.mixed_sizes = mixed_sizes(max_tokens, max_seqs) if mixed else []
         self.graphs: dict[tuple, _Graph] = {}
+        self.layout = 0  # the LoRA runtime's layout the graphs were captured with
         # The last sampled tokens, row by row ([max_seqs], then one spare element that a feed of -1 indexes).
         self.sampled = torch.zeros(max_seqs + 1, dtype=torch.int64, device=self.device)
         self.cache: KVCache | None = None
@@ -144,6 +145,9 @@ class ModelRunner:
     def execute(self, step: StepBatch, cache: KVCache) -> torch.Tensor:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
         n = len(step.lens)
+        if self.rt is not None and self.rt.layout != self.layout:  # graphs captured before lack new LoRA work
+            self.release_graphs()
+            self.layout = self.rt.layout
         graphed = self.use_graphs and not step.all_logits and cache is self.cache
         self.captured = False
         lora = self.rt is not None and any(s >= 0 for s in step.slots)
@@ -332,6 +336,8 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         """Drop captured graphs (before the process group goes away: a live captured NCCL graph can hang teardown)."""
+        if self.device.type == "cuda" and self.graphs:
+            torch.cuda.synchronize(self.device)  # no replay still running or reading their pool
         self.graphs.clear()
         # The memory pool died with its last graph: reusing its handle for a new capture trips an allocator assert.
         self.pool = None

@@ -43,6 +43,8 @@ class LoRARuntime:
     batch: LoRABatch | None = None
     # module path -> (layer, slice index): where a PEFT target module lands in this model
     targets: dict = field(default_factory=dict)
+    # Bumped whenever a layer's step gains work (its DoRA / lora_bias epilogue): CUDA graphs captured before lack it.
+    layout: int = 0
     _side: torch.cuda.Stream | None = field(default=None, init=False, repr=False)
 
     def active(self) -> bool:
@@ -242,7 +244,9 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
             return
         n, size = len(self.lora_a), (self.tp.rank, self.tp.size)
         lo, hi = self.columns(slice_idx)
-        self.epilogue = True
+        if not self.epilogue:
+            self.epilogue = True
+            self.rt.layout += 1
         if magnitude is not None:
             copy(views[-1][lo:hi], self._own_rows(slice_idx, magnitude))
             views[2 * n + 1][slice_idx] = 1.0
