@@ -85,8 +85,10 @@ class Engine(EngineCore):
         self.tokenizer = load_tokenizer(model_dir)
         sampler = Sampler(cfg.generation, set(eos if isinstance(eos, list) else [eos] if eos is not None else []),
                           self.tokenizer)
-        # MoE models say whether their decode step is free of host syncs (capturable) in their layout and dtype.
-        graphs = cfg.cuda_graphs and getattr(self.model, "cuda_graph_safe", True)
+        # MoE models say whether their decode step is free of host syncs (capturable) in their layout and dtype;
+        # modules_to_save copies pick their slots' tokens on the host (not capturable).
+        saved = any(getattr(m, "saved_table", None) is not None for m in self.model.modules())
+        graphs = cfg.cuda_graphs and getattr(self.model, "cuda_graph_safe", True) and not saved
         runner = ModelRunner(self.model, rt, ps.device, graphs, cfg.scheduler.max_tokens_per_step,
                              cfg.scheduler.max_batch_size)
         super().__init__(cfg, ps, runner, registry, sampler, self.hf["vocab_size"],
