@@ -47,6 +47,20 @@ def resolve_model(cfg: RunConfig) -> tuple[str, Optional[str]]:
     return model_dir, adapter_dir
 
 
+def check_expert_layout(cfg: RunConfig, model_dir: str) -> None:
+    """Expert parallelism (parallel.ep_size > 1) needs an MoE model: said before any collective."""
+    p = cfg.parallel
+    if p.ep_size == 1:
+        return
+    from tp_lora.models.checkpoint import load_hf_config
+    from tp_lora.models.registry import MOE_TYPES
+    kind = load_hf_config(model_dir).get("model_type")
+    if kind not in MOE_TYPES:
+        raise ConfigError(f"parallel.ep_size={p.ep_size} (ep_attention={p.ep_attention}) splits MoE experts, but "
+                          f"{model_dir} has model_type={kind!r}, not an MoE model ({', '.join(MOE_TYPES)}): use "
+                          f"parallel.dp_size / tp_size for a dense model")
+
+
 class LLM:
     """A model with its LoRA adapters on this process's share of the devices, ready to generate.
 
@@ -76,6 +90,7 @@ class LLM:
         device = resolve_device(cfg.device)
         self.cfg = cfg
         self.model_dir, self.adapter_dir = resolve_model(cfg)
+        check_expert_layout(cfg, self.model_dir)
         self.ps = comm.init_parallel(cfg.parallel.tp_size, device, cfg.parallel.timeout_s)
         from tp_lora.engine.engine import Engine
         self.engine = Engine(cfg, self.ps, self.model_dir, self.adapter_dir)

@@ -23,6 +23,9 @@ class ModelConfig:
 class ParallelConfig:
     tp_size: int = 1
     # Ranks beyond tp_size form data-parallel replicas (each serves its share of the requests).
+    # Data-parallel replicas to start when launched without torchrun (python launch/serve.py parallel=dp2 starts
+    # dp_size x tp_size ranks itself); null = one. Under torchrun the launched ranks decide (it must then agree).
+    dp_size: Optional[int] = None
     timeout_s: float = 300.0  # a collective that does not complete in this time fails the run
     # MoE models: experts split over ep_size ranks (1 = every rank holds every expert, intermediate split over tp).
     ep_size: int = 1
@@ -106,6 +109,12 @@ class ServerConfig:
     max_queue: int = 256
     api_key: Optional[str] = None  # when set, /v1/* need "Authorization: Bearer <api_key>"
     model_name: Optional[str] = None  # the base model's name in the API; None = the model dir's name
+    # Data-parallel replicas: which one serves a request (tp_lora.server.router). affinity: one holding its adapter
+    # in a device slot, else in host memory, else the least loaded; least_loaded; round_robin.
+    routing: str = "affinity"
+    # affinity: requests a replica may queue beyond its batch (scheduler.max_batch_size) past the least queued
+    # replica before a request goes elsewhere than to its adapter's replica.
+    max_imbalance: int = 4
 
 
 @dataclass
@@ -139,6 +148,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(p.tp_size >= 1, f"parallel.tp_size={p.tp_size}: expected >= 1")
     _check(world_size % p.tp_size == 0,
            f"parallel.tp_size={p.tp_size} does not divide the {world_size} launched processes")
+    _check(p.dp_size is None or p.dp_size >= 1, f"parallel.dp_size={p.dp_size}: expected null or >= 1")
+    _check(p.dp_size is None or world_size in (1, p.dp_size * p.tp_size),
+           f"parallel.dp_size={p.dp_size} x parallel.tp_size={p.tp_size} = {(p.dp_size or 1) * p.tp_size} ranks, "
+           f"but {world_size} were launched")
     _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s}: expected > 0")
     _check(p.host_threads >= 0, f"parallel.host_threads={p.host_threads}: expected >= 0 (0 = automatic)")
     _check(p.read_threads >= 0, f"parallel.read_threads={p.read_threads}: expected >= 0 (0 = automatic)")
@@ -189,6 +202,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(0 <= v.port <= 65535, f"server.port={v.port}: expected 0..65535 (0 = any free port)")
     _check(v.max_queue >= 0, f"server.max_queue={v.max_queue}: expected >= 0")
     _check(v.api_key is None or bool(v.api_key), "server.api_key is empty: give a key or null")
+    _check(v.routing in ("affinity", "least_loaded", "round_robin"),
+           f"server.routing={v.routing!r}: expected affinity, least_loaded or round_robin")
+    _check(v.max_imbalance >= 0, f"server.max_imbalance={v.max_imbalance}: expected >= 0")
+
+
+def world_size_of(p: ParallelConfig) -> int:
+    """The ranks a launch without torchrun starts: parallel.dp_size (or the EP group over DP replicas) x tp_size."""
+    dp = p.dp_size or (p.ep_size if p.ep_size > 1 and p.ep_attention == "dp" else 1)
+    return dp * p.tp_size
 
 
 def validate_for_model(hf: dict, tp_size: int) -> None:

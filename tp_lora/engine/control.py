@@ -6,6 +6,13 @@ the server (tp_lora.server.loop) differ only in their source and sink.
 The agreement is one all_gather_object over the TP group: every idle iteration, every ARRIVAL_CHECK_STEPS steps while
 requests may still come (the exchange syncs the host with the devices), and every scheduler.stop_check_steps for
 the stop level; with one rank each iteration, at no cost.
+
+A server over data-parallel replicas agrees over the world group instead (`group`): the replicas step apart (one
+busy, another idle), so the exchange also carries each rank's busy flag, and when the next exchange comes and when
+the loop ends are decided from the gathered flags, alike on every rank: the next iteration while any rank is idle,
+else after ARRIVAL_CHECK_STEPS steps; the end once no rank is busy after a stop (a source spanning replicas takes
+requests until stopped: `more` stays True). Between exchanges each rank
+steps or idles once per iteration, so EP over DP replicas keeps its lockstep.
 """
 from __future__ import annotations
 
@@ -69,23 +76,31 @@ class Sink(Protocol):
         """End of an iteration."""
 
 
-def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[[], int], context: int) -> None:
+def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[[], int], context: int,
+                 group: Optional[comm.Group] = None) -> None:
     """Run the open run until the source has no more requests and the engine no work, or a stop has drained it:
     requests in flight finish within scheduler.stop_grace_s, then the rest are dropped. context: the longest
-    request (prompt + max_new_tokens) the run holds."""
+    request (prompt + max_new_tokens) the run holds. group: the ranks that agree (default the TP group; a group
+    spanning several replicas agrees its exchanges and its end, see the module's doc)."""
     sc, tp = engine.cfg.scheduler, engine.ps.tp
-    level, deadline, it = RUN, None, 0
+    group = group or tp
+    spans = group.size > tp.size
+    level, deadline, it, due = RUN, None, 0, 0
     while True:
-        busy = engine.busy
-        if (tp.size == 1 or it % sc.stop_check_steps == 0
-                or (source.more and (not busy or it % ARRIVAL_CHECK_STEPS == 0))):
+        busy, quiet = engine.busy, False
+        if spans:
+            check = it >= due
+        else:
+            check = (group.size == 1 or it % sc.stop_check_steps == 0
+                     or (source.more and (not busy or it % ARRIVAL_CHECK_STEPS == 0)))
+        if check:
             local = ABORT if source.lost or (deadline is not None and time.perf_counter() >= deadline) else stop()
             view = source.take(wait=not busy)
-            if tp.size == 1:
-                agreed, views = max(local, level), [view]
+            if group.size == 1:
+                gathered = [(max(local, level), view, busy)]
             else:
-                gathered = comm.all_gather_object((max(local, level), view), tp)
-                agreed, views = max(v[0] for v in gathered), [v[1] for v in gathered]
+                gathered = comm.all_gather_object((max(local, level), view, busy), group)
+            agreed, views = max(v[0] for v in gathered), [v[1] for v in gathered]
             ops = source.merge(views)
             if agreed > level:
                 if level < DRAIN <= agreed:
@@ -95,10 +110,13 @@ def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[
                     sink.stopped(engine.abort(), ABORT)
                 level = agreed
             _apply(engine, ops, sink, level, context)
+            if spans:
+                due = it + (ARRIVAL_CHECK_STEPS if all(v[2] for v in gathered) else 1)
+                quiet = not any(v[2] for v in gathered)  # past a drain, ops make no rank busy
         it += 1
         if engine.busy:
             sink.stepped(engine.step())
-        elif level >= DRAIN or not source.more:
+        elif (quiet or not spans) and (level >= DRAIN or not source.more):
             sink.flush()
             return
         else:

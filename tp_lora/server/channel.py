@@ -15,6 +15,8 @@ Engine -> front end, one frame per step (only the keys with news): a dict
     "residency": (slot names (None: free), host-memory names)    adapter residency, when loads changed it
     "draining":  True                 a stop signal came: admit nothing more
     "adapters":  {name: path}         the registry, when it changed
+    "replica":   d                    with data-parallel replicas: the replica whose frame it is (its gauges,
+                                      steps and residency; ends, deltas and replies are the front end's alike)
 and at the end STOP: the engine loop is over; the front end fails what is still open and exits.
 
 The engine end never blocks: its socket is non-blocking, unsent bytes wait in a buffer written between steps, and it

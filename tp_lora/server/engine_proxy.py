@@ -131,12 +131,13 @@ class EngineProxy:
             fut = self._calls.pop(mid, None)
             if fut is not None and not fut.done():  # done: its handler was cancelled (the client left)
                 fut.set_result(err)
+        replica = frame.get("replica", 0)  # with data-parallel replicas, whose frame it is
         if "gauges" in frame:
-            self.metrics.set_gauges(*frame["gauges"])
+            self.metrics.set_gauges(replica, frame["gauges"])
         if "steps" in frame:
-            self.metrics.set_steps(frame["steps"])
+            self.metrics.set_steps(replica, frame["steps"])
         if "residency" in frame:
-            self.metrics.set_residency(*frame["residency"])
+            self.metrics.set_residency(replica, *frame["residency"])
 
     def close(self) -> None:
         """The engine loop is over: what is open ends with SHUTTING_DOWN, and nothing more goes out."""

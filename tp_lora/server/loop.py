@@ -13,6 +13,8 @@ from tp_lora.engine.core import EngineCore
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.stats import StepOutput
 from tp_lora.server.channel import SHUTTING_DOWN, STEP_FIELDS, EngineEnd
+from tp_lora.server.replicas import Forward, Outbox, ReplicaSource
+from tp_lora.server.router import Router
 
 IDLE_WAIT_S = 0.01
 
@@ -48,9 +50,10 @@ class ChannelSource:
 
 
 class FrameSink:
-    """Rank 0: the step's frame to the front end (the other ranks build nothing)."""
+    """A replica's leader: the step's frame to `link` (rank 0's channel to the front end, or with several replicas
+    what carries it there: tp_lora.server.replicas); ranks without a link build nothing."""
 
-    def __init__(self, engine: EngineCore, link: Optional[EngineEnd], registry: Callable[[], dict[str, str]]):
+    def __init__(self, engine: EngineCore, link, registry: Callable[[], dict[str, str]]):
         self.engine, self.link, self.registry = engine, link, registry
         self._streams: dict[int, int] = {}  # streamed request index -> tokens sent so far
         self._msg: dict = {}  # this step's frame, being built
@@ -133,10 +136,12 @@ class FrameSink:
 
 
 class ServingLoop:
-    """The engine side of the server on one rank: a run open for serving, stepped by the control loop."""
+    """The engine side of the server on one rank: a run open for serving, stepped by the control loop (over the TP
+    group, or the world group when there are several replicas: tp_lora.server.replicas)."""
 
-    def __init__(self, engine: EngineCore, tp: comm.Group):
-        self.engine, self.tp = engine, tp
+    def __init__(self, engine: EngineCore, ps: comm.ParallelState, routing: str = "affinity", max_imbalance: int = 0):
+        self.engine, self.ps = engine, ps
+        self.routing, self.max_imbalance = routing, max_imbalance
         self.context = engine.open_for_serving()  # prompt + max_new_tokens bound (a collective: every rank)
         engine.sampler.decode_outputs = False  # results carry token ids; the front end makes the text
         self.link: Optional[EngineEnd] = None  # rank 0: the channel to the front end (set before run)
@@ -150,7 +155,21 @@ class ServingLoop:
         """Serve until a stop signal (agreed by the ranks) has drained the run: requests in flight finish within
         scheduler.stop_grace_s, then the rest end with an error. Rank 0 also stops (ABORT) when the front end goes
         away."""
-        source = ChannelSource(self.link)
-        control_loop(self.engine, source, FrameSink(self.engine, self.link, self.adapter_registry), stop,
-                     self.context)
-        self.frontend_lost = source.went_away
+        ps, channel = self.ps, ChannelSource(self.link)
+        if ps.dp.size == 1:
+            source, group, out = channel, ps.tp, self.link
+        else:
+            leader, forward, outbox = ps.tp.rank == 0, None, None
+            if self.link is not None:
+                batch = self.engine.cfg.scheduler.max_batch_size
+                forward = out = Forward(self.link, Router(ps.dp.size, self.routing, batch, self.max_imbalance))
+            elif leader:
+                outbox = out = Outbox()
+            else:
+                out = None
+            source = ReplicaSource(self.engine, ps.dp.rank, ps.tp.size, leader,
+                                   channel if self.link is not None else None, forward, outbox)
+            group = ps.world
+        control_loop(self.engine, source, FrameSink(self.engine, out, self.adapter_registry), stop, self.context,
+                     group)
+        self.frontend_lost = channel.went_away

@@ -1,5 +1,7 @@
 """The server's Prometheus metrics (GET /metrics), in a registry of their own in the front-end process: counters
-from the results it receives, gauges from the values the engine loop sends with its steps."""
+from the results it receives, gauges from the values the engine loop sends with its steps. With data-parallel
+replicas each replica's values come tagged with it: the unlabelled gauges are their sums (the slot hit rate their
+mean), and tp_lora_replica_* carry each replica's queue, running batch, slot hit rate, adapter reads and loads."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -51,6 +53,16 @@ class Metrics:
         self.adapter_loads = Gauge("tp_lora_adapter_loads", "Adapter copies into device slots", registry=r)
         self.kv_blocks = Gauge("tp_lora_kv_blocks", "KV cache blocks: held by running sequences (used), in the prefix "
                                "cache and held by none (cached, evictable), free", ["state"], registry=r)
+        per = ["replica"]
+        self.replica_gauges = [Gauge(f"tp_lora_replica_{name}", f"{doc}, per data-parallel replica", per, registry=r)
+                               for name, doc in (("queue_length", "Requests waiting for admission"),
+                                                 ("running", "Sequences in the running batch"),
+                                                 ("slot_hit_rate", "Admissions that found their adapter in a slot"),
+                                                 ("adapter_reads", "Adapter reads from disk into host memory"),
+                                                 ("adapter_loads", "Adapter copies into device slots"))]
+        self._gauges: dict[int, tuple] = {}  # replica -> its last gauges
+        self._residency: dict[int, tuple] = {}  # replica -> its last (slots, host)
+        self._steps: dict[int, tuple] = {}  # replica -> its last step stats
         self.label = AdapterLabels()
         by = ["adapter"]
         self.adapter_requests = Counter("tp_lora_adapter_requests", f"Finished requests per adapter ({BASE_LABEL!r}: "
@@ -73,39 +85,51 @@ class Metrics:
                             f"replayed from CUDA graphs, the decode-only ones, and their wall seconds)", registry=r)
                       for f in STEP_FIELDS]
 
-    def set_gauges(self, waiting: int, running: int, slot_hit_rate: float, adapter_reads: int,
-                   adapter_loads: int, kv_used: int, kv_cached: int, kv_free: int) -> None:
-        """The engine's values, as its loop sent them (tp_lora.server.channel's "gauges": Gauges' fields)."""
+    def set_gauges(self, replica: int, values: tuple) -> None:
+        """A replica's engine values, as its loop sent them (tp_lora.server.channel's "gauges": Gauges' fields:
+        waiting, running, slot hit rate, adapter reads, adapter loads, KV blocks used / cached / free)."""
+        self._gauges[replica] = tuple(values)
+        for gauge, value in zip(self.replica_gauges, values[:5]):
+            gauge.labels(str(replica)).set(value)
+        every = list(self._gauges.values())
+        total = [sum(v[i] for v in every) for i in range(len(values))]
+        waiting, running, _, reads, loads, kv_used, kv_cached, kv_free = total
         self.waiting.set(waiting)
         self.running.set(running)
-        self.slot_hit_rate.set(slot_hit_rate)
-        self.adapter_reads.set(adapter_reads)
-        self.adapter_loads.set(adapter_loads)
+        self.slot_hit_rate.set(sum(v[2] for v in every) / len(every))
+        self.adapter_reads.set(reads)
+        self.adapter_loads.set(loads)
         for state, n in (("used", kv_used), ("cached", kv_cached), ("free", kv_free)):
             self.kv_blocks.labels(state).set(n)
 
-    def set_residency(self, slots: tuple, host: tuple) -> None:
-        """Which adapters sit in the device slots (slot order, None for a free slot) and in host memory (the channel's
-        "residency")."""
+    def set_residency(self, replica: int, slots: tuple, host: tuple) -> None:
+        """Which adapters a replica holds in its device slots (slot order, None for a free slot) and in host memory
+        (the channel's "residency"); the series count over the replicas."""
+        self._residency[replica] = (slots, host)
         counts: dict[tuple[str, str], int] = {}
-        for tier, names in (("device", [n for n in slots if n is not None]), ("host", host)):
-            for name in names:
-                key = (self.label(name), tier)
-                counts[key] = counts.get(key, 0) + 1
+        used = free = hosted = 0
+        for slots, host in self._residency.values():
+            for tier, names in (("device", [n for n in slots if n is not None]), ("host", host)):
+                for name in names:
+                    key = (self.label(name), tier)
+                    counts[key] = counts.get(key, 0) + 1
+            n = sum(x is not None for x in slots)
+            used, free, hosted = used + n, free + len(slots) - n, hosted + len(host)
         for key in self._resident - set(counts):
             self.resident.remove(*key)
         for key, n in counts.items():
             self.resident.labels(*key).set(n)
         self._resident = set(counts)
-        used = sum(n is not None for n in slots)
         self.slots.labels("used").set(used)
-        self.slots.labels("free").set(len(slots) - used)
-        self.host_adapters.set(len(host))
+        self.slots.labels("free").set(free)
+        self.host_adapters.set(hosted)
 
-    def set_steps(self, values: tuple) -> None:
-        """The engine's step stats, as its loop sent them (the channel's "steps", named by STEP_FIELDS)."""
-        for gauge, value in zip(self.steps, values):
-            gauge.set(value)
+    def set_steps(self, replica: int, values: tuple) -> None:
+        """A replica's engine step stats, as its loop sent them (the channel's "steps", named by STEP_FIELDS);
+        the gauges hold their sums over the replicas."""
+        self._steps[replica] = tuple(values)
+        for i, gauge in enumerate(self.steps):
+            gauge.set(sum(v[i] for v in self._steps.values()))
 
     def ended(self, res: Result, status: str) -> None:
         self.requests.labels(status).inc()

@@ -1,7 +1,8 @@
-"""launch/serve.py's job: an OpenAI-compatible HTTP server over the TP engine. run(RunConfig) -> exit code.
+"""launch/serve.py's job: an OpenAI-compatible HTTP server over the engine in any parallel layout (one TP group, or
+data-parallel replicas of TP groups, EP over them included). run(RunConfig) -> exit code.
 
 Every rank runs the engine loop (tp_lora.server.loop) in its main thread, where the signal handlers and the
-collectives live, as in the offline job; rank 0 also starts the HTTP front end in a process of its own
+collectives live, as in the offline job; global rank 0 also starts the HTTP front end in a process of its own
 (tp_lora.server.frontend_process) and hands requests and tokens to and from it through a local channel, so a step
 never waits for HTTP. Exit codes as tp_lora.lifecycle: 0 (stopped by SIGTERM / Ctrl-C after draining), 2 bad config
 or inputs, 3 lost the other ranks, 1 the front-end process died.
@@ -23,10 +24,6 @@ def run(cfg: RunConfig) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        if world_size != cfg.parallel.tp_size:
-            raise ConfigError(f"the server runs one tensor-parallel group: launch parallel.tp_size="
-                              f"{cfg.parallel.tp_size} processes, not {world_size} (data-parallel replicas are not "
-                              f"served)")
         from tp_lora.api import LLM
         from tp_lora.server.frontend_process import FrontendProcess
         front = FrontendProcess() if rank == 0 else None  # first: its imports overlap the model's load
@@ -58,28 +55,30 @@ def model_name(cfg: RunConfig, model_dir: str) -> str:
 
 def _serve(llm, cfg: RunConfig, front) -> int:
     from tp_lora.server.loop import ServingLoop
-    engine, tp = llm.engine, llm.ps.tp
-    driver = tp.rank == 0
-    loop = ServingLoop(engine, tp)
+    engine, ps = llm.engine, llm.ps
+    world = ps.world
+    driver = world.rank == 0
+    loop = ServingLoop(engine, ps, cfg.server.routing, cfg.server.max_imbalance)
     error = None
     if driver:
         error = front.start(dict(cfg=cfg, model_name=model_name(cfg, llm.model_dir), model_dir=llm.model_dir,
                                  context=loop.context, adapters=loop.adapter_registry()))
         loop.link = front.link
     # Every rank learns whether rank 0 is listening before any waits for its control messages.
-    error = comm.broadcast_object(error, tp)
+    error = comm.broadcast_object(error, world)
     if error:
         raise ConfigError(error)
     if driver:
         log(f"serving {model_name(cfg, llm.model_dir)!r} and {len(engine.adapters)} adapters at "
-            f"http://{cfg.server.host}:{front.port} (tp={tp.size}, context {loop.context} tokens)")
+            f"http://{cfg.server.host}:{front.port} (tp={ps.tp.size}, {ps.dp.size} replicas"
+            + (f" routed by {cfg.server.routing}" if ps.dp.size > 1 else "") + f", context {loop.context} tokens)")
     # The handlers stay through the teardown: a signal then (torchrun stopping the ranks) does not cut it short.
     with StopSignals(announce=driver) as stop:
         try:
             loop.run(stop)
         except Exception as e:
-            if tp.size > 1 and is_comm_failure(e):  # said at once, before the teardown
-                report_lost_ranks(tp.rank, cfg.parallel.timeout_s, e, "; the server stops")
+            if world.size > 1 and is_comm_failure(e):  # said at once, before the teardown
+                report_lost_ranks(world.rank, cfg.parallel.timeout_s, e, "; the server stops")
             raise
         finally:
             engine.close_run()
