@@ -11,10 +11,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from tp_lora import distributed as comm  # noqa: E402
-from tp_lora.config import RunConfig  # noqa: E402
-from tp_lora.engine.engine import Engine  # noqa: E402
-from tp_lora.engine.requests import Request  # noqa: E402
-from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks  # noqa: E402
+from tp_lora.testing import device_under_test, enough_devices, run_ranks  # noqa: E402
+
+from _parity import check_matches, ours, peft_reference  # noqa: E402
 
 NEW_TOKENS = 5
 WINDOW = 4  # shorter than every prompt below: a wrong window changes the logits
@@ -78,71 +77,25 @@ def _make(kind: str, root):
     return model_dir, root / f"{kind}-adapters", reqs
 
 
-def _reference(model_dir, adapter_dir, reqs):
-    """transformers + PEFT, each request alone: (greedy tokens, their logprobs, every step's logprobs [V]) per
-    request."""
-    out = []
-    for adapter, prompt in reqs:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                                  attn_implementation="eager")
-        if adapter is not None:
-            model = peft.PeftModel.from_pretrained(model, adapter_dir / adapter)
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            g = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                      min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                                      output_logits=True, return_dict_in_generate=True)
-        tokens = g.sequences[0, ids.shape[1]:].tolist()
-        full = [torch.log_softmax(lg[0].float(), -1) for lg in g.logits]
-        out.append((tokens, [f[t].item() for f, t in zip(full, tokens)], full))
-    return out
 
 
-def _ours(ps, model_dir, adapter_dir, reqs, modes):
-    """Our engine in this process group, once per LoRA mode: [(tokens, logprobs) per request] per mode."""
-    results = []
-    for fully in modes:
-        cfg = RunConfig()
-        cfg.device, cfg.dtype, cfg.lora.backend = device_under_test(), "float32", backend_under_test()
-        cfg.lora.max_loras, cfg.lora.max_rank, cfg.lora.fully_sharded = 3, 16, fully
-        cfg.generation.ignore_eos = True
-        engine = Engine(cfg, ps, str(model_dir), str(adapter_dir))
-        try:
-            got = engine.generate([Request(i, id=i, adapter=a, prompt_token_ids=p, max_new_tokens=NEW_TOKENS)
-                                   for i, (a, p) in enumerate(reqs)])
-        finally:
-            engine.close()
-        assert all(r.error is None for r in got), [r.error for r in got]
-        results.append([(r.output_token_ids, r.logprobs) for r in got])
-    return results
 
 
-def _check(got, expected, what):
-    """Same greedy tokens and logprobs within 1e-3. Fresh random models can have near-ties: a different token is
-    accepted only where transformers gives it within 1e-3 of its own choice, and the request is compared up to
-    there (the continuations differ)."""
-    for i, ((tokens, lps), (ref_tokens, ref_lps, ref_full)) in enumerate(zip(got, expected)):
-        assert len(tokens) == len(ref_tokens), f"{what}: request {i}: {len(tokens)} tokens"
-        for pos, (t, r, lp, ref_lp) in enumerate(zip(tokens, ref_tokens, lps, ref_lps)):
-            assert abs(lp - ref_full[pos][t].item()) < 1e-3, \
-                f"{what}: request {i}: logprob of token {pos} differs by {abs(lp - ref_full[pos][t].item()):.2e}"
-            if t != r:
-                gap = (ref_lp - ref_full[pos][t]).item()
-                assert gap < 1e-3, f"{what}: request {i}: tokens {tokens} != transformers + PEFT {ref_tokens}"
-                break
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_family_matches_transformers_peft(tmp_path, kind):
     model_dir, adapter_dir, reqs = _make(kind, tmp_path)
-    expected = _reference(model_dir, adapter_dir, reqs)
-    base_only = _reference(model_dir, adapter_dir, [(None, p) for _, p in reqs])
+    expected = peft_reference(model_dir, adapter_dir, reqs, NEW_TOKENS)
+    engine_args, limits = (model_dir, adapter_dir, reqs), (3, 16, NEW_TOKENS)
+    base_only = peft_reference(model_dir, adapter_dir, [(None, p) for _, p in reqs], NEW_TOKENS)
     assert any(e[0] != b[0] for e, b, (a, _) in zip(expected, base_only, reqs) if a), \
         "adapters did not change any greedy output: the test would not see a LoRA bug"
-    _check(_ours(comm.single_process(device_under_test()), model_dir, adapter_dir, reqs, [False])[0], expected, "tp=1")
+    check_matches(ours(comm.single_process(device_under_test()), *engine_args, [False], *limits)[0], expected,
+                  "tp=1")
     sizes = [tp for tp in (2, 4) if enough_devices(tp)]  # tp=4: KV heads replicated, one query head per rank
     if not sizes:
         pytest.skip("tp=2 needs 2 GPUs")
     for tp in sizes:
-        for fully, got in zip([False, True], run_ranks(_ours, tp, model_dir, adapter_dir, reqs, [False, True])):
-            _check(got, expected, f"tp={tp} fully_sharded={fully}")
+        for fully, got in zip([False, True], run_ranks(ours, tp, *engine_args, [False, True], *limits)):
+            check_matches(got, expected, f"tp={tp} fully_sharded={fully}")
