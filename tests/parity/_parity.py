@@ -8,6 +8,19 @@ from tp_lora.engine.requests import Request
 from tp_lora.testing import backend_under_test, device_under_test
 
 
+def randomize(model) -> None:
+    """Weights that make logits far from flat: transformers' default init (std 0.02) gives near-uniform logits, and
+    norms at 1 / biases at 0 would hide a wrong norm or bias."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.2, 0.3)
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+            elif p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+
+
 def peft_reference(model_dir, adapter_dir, reqs, new_tokens: int):
     """transformers + PEFT, each (adapter, prompt) alone: (greedy tokens, their logprobs, every step's logprobs [V])
     per request."""

@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft")
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.testing import device_under_test, run_ranks  # noqa: E402
 
-from _parity import check_matches, ours, peft_reference  # noqa: E402
+from _parity import check_matches, ours, peft_reference, randomize  # noqa: E402
 
 NEW_TOKENS = 4
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -36,14 +36,7 @@ def _make(root):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    eos_token_id=1, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
     model = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # default init (std 0.02) gives flat logits; norms at 1 and biases at 0 would hide bugs
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.2, 0.3)
-            elif "bias" in name:
-                p.normal_(0, 0.1)
-            elif p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
+    randomize(model)
     model_dir = root / "model"
     model.save_pretrained(model_dir, safe_serialization=True)
     for name, kw in ADAPTERS.items():

@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft")
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.testing import device_under_test, enough_devices, run_ranks  # noqa: E402
 
-from _parity import check_matches, ours, peft_reference  # noqa: E402
+from _parity import check_matches, ours, peft_reference, randomize  # noqa: E402
 
 NEW_TOKENS = 5
 WINDOW = 4  # shorter than every prompt below: a wrong window changes the logits
@@ -50,14 +50,7 @@ TARGETS = {"qwen3": LINEAR, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down
 def _make(kind: str, root):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[kind](), dtype=torch.float32)
-    with torch.no_grad():  # default init (std 0.02) gives flat logits; norms init to 1 / 0 would hide a wrong norm
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.2, 0.3)
-            elif "bias" in name:
-                p.normal_(0, 0.1)
-            elif p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
+    randomize(model)
     model_dir = root / kind
     model.save_pretrained(model_dir, safe_serialization=True)
     specs = {"a": peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=TARGETS[kind]),
