@@ -3,7 +3,8 @@ starts its two ranks itself) and `torchrun ... parallel=ep2` (a tiny MoE model, 
 lockstep, per-expert and PEFT 3D adapters). Greedy completions equal the offline job's under 32 concurrent clients
 mixing adapters, a run-time adapter reaches and serves on both replicas, /metrics labels each replica, SIGTERM
 drains and exits 0 (to the self-spawning launcher; to torchrun's workers), a killed rank ends the server non-zero
-within parallel.timeout_s naming it, and a bad layout is refused before any collective."""
+within parallel.timeout_s naming it, and a bad layout is refused before any collective. ep2_tp2 (4 ranks,
+self-spawned): the offline job's tokens and a SIGTERM drain."""
 import asyncio
 import json
 import os
@@ -172,6 +173,23 @@ def test_ep2_under_torchrun_matches_the_offline_job_and_drains_on_sigterm(moe, h
         for (q, want), tokens in zip(picks, got):
             assert tokens == want["output_token_ids"], q["id"]
         srv.terminate()  # SIGTERM to each worker, as a container stop
+        assert srv.wait(60) == 0, srv.log()[-2000:]
+    finally:
+        srv.kill()
+
+
+def test_ep2_tp2_self_spawned_matches_the_offline_job_and_drains_on_sigterm(moe, home):
+    """4 ranks: two replicas of tp=2 attention, experts over the replicas and each expert over tp."""
+    root, args, ref = moe
+    srv = Server(args + ["parallel=ep2_tp2", f"parallel.timeout_s={TIMEOUT_S}"], env_for(home),
+                 root / "server4.log")
+    try:
+        assert len(spawned_ranks(srv)) == 4
+        got = asyncio.run(asyncio.wait_for(completions(srv.url, ref * 2, lambda q: q["adapter"] or "qwen2_moe"),
+                                           300))
+        for (q, want), tokens in zip(ref * 2, got):
+            assert tokens == want["output_token_ids"], q["id"]
+        os.kill(srv.proc.pid, 15)
         assert srv.wait(60) == 0, srv.log()[-2000:]
     finally:
         srv.kill()
