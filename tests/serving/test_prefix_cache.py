@@ -183,3 +183,19 @@ def test_tp2_both_lora_modes(bundle, fully):
     for (gt, gl), (wt, wl) in zip(got, want):
         assert gt == wt
         torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), rtol=0, atol=1e-5)
+
+
+def test_the_cache_outlives_a_run_on_the_same_kv_cache(bundle):
+    """generate() calls one after another (LLM.generate's turns) reuse the blocks the last call cached, while the KV
+    cache they index stays the same; a reloaded adapter does not."""
+    first = Request(0, id=0, adapter="r8", prompt_token_ids=list(range(20, 33)), max_new_tokens=4, ignore_eos=True)
+    engine = _engine(bundle, True)
+    want = engine.generate([first])[0]
+    assert engine.stats.prefix_hit_tokens == 0
+    again = engine.generate([first])[0]
+    assert engine.stats.prefix_hit_tokens == 12  # 3 full blocks of the 13-token prompt
+    assert again.output_token_ids == want.output_token_ids
+    path = engine.adapters["r8"].path
+    assert engine.unload_adapter("r8") is None and engine.load_adapter("r8", path) is None
+    engine.generate([first])
+    assert engine.stats.prefix_hit_tokens == 12  # the reload's identity is new

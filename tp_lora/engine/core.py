@@ -55,13 +55,16 @@ class EngineCore:
         self.inflight: Optional[InFlight] = None
         self._last_read = 0.0
         self._arrival: dict[int, float] = {}
+        self._pool: Optional[BlockPool] = None  # the last run's KV blocks and prefix cache, and the cache they index
+        self._pool_kv = None
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def check_request(self, req: Request, max_len: int) -> Optional[str]:
         """Why this request cannot run, or None."""
         if req.adapter is not None and not req.error and (why := self.registry.unknown(req.adapter)):
             return why
-        return request_error(req, max_len, self.vocab_size, self.sampler.tokenizer is not None)
+        return (request_error(req, max_len, self.vocab_size, self.sampler.tokenizer is not None)
+                or self.sampler.check(req, self.vocab_size))
 
     # ---- a run ------------------------------------------------------------------------------------------------------
     def plan_kv(self, needs: list[int]) -> tuple[int, int]:
@@ -76,9 +79,12 @@ class EngineCore:
         a scheduler over it."""
         sc = self.cfg.scheduler
         self.kv = self.runner.kv_cache(blocks, sc.kv_block_size, max_len)
-        self.sched = Scheduler(self.registry.state, BlockPool(blocks, sc.kv_block_size, sc.prefix_caching),
-                               sc.max_batch_size, sc.max_tokens_per_step, sc.max_overtakes,
-                               admit_batch=sc.admit_batch, identity=self.registry.identity)
+        pool = self._pool  # the last run's blocks keep their cached prefixes while they index the same cache
+        if pool is None or pool.blocks != blocks or self._pool_kv is not self.kv or not sc.prefix_caching:
+            pool = BlockPool(blocks, sc.kv_block_size, sc.prefix_caching)
+        self._pool, self._pool_kv = pool, self.kv
+        self.sched = Scheduler(self.registry.state, pool, sc.max_batch_size, sc.max_tokens_per_step,
+                               sc.max_overtakes, admit_batch=sc.admit_batch, identity=self.registry.identity)
         self._arrival.clear()
         self.sampler.reset()
 
@@ -173,12 +179,15 @@ class EngineCore:
         following step of the running sequences (their new tokens fed on the device; sequences that end by length
         left out) and then reads them: the host prepares a step while the GPU runs the last one. A sequence found
         finished then has a row in that step, whose token is dropped. That call admits nothing (it reads first and
-        steps as usual when requests could be admitted, or when a request asked for top log-probabilities), so the
+        steps as usual when requests could be admitted, or when a request asked for top log-probabilities or has a
+        grammar), so the
         results of a call are those of the step before."""
         sched, reg, out = self.sched, self.registry, StepOutput()
         prev, self.inflight = self.inflight, None
         if prev is not None:
-            if prev.tops is None and not sched.may_admit():
+            # a grammar's matcher takes a row's token before that row's next mask: read first
+            grammar = any(seq.request.grammar is not None for seq, _ in prev.sampled)
+            if prev.tops is None and not grammar and not sched.may_admit():
                 ending = [seq for seq, _ in prev.sampled if seq.generated >= seq.request.max_new_tokens]
                 work = self._schedule(set(), admit=False, ending=ending).work
                 if work:
