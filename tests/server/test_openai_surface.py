@@ -141,7 +141,9 @@ def test_echo_prepends_the_prompt(c):
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     ("completions", {"stream": True, "stream_options": {"other": True}}, "stream_options"),
-    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "objectx"}}}}, "response_format"),
+    ("completions", {"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
     ("completions", {"temperature": True}, "temperature"),
     ("completions", {"max_tokens": 2.0}, "max_tokens"),
     ("completions", {"user": 5}, "user"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tp_lora.engine.response_format import parse_response_format
+
 
 @dataclass
 class Request:
@@ -31,6 +33,8 @@ class Request:
     # n / best_of: the index of the first of this prompt's sequences; admitted once that one's prompt is computed,
     # so its full KV blocks are cached and shared (prefix cache) instead of computed again
     sibling_of: Optional[int] = None
+    # structured output (tp_lora.engine.grammar): (response_format's type, the JSON schema's text)
+    grammar: Optional[tuple[str, str]] = None
 
 
 @dataclass
@@ -66,7 +70,8 @@ def parse_stop(stop) -> list[str]:
     return stops
 
 
-RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids")
+RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",
+         "response_format")
 
 
 def _number(name: str, v) -> float:
@@ -85,8 +90,8 @@ def _int_id(name: str, v) -> int:
 
 
 def set_rules(req: Request, values: dict) -> None:
-    """Set req's logit rules from `values` (names in RULES, None for the default), type-checked: ValueError naming
-    the field (ranges are request_error's)."""
+    """Set req's logit rules and response_format from `values` (names in RULES, None for the default), type-checked:
+    ValueError naming the field (ranges are request_error's, grammars the sampler's)."""
     unknown = sorted(set(values) - set(RULES))
     if unknown:
         raise ValueError(f"unknown sampling field(s) {unknown}; expected some of {list(RULES)}")
@@ -99,6 +104,8 @@ def set_rules(req: Request, values: dict) -> None:
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"'min_tokens' must be an integer, got {v!r}")
             req.min_tokens = v
+        elif name == "response_format":
+            req.grammar = parse_response_format(v)
         elif name == "logit_bias":
             if not isinstance(v, dict):
                 raise ValueError(f"'logit_bias' must be an object of token id -> bias, got {v!r:.80}")

@@ -1,7 +1,8 @@
 """Token choice from gathered logits, and the per-request rules around it: sampling parameters (the request's or the
-run's defaults), logit rules (tp_lora.engine.logit_rules), seeds, and when a sequence ends (EOS, stop_token_ids, stop
-strings, length) with its text. Reported log-probabilities are the model's (before logit rules and temperature). Every TP rank holds the
-same logits and the same generator states, so every rank picks the same token without a broadcast."""
+run's defaults), logit rules (tp_lora.engine.logit_rules), grammars (tp_lora.engine.grammar), seeds, and when a
+sequence ends (EOS, stop_token_ids, stop strings, a complete grammar, length) with its text. Reported
+log-probabilities are the model's (before logit rules, grammars and temperature). Every TP rank holds the same logits
+and the same generator states, so every rank picks the same token without a broadcast."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
@@ -9,6 +10,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from tp_lora.config import GenerationConfig
+from tp_lora.engine.grammar import Grammars, apply_mask
 from tp_lora.engine.logit_rules import LogitRules
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
@@ -88,15 +90,24 @@ class Sampler:
         self.generators: dict[torch.device, torch.Generator] = {}  # the run's draws, per device
         self.decode_outputs = True  # finished results carry their text (a server's front end decodes on its own)
         self.rules = LogitRules(eos)
+        self.grammars = Grammars(tokenizer, eos)
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
         self._drawn: dict[int, int] = {}  # tokens drawn per request (its seeded noise, min_tokens)
 
+    def check(self, req: Request, vocab: int) -> Optional[str]:
+        """Why req's grammar cannot run on a model of `vocab` logits, or None (compiled then, once per schema)."""
+        return self.grammars.check(req, vocab)
+
     def sample(self, rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """draw() over logits `rows` [N, V], row i for reqs[i], after their logit rules."""
+        """draw() over logits `rows` [N, V], row i for reqs[i], after their logit rules and grammars."""
+        # the grammar rows' bitmask first: the host fills it while the device may still run the step's forward
+        masks = self.grammars.fill(reqs, pin=rows.device.type == "cuda")
         temps = [r.temperature if r.temperature is not None else self.gen.temperature for r in reqs]
         top_ps = [r.top_p if r.top_p is not None else self.gen.top_p for r in reqs]
         steps = [self._drawn.get(r.index, 0) for r in reqs]
         chosen = self.rules.apply(rows, reqs, steps)
+        if masks is not None:
+            chosen = apply_mask(chosen, *masks)
         gen = self.generators.get(rows.device)
         if gen is None:
             gen = self.generators[rows.device] = torch.Generator(rows.device).manual_seed(self.gen.seed)
@@ -107,11 +118,12 @@ class Sampler:
         return out
 
     def finished(self, res: Result, tok: int, generated: int) -> bool:
-        """Whether the sequence of `res` ends with its `generated`-th new token `tok`; sets its finish_reason and, at
-        a stop string, its text."""
+        """Whether the sequence of `res` ends with its `generated`-th new token `tok` (its grammar's matcher, if any,
+        takes the token); sets its finish_reason and, at a stop string, its text."""
         req = res.request
         ignore = req.ignore_eos if req.ignore_eos is not None else self.gen.ignore_eos
-        if ((not ignore and tok in self.eos) or tok in req.stop_token_ids
+        complete = self.grammars.advance(req.index, tok)  # a complete grammar took its stop token
+        if (complete or (not ignore and tok in self.eos) or tok in req.stop_token_ids
                 or (req.stop and self._stop_string(res, tok))):
             res.finish_reason = "stop"
             return True
@@ -142,9 +154,11 @@ class Sampler:
         self._text.pop(index, None)
         self._drawn.pop(index, None)
         self.rules.forget(index)
+        self.grammars.forget(index)
 
     def reset(self) -> None:
         """Drop every request's state (a new run)."""
         self._text.clear()
         self._drawn.clear()
         self.rules.reset()
+        self.grammars.reset()

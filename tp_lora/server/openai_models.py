@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tp_lora.engine.response_format import parse_response_format, schema_error
 from tp_lora.server.errors import APIError
 
 MAX_LOGPROBS = 5  # completions' logprobs, as OpenAI
@@ -27,9 +28,20 @@ class StreamOptions(Strict):
     include_usage: Optional[bool] = None
 
 
+class JsonSchema(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` is a BaseModel method's name
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: Optional[JsonSchema] = None
+
+    def grammar(self) -> Optional[tuple[str, str]]:
+        """The Request.grammar this format asks for (tp_lora.engine.requests.parse_response_format)."""
+        return parse_response_format(self.model_dump(by_alias=True, exclude_none=True))
 
 
 class Sampling(Strict):
@@ -82,14 +94,22 @@ class Sampling(Strict):
                     frequency_penalty=self.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                     logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                    min_tokens=self.min_tokens or 0, stop_token_ids=list(self.stop_token_ids or []))
+                    min_tokens=self.min_tokens or 0, stop_token_ids=list(self.stop_token_ids or []),
+                    grammar=None if self.response_format is None else self.response_format.grammar())
 
     def refusal(self) -> Optional[tuple[str, str]]:
         """(field, why) for a documented field set to what the server does not serve, or None."""
         rf = self.response_format
-        if rf is not None and rf.type != "text":
-            return "response_format", f"'response_format' {rf.type!r} is not served (structured output is not " \
-                                      f"implemented yet); only {{\"type\": \"text\"}}"
+        if rf is not None:
+            try:
+                grammar = rf.grammar()
+            except ValueError as e:
+                return "response_format", str(e)
+            why = grammar and schema_error(grammar)
+            if why:
+                return "response_format", why
+            if grammar and self.min_tokens:
+                return "min_tokens", "'min_tokens' with 'response_format': the grammar decides where the output ends"
         if self.best_of_n() < (self.n or 1):
             return "best_of", f"'best_of' ({self.best_of_n()}) must be at least 'n' ({self.n})"
         if self.stream and self.best_of_n() > (self.n or 1):
