@@ -193,3 +193,17 @@ def test_ep2_tp2_self_spawned_matches_the_offline_job_and_drains_on_sigterm(moe,
         assert srv.wait(60) == 0, srv.log()[-2000:]
     finally:
         srv.kill()
+
+
+def test_generate_self_spawned_ep2_matches_one_process(moe, home):
+    """launch/generate.py parallel=ep2 without torchrun: the launch starts both ranks (LLM over two replicas with
+    their experts in lockstep); the output file equals the one-process job's."""
+    root, args, ref = moe
+    out = root / "ep2.jsonl"
+    r = subprocess.run([sys.executable, GENERATE] + args + ["parallel=ep2", f"requests={root / 'in.jsonl'}",
+                        f"output={out}", "progress=false"], capture_output=True, text=True, timeout=300,
+                       env=env_for(home))
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(out) as f:
+        got = [json.loads(x) for x in f.read().splitlines()]
+    assert [g["output_token_ids"] for g in got] == [want["output_token_ids"] for _, want in ref]
