@@ -1,0 +1,164 @@
+"""Grammar libraries for structured output, side by side on CPU: xgrammar and outlines-core.
+
+For each tokenizer (a byte-complete tiny BPE of the default model's size, and a 32k BPE trained here with
+`tokenizers`) and each schema: the time to build the tokenizer's side once, to compile the schema, and per token
+of a valid document (compact JSON, the schema's own example) the time to fill the next-token bitmask, then advance.
+
+    python scripts/bench_grammar.py [--vocab 320 32000] [--reps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sysconfig
+import time
+
+import torch
+
+SCHEMAS = {
+    "flat": ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["name", "age", "ok"]},
+             {"name": "ada lovelace", "age": 36, "ok": True}),
+    "nested": ({"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                  "role": {"enum": ["admin", "user", "guest"]}},
+                 "required": ["id", "role"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4}},
+        "required": ["user", "tags"]},
+        {"user": {"id": 7, "role": "guest"}, "tags": ["red", "blue"]}),
+    "wide": ({"type": "object", "properties": {f"field_{i}": {"type": "number"} for i in range(16)},
+              "required": [f"field_{i}" for i in range(16)]},
+             {f"field_{i}": i * 1.5 for i in range(16)}),
+    "free_text": ({"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "string"},
+                                                    "kind": {"enum": ["note", "mail"]}},
+                   "required": ["title", "body", "kind"]},
+                  {"title": "a short title", "body": "some longer text, with words: and a comma", "kind": "mail"}),
+}
+# any object (OpenAI's json_object); the runtime's grammar for it
+JSON_OBJECT = ({"type": "object"}, {"a": [1, 2, {"b": "c d"}], "e": None})
+
+
+def byte_level_tokenizer(vocab: int, texts: list[str]):
+    """A byte-level BPE of `vocab` tokens (<unk>, <s>, </s>, the 256 bytes, merges) trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def corpus() -> list[str]:
+    """Python's standard library sources and the schemas' documents: text with code and JSON punctuation."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:400]
+    texts = [open(f, encoding="utf-8", errors="ignore").read() for f in files]
+    return texts + [json.dumps(doc, separators=(",", ":")) for _, doc in SCHEMAS.values()] * 50
+
+
+def timed(fn, reps: int = 1) -> tuple[object, float]:
+    """(fn()'s last result, its best time over reps in seconds)."""
+    best, out = float("inf"), None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def compact(name: str, doc) -> str:
+    """The document as xgrammar spells it: no whitespace (its any-object rules put a space after ',')."""
+    return json.dumps(doc, separators=(", " if name == "json_object" else ",", ":"))
+
+
+def stats(compile_s: float, fills: list[float]) -> dict:
+    us = sorted(1e6 * t for t in fills)
+    return {"compile_s": compile_s, "mask_us_mean": statistics.mean(us), "mask_us_p50": us[len(us) // 2],
+            "mask_us_max": us[-1], "tokens": len(us)}
+
+
+def bench_xgrammar(tok, vocab: int, reps: int) -> dict:
+    import xgrammar as xgr
+    from tp_lora.engine.grammar import tokenizer_info
+    info, t_info = timed(lambda: tokenizer_info(tok, vocab, [2]))
+    out = {"tokenizer_s": t_info}
+    for name, (schema, doc) in {**SCHEMAS, "json_object": JSON_OBJECT}.items():
+        text = json.dumps(schema)
+        # a fresh compiler per rep: its cache would answer the later reps
+        compiler = (lambda: xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False))
+        compiled, t_compile = timed(lambda: compiler().compile_json_schema(text, any_whitespace=False,
+                                                                           separators=(",", ":")), reps)
+        ids = tok.encode(compact(name, doc)).ids + [2]
+        matcher = xgr.GrammarMatcher(compiled)
+        mask = xgr.allocate_token_bitmask(1, vocab)
+        fills = []
+        for t in ids:
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(mask)
+            fills.append(time.perf_counter() - t0)
+            assert matcher.accept_token(t), (name, t, tok.decode([t]))
+        out[name] = stats(t_compile, fills)
+    return out
+
+
+def bench_outlines(tok, vocab: int, reps: int) -> dict:
+    import outlines_core as oc
+    from outlines_core.json_schema import build_regex_from_schema
+    from tokenizers import decoders
+    dec = decoders.ByteLevel()
+
+    def vocabulary():
+        words: dict[bytes, list[int]] = {}
+        for s, i in tok.get_vocab().items():
+            if i > 2:  # the specials are not text
+                words.setdefault(dec.decode([s]).encode("utf-8", "surrogatepass"), []).append(i)
+        return oc.Vocabulary(2, words)
+    voc, t_voc = timed(vocabulary)
+    out = {"tokenizer_s": t_voc}
+    # json_object: the library's regex for {"type": "object"} (nesting bounded: a regex cannot nest without bound)
+    for name, (schema, doc) in {**SCHEMAS, "json_object": JSON_OBJECT}.items():
+        regex = build_regex_from_schema(json.dumps(schema), r"")
+        index, t_compile = timed(lambda: oc.Index(regex, voc), reps)
+        ids = tok.encode(json.dumps(doc, separators=(",", ":"))).ids
+        guide = oc.Guide(index)
+        mask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+        fills = []
+        for t in ids:
+            t0 = time.perf_counter()
+            guide.write_mask_into(mask.data_ptr(), mask.numel(), mask.element_size())
+            fills.append(time.perf_counter() - t0)
+            guide.advance(t)
+        out[name] = stats(t_compile, fills)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[320, 32000])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", help="write the numbers here")
+    args = ap.parse_args()
+    texts = corpus()
+    results = {}
+    for vocab in args.vocab:
+        tok = byte_level_tokenizer(vocab, texts)
+        for lib, fn in (("xgrammar", bench_xgrammar), ("outlines-core", bench_outlines)):
+            r = results[f"{lib}@{vocab}"] = fn(tok, tok.get_vocab_size(), args.reps)
+            print(f"{lib:14s} vocab {vocab:6d}  tokenizer {r['tokenizer_s'] * 1e3:8.1f} ms")
+            for name in (*SCHEMAS, "json_object"):
+                s = r[name]
+                print(f"    {name:12s} compile {s['compile_s'] * 1e3:8.1f} ms  mask us/token mean "
+                      f"{s['mask_us_mean']:7.1f} p50 {s['mask_us_p50']:6.1f} max {s['mask_us_max']:7.1f} "
+                      f"({s['tokens']} tokens)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
