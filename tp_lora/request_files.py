@@ -4,7 +4,8 @@ results back as output lines.
 Request line: {"id": ..., "adapter": NAME or null, "prompt_token_ids": [...] (or "prompt": text with a tokenizer),
                "max_new_tokens": N, optional "temperature", "top_p", "seed", "ignore_eos", "stop": [strings],
                "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-               "logit_bias": {token id: bias}}
+               "logit_bias": {token id: bias}, "response_format": OpenAI's {"type": "json_object"} or
+               {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} (tp_lora.engine.grammar)}
 Output line:  {"id": ..., "adapter": ..., "output_token_ids": [...], "logprobs": [...], "finish_reason": ...,
                "text": ... (with a tokenizer)}
               or, for a request that could not run, {"id": ..., "adapter": ..., "error": "..."} (Result.to_json).

@@ -128,6 +128,13 @@ def test_llm_generate_and_request_rules(paths):
             outs = llm.generate(["json:", [1, 40, 41]], adapter=["alpha", None], max_new_tokens=MAX_TOKENS,
                                 temperature=0, response_format=fmt(schema))
             assert all(o["finish_reason"] == "stop" and valid(o["text"], schema) for o in outs), outs
+        # steps launched ahead of the host's read (the CUDA default), forced on here: a grammar row's step waits
+        # for the read (its matcher takes the token first), so the outputs are the same
+        llm.engine.run_ahead = True
+        again = llm.generate(["json:", [1, 40, 41]], adapter=["alpha", None], max_new_tokens=MAX_TOKENS,
+                             temperature=0, response_format=fmt(SCHEMAS[8]))
+        assert [o["output_token_ids"] for o in again] == [o["output_token_ids"] for o in outs]
+        llm.engine.run_ahead = False
         plain = llm.generate("json:", adapter="alpha", max_new_tokens=MAX_TOKENS, temperature=0)
         assert not valid(plain[0]["text"], SCHEMAS[5])
         bad = llm.generate("json:", response_format=fmt({"type": "objectx"}))[0]
