@@ -1,6 +1,8 @@
 """server.routing's policies (tp_lora.server.router), pure: affinity prefers a replica with the adapter in a slot
 (or running requests of it), then in host memory, then the least loaded, bounded by server.max_imbalance; the
 others ignore adapters; requests leave the load when they end; an adapter in flight anywhere is in use."""
+import zlib
+
 import pytest
 
 from tp_lora.server.router import Router
@@ -12,9 +14,20 @@ def test_affinity_prefers_slot_then_host_then_least_loaded():
     r.report(1, (None,), ("y",))
     assert r.route(0, "x") == 0  # in a slot
     assert r.route(1, "y") == 1  # in host memory
-    assert r.route(2, "z") == 2  # nowhere: the least loaded
-    assert r.route(3, "z") == 2  # running there now: affine
-    assert r.route(4, None) in (0, 1)  # the base model: least loaded
+    home = zlib.crc32(b"z") % 3
+    assert r.route(2, "z") == home  # nowhere: its home replica
+    assert r.route(3, "z") == home  # running there now: affine
+    assert r.route(4, None) != home  # the base model: a least loaded replica (home has two)
+
+
+def test_a_cold_adapter_leaves_its_home_only_past_the_bound():
+    r = Router(2, "affinity", batch=1, max_imbalance=0)
+    names = [f"a{i}" for i in range(40)]
+    home = {n: zlib.crc32(n.encode()) % 2 for n in names}
+    first = next(n for n in names if home[n] == 0)
+    assert r.route(0, first) == 0  # its home, idle
+    other = next(n for n in names if home[n] == 0 and n != first)
+    assert r.route(1, other) == 1  # home 0 is full (batch 1) and would queue while 1 idles
 
 
 def test_affinity_spreads_a_hot_adapter_past_the_imbalance_bound():

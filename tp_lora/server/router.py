@@ -3,13 +3,17 @@ report at each exchange (their adapters in device slots and in host memory) and 
 ended yet (each replica's load). Plain Python: no torch, no collectives.
 
     affinity      a replica holding the request's adapter in a device slot (or running requests of it), else one
-                  holding it in host memory, else the least loaded; a replica is passed over while it would queue
-                  more than server.max_imbalance requests beyond the least queued one (a hot adapter then spreads)
+                  holding it in host memory, else the adapter's home replica (a hash of its name: an adapter that
+                  left every cache comes back where it was, so each replica's caches hold a share of the adapters
+                  instead of all of them churning everywhere), else the least loaded; a replica is passed over
+                  while it would queue more than server.max_imbalance requests beyond the least queued one (a hot
+                  adapter then spreads)
     least_loaded  the replica with the fewest requests in flight
     round_robin   the next replica in turn
 """
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 POLICIES = ("affinity", "least_loaded", "round_robin")
@@ -82,4 +86,5 @@ class Router:
             mine = [d for d in fits if holds(d)]
             if mine:
                 return self._least(mine)
-        return self._least(range(self.replicas))
+        home = zlib.crc32(adapter.encode()) % self.replicas
+        return home if home in fits else self._least(range(self.replicas))

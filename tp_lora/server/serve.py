@@ -70,8 +70,9 @@ def _serve(llm, cfg: RunConfig, front) -> int:
         raise ConfigError(error)
     if driver:
         log(f"serving {model_name(cfg, llm.model_dir)!r} and {len(engine.adapters)} adapters at "
-            f"http://{cfg.server.host}:{front.port} (tp={ps.tp.size}, {ps.dp.size} replicas"
-            + (f" routed by {cfg.server.routing}" if ps.dp.size > 1 else "") + f", context {loop.context} tokens)")
+            f"http://{cfg.server.host}:{front.port} (tp={ps.tp.size}"
+            + (f", {ps.dp.size} replicas routed by {cfg.server.routing}" if ps.dp.size > 1 else "")
+            + f", context {loop.context} tokens)")
     # The handlers stay through the teardown: a signal then (torchrun stopping the ranks) does not cut it short.
     with StopSignals(announce=driver) as stop:
         try:
