@@ -7,12 +7,13 @@ The agreement is one all_gather_object over the TP group: every idle iteration, 
 requests may still come (the exchange syncs the host with the devices), and every scheduler.stop_check_steps for
 the stop level; with one rank each iteration, at no cost.
 
-A server over data-parallel replicas agrees over the world group instead (`group`): the replicas step apart (one
-busy, another idle), so the exchange also carries each rank's busy flag, and when the next exchange comes and when
-the loop ends are decided from the gathered flags, alike on every rank: the next iteration while any rank is idle,
-else after ARRIVAL_CHECK_STEPS steps; the end once no rank is busy after a stop (a source spanning replicas takes
-requests until stopped: `more` stays True). Between exchanges each rank
-steps or idles once per iteration, so EP over DP replicas keeps its lockstep.
+A server over data-parallel replicas agrees over the world group instead (`group`): the replicas step apart (one busy,
+another idle), so the exchange also carries each rank's busy flag, and when the next exchange comes and when the loop
+ends are decided from the gathered flags, alike on every rank: after ARRIVAL_CHECK_STEPS iterations while any rank is
+busy (an idle rank passes them at once and waits in the exchange for the busy ones: a busy replica syncs with the
+others once per ARRIVAL_CHECK_STEPS steps, and new work reaches an idle one within as many), else the next; the end
+once no rank is busy after a stop (a source spanning replicas takes requests until stopped: `more` stays True).
+Between exchanges each rank steps or idles once per iteration, so EP over DP replicas keeps its lockstep.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[
                 level = agreed
             _apply(engine, ops, sink, level, context)
             if spans:
-                due = it + (ARRIVAL_CHECK_STEPS if all(v[2] for v in gathered) else 1)
+                due = it + (ARRIVAL_CHECK_STEPS if any(v[2] for v in gathered) else 1)
                 quiet = not any(v[2] for v in gathered)  # past a drain, ops make no rank busy
         it += 1
         if engine.busy:
