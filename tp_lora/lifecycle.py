@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Optional
 
 from tp_lora.config import RunConfig
 
@@ -55,13 +56,42 @@ def is_comm_failure(e: BaseException) -> bool:
         "gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe", "store"))
 
 
-def report_lost_ranks(rank: int, timeout_s: float, e: BaseException, outcome: str) -> None:
+def report_lost_ranks(rank: int, timeout_s: float, e: BaseException, outcome: str,
+                      gone: Optional[list[int]] = None) -> None:
     """Say on stderr that this rank lost its peers, and why; `outcome` ends the line with what that means for the
-    front end's work (where finished results are, or that the server stops)."""
+    front end's work (where finished results are, or that the server stops). gone: the ranks known dead
+    (gone_ranks)."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    print(f"[tp_lora] rank {rank}: error: lost the other ranks: a rank died or a collective did not complete within "
+    who = f"rank {', '.join(map(str, gone))} died" if gone else "a rank died"
+    print(f"[tp_lora] rank {rank}: error: lost the other ranks: {who} or a collective did not complete within "
           f"parallel.timeout_s={timeout_s:g}s ({type(e).__name__}: {first[:300]}){outcome}", file=sys.stderr,
           flush=True)
+
+
+def whereabouts() -> tuple[str, int]:
+    """This process's (host name, pid): gathered once at start, so a rank that loses its peers can say which died."""
+    import socket
+    return socket.gethostname(), os.getpid()
+
+
+def gone_ranks(peers: list[tuple[str, int]], settle_s: float = 1.0) -> list[int]:
+    """The ranks (index into peers, from whereabouts()) on this host whose process no longer runs (ended, or a zombie
+    its parent has not reaped yet), looked for up to settle_s (a dying process closes its sockets, which is how its
+    peers notice, before it is done exiting); ranks on other hosts cannot be checked from here."""
+    here, deadline = whereabouts()[0], time.monotonic() + settle_s
+    while True:
+        out = [rank for rank, (host, pid) in enumerate(peers) if host == here and not _running(pid)]
+        if out or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def exit_lost_ranks() -> int:

@@ -129,7 +129,9 @@ def test_dp2_killed_rank_ends_the_server_non_zero_naming_it(home, default, tmp_p
         t0 = time.monotonic()
         code = srv.wait(TIMEOUT_S + 40)
         assert code != 0 and time.monotonic() - t0 < TIMEOUT_S + 40
-        assert "rank 1 (pid" in srv.log() and "signal 9" in srv.log(), srv.log()[-2000:]
+        log = srv.log()
+        assert "launcher: rank 1 (pid" in log and "signal 9" in log, log[-2000:]
+        assert "rank 0: error: lost the other ranks: rank 1 died" in log, log[-2000:]
     finally:
         srv.kill()
 

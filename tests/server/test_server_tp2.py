@@ -80,4 +80,4 @@ def test_tp2_lost_rank_ends_the_server_non_zero(server):
     assert code != 0
     assert time.monotonic() - t0 < TIMEOUT_S + 30
     log = server.log()
-    assert "lost the other ranks" in log, log[-2000:]
+    assert "lost the other ranks: rank 1 died" in log, log[-2000:]

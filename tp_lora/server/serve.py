@@ -15,7 +15,8 @@ import sys
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig
-from tp_lora.lifecycle import EXIT_BAD_INPUT, StopSignals, exit_lost_ranks, is_comm_failure, log, report_lost_ranks
+from tp_lora.lifecycle import (EXIT_BAD_INPUT, StopSignals, exit_lost_ranks, gone_ranks, is_comm_failure, log,
+                               report_lost_ranks, whereabouts)
 
 EXIT_FRONTEND_LOST = 1
 
@@ -64,8 +65,9 @@ def _serve(llm, cfg: RunConfig, front) -> int:
         error = front.start(dict(cfg=cfg, model_name=model_name(cfg, llm.model_dir), model_dir=llm.model_dir,
                                  context=loop.context, adapters=loop.adapter_registry()))
         loop.link = front.link
-    # Every rank learns whether rank 0 is listening before any waits for its control messages.
-    error = comm.broadcast_object(error, world)
+    # Every rank learns whether rank 0 is listening before any waits for its control messages, and where the others
+    # run (to name a rank that dies).
+    error, peers = comm.broadcast_object(error, world), comm.all_gather_object(whereabouts(), world)
     if error:
         raise ConfigError(error)
     if driver:
@@ -79,7 +81,7 @@ def _serve(llm, cfg: RunConfig, front) -> int:
             loop.run(stop)
         except Exception as e:
             if world.size > 1 and is_comm_failure(e):  # said at once, before the teardown
-                report_lost_ranks(world.rank, cfg.parallel.timeout_s, e, "; the server stops")
+                report_lost_ranks(world.rank, cfg.parallel.timeout_s, e, "; the server stops", gone_ranks(peers))
             raise
         finally:
             engine.close_run()
