@@ -174,8 +174,9 @@ def test_ep2_under_torchrun_matches_the_offline_job_and_drains_on_sigterm(moe, h
         got = asyncio.run(asyncio.wait_for(completions(srv.url, picks, lambda q: q["adapter"] or "qwen2_moe"), 300))
         for (q, want), tokens in zip(picks, got):
             assert tokens == want["output_token_ids"], q["id"]
-        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "pe2", "lora_path": str(root / "adapters" / "pe")},
-                       timeout=60)  # every adapter is pinned in a slot on every rank: refused by both replicas
+        # every adapter is pinned in a slot on every rank: refused by both replicas
+        r = httpx.post(srv.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "pe2", "lora_path": str(root / "adapters" / "pe")}, timeout=60)
         assert r.status_code == 400 and "pinned" in r.text, r.text
         srv.terminate()  # SIGTERM to each worker, as a container stop
         assert srv.wait(60) == 0, srv.log()[-2000:]
