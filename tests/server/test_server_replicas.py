@@ -3,8 +3,8 @@ starts its two ranks itself) and `torchrun ... parallel=ep2` (a tiny MoE model, 
 lockstep, per-expert and PEFT 3D adapters). Greedy completions equal the offline job's under 32 concurrent clients
 mixing adapters, a run-time adapter reaches and serves on both replicas, /metrics labels each replica, SIGTERM
 drains and exits 0 (to the self-spawning launcher; to torchrun's workers), a killed rank ends the server non-zero
-within parallel.timeout_s naming it, and a bad layout is refused before any collective. ep2_tp2 (4 ranks,
-self-spawned): the offline job's tokens and a SIGTERM drain."""
+within parallel.timeout_s naming it, Ctrl-C to a self-spawned tp2 drains and exits 0, and a bad layout is refused
+before any collective. ep2_tp2 (4 ranks, self-spawned): the offline job's tokens and a SIGTERM drain."""
 import asyncio
 import json
 import os
@@ -132,6 +132,27 @@ def test_dp2_killed_rank_ends_the_server_non_zero_naming_it(home, default, tmp_p
         log = srv.log()
         assert "launcher: rank 1 (pid" in log and "signal 9" in log, log[-2000:]
         assert "rank 0: error: lost the other ranks: rank 1 died" in log, log[-2000:]
+    finally:
+        srv.kill()
+
+
+def test_tp2_self_spawned_ctrl_c_drains_and_exits_0(home, default, reference, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the launcher and its ranks at once (the launcher forwards it again: one
+    stop). A stream in flight finishes."""
+    srv = Server(["parallel=tp2", f"parallel.timeout_s={TIMEOUT_S}"], env_for(home), tmp_path / "server.log")
+    try:
+        assert len(spawned_ranks(srv)) == 2
+
+        async def main():
+            c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            s = await c.completions.create(model="beta", prompt=[5, 6, 7], max_tokens=40, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+            first = await s.__anext__()
+            os.killpg(srv.proc.pid, 2)
+            return sum([ch.choices[0].token_ids for ch in [first] + [ch async for ch in s] if ch.choices], [])
+        assert len(asyncio.run(asyncio.wait_for(main(), 120))) == 40
+        assert srv.wait(60) == 0, srv.log()[-2000:]
+        assert "SIGINT: admitting no more requests" in srv.log()
     finally:
         srv.kill()
 
