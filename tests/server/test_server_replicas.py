@@ -4,7 +4,7 @@ lockstep, per-expert and PEFT 3D adapters). Greedy completions equal the offline
 mixing adapters, a run-time adapter reaches and serves on both replicas, /metrics labels each replica, SIGTERM
 drains and exits 0 (to the self-spawning launcher; to torchrun's workers), a killed rank ends the server non-zero
 within parallel.timeout_s naming it, Ctrl-C to a self-spawned tp2 drains and exits 0, and a bad layout is refused
-before any collective. ep2_tp2 (4 ranks, self-spawned): the offline job's tokens and a SIGTERM drain."""
+before any collective. dp2_tp2 and ep2_tp2 (4 ranks, self-spawned): the offline job's tokens and a SIGTERM drain."""
 import asyncio
 import json
 import os
@@ -153,6 +153,22 @@ def test_tp2_self_spawned_ctrl_c_drains_and_exits_0(home, default, reference, tm
         assert len(asyncio.run(asyncio.wait_for(main(), 120))) == 40
         assert srv.wait(60) == 0, srv.log()[-2000:]
         assert "SIGINT: admitting no more requests" in srv.log()
+    finally:
+        srv.kill()
+
+
+def test_dp2_tp2_self_spawned_matches_the_offline_job_and_drains_on_sigterm(home, reference, tmp_path):
+    """4 ranks of the dense default: two replicas of tp=2, every adapter and the base, fully sharded LoRA."""
+    srv = Server(["parallel=dp2_tp2", "lora=fully_sharded", f"parallel.timeout_s={TIMEOUT_S}",
+                  "scheduler.max_batch_size=4"], env_for(home), tmp_path / "server.log")
+    try:
+        assert len(spawned_ranks(srv)) == 4
+        picks = reference * 2
+        got = asyncio.run(asyncio.wait_for(completions(srv.url, picks, model_of), 300))
+        for (q, want), tokens in zip(picks, got):
+            assert tokens == want["output_token_ids"], q["id"]
+        os.kill(srv.proc.pid, 15)
+        assert srv.wait(60) == 0, srv.log()[-2000:]
     finally:
         srv.kill()
 
