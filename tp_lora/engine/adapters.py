@@ -135,7 +135,7 @@ class AdapterRegistry:
         self.state.pinned = True
 
     def forget(self) -> None:
-        """Empty the host cache and the slots, between runs (a benchmark's measured run starts cold)."""
+        """Empty the host cache and the slots between runs: every adapter is read again at its next use."""
         if self.state.pinned:
             return
         if any(self.state.users):

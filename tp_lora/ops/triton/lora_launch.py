@@ -52,8 +52,8 @@ def _three(seq, idx, attr=None):
 
 
 def _m_programs(sched: Schedule, t: int, block_m: int, other_programs: int, device: torch.device) -> int:
-    """Programs per table entry along the token axis. chunked: 1 (a segment fits one block). sorted: enough that a
-    single busy adapter fills the chip, never more than the token blocks of the whole step."""
+    """Programs per table entry along the token axis. chunked: 1 (a segment fits one block). sorted: enough for one
+    adapter's tokens to spread over every SM, never more than the token blocks of the whole step."""
     if sched.scheme == "chunked":
         return 1
     sms = configs.num_sms((device.index or 0) if device.type == "cuda" else None)
@@ -207,6 +207,6 @@ def lora_epilogue(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, ba
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
-    """Step sizes (tokens) that between them use every per-size variant of the kernels up to max_tokens. Triton
-    compiles a variant on first use: inside a served (or measured) step that is a latency spike."""
+    """Step sizes (tokens) that between them use every per-size variant of the kernels up to max_tokens, so each
+    variant is compiled at start (Triton compiles at first use) rather than inside a step."""
     return sorted({min(edge, max_tokens) for edge in configs.T_EDGES[:-1]} | {max_tokens})
