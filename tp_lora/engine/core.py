@@ -55,8 +55,8 @@ class EngineCore:
         self.inflight: Optional[InFlight] = None
         self._last_read = 0.0
         self._arrival: dict[int, float] = {}
-        self._pool: Optional[BlockPool] = None  # the last run's KV blocks and prefix cache, and the cache they index
-        self._pool_kv = None
+        self._pool: Optional[BlockPool] = None  # the last run's KV blocks and prefix cache
+        self._pool_cache = 0  # the runner's cache allocation it indexes
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def check_request(self, req: Request, max_len: int) -> Optional[str]:
@@ -80,9 +80,10 @@ class EngineCore:
         sc = self.cfg.scheduler
         self.kv = self.runner.kv_cache(blocks, sc.kv_block_size, max_len)
         pool = self._pool  # the last run's blocks keep their cached prefixes while they index the same cache
-        if pool is None or pool.blocks != blocks or self._pool_kv is not self.kv or not sc.prefix_caching:
+        if (pool is None or pool.blocks != blocks or self._pool_cache != self.runner.allocations
+                or not sc.prefix_caching):
             pool = BlockPool(blocks, sc.kv_block_size, sc.prefix_caching)
-        self._pool, self._pool_kv = pool, self.kv
+        self._pool, self._pool_cache = pool, self.runner.allocations
         self.sched = Scheduler(self.registry.state, pool, sc.max_batch_size, sc.max_tokens_per_step,
                                sc.max_overtakes, admit_batch=sc.admit_batch, identity=self.registry.identity)
         self._arrival.clear()

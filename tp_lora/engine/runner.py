@@ -112,6 +112,7 @@ class ModelRunner:
         self.mixed_sizes = mixed_sizes(max_tokens, max_seqs) if mixed else []
         self.graphs: dict[tuple, _Graph] = {}
         self.layout = 0  # the LoRA runtime's layout the graphs were captured with
+        self.allocations = 0  # KV caches allocated so far: a new count means new (empty) memory
         # The last sampled tokens, row by row ([max_seqs], then one spare element that a feed of -1 indexes).
         self.sampled = torch.zeros(max_seqs + 1, dtype=torch.int64, device=self.device)
         self.cache: KVCache | None = None
@@ -131,6 +132,7 @@ class ModelRunner:
             self.release_graphs()
             self.cache = None  # free the old one before allocating the new
             self.cache = self.model.new_cache(blocks, block_size)
+            self.allocations += 1
             self.max_len = max_len
         elif self.max_len < max_len:  # wider block tables: new graphs over the same cache
             self.release_graphs()
