@@ -37,6 +37,8 @@ class InFlight:
     decode: bool  # one new token per sequence
     replayed: bool  # from a CUDA graph
     captured: bool  # its graph captured by it
+    read_first: bool  # the host needs its tokens before the next step: top log-probabilities were taken (a host
+    # sync already), or a grammar's matcher must take a row's token before that row's next mask
 
 
 class EngineCore:
@@ -180,15 +182,12 @@ class EngineCore:
         following step of the running sequences (their new tokens fed on the device; sequences that end by length
         left out) and then reads them: the host prepares a step while the GPU runs the last one. A sequence found
         finished then has a row in that step, whose token is dropped. That call admits nothing (it reads first and
-        steps as usual when requests could be admitted, or when a request asked for top log-probabilities or has a
-        grammar), so the
-        results of a call are those of the step before."""
+        steps as usual when requests could be admitted, or when the last step's rows must be read first: see
+        InFlight.read_first), so the results of a call are those of the step before."""
         sched, reg, out = self.sched, self.registry, StepOutput()
         prev, self.inflight = self.inflight, None
         if prev is not None:
-            # a grammar's matcher takes a row's token before that row's next mask: read first
-            grammar = any(seq.request.grammar is not None for seq, _ in prev.sampled)
-            if prev.tops is None and not grammar and not sched.may_admit():
+            if not prev.read_first and not sched.may_admit():
                 ending = [seq for seq, _ in prev.sampled if seq.generated >= seq.request.max_new_tokens]
                 work = self._schedule(set(), admit=False, ending=ending).work
                 if work:
@@ -277,8 +276,10 @@ class EngineCore:
             done.record()
         for j, (seq, _) in enumerate(sampled):
             seq.tokens.append(pending(j))
+        read_first = tops is not None or any(seq.request.grammar is not None for seq, _ in sampled)
         self.inflight = InFlight([(seq, len(seq.tokens) - 1) for seq, _ in sampled], host, tops, done, started,
-                                 all(n == 1 for _, n in work), self.runner.replayed, self.runner.captured)
+                                 all(n == 1 for _, n in work), self.runner.replayed, self.runner.captured,
+                                 read_first)
 
     def _read(self, f: InFlight, out: StepOutput) -> None:
         """A launched step's tokens onto the host: each sampled sequence that still runs takes its token (and its
