@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 
@@ -69,6 +70,11 @@ def misfit(need: int, fit: int, kv_memory_fraction: float, kv_cache_mb) -> str:
     """Why a request needing `need` positions cannot run where `fit` fit."""
     return (f"prompt + max_new_tokens = {need} positions of KV cache do not fit the {fit} this rank can hold "
             f"(scheduler.kv_memory_fraction={kv_memory_fraction}, scheduler.kv_cache_mb={kv_cache_mb})")
+
+
+def block_hash(parent: int, tokens: list[int]) -> int:
+    """A full block's identity in the prefix cache: its parent's (or the adapter's) and its token ids."""
+    return hash((parent, *tokens))
 
 
 class BlockPool:
@@ -135,22 +141,23 @@ class BlockPool:
                     heapq.heappush(self._free, b)
         table.clear()
 
-    def match(self, tokens: list[int], root: int) -> tuple[list[int], list[int]]:
+    def match(self, tokens: list[int], root: int, chain: Optional[list[int]] = None) -> tuple[list[int], list[int]]:
         """(cached blocks, their hashes) holding the longest prefix of `tokens` under `root`, in full blocks and
-        leaving the last token out (its logits are computed); nothing taken yet (take())."""
-        blocks, hashes = [], []
+        leaving the last token out (its logits are computed); nothing taken yet (take()). chain: the hashes of the
+        first blocks of `tokens` known so far, extended in place as far as the match looks (a waiting request is
+        matched every step; its blocks are hashed once)."""
+        blocks, chain = [], [] if chain is None else chain
         if not self.caching:
-            return blocks, hashes
-        bs, parent = self.block_size, root
+            return blocks, []
+        bs = self.block_size
         for i in range((len(tokens) - 1) // bs):
-            h = hash((parent, *tokens[i * bs:(i + 1) * bs]))
-            b = self._cached.get(h)
+            if i == len(chain):
+                chain.append(block_hash(chain[-1] if chain else root, tokens[i * bs:(i + 1) * bs]))
+            b = self._cached.get(chain[i])
             if b is None:
                 break
             blocks.append(b)
-            hashes.append(h)
-            parent = h
-        return blocks, hashes
+        return blocks, chain[:len(blocks)]
 
     def take(self, blocks: list[int]) -> None:
         """Hold matched cached blocks (a sequence's first blocks)."""
@@ -174,7 +181,7 @@ class BlockPool:
             block = tokens[i * bs:(i + 1) * bs]
             if min(block) < 0:
                 return
-            h = hash((hashes[-1] if hashes else root, *block))
+            h = block_hash(hashes[-1] if hashes else root, block)
             hashes.append(h)
             b = table[i]
             if h not in self._cached and b not in self._hash:

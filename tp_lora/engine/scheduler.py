@@ -157,6 +157,7 @@ class Scheduler:
         self.slot_misses = 0  # admissions that needed a copy into a slot
         self.prefix_hits = 0  # prompt tokens new admissions found in the prefix cache
         self.identity = identity
+        self._chains: dict[int, list[int]] = {}  # waiting request index -> its prompt's block hashes so far
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -219,6 +220,12 @@ class Scheduler:
         """How many waiting requests an admission waits for while sequences decode."""
         return min(self.admit_batch, len(self.waiting))
 
+    def _chain(self, req: Request) -> list[int]:
+        """The prefix-cache hashes of a waiting request's first blocks known so far (a preempted sequence's are its
+        own: its blocks were cached as it left)."""
+        seq = self.preempted.get(req.index)
+        return seq.hashes if seq is not None else self._chains.setdefault(req.index, [])
+
     def _tokens(self, req: Request) -> list[int]:
         """What a waiting request computes when admitted: its prompt, or a preempted sequence's tokens so far."""
         seq = self.preempted.get(req.index)
@@ -237,7 +244,7 @@ class Scheduler:
     def _blocks_to_admit(self, req: Request) -> int:
         """Available blocks admitting `req` uses up: its new blocks, and the cached ones it takes from eviction."""
         tokens = self._tokens(req)
-        cached, _ = self.blocks.match(tokens, self.identity(req.adapter))
+        cached, _ = self.blocks.match(tokens, self.identity(req.adapter), self._chain(req))
         return self.blocks.needed(cached, len(tokens) + 1) + self.blocks.evictable_in(cached)
 
     def _make_room(self, seq: Sequence) -> None:
@@ -257,7 +264,6 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.computed = 0
-        seq.hashes = []
         self.preempted[seq.request.index] = seq
         self.waiting.insert(0, seq.request)
         self.preemptions += 1
@@ -302,7 +308,8 @@ class Scheduler:
             else:
                 fresh = False
             seq.slot, seq.root = slot, self.identity(req.adapter)
-            seq.blocks, seq.hashes = self.blocks.match(seq.tokens, seq.root)
+            seq.blocks, seq.hashes = self.blocks.match(seq.tokens, seq.root, self._chain(req))
+            self._chains.pop(req.index, None)
             self.blocks.take(seq.blocks)
             seq.computed = len(seq.blocks) * self.blocks.block_size
             if fresh:
@@ -374,6 +381,7 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if r.adapter != name]
         for r in out:
             self.passed.pop(r.index, None)
+            self._chains.pop(r.index, None)
             self.preempted.pop(r.index, None)
         return out
 
@@ -388,6 +396,7 @@ class Scheduler:
             if req.index == index:
                 del self.waiting[i]
                 self.passed.pop(index, None)
+                self._chains.pop(index, None)
                 return self.preempted.pop(index, req)
         return None
 
@@ -396,6 +405,7 @@ class Scheduler:
         self.admitting = False
         out, self.waiting = self.waiting, []
         self.passed.clear()
+        self._chains.clear()
         self.preempted.clear()
         return out
 
