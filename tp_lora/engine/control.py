@@ -3,17 +3,17 @@ loads (a Source), agrees them and the stop level across the ranks of the TP grou
 step(), and hands what happened to the front end (a Sink). The offline job and LLM.generate (generate() below) and
 the server (tp_lora.server.loop) differ only in their source and sink.
 
-The agreement is one all_gather_object over the TP group: every idle iteration, every ARRIVAL_CHECK_STEPS steps while
-requests may still come (the exchange syncs the host with the devices), and every scheduler.stop_check_steps for
-the stop level; with one rank each iteration, at no cost.
+The agreement is one all_gather_object over the agreeing group, carrying each rank's stop level, its source's view and
+whether it is busy; the next exchange and the loop's end follow from the gathered flags, alike on every rank. While any
+rank steps: every ARRIVAL_CHECK_STEPS iterations while requests may still come (the exchange syncs the host with the
+devices), else every scheduler.stop_check_steps; when all are idle, every iteration; with one rank, every iteration
+(free). The loop ends once no rank is busy and nothing more will come (or a stop has drained it).
 
-A server over data-parallel replicas agrees over the world group instead (`group`): the replicas step apart (one busy,
-another idle), so the exchange also carries each rank's busy flag, and when the next exchange comes and when the loop
-ends are decided from the gathered flags, alike on every rank: after ARRIVAL_CHECK_STEPS iterations while any rank is
-busy (an idle rank passes them at once and waits in the exchange for the busy ones: a busy replica syncs with the
-others once per ARRIVAL_CHECK_STEPS steps, and new work reaches an idle one within as many), else the next; the end
-once no rank is busy after a stop (a source spanning replicas takes requests until stopped: `more` stays True).
-Between exchanges each rank steps or idles once per iteration, so EP over DP replicas keeps its lockstep.
+The agreeing group is the TP group, whose ranks step alike (an idle rank knows its peers are idle, so it exchanges
+and may end at once), or, for a server over data-parallel replicas, the world group (`group`): the replicas step apart,
+an idle rank passes the iterations to the next exchange and waits there for the busy ones (a source spanning replicas
+takes requests until stopped: `more` stays True). Between exchanges each rank steps or idles once per iteration, so EP
+over DP replicas keeps its lockstep.
 """
 from __future__ import annotations
 
@@ -83,18 +83,13 @@ def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[
     requests in flight finish within scheduler.stop_grace_s, then the rest are dropped. context: the longest
     request (prompt + max_new_tokens) the run holds. group: the ranks that agree (default the TP group; a group
     spanning several replicas agrees its exchanges and its end, see the module's doc)."""
-    sc, tp = engine.cfg.scheduler, engine.ps.tp
-    group = group or tp
-    spans = group.size > tp.size
-    level, deadline, it, due = RUN, None, 0, 0
+    sc = engine.cfg.scheduler
+    group = group or engine.ps.tp
+    alike = group.size == engine.ps.tp.size  # one TP group: its ranks step alike, so each knows the others are idle
+    level, deadline, it, due, quiet = RUN, None, 0, 0, False
     while True:
-        busy, quiet = engine.busy, False
-        if spans:
-            check = it >= due
-        else:
-            check = (group.size == 1 or it % sc.stop_check_steps == 0
-                     or (source.more and (not busy or it % ARRIVAL_CHECK_STEPS == 0)))
-        if check:
+        busy = engine.busy
+        if it >= due or (alike and not busy):
             local = ABORT if source.lost or (deadline is not None and time.perf_counter() >= deadline) else stop()
             view = source.take(wait=not busy)
             if group.size == 1:
@@ -111,13 +106,15 @@ def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[
                     sink.stopped(engine.abort(), ABORT)
                 level = agreed
             _apply(engine, ops, sink, level, context)
-            if spans:
-                due = it + (ARRIVAL_CHECK_STEPS if any(v[2] for v in gathered) else 1)
-                quiet = not any(v[2] for v in gathered)  # past a drain, ops make no rank busy
+            quiet = not any(v[2] for v in gathered)  # every rank idle (past a drain, ops make none busy)
+            # Exchanges sync the host with the devices: while any rank steps, every few steps (sooner while requests
+            # may still come); each iteration when all are idle, or with one rank (free).
+            due = it + (1 if quiet or group.size == 1 else
+                        min(ARRIVAL_CHECK_STEPS, sc.stop_check_steps) if source.more else sc.stop_check_steps)
         it += 1
         if engine.busy:
             sink.stepped(engine.step())
-        elif (quiet or not spans) and (level >= DRAIN or not source.more):
+        elif (quiet or alike) and (level >= DRAIN or not source.more):
             sink.flush()
             return
         else:
