@@ -269,7 +269,6 @@ def main() -> None:
     p.add_argument("--no-adapters-only", action="store_true")
     p.add_argument("--prefix-caching", default="on", choices=["on", "off"],
                    help="scheduler.prefix_caching (on: the KV cache takes the whole budget)")
-    p.add_argument("--kv-memory-fraction", type=float, default=RunConfig().scheduler.kv_memory_fraction)
     p.add_argument("--quantization", default="none", help="comma list of none | fp8 (weights quantized at load)")
     p.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto | fp8")
     p.add_argument("--torch-ops", action="store_true",
@@ -298,7 +297,6 @@ def main() -> None:
         cfg.quantization = None if quant == "none" else quant
         cfg.scheduler.kv_cache_dtype = kv_dtype
         cfg.scheduler.prefix_caching = args.prefix_caching == "on"
-        cfg.scheduler.kv_memory_fraction = args.kv_memory_fraction
         engine = Engine(cfg, ps, model_dir, adapter_dir)
         vocab = engine.hf["vocab_size"]
         wb, ab = weight_bytes(engine.model), adapter_bytes(engine.model)
