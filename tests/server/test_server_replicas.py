@@ -124,6 +124,9 @@ def test_dp2_sigterm_to_the_launcher_drains_and_exits_0(dp2, reference):
 def test_dp2_killed_rank_ends_the_server_non_zero_naming_it(home, default, tmp_path):
     srv = Server(["parallel=dp2", f"parallel.timeout_s={TIMEOUT_S}"], env_for(home), tmp_path / "server.log")
     try:
+        deadline = time.monotonic() + 30  # /health answers before the ranks have met: wait for every rank serving
+        while "serving '" not in srv.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
         rank1 = spawned_ranks(srv)[1]
         os.kill(rank1, 9)
         t0 = time.monotonic()

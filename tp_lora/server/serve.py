@@ -60,31 +60,34 @@ def _serve(llm, cfg: RunConfig, front) -> int:
     world = ps.world
     driver = world.rank == 0
     loop = ServingLoop(engine, ps, cfg.server.routing, cfg.server.max_imbalance)
-    error = None
-    if driver:
-        error = front.start(dict(cfg=cfg, model_name=model_name(cfg, llm.model_dir), model_dir=llm.model_dir,
-                                 context=loop.context, adapters=loop.adapter_registry()))
-        loop.link = front.link
-    # Every rank learns whether rank 0 is listening before any waits for its control messages, and where the others
-    # run (to name a rank that dies).
-    error, peers = comm.broadcast_object(error, world), comm.all_gather_object(whereabouts(), world)
-    if error:
-        raise ConfigError(error)
-    if driver:
-        log(f"serving {model_name(cfg, llm.model_dir)!r} and {len(engine.adapters)} adapters at "
-            f"http://{cfg.server.host}:{front.port} (tp={ps.tp.size}"
-            + (f", {ps.dp.size} replicas routed by {cfg.server.routing}" if ps.dp.size > 1 else "")
-            + f", context {loop.context} tokens)")
-    # The handlers stay through the teardown: a signal then (torchrun stopping the ranks) does not cut it short.
-    with StopSignals(announce=driver) as stop:
-        try:
-            loop.run(stop)
-        except Exception as e:
-            if world.size > 1 and is_comm_failure(e):  # said at once, before the teardown
-                report_lost_ranks(world.rank, cfg.parallel.timeout_s, e, "; the server stops", gone_ranks(peers))
-            raise
-        finally:
-            engine.close_run()
+    peers = []
+    try:
+        error = None
+        if driver:
+            error = front.start(dict(cfg=cfg, model_name=model_name(cfg, llm.model_dir), model_dir=llm.model_dir,
+                                     context=loop.context, adapters=loop.adapter_registry()))
+            loop.link = front.link
+        # Every rank learns whether rank 0 is listening before any waits for its control messages, and where the
+        # others run (to name a rank that dies).
+        error, peers = comm.broadcast_object(error, world), comm.all_gather_object(whereabouts(), world)
+        if error:
+            raise ConfigError(error)
+        if driver:
+            log(f"serving {model_name(cfg, llm.model_dir)!r} and {len(engine.adapters)} adapters at "
+                f"http://{cfg.server.host}:{front.port} (tp={ps.tp.size}"
+                + (f", {ps.dp.size} replicas routed by {cfg.server.routing}" if ps.dp.size > 1 else "")
+                + f", context {loop.context} tokens)")
+        # The handlers stay through the teardown: a signal then (torchrun stopping the ranks) does not cut it short.
+        with StopSignals(announce=driver) as stop:
+            try:
+                loop.run(stop)
+            finally:
+                engine.close_run()
+    except Exception as e:
+        if world.size > 1 and is_comm_failure(e):  # said at once, before the teardown
+            report_lost_ranks(world.rank, cfg.parallel.timeout_s, e, "; the server stops",
+                              gone_ranks(peers) if peers else None)
+        raise
     if loop.frontend_lost:
         try:
             code = front.proc.wait(5)
