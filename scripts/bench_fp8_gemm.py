@@ -1,7 +1,13 @@
-"""FP8 W8A8 GEMMs (tp_lora.ops.fp8.fp8_linear: per-token activation quantization + torch._scaled_mm) against bf16
-(F.linear) and against the FP8 weight-bytes floor, on one GPU, at Llama-3-8B layer shapes.
+"""The fp8 GEMM paths against bf16 (F.linear) and against the FP8 weight-bytes floor, on one GPU, at Llama-3-8B
+layer shapes, per-channel and [128, 128]-block scales:
 
-    python scripts/bench_fp8_gemm.py [--rows 1,16,32,128,512,2048] [--out DIR]
+    fp8_linear    what the layers run (tp_lora.ops.fp8.fp8_linear: the weight-only Triton kernel up to SMALL_ROWS
+                  rows; past them W8A8 for per-channel scales, the dequantised GEMM for block scales)
+    w8a16         the weight-only Triton kernel at every row count
+    w8a8          per-token quantization kernel + torch._scaled_mm (per-channel scales only)
+    scaled_mm     torch._scaled_mm alone on activations quantized beforehand (the library GEMM's own time)
+
+    python scripts/bench_fp8_gemm.py [--rows 1,16,32,64,128,512,2048] [--out DIR]
 
 Each (layer, rows) is captured in a CUDA graph of many calls over enough weight copies to leave L2 (every call reads
 its weights from HBM); the mean time per call. Floor: the weight bytes (N x K x 1 for fp8, x 2 for bf16) / the device
@@ -17,7 +23,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tp_lora.ops.fp8 import dequantize, fp8_linear, quantize_fp8_per_channel
+from tp_lora.ops.fp8 import dequantize, fp8_linear, quantize_fp8_per_channel, quantize_per_token
+from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize_kernel
+from tp_lora.ops.triton.grouped_mm import grouped_mm
 
 # name -> (N, K) of one Llama-3-8B layer's GEMMs at tp 1
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -58,9 +66,37 @@ def graph_time(calls) -> float:
     return sorted(times)[2]
 
 
+def paths(x: torch.Tensor, block_k):
+    """name -> a callable of (w, scale) for each fp8 path that takes these scales."""
+    ends = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    out = {"fp8_linear": lambda w, s: fp8_linear(x, w, s, block_k),
+           "w8a16": lambda w, s: grouped_mm(x, w.unsqueeze(0), ends, s.unsqueeze(0), block_k,
+                                            rows_per_expert=x.shape[0])}
+    if block_k is None:
+        xq, xs = quantize_per_token(x)
+
+        def w8a8(w, s):
+            xq_, xs_ = quantize_kernel(x)
+            return torch._scaled_mm(xq_, w.t(), scale_a=xs_, scale_b=s.view(1, -1), out_dtype=x.dtype)
+        out["w8a8"] = w8a8
+        out["scaled_mm"] = lambda w, s: torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1),
+                                                         out_dtype=x.dtype)
+    return out
+
+
+def block_scales(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[128, 128]-block fp8 weights as Qwen3-*-FP8 ship them, in the layers' layout (each block's scale repeated on
+    its rows): w [N, K] fp8, scale [N, K / 128]."""
+    n, k = w.shape
+    amax = w.float().abs().view(n // block, block, k // block, block).amax(dim=(1, 3)).clamp_min(1e-6)
+    scale = (amax / 448.0).repeat_interleave(block, 0)
+    q = (w.float() / scale.repeat_interleave(block, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,16,32,128,512,2048")
+    p.add_argument("--rows", default="1,16,32,64,128,512,2048")
     p.add_argument("--out", default="bench_results")
     args = p.parse_args()
     bw = copy_bandwidth()
@@ -68,25 +104,32 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         copies = max(2, -(-L2_BYTES // (n * k)))
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
-        q = [quantize_fp8_per_channel(x) for x in w]
-        for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = x.float() @ dequantize(*q[0], None).t()
-            err = float((fp8_linear(x, *q[0], None).float() - ref).norm() / ref.norm())
-            t_bf16 = graph_time([lambda w=w_: F.linear(x, w) for w_ in w])
-            t_fp8 = graph_time([lambda q=q_: fp8_linear(x, q[0], q[1], None) for q_ in q])
-            floor = n * k / bw
-            rows.append(dict(layer=name, n=n, k=k, rows=m, bf16_us=t_bf16 * 1e6, fp8_us=t_fp8 * 1e6,
-                             speedup=t_bf16 / t_fp8, fp8_of_floor=floor / t_fp8, bf16_of_floor=2 * floor / t_bf16,
-                             rel_err=err))
-            print("row", json.dumps(rows[-1]), flush=True)
-        del w, q
+        for block_k in (None, 128):
+            q = [quantize_fp8_per_channel(x) if block_k is None else block_scales(x) for x in w]
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ dequantize(*q[0], block_k).t()
+                floor = n * k / bw
+                row = dict(layer=name, n=n, k=k, rows=m, scales="channel" if block_k is None else "block128",
+                           bf16_us=graph_time([lambda w=w_: F.linear(x, w) for w_ in w]) * 1e6)
+                row["bf16_of_floor"] = 2 * floor / (row["bf16_us"] / 1e6)
+                for path, call in paths(x, block_k).items():
+                    err = float((call(*q[0]).float() - ref).norm() / ref.norm())
+                    t = graph_time([lambda q=q_, call=call: call(*q) for q_ in q])
+                    row[path] = dict(us=t * 1e6, speedup=row["bf16_us"] / 1e6 / t, of_floor=floor / t, rel_err=err)
+                rows.append(row)
+                print("row", json.dumps(row), flush=True)
+            del q
+        del w
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    print("| layer | rows | bf16 us | fp8 us | fp8 / bf16 speed | fp8 of floor | bf16 of floor | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
+    names = ("fp8_linear", "w8a16", "w8a8", "scaled_mm")
+    print("speed against bf16 (fp8 weight-bytes floor / time in brackets); rel err of fp8_linear")
+    print("| layer | scales | rows | bf16 us | bf16 of floor | " + " | ".join(names) + " | rel err |")
+    print("|---|---|---|---|---|" + "---|" * len(names) + "---|")
     for r in rows:
-        print(f"| {r['layer']} | {r['rows']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['speedup']:.2f}x | "
-              f"{r['fp8_of_floor']:.0%} | {r['bf16_of_floor']:.0%} | {r['rel_err']:.1e} |")
+        cells = [f"{r[p]['speedup']:.2f}x ({r[p]['of_floor']:.0%})" if p in r else "-" for p in names]
+        print(f"| {r['layer']} | {r['scales']} | {r['rows']} | {r['bf16_us']:.1f} | {r['bf16_of_floor']:.0%} | "
+              + " | ".join(cells) + f" | {r['fp8_linear']['rel_err']:.1e} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_fp8_gemm.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=rows), f, indent=2)

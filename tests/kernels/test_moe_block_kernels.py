@@ -2,11 +2,13 @@
 GEMMs, combine, and the Triton MoE LoRA ops; the interpreter on CPU) against the torch path (references, torch LoRA
 ops), on tokens with and without adapters (an adapter slot unused), at top-2 over few tokens (experts no token
 reaches) and top-4: the composition of the kernels through the routing plan, which the per-kernel tests do not
-see."""
+see. Also with fp8 experts (per-channel and per-block scales): the weight-only grouped GEMM against the dequantised
+loop."""
 import pytest
 import torch
 
 from tp_lora import distributed as comm
+from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime
 from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe
 from tp_lora.ops import fused, get_backend
@@ -16,12 +18,14 @@ HF = {"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 8, "moe_inter
       "norm_topk_prob": True, "num_hidden_layers": 1, "hidden_act": "silu"}
 
 
-@pytest.mark.parametrize("top_k, tokens", [(2, 5), (4, 13)])
-def test_moe_block_with_kernels_matches_torch_path(device, monkeypatch, top_k, tokens):
+@pytest.mark.parametrize("top_k, tokens, quant", [(2, 5, None), (4, 13, None), (2, 5, "channel"), (4, 13, "block")])
+def test_moe_block_with_kernels_matches_torch_path(device, monkeypatch, top_k, tokens, quant):
     hf = dict(HF, num_experts_per_tok=top_k)
     ps = comm.single_process(device)
     rt = LoRARuntime(3, 8, False, get_backend("torch"))
-    block = SparseMoE(hf, validate_moe(hf, ps), 0, ps, MoEStep(), torch.float32, device, rt, None)
+    scheme = {None: None, "channel": FP8Scheme(), "block": FP8Scheme(block=(16, 16))}[quant]
+    block = SparseMoE(hf, validate_moe(hf, ps), 0, ps, MoEStep(), torch.float32, device, rt, None,
+                      None if scheme is None else QuantConfig(scheme, source="test"))
     gen = torch.Generator().manual_seed(top_k * 100 + tokens)
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -29,6 +33,8 @@ def test_moe_block_with_kernels_matches_torch_path(device, monkeypatch, top_k, t
         for name, b in block.named_buffers():
             if name.endswith("scales"):
                 b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+            elif name.endswith("_scale"):  # fp8 experts' scales
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.1 + 0.05)
     x = torch.randn(tokens, hf["hidden_size"], generator=gen).to(device)
     reached = block.gate(x)[0].unique().numel()
     assert reached < hf["num_experts"] or tokens > 5, "the small case should leave an expert without tokens"

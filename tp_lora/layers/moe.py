@@ -16,7 +16,7 @@ from torch import nn
 from tp_lora import distributed as comm
 from tp_lora.layers.linear import column_spec, row_spec, store_rows
 from tp_lora.layers.quant import FP8Scheme
-from tp_lora.ops.fp8 import FP8_DTYPE, dequantize, quantize_fp8_per_channel
+from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.ops.fused import act_mul, moe_topk
 from tp_lora.ops.grouped_mm import grouped_mm
 from tp_lora.ops.moe_layout import MoEPlan
@@ -47,7 +47,8 @@ class Experts(nn.Module):
     for gate_up, one for down), as a partial sum over the moe-tp group.
 
     quant: w13 / w2 are float8_e4m3fn with float32 scales w13_scale [E_local, S * I_local] / w2_scale [E_local, H]
-    per output channel, or [..., in_local / block_k] per block; the GEMMs run on the weights dequantised to `dtype`."""
+    per output channel, or [..., in_local / block_k] per block; tp_lora.ops.grouped_mm takes them as they are (the
+    Triton kernel reads the fp8 bytes; elsewhere they are dequantised to the activations' dtype)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, ep: comm.Group, moe_tp: comm.Group,
                  gated: bool = True, dtype=torch.float32, device: Any = "cpu", quant: FP8Scheme | None = None):
@@ -131,18 +132,14 @@ class Experts(nn.Module):
 
     def up(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """xp [C, H] in pair order -> [C, S * I_local] (rows past the plan's last expert undefined)."""
-        return grouped_mm(xp, self._weight(self.w13, self.w13_scale), plan.expert_ends)
+        return grouped_mm(xp, self.w13, plan.expert_ends, self.w13_scale, self.block_k)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
         return act_mul(z, "silu") if self.gated else F.silu(z)
 
     def down(self, h: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """h [C, I_local] in pair order -> [C, H] (partial over moe-tp)."""
-        return grouped_mm(h, self._weight(self.w2, self.w2_scale), plan.expert_ends)
-
-    def _weight(self, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """The GEMM's weights: w, or fp8 w dequantised to the activations' dtype."""
-        return w if scale is None else dequantize(w, scale, self.block_k).to(self.dtype)
+        return grouped_mm(h, self.w2, plan.expert_ends, self.w2_scale, self.block_k)
 
     def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         return self.down(self.act(self.up(xp, plan)), plan)

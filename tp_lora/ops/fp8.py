@@ -1,17 +1,22 @@
 """FP8 (e4m3): storage for LoRA weights (per-output-channel scales, dequantised inside the kernels) and the base
-layers' fp8 weights (tp_lora.layers.quant): their dequantisation and the W8A8 GEMM.
+layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation quantization and the GEMM.
 
     fp8_linear(x [T, K], w [N, K] fp8, scale, block_k) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
-CUDA, per-channel scales: activations quantized per token, torch._scaled_mm with both scale vectors (W8A8).
-Elsewhere (the CPU, block scales): the weights dequantised in float32, cast to x's dtype, then one GEMM: on the CPU
-that is the exact reference the tests compare layouts with."""
+With the Triton kernels (CUDA): up to SMALL_ROWS rows (decode), the weight-only fp8 GEMM
+(tp_lora.ops.triton.grouped_mm with one expert: fp8 tiles widened in registers, scales on the partial sums), which
+reads only the fp8 bytes and quantizes nothing; more rows with per-channel scales, W8A8: activations quantized per
+token (one Triton kernel) and torch._scaled_mm with both scale vectors. Elsewhere (the CPU; block scales at prefill
+sizes): the weights dequantised in float32, cast to x's dtype, then one GEMM: on the CPU that is the exact reference
+the tests compare layouts with."""
 from __future__ import annotations
 
 import threading
 
 import torch
+
+from tp_lora.ops.fused import use_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -63,9 +68,18 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> tor
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (x_fp8 [T, K], scales [T, 1] float32), one scale per row (dynamic activation quantization)."""
+    """x [T, K] -> (x_fp8 [T, K], scales [T, 1] float32), one scale per row (dynamic activation quantization). The
+    reference of tp_lora.ops.triton.fp8_quant.quantize_per_token."""
     scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+SMALL_ROWS = 64  # rows up to which the kernels run the weight-only fp8 GEMM
+
+
+def kernel_block_ok(block_k: int | None) -> bool:
+    """Whether the Triton fp8 GEMMs take scales per block of block_k columns (None: per channel)."""
+    return block_k is None or (block_k >= 16 and block_k & (block_k - 1) == 0)
 
 
 def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
@@ -75,7 +89,13 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
-    if x.shape[0] and scaled_mm_ok(x, w, block_k):
-        xq, xs = quantize_per_token(x)
+    rows = x.shape[0]
+    if rows and use_kernels(x) and rows <= SMALL_ROWS and kernel_block_ok(block_k):
+        from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - CUDA / forced only
+        ends = torch.full((1,), rows, dtype=torch.int32, device=x.device)
+        return grouped_mm(x, w.unsqueeze(0), ends, scale.unsqueeze(0), block_k, rows_per_expert=rows)
+    if rows and use_kernels(x) and scaled_mm_ok(x, w, block_k):
+        from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415
+        xq, xs = quantize(x)
         return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return x @ dequantize(w, scale, block_k).to(x.dtype).t()

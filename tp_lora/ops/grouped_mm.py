@@ -1,12 +1,16 @@
 """Grouped expert GEMM: one launch for every local expert over the pair-ordered rows of a routing plan.
 
-    grouped_mm(x [C, K], w [E, N, K], ends [E] int32) -> [C, N],  rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None) -> [C, N],
+        rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+
+w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block
+(tp_lora.ops.fp8.dequantize's layouts).
 
 Rows past ends[-1] are left undefined (the plan never reads them). On CUDA with few rows per expert (decode) our
 Triton kernel (tp_lora/ops/triton/grouped_mm.py: one pass over the routed experts' weights); otherwise torch's
 grouped GEMM (`F.grouped_mm`) where the installed torch runs it for the device and dtype (CUDA: bf16 on sm90+; CPU
 builds that have it), else the per-expert loop `grouped_mm_ref`, which reads the offsets on the host (a sync: eager
-only).
+only); fp8 weights there are dequantised to x's dtype first.
 """
 from __future__ import annotations
 
@@ -15,11 +19,15 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from tp_lora.ops.fp8 import dequantize, kernel_block_ok
 from tp_lora.ops.fused import use_kernels
 
 
-def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
+                   block_k: int | None = None) -> torch.Tensor:
     """The per-expert loop (reference and fallback); rows past ends[-1] are 0."""
+    if scale is not None:
+        w = dequantize(w, scale, block_k).to(x.dtype)
     out = x.new_zeros(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(ends.tolist()):
@@ -32,9 +40,12 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
 SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA runs the Triton kernel
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    if use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0]:
-        return grouped_mm_triton(x, w, ends)
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
+               block_k: int | None = None) -> torch.Tensor:
+    if use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0] and kernel_block_ok(block_k):
+        return grouped_mm_triton(x, w, ends, scale, block_k)
+    if scale is not None:
+        w = dequantize(w, scale, block_k).to(x.dtype)
     if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
         return grouped_mm_ref(x, w, ends)
     return grouped_mm_torch(x, w, ends)
@@ -45,10 +56,12 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> to
     return F.grouped_mm(x.contiguous(), w.transpose(1, 2), offs=ends)
 
 
-def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
+                      block_k: int | None = None, rows_per_expert: int = SMALL_ROWS) -> torch.Tensor:
     """Our Triton kernel (CUDA, or the interpreter)."""
     from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
-    return kernel(x, w, ends)
+    return kernel(x, w, ends, scale, block_k, rows_per_expert)
+
 
 
 def torch_grouped_available(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:

@@ -1,6 +1,12 @@
 """Triton grouped expert GEMM for few rows per expert (decode), with the signature of tp_lora.ops.grouped_mm:
 
-    grouped_mm(x [C, K], w [E, N, K], ends [E] int32) -> [C, N],  rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None) -> [C, N],
+        rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+
+w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block of
+block_k columns: the fp8 tile is widened to x's dtype in registers (exact) and the scales applied to the float32
+partial sums, so only the fp8 bytes leave memory (weight-only fp8: the activations are not quantized). With E = 1 and
+ends = [C] it is a dense GEMM of few rows (tp_lora.ops.fp8.fp8_linear at decode).
 
 A program owns one (expert, BLOCK_N columns) tile of the weights and walks that expert's rows in blocks of BLOCK_M,
 so each weight byte is read once per row block and experts without rows read nothing: a memory-bound pass over the
@@ -16,11 +22,14 @@ from tp_lora.ops.triton.dot import compute_types, mm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
+MAX_BLOCK_M = 64  # one row block of up to this many rows (a dense GEMM's decode batch reads its weights once)
+SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
-def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, N, K, s_xm, s_we, s_wn, s_om,
+def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, N, K, s_xm, s_we, s_wn, s_om, s_se, s_sn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SCALES: tl.constexpr, SCALE_K: tl.constexpr,
                        CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     e = tl.program_id(0)
     start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
@@ -29,6 +38,7 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, N, K, s_xm, s_we, s_wn, 
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_blk = w_ptr + e.to(tl.int64) * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
+    s_row = s_ptr + e.to(tl.int64) * s_se + offs_n.to(tl.int64) * s_sn
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         m_mask = rows < end
@@ -38,23 +48,43 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, N, K, s_xm, s_we, s_wn, 
             k_mask = offs_k < K - k0
             xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             wv = tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc += mm(xv, wv, CDT, DOT, PREC)
+            if SCALES == 2:  # one scale per (row, SCALE_K columns); BLOCK_K divides SCALE_K
+                sc = tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)
+                acc += mm(xv, wv, CDT, DOT, PREC) * sc[None, :]
+            else:
+                acc += mm(xv, wv, CDT, DOT, PREC)
+        if SCALES == 1:
+            acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
         o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
+               block_k: int | None = None, rows_per_expert: int = BLOCK_M) -> torch.Tensor:
+    """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
+    row block (at most MAX_BLOCK_M) and the column block (narrower when few programs would cover the weights)."""
     x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError(f"grouped_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
+    if block_k is not None and (block_k < 16 or block_k & (block_k - 1)):
+        raise ValueError(f"grouped_mm: block_k={block_k}: expected a power of two of at least 16")
     c, k = x.shape
     e, n, _ = w.shape
     out = torch.empty(c, n, dtype=x.dtype, device=x.device)
     if c == 0 or e == 0:
         return out
-    cdt, dot, prec = compute_types(w.dtype, w.dtype)
-    _grouped_mm_kernel[(e, triton.cdiv(n, BLOCK_N))](
-        x, w, ends, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CDT=cdt, DOT=dot, PREC=prec,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if scale is None:
+        mode, scale, s_se, s_sn, bk = SCALE_NONE, out, 0, 0, BLOCK_K  # scale_ptr unused
+    else:
+        scale = scale.contiguous()
+        mode = SCALE_CHANNEL if block_k is None else SCALE_BLOCK
+        s_se, s_sn = scale.stride(0), scale.stride(1)
+        bk = BLOCK_K if block_k is None else min(BLOCK_K, block_k)
+    block_m = min(MAX_BLOCK_M, max(BLOCK_M, triton.next_power_of_2(rows_per_expert)))
+    block_n = BLOCK_N if e * triton.cdiv(n, BLOCK_N) >= 256 else 32  # enough programs to stream the weights
+    cdt, dot, prec = compute_types(x.dtype, w.dtype)
+    _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
+        x, w, ends, out, scale, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), s_se, s_sn,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode, SCALE_K=block_k or 1, CDT=cdt, DOT=dot,
+        PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

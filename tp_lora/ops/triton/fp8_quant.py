@@ -1,0 +1,45 @@
+"""Per-token fp8 activation quantization in one launch, with the signature of its reference
+(tp_lora.ops.fp8.quantize_per_token):
+
+    quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)
+
+One program per row: the row's absolute maximum, then the row divided by max(amax / 448, 1e-12), clamped and rounded
+to e4m3, as the reference computes it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn  # the e4m3 of tp_lora.ops.fp8 (which dispatches here: no import back)
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+BLOCK = 1024
+
+
+@triton.jit
+def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * s_xm + k0 + offs, mask=offs < K - k0, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / FMAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = offs < K - k0
+        v = tl.load(x_ptr + row * s_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * s_qm + k0 + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, k = x.shape
+    q = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    if t:
+        _per_token_kernel[(t,)](x, q, scales, k, x.stride(0), q.stride(0), BLOCK=BLOCK, FMAX=FP8_MAX)
+    return q, scales
