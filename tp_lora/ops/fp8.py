@@ -13,6 +13,7 @@ the tests compare layouts with."""
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
 
 import torch
 
@@ -77,9 +78,16 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 SMALL_ROWS = 64  # rows up to which the kernels run the weight-only fp8 GEMM
 
 
-def kernel_block_ok(block_k: int | None) -> bool:
-    """Whether the Triton fp8 GEMMs take scales per block of block_k columns (None: per channel)."""
-    return block_k is None or (block_k >= 16 and block_k & (block_k - 1) == 0)
+def kernels_take(x: torch.Tensor, block_k: int | None) -> bool:
+    """Whether the Triton fp8 GEMMs run for activations x and scales per block of block_k columns (None: per
+    channel): the kernels are on, the device reads fp8 (CUDA sm89+, or the interpreter), block_k a power of two."""
+    return (use_kernels(x) and (not x.is_cuda or _fp8_device(x.device.index))
+            and (block_k is None or (block_k >= 16 and block_k & (block_k - 1) == 0)))
+
+
+@lru_cache(maxsize=None)
+def _fp8_device(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
@@ -90,11 +98,11 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
     rows = x.shape[0]
-    if rows and use_kernels(x) and rows <= SMALL_ROWS and kernel_block_ok(block_k):
+    if rows and rows <= SMALL_ROWS and kernels_take(x, block_k):
         from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - CUDA / forced only
         ends = torch.full((1,), rows, dtype=torch.int32, device=x.device)
         return grouped_mm(x, w.unsqueeze(0), ends, scale.unsqueeze(0), block_k, rows_per_expert=rows)
-    if rows and use_kernels(x) and scaled_mm_ok(x, w, block_k):
+    if rows and kernels_take(x, block_k) and scaled_mm_ok(x, w, block_k):
         from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415
         xq, xs = quantize(x)
         return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)

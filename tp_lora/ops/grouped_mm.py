@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from tp_lora.ops.fp8 import dequantize, kernel_block_ok
+from tp_lora.ops.fp8 import dequantize, kernels_take
 from tp_lora.ops.fused import use_kernels
 
 
@@ -42,7 +42,7 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                block_k: int | None = None) -> torch.Tensor:
-    if use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0] and kernel_block_ok(block_k):
+    if use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0] and (scale is None or kernels_take(x, block_k)):
         return grouped_mm_triton(x, w, ends, scale, block_k)
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
