@@ -116,3 +116,20 @@ def test_wait_any_reads_a_queued_adapter_itself_then_waits(zoo, monkeypatch):
     for name in ["a1", "a2"]:
         assert c.fetch(name) is not None
     c.close()
+
+
+def test_host_tier_keeps_the_adapter_fetched_most_often_lately(zoo):
+    """4 host entries: a hot adapter fetched between one-off adapters stays (least recently used, it would be
+    evicted by the fourth one-off); the one-offs go least recently used first; unregistering forgets its count."""
+    c = _cache(zoo)
+    for _ in range(3):
+        c.fetch("a0")
+    for name in ("a1", "a2", "a3", "a4", "a6"):
+        c.fetch(name)
+    assert list(c.host) == ["a0", "a3", "a4", "a6"] and c.stats.host_evictions == 2
+    misses = c.stats.host_misses
+    c.fetch("a0")
+    assert c.stats.host_misses == misses
+    c.remove("a0")
+    assert c.popularity["a0"] == 0.0
+    c.close()

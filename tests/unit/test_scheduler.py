@@ -7,7 +7,8 @@ import pytest
 
 from tp_lora.engine.kv_pool import BlockPool, plan_blocks
 from tp_lora.engine.requests import Request
-from tp_lora.engine.scheduler import Scheduler, SlotState
+from tp_lora.engine.scheduler import SLOT_HALF_LIFE, Scheduler, SlotState
+from tp_lora.lora.popularity import Popularity
 
 
 def req(i, adapter=None, prompt=4, new=3):
@@ -128,6 +129,45 @@ def test_victim_is_empty_then_lru_not_wanted_soon():
     assert st.victim(set()) == 0  # a used slot is never a victim
     st.pinned = True
     assert st.victim(set()) is None
+
+
+def test_victim_keeps_the_adapter_admitted_most_often_lately():
+    """A hot adapter keeps its slot against more recent one-off adapters; once it stops being admitted its count
+    decays (half-life SLOT_HALF_LIFE x slots admissions) and recency decides again."""
+    st = SlotState(2)
+    st.assign(0, "hot")
+    st.assign(1, "once")
+    st.loaded(0)
+    st.loaded(1)
+    for _ in range(5):
+        st.acquire(0)
+        st.release(0)
+    st.acquire(1)
+    st.release(1)  # "once" is the most recently used, "hot" the most often
+    assert st.victim(set()) == 1
+    for _ in range(SLOT_HALF_LIFE * 2 * 6):  # six half-lives of "once" alone: now it is the hot one
+        st.acquire(1)
+        st.release(1)
+    assert st.victim(set()) == 0
+    st.assign(0, "new")  # a slot's new adapter starts from its own count
+    st.loaded(0)
+    st.acquire(0)
+    st.release(0)
+    assert st.victim(set()) == 0
+
+
+def test_popularity_halves_over_its_half_life_and_renormalizes():
+    p = Popularity(half_life=4)
+    p.use("a")
+    for _ in range(4):
+        p.use("b")
+    assert p["a"] == pytest.approx(0.5) and p["c"] == 0.0
+    for _ in range(3000):  # weights past RENORMALIZE_AT: rescaled, the order kept
+        p.use("b")
+    assert p.weight < 1e100 and 0 < p["a"] < p["b"]
+    assert p["b"] == pytest.approx(sum(0.5 ** (i / 4) for i in range(3004)), rel=1e-9)
+    p.forget("b")
+    assert p["b"] == 0.0
 
 
 def test_overtaking_is_bounded():

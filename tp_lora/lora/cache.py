@@ -4,7 +4,8 @@
             HEADER only (names, module shapes, rank; no weights), checked against the model's LoRA targets;
   host      weights read on first use (load_peft_adapter: PEFT's rules) and turned into this rank's slot image
             (tp_lora.lora.slots: its shard, padded, in the slots' dtypes) by the `images` the model
-            attaches; at most lora.max_cpu_loras adapters, least recently used evicted;
+            attaches; at most lora.max_cpu_loras adapters, the one fetched least often lately evicted (decayed
+            counts over HOST_HALF_LIFE x lora.max_cpu_loras fetches, tp_lora.lora.popularity; recency among equals);
   device    lora.max_loras SlotTable slots; a copy into one runs on a side CUDA stream and carries only this rank's
             shard.
 
@@ -32,9 +33,11 @@ from tp_lora.lora.peft_format import (CONFIG_FILE, PEFT_PREFIX, SAVED, WEIGHTS_F
                                       is_embedding_copy,
                                       is_targeted, module_rank_alpha, parse_extra_key, parse_key, read_adapter_config,
                                       saved_module)
+from tp_lora.lora.popularity import Popularity
 from tp_lora.threadlocal import torch_threads
 
 
+HOST_HALF_LIFE = 32  # fetches per host entry over which an adapter's fetch count halves (the host tier's eviction)
 MAX_PLANS = 16  # adapter layouts whose read plans are kept (each holds one image as its template)
 PREFETCH_DEPTH = 32  # adapters read ahead of need, held beside the host tier until fetched
 # One reader: reads share the step loop's host, and a second reader thread waits less for reads but slows the steps
@@ -204,6 +207,7 @@ class AdapterCache:
         self.infos: dict[str, AdapterInfo] = {}
         self.bad: dict[str, str] = {}
         self.host: OrderedDict[str, object] = OrderedDict()  # name -> its slot image (or the adapter, without images)
+        self.popularity = Popularity(HOST_HALF_LIFE * max(max_cpu_loras, 1))  # fetches per adapter, decayed
         self._staged: dict[str, Future] = {}  # name -> (adapter, error) being read ahead, beside the host tier
         self._reader: Optional[ThreadPoolExecutor] = None
         # Threads for a read the step loop waits on (the engine's read_threads); reads ahead take one, or as many while
@@ -257,6 +261,7 @@ class AdapterCache:
         self.infos.pop(name, None)
         self.bad.pop(name, None)
         self.host.pop(name, None)
+        self.popularity.forget(name)
         staged = self._staged.pop(name, None)
         if staged is not None:
             staged.cancel()
@@ -287,6 +292,7 @@ class AdapterCache:
         prefetch). Raises AdapterError (the same on every rank) when it cannot be used; it is then moved to `bad`."""
         if name in self.bad:
             raise AdapterError(self.bad[name])
+        self.popularity.use(name)
         if name in self.host:
             self.stats.host_hits += 1
             self.host.move_to_end(name)
@@ -310,7 +316,8 @@ class AdapterCache:
             raise AdapterError(err)
         self.host[name] = adapter
         while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
+            order = list(self.host)[:-1]  # least recently used first; never the adapter just read
+            del self.host[order[min(range(len(order)), key=lambda i: (self.popularity[order[i]], i))]]
             self.stats.host_evictions += 1
         return adapter
 
