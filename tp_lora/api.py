@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, resolve_device, validate
-from tp_lora.engine.requests import Request, Result, parse_stop, set_rules
+from tp_lora.engine.requests import Request, Result, parse_stop, set_choices, set_rules
 
 Prompt = Union[str, Sequence[int]]
 
@@ -103,15 +103,19 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], adapter: Union[str, None, Sequence] = None,
                  max_new_tokens: Optional[int] = None, temperature: Optional[float] = None, *,
                  top_p: Optional[float] = None, seed: Optional[int] = None, stop=None,
-                 ignore_eos: Optional[bool] = None, **rules) -> Optional[list[dict]]:
+                 ignore_eos: Optional[bool] = None, n: Optional[int] = None, best_of: Optional[int] = None,
+                 **rules) -> Optional[list[dict]]:
         """Generate for one prompt or a list (text, or token ids). adapter: a name, None for the base model, or one
-        per prompt. rules: logit rules (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-        min_tokens, stop_token_ids; tp_lora.engine.requests.RULES). Returns on the driver one dict per prompt with the output lines' fields (id = the prompt's
-        position; `error` instead of outputs for a prompt that could not run), and None on the other ranks."""
+        per prompt. n: sequences per prompt (best_of: run that many, keep the n of highest cumulative log-probability;
+        sibling i seeded seed + i). rules: logit rules (presence_penalty, frequency_penalty, repetition_penalty,
+        logit_bias, min_tokens, stop_token_ids; tp_lora.engine.requests.RULES) and response_format. Returns on the
+        driver one dict per prompt with the output lines' fields (id = the prompt's position; `choices` with n > 1 or
+        best_of; `error` instead of outputs for a prompt that could not run), and None on the other ranks."""
         batch = self._batch(prompts)
         adapters = self._adapters(adapter, len(batch))
         requests = [self.request(i, i, p, adapters[i], max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, **rules)
+                                 top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, n=n, best_of=best_of,
+                                 **rules)
                     for i, p in enumerate(batch)]
         results = self.engine.generate(self.shard(requests))
         return self.gather(results)
@@ -162,7 +166,8 @@ class LLM:
     def request(self, index: int, rid: Any, prompt: Prompt, adapter: Optional[str], *,
                 max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,
                 top_p: Optional[float] = None, seed: Optional[int] = None, stop=None,
-                ignore_eos: Optional[bool] = None, logprobs: int = 0, **rules) -> Request:
+                ignore_eos: Optional[bool] = None, logprobs: int = 0, n: Optional[int] = None,
+                best_of: Optional[int] = None, **rules) -> Request:
         """A Request from API values; a bad value gives a Request carrying `error` (reported, never raised)."""
         req = Request(index, id=rid, adapter=adapter, temperature=temperature, ignore_eos=ignore_eos, top_p=top_p,
                       seed=seed, logprobs=logprobs,
@@ -182,6 +187,7 @@ class LLM:
             if temperature is not None and not temperature >= 0:
                 raise ValueError(f"temperature={temperature!r}: expected >= 0")
             req.stop = parse_stop(stop)
+            set_choices(req, n, best_of)
             set_rules(req, rules)
         except (ValueError, TypeError) as e:
             req.error = str(e)

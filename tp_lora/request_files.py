@@ -3,11 +3,14 @@ results back as output lines.
 
 Request line: {"id": ..., "adapter": NAME or null, "prompt_token_ids": [...] (or "prompt": text with a tokenizer),
                "max_new_tokens": N, optional "temperature", "top_p", "seed", "ignore_eos", "stop": [strings],
+               "n" and "best_of" (sequences returned / run, tp_lora.engine.choices),
                "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "logit_bias": {token id: bias}, "response_format": OpenAI's {"type": "json_object"} or
                {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} (tp_lora.engine.grammar)}
 Output line:  {"id": ..., "adapter": ..., "output_token_ids": [...], "logprobs": [...], "finish_reason": ...,
-               "text": ... (with a tokenizer)}
+               "text": ... (with a tokenizer)}; with n > 1 or best_of, {"id": ..., "adapter": ..., "choices":
+               [{"index": i, "output_token_ids": ..., "logprobs": ..., "finish_reason": ..., "text": ...}, ...]}
+               (the n best by cumulative log-probability with best_of)
               or, for a request that could not run, {"id": ..., "adapter": ..., "error": "..."} (Result.to_json).
 """
 from __future__ import annotations
@@ -16,7 +19,10 @@ import json
 import os
 from typing import Any
 
-from tp_lora.engine.requests import RULES, Request, Result, parse_stop, set_rules
+from tp_lora.engine.requests import RULES, Request, Result, parse_stop, set_choices, set_rules
+
+FIELDS = ("id", "adapter", "prompt_token_ids", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
+          "ignore_eos", "stop", "n", "best_of") + RULES
 
 
 def parse_request(index: int, line: str, default_max_new_tokens: int, tokenizer=None) -> Request:
@@ -29,6 +35,9 @@ def parse_request(index: int, line: str, default_max_new_tokens: int, tokenizer=
         return Request(index, id=f"line-{index + 1}", error=f"line {index + 1}: expected a JSON object")
     req = Request(index, id=obj.get("id", f"line-{index + 1}"), adapter=obj.get("adapter"))
     try:
+        unknown = sorted(set(obj) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; a request line takes {list(FIELDS)}")
         if req.adapter is not None and not isinstance(req.adapter, str):
             raise ValueError(f"'adapter' must be a name or null, got {req.adapter!r}")
         if "prompt_token_ids" in obj:
@@ -67,6 +76,7 @@ def parse_request(index: int, line: str, default_max_new_tokens: int, tokenizer=
             if not isinstance(obj["seed"], int) or isinstance(obj["seed"], bool) or obj["seed"] < 0:
                 raise ValueError(f"'seed' must be a non-negative integer, got {obj['seed']!r}")
             req.seed = obj["seed"]
+        set_choices(req, obj.get("n"), obj.get("best_of"))
         set_rules(req, {k: obj[k] for k in RULES if k in obj})
     except ValueError as e:
         req.error = f"request {req.id!r}: {e}"

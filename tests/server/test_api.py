@@ -49,6 +49,27 @@ def test_generate_gives_the_output_lines(llm, reference):
         assert got["output_token_ids"] == want["output_token_ids"][:n] and (n == 8 or got["finish_reason"] == "stop")
 
 
+def test_n_and_best_of_equal_single_runs_with_the_siblings_seeds(llm):
+    """n=3 with seed S: each prompt's choices are the single runs seeded S, S+1, S+2 (6 sequences through a batch
+    of 4: siblings queue); best_of=3, n=2: the two of those with the highest cumulative log-probability, best
+    first; greedy n: identical choices; bad values: an error naming the field."""
+    prompts, kw = [[1, 17, 42], [1, 5, 9, 11]], dict(adapter="alpha", max_new_tokens=6, temperature=1.0)
+    singles = [[llm.generate(p, seed=100 + i, **kw)[0] for i in range(3)] for p in prompts]
+    assert len({tuple(s["output_token_ids"]) for s in singles[0]}) > 1, "the seeds should draw different tokens"
+    got = llm.generate(prompts, seed=100, n=3, **kw)
+    best = llm.generate(prompts, seed=100, n=2, best_of=3, **kw)
+    for runs, line, top in zip(singles, got, best):
+        assert set(line) == {"id", "adapter", "choices"} and [c["index"] for c in line["choices"]] == [0, 1, 2]
+        for want, choice in zip(runs, line["choices"]):
+            assert choice["output_token_ids"] == want["output_token_ids"]
+            assert choice["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+        ranked = sorted(runs, key=lambda r: -sum(r["logprobs"]))[:2]
+        assert [c["output_token_ids"] for c in top["choices"]] == [r["output_token_ids"] for r in ranked]
+    greedy = llm.generate(prompts[0], adapter="beta", max_new_tokens=5, n=3)[0]["choices"]
+    assert len(greedy) == 3 and all(c["output_token_ids"] == greedy[0]["output_token_ids"] for c in greedy)
+    assert "'best_of' (1) must be at least 'n' (2)" in llm.generate(prompts[0], n=2, best_of=1)[0]["error"]
+
+
 def test_text_prompts_stop_strings_and_errors(llm):
     full = llm.generate("hello world", adapter="beta", max_new_tokens=12)[0]
     assert full["text"] == llm.tokenizer.decode(full["output_token_ids"])

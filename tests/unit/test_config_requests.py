@@ -116,6 +116,11 @@ def test_kv_heads_may_be_replicated():
     ('{"id": 1, "prompt_token_ids": [1], "min_tokens": 1.5}', "min_tokens"),
     ('{"id": 1, "prompt_token_ids": [1], "seed": -3}', "seed"),
     ('{"id": 1, "prompt_token_ids": [1], "top_p": "all"}', "top_p"),
+    ('{"id": 1, "prompt_token_ids": [1], "n": 0}', "'n' must be an integer from 1 to 16"),
+    ('{"id": 1, "prompt_token_ids": [1], "n": 17}', "'n' must be an integer from 1 to 16"),
+    ('{"id": 1, "prompt_token_ids": [1], "n": 3, "best_of": 2}', "'best_of' (2) must be at least 'n' (3)"),
+    ('{"id": 1, "prompt_token_ids": [1], "logprobs": 2, "temprature": 1}', "unknown field(s) ['logprobs', "
+                                                                          "'temprature']"),
 ])
 def test_bad_request_lines_become_errors(line, msg):
     req = parse_request(0, line, 8)

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Protocol, Sequence as Seq
 import torch
 
 from tp_lora import distributed as comm
+from tp_lora.engine.choices import Choices
 from tp_lora.engine.core import EngineCore
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.stats import StepOutput
@@ -221,7 +222,8 @@ def generate(engine: EngineCore, requests: list[Request], on_result: Callable[[R
              progress: Callable[[int, int], None] = lambda done, total: None, *,
              arrival_times: Optional[Seq[float]] = None, stop: Optional[Callable[[], int]] = None) -> list[Result]:
     """Continuous batching over `requests` (see tp_lora.engine.scheduler for the policy). Results come back in
-    request order; on_result gets each one as it completes (finished or failed).
+    request order; on_result gets each one as it completes (finished or failed). A request of several sequences
+    (n / best_of) runs as that many and comes back as one Result with `choices` (tp_lora.engine.choices).
 
     arrival_times: seconds after the call at which each request arrives; it is not admitted before (serving
     benchmarks). stop: polled, returns RUN, DRAIN (admit nothing more, finish what runs, within
@@ -231,10 +233,16 @@ def generate(engine: EngineCore, requests: list[Request], on_result: Callable[[R
     t0 = time.perf_counter()
     if arrival_times is not None and len(arrival_times) != len(requests):
         raise ValueError(f"arrival_times has {len(arrival_times)} entries for {len(requests)} requests")
-    sink = ListSink(on_result, progress, len(requests))
+    choices = Choices(requests)  # n / best_of: siblings beside their first request, folded back as they end
+
+    def report(result: Result) -> None:
+        folded = choices.fold(result)
+        if folded is not None:
+            on_result(folded)
+    sink = ListSink(report, progress, len(choices.expanded))
     max_len = engine.cfg.model.max_seq_len or engine.max_positions
     valid = []
-    for req in requests:
+    for req in choices.expanded:
         err = engine.check_request(req, max_len)
         if err:
             sink.ended(Result(req, error=err))
@@ -242,6 +250,7 @@ def generate(engine: EngineCore, requests: list[Request], on_result: Callable[[R
             valid.append(req)
     blocks, fit = engine.plan_kv([len(r.prompt_token_ids) + r.max_new_tokens for r in valid]) if valid else (0, 0)
     arrival = {r.index: float(t) for r, t in zip(requests, arrival_times)} if arrival_times is not None else {}
+    arrival.update({i: arrival[f] for i, f in choices.first.items() if f in arrival})
     pending = []  # (arrival, request) not yet handed to the scheduler
     for req in valid:
         need = len(req.prompt_token_ids) + req.max_new_tokens
@@ -263,4 +272,5 @@ def generate(engine: EngineCore, requests: list[Request], on_result: Callable[[R
         pass
     engine.stats.seconds += time.perf_counter() - t0
     engine.stats.interrupted += len(sink.interrupted)
-    return [sink.results.get(r.index) or Result(r, error=INTERRUPTED, interrupted=True) for r in requests]
+    return choices.collect([sink.results.get(r.index) or Result(r, error=INTERRUPTED, interrupted=True)
+                            for r in choices.expanded])

@@ -30,6 +30,8 @@ class Request:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens were generated
     stop_token_ids: list[int] = field(default_factory=list)  # generation ends after any of these (kept in output)
+    n: int = 1  # sequences to return for the prompt (tp_lora.engine.choices)
+    best_of: Optional[int] = None  # sequences to run, the n with the highest cumulative log-probability returned
     # n / best_of: the index of the first of this prompt's sequences; admitted once that one's prompt is computed,
     # so its full KV blocks are cached and shared (prefix cache) instead of computed again
     sibling_of: Optional[int] = None
@@ -49,16 +51,25 @@ class Result:
     interrupted: bool = False  # a stop left it unfinished: no output line, so resume=true runs it again
     # perf_counter() times: arrival, admitted, first_token, finished (serving metrics; not written)
     metrics: dict = field(default_factory=dict)
+    # a request of n > 1 sequences (tp_lora.engine.choices): their Results, in place of this one's outputs
+    choices: Optional[list["Result"]] = None
 
     def to_json(self) -> dict:
         out = {"id": self.request.id, "adapter": self.request.adapter}
         if self.error is not None:
             out["error"] = self.error
+        elif self.choices is not None:
+            out["choices"] = [dict(index=i, **c.outputs()) for i, c in enumerate(self.choices)]
         else:
-            out.update(output_token_ids=self.output_token_ids, logprobs=[round(p, 6) for p in self.logprobs],
-                       finish_reason=self.finish_reason)
-            if self.text is not None:
-                out["text"] = self.text
+            out.update(self.outputs())
+        return out
+
+    def outputs(self) -> dict:
+        """The output line's fields of one sequence."""
+        out = dict(output_token_ids=self.output_token_ids, logprobs=[round(p, 6) for p in self.logprobs],
+                   finish_reason=self.finish_reason)
+        if self.text is not None:
+            out["text"] = self.text
         return out
 
 
@@ -68,6 +79,20 @@ def parse_stop(stop) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
         raise ValueError(f"'stop' must be a non-empty string or a list of them, got {stop!r}")
     return stops
+
+
+MAX_N = 16  # n and best_of: sequences per prompt
+
+
+def set_choices(req: Request, n, best_of) -> None:
+    """req.n / req.best_of from request values (None: the default), checked: ValueError naming the field."""
+    for name, v in (("n", n), ("best_of", best_of)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_N):
+            raise ValueError(f"'{name}' must be an integer from 1 to {MAX_N}, got {v!r}")
+    req.n = 1 if n is None else n
+    req.best_of = best_of
+    if best_of is not None and best_of < req.n:
+        raise ValueError(f"'best_of' ({best_of}) must be at least 'n' ({req.n})")
 
 
 RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",

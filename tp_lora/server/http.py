@@ -19,13 +19,14 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from tp_lora.engine.choices import best, siblings
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer
 from tp_lora.server.channel import SHUTTING_DOWN
 from tp_lora.server.engine_proxy import EngineProxy
 from tp_lora.server.errors import APIError, status_of
 from tp_lora.server.openai_models import ChatCompletionRequest, CompletionRequest, Sampling, parse
-from tp_lora.server.responses import (best, caught_up, chat_logprobs, completion_logprobs, sse, text_or,
+from tp_lora.server.responses import (caught_up, chat_logprobs, completion_logprobs, sse, text_or,
                                       usage)
 
 
@@ -87,12 +88,9 @@ class OpenAIFrontend:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) + {key} ({max_tokens}) = "
                                     f"{len(ids) + max_tokens} exceeds the context of {self.engine.context} tokens",
                                key)
-            rid, first = f"cmpl-{uuid.uuid4().hex[:16]}", None
-            for i in range(per_prompt):
-                reqs.append(Request(next(self._index), id=rid, adapter=adapter, prompt_token_ids=ids,
-                                    max_new_tokens=max_tokens, logprobs=logprobs, sibling_of=first,
-                                    seed=None if seed is None else (seed + i) % 2 ** 63, **fields))
-                first = reqs[-1].index if first is None else first
+            first = Request(next(self._index), id=f"cmpl-{uuid.uuid4().hex[:16]}", adapter=adapter,
+                            prompt_token_ids=ids, max_new_tokens=max_tokens, logprobs=logprobs, seed=seed, **fields)
+            reqs += [first] + siblings(first, [next(self._index) for _ in range(per_prompt - 1)])
         return reqs
 
     def check_capacity(self, n: int) -> None:
@@ -223,8 +221,9 @@ class OpenAIFrontend:
                                      media_type="text/event-stream")
         results = await self.run_all(reqs)
         per_prompt, n = body.best_of_n(), body.n or 1
+        chosen = [r for p in range(0, len(results), per_prompt) for r in best(results[p:p + per_prompt], n)]
         choices = []
-        for i, res in enumerate(best(results, per_prompt, n)):
+        for i, res in enumerate(chosen):
             text = text_or(res, self.decode if self.tokenizer is not None else None)
             lp = self.logprobs_of(kind, top_k, res.output_token_ids, res.logprobs, res.top_logprobs)
             if kind == "text_completion":

@@ -8,12 +8,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tp_lora.engine.requests import MAX_N
 from tp_lora.engine.response_format import parse_response_format, schema_error
 from tp_lora.server.errors import APIError
 
 MAX_LOGPROBS = 5  # completions' logprobs, as OpenAI
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
-MAX_N = 16  # n and best_of: sequences per prompt
 
 # Fields taken and given no effect: they tag, route or store requests on OpenAI's side, which this server does not do
 ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",

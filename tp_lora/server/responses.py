@@ -1,5 +1,5 @@
-"""The answers' shapes: completions and chat log-probability objects, usage, chunks, and the choice of the best
-sequences (best_of). Pure functions of results and a token decoder; tp_lora.server.http sends what they build."""
+"""The answers' shapes: completions and chat log-probability objects, usage, chunks. Pure functions of results and a
+token decoder; tp_lora.server.http sends what they build."""
 from __future__ import annotations
 
 import asyncio
@@ -39,18 +39,6 @@ def usage(results: list[Result]) -> dict:
     p = sum(len(r.request.prompt_token_ids) for r in results)
     c = sum(len(r.output_token_ids) for r in results)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def best(results: list[Result], per_prompt: int, n: int) -> list[Result]:
-    """Of each prompt's `per_prompt` results (consecutive), the n with the highest cumulative log-probability, in
-    that order; all of them in order when per_prompt == n."""
-    if per_prompt == n:
-        return results
-    out = []
-    for p in range(0, len(results), per_prompt):
-        group = results[p:p + per_prompt]
-        out += sorted(group, key=lambda r: -sum(r.logprobs))[:n]
-    return out
 
 
 def sse(obj: dict) -> str:
