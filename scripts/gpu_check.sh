@@ -7,6 +7,9 @@
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
+#   The open issues' unmeasured targets on one GPU, in two calls of under 10 minutes: `pending_a` (GPU tests of the
+#   paths never run on a GPU, fp8, DoRA, n / grammar), then `pending_b` (prefix caching at moderate load, HTTP
+#   against offline at 1 / 100 / 1000 adapters).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -92,6 +95,29 @@ for what in "${@:-all}"; do
     bench_ops|all)
       step "bench_lora_ops"
       run bench_ops 300 12 python3 scripts/bench_lora_ops.py --out "$RES/ops" ;;&
+    pending_a)
+      step "pytest on CUDA + triton: kernels (fp8 GEMMs), graphs, run-ahead, prefix cache, adapter kinds"
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_pending 240 8 python3 -m pytest -q -rs -x \
+        tests/kernels tests/gpu tests/serving/test_run_ahead.py tests/serving/test_prefix_cache.py \
+        tests/parity/test_adapter_kinds_parity.py
+      step "fp8 (#30): GEMM paths against bf16 and the fp8 floor; greedy agreement; decode step fp8 / fp8 KV"
+      run fp8_gemm 90 40 python3 scripts/bench_fp8_gemm.py --rows 1,32,64,128,2048 --out "$RES/fp8"
+      run fp8_check 60 8 python3 scripts/gpu_fp8_check.py
+      run fp8_step 150 12 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 128,2048 \
+        --quantization none,fp8 --kv-cache-dtype auto,fp8 --out "$RES/fp8_step"
+      step "DoRA (#32): decode stack with 32 DoRA vs plain adapters, rank 16 and 128"
+      run dora 60 12 python3 scripts/bench_dora.py --out "$RES/dora"
+      run dora_r128 60 12 python3 scripts/bench_dora.py --rank 128 --out "$RES/dora_r128"
+      step "n and structured output (#31)"
+      run sampling 90 10 python3 scripts/bench_sampling.py --shape llama-2048 --out "$RES/sampling" ;;
+    pending_b)
+      step "prefix caching (#29) at moderate load (TTFT), then the random trace (what caching costs)"
+      run prefix_moderate 240 16 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
+        --out "$RES/prefix_moderate"
+      step "HTTP against offline (#31) at 1 / 100 / 1000 adapters"
+      run serving_http 300 12 python3 scripts/bench_serving.py --server --systems ours,server --clients 8 \
+        --model llama-2048 --ranks 16 --rate 250 --requests 1024 --max-loras 64 --batch 64 \
+        --adapters 1,100,1000 --out "$RES/serving_http" ;;
     *) ;;
   esac
 done

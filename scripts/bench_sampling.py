@@ -1,0 +1,150 @@
+"""Issue #31's sampling costs on one GPU, through the offline engine (tp_lora.LLM), in one run:
+
+  n        --prompts prompts, each asking n=--n sampled sequences (one prefill: the siblings take the first one's KV
+           blocks from the prefix cache) against the same prompts sent --n times as separate requests (each one
+           prefilled): seconds and generated tokens/s of each; target n at least 1.5x separate.
+  grammar  --batch requests with response_format json_schema (bench_grammar.py's "nested" schema) against the same
+           requests without one: generated tokens/s; target: the grammar costs at most 10%.
+
+Model: bench_step.py's random-weight shape (written once under --cache, rank-16 adapters beside it) with a
+byte-level BPE tokenizer trained here on Python's standard library (bench_grammar.py's), so grammars find tokens
+that spell JSON; the model dir for this run links the shape's weight files and adds the tokenizer. Random weights:
+a grammar's document ends when the mask leaves only EOS, so the rows compare tokens/s, not lengths.
+
+    python scripts/bench_sampling.py --shape llama-2048 --out DIR
+    python scripts/bench_sampling.py --smoke --out DIR          # CPU, tiny shape, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_grammar import SCHEMAS, byte_level_tokenizer, corpus  # noqa: E402
+from bench_step import SHAPES, assets  # noqa: E402
+
+
+def model_with_tokenizer(cache: str, shape: str, max_pos: int) -> tuple[str, str]:
+    """(model dir with a JSON-capable tokenizer, adapter dir): bench_step's shape, its files linked."""
+    model, adapters = assets(cache, shape, max_pos)
+    out = os.path.join(cache, f"{shape}-with-tokenizer")
+    if not os.path.exists(os.path.join(out, "tokenizer.json")):
+        os.makedirs(out, exist_ok=True)
+        for f in os.listdir(model):
+            if not os.path.exists(os.path.join(out, f)):
+                os.symlink(os.path.join(model, f), os.path.join(out, f))
+        vocab = SHAPES[shape]["vocab_size"]
+        tok = byte_level_tokenizer(vocab, corpus())
+        tok.save(os.path.join(out, "tokenizer.json"))
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                       "unk_token": "<unk>"}, f)
+    return out, adapters
+
+
+def timed(llm, prompts, adapters, **kw) -> dict:
+    """One LLM.generate call: seconds, generated tokens (every choice), tokens/s, and the results."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = llm.generate(prompts, adapter=adapters, **kw)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    s = time.perf_counter() - t0
+    errors = [o["error"] for o in out if "error" in o]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    tokens = sum(len(c["output_token_ids"]) for o in out for c in o.get("choices", [o]))
+    return {"seconds": s, "tokens": tokens, "tokens_per_s": tokens / s, "out": out}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_sampling_results")
+    p.add_argument("--cache", default=os.path.expanduser("~/.cache/tp_lora/bench_step"))
+    p.add_argument("--shape", default="llama-2048", choices=sorted(SHAPES))
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32, help="requests of the grammar comparison")
+    p.add_argument("--reps", type=int, default=3, help="timed runs of each side (medians)")
+    p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU, few tokens")
+    args = p.parse_args()
+    if args.smoke:
+        args.shape, args.prompts, args.n, args.prompt_tokens, args.new_tokens, args.batch, args.reps = \
+            "smoke", 2, 3, 24, 6, 4, 1
+    from tp_lora import LLM
+    max_pos = args.prompt_tokens + args.new_tokens + 64
+    model, adapter_dir = model_with_tokenizer(args.cache, args.shape, max_pos)
+    names = sorted(os.listdir(adapter_dir))
+    llm = LLM(model, adapter_dir, **{"device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": "bfloat16",
+                                     "lora.max_loras": min(32, len(names)), "lora.max_rank": 16,
+                                     "scheduler.max_batch_size": max(args.prompts * args.n, args.batch),
+                                     "model.max_seq_len": max_pos})
+    rng = random.Random(0)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
+    adapters = [names[i % len(names)] for i in range(args.prompts)]
+    sample = dict(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
+    rows = {}
+
+    def median(fn) -> dict:
+        runs = sorted((fn() for _ in range(args.reps)), key=lambda r: r["seconds"])
+        return runs[len(runs) // 2]
+    # n: distinct prompts each run (a prompt seen before would be served from the prefix cache)
+    fresh = iter(range(1, 1 << 30))
+
+    def salted():
+        salt = next(fresh)
+        return [[3 + (salt + i) % (vocab - 3)] + p[1:] for i, p in enumerate(prompts)]
+    timed(llm, salted()[:2], adapters[:2], **sample)  # warm-up: kernels, graphs, slots
+    rows["n"] = median(lambda: timed(llm, salted(), adapters, n=args.n, seed=1, **sample))
+    rows["separate"] = median(lambda: timed(llm, [q for q in salted() for _ in range(args.n)],
+                                            [a for a in adapters for _ in range(args.n)], seed=1, **sample))
+    schema = {"type": "json_schema", "json_schema": {"name": "nested", "schema": SCHEMAS["nested"][0]}}
+    batch_prompts = [salted()[i % args.prompts][:64] for i in range(args.batch)]
+    batch_adapters = [names[i % len(names)] for i in range(args.batch)]
+    free = dict(max_new_tokens=args.new_tokens, temperature=1.0)
+    rows["no_grammar"] = median(lambda: timed(llm, batch_prompts, batch_adapters, **free))
+    rows["grammar"] = median(lambda: timed(llm, batch_prompts, batch_adapters, response_format=schema, **free))
+    parsed = sum(1 for o in rows["grammar"]["out"] if _parses(o.get("text", "")))
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "shape": args.shape,
+              "args": vars(args), "rows": {k: {x: v for x, v in r.items() if x != "out"} for k, r in rows.items()},
+              "n_speedup": rows["n"]["tokens_per_s"] / rows["separate"]["tokens_per_s"],
+              "grammar_cost": 1 - rows["grammar"]["tokens_per_s"] / rows["no_grammar"]["tokens_per_s"],
+              "grammar_documents_parsed": f"{parsed}/{args.batch}"}
+    print(f"device {report['device']}, shape {args.shape}, {args.prompts} prompts of {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens")
+    print("| run | requests | seconds | generated tokens | tokens/s |\n|---|---|---|---|---|")
+    for name, r in rows.items():
+        count = {"n": f"{args.prompts} x n={args.n}", "separate": f"{args.prompts * args.n}"}.get(name, args.batch)
+        print(f"| {name} | {count} | {r['seconds']:.3f} | {r['tokens']} | {r['tokens_per_s']:.0f} |")
+    print(f"n={args.n} against separate requests: {report['n_speedup']:.2f}x tokens/s (target >= 1.5x); "
+          f"grammar cost {report['grammar_cost']:.1%} of tokens/s (target <= 10%); "
+          f"{report['grammar_documents_parsed']} grammar documents parse")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_sampling.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    llm.close()
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
