@@ -41,6 +41,19 @@ def test_affinity_spreads_a_hot_adapter_past_the_imbalance_bound():
     assert abs(queue[0] - queue[1]) <= 1, r.load
 
 
+def test_a_replica_whose_scheduler_holds_requests_back_counts_them_as_queued():
+    """Replica 0 holds "a" in a slot and is under its batch, but reports requests waiting (for slots): "a" goes to
+    the idle replica instead of queueing there; once replica 0 reports none waiting it is affine again."""
+    r = Router(2, "affinity", batch=8, max_imbalance=2)
+    r.report(0, ("a",), ())
+    for i in range(3):
+        r.route(i, "b" * (i + 2))
+    r.report_waiting(0, 3)
+    assert r.route(10, "a") == 1
+    r.report_waiting(0, 0)
+    assert r.route(11, "a") == 0
+
+
 def test_ended_requests_leave_the_load_and_in_use():
     r = Router(2, "affinity", batch=4, max_imbalance=0)
     d = r.route(7, "a")

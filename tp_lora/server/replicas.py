@@ -100,7 +100,7 @@ class ReplicaSource:
         if self.channel is not None:
             return "ops", self._route(self.channel.take(wait))
         if self.leader:
-            return self.outbox.take(), self.residency()
+            return self.outbox.take(), self.residency(), self.engine.gauges().waiting
         return None
 
     def _route(self, ops: list) -> list[Op]:
@@ -110,6 +110,7 @@ class ReplicaSource:
         now = self.residency()
         if now is not None:
             router.report(0, *now)
+        router.report_waiting(0, self.engine.gauges().waiting)
         for op in ops:
             if op[0] == "add":
                 op = op + (router.route(op[1].index, op[1].adapter),)
@@ -129,9 +130,10 @@ class ReplicaSource:
             mine.append(op)
         if self.forward is not None:
             for d in range(1, self.forward.router.replicas):
-                frames, residency = views[d * self.tp_size]
+                frames, residency, waiting = views[d * self.tp_size]
                 if residency is not None:
                     self.forward.router.report(d, *residency)
+                self.forward.router.report_waiting(d, waiting)
                 for msg in frames:
                     self.forward.send(msg, d)
         return mine

@@ -7,7 +7,8 @@ ended yet (each replica's load). Plain Python: no torch, no collectives.
                   left every cache comes back where it was, so each replica's caches hold a share of the adapters
                   instead of all of them churning everywhere), else the least loaded; a replica is passed over
                   while it would queue more than server.max_imbalance requests beyond the least queued one (a hot
-                  adapter then spreads)
+                  adapter then spreads). A replica's queue: its requests beyond the batch, or the requests its
+                  scheduler last reported waiting (for a slot, say), whichever is more
     least_loaded  the replica with the fewest requests in flight
     round_robin   the next replica in turn
 """
@@ -27,6 +28,7 @@ class Router:
         self.slots: list[set] = [set() for _ in range(replicas)]  # as last reported
         self.host: list[set] = [set() for _ in range(replicas)]
         self.load = [0] * replicas  # requests routed and not ended
+        self.waiting = [0] * replicas  # requests the replica's scheduler held back, as last reported
         self.inflight: dict[int, tuple[int, Optional[str]]] = {}  # request index -> (replica, adapter)
         self.users: list[dict] = [{} for _ in range(replicas)]  # adapter -> requests in flight on the replica
         self.turn = 0
@@ -35,6 +37,10 @@ class Router:
         """A replica's adapter residency: names in its device slots (None for a free slot) and in host memory."""
         self.slots[replica] = {n for n in slots if n is not None}
         self.host[replica] = set(host)
+
+    def report_waiting(self, replica: int, waiting: int) -> None:
+        """How many requests the replica's scheduler holds back (no room in the batch, or no slot for its adapter)."""
+        self.waiting[replica] = waiting
 
     def route(self, index: int, adapter: Optional[str]) -> int:
         """The replica for request `index` (of `adapter`, None for the base model); counted in flight until ended."""
@@ -68,7 +74,7 @@ class Router:
         return sum(u.get(adapter, 0) for u in self.users)
 
     def _queue(self, d: int) -> int:
-        return max(0, self.load[d] - self.batch)
+        return max(0, self.load[d] - self.batch, self.waiting[d])
 
     def _least(self, candidates) -> int:
         """The least loaded of `candidates`, ties broken in turn (so equal replicas share the work)."""
@@ -80,7 +86,8 @@ class Router:
 
     def _affine(self, adapter: str) -> int:
         bound = min(self._queue(d) for d in range(self.replicas)) + self.max_imbalance
-        fits = [d for d in range(self.replicas) if self._queue(d) + 1 <= bound or self.load[d] < self.batch]
+        fits = [d for d in range(self.replicas) if self._queue(d) + 1 <= bound or
+                (self.load[d] < self.batch and not self.waiting[d])]
         for holds in (lambda d: adapter in self.slots[d] or adapter in self.users[d],
                       lambda d: adapter in self.host[d]):
             mine = [d for d in fits if holds(d)]
