@@ -7,7 +7,9 @@ slots: the slot misses), completed requests, and how often a replica sat idle wh
     python scripts/bench_routing.py --dp 2,4,8 --model DIR --adapter DIR --requests 4000 --concurrency 128  # GPUs
 
 --adapter: one PEFT adapter dir, copied (linked) --adapters times as the served adapters (default: the embedded
-default's alpha). The counters are what matter: on CPU the step times are not representative.
+default's alpha). The counters are what matter: on CPU the step times are not representative. Last, per replica
+count, the floor of slot misses that popularity alone sets (slot_miss_floor) and so the most any policy could cut
+round robin's misses by.
 """
 import argparse
 import asyncio
@@ -47,6 +49,14 @@ def trace(n_requests: int, n_adapters: int, alpha: float, seed: int) -> list[str
     p = 1.0 / np.arange(1, n_adapters + 1) ** alpha
     rng = np.random.default_rng(seed)
     return [f"a{i:04d}" for i in rng.choice(n_adapters, size=n_requests, p=p / p.sum())]
+
+
+def slot_miss_floor(n_adapters: int, alpha: float, slots: int) -> float:
+    """The least slot-miss rate any routing and eviction can reach in the long run when requests draw adapters
+    independently with this popularity: the replicas' slots together hold at most `slots` distinct adapters, so at
+    best the most popular `slots` of them are always resident and every other request misses."""
+    p = 1.0 / np.arange(1, n_adapters + 1) ** alpha
+    return float(1 - p[:slots].sum() / p.sum())
 
 
 def series(text: str, name: str) -> dict[str, float]:
@@ -158,15 +168,24 @@ def main():
           f"{args.concurrency} concurrent, {args.slots} slots and {args.host} host images per replica", flush=True)
     print("| dp | routing | completed | adapter reads | slot loads (misses) | slot hit rate | idle while another "
           "queued (samples) | seconds |\n|---|---|---|---|---|---|---|---|", flush=True)
+    floors = []
     for dp in [int(x) for x in args.dp.split(",")]:
+        rows = {}
         for policy in args.policies.split(","):
-            row = serve_once(args, dp, policy, adapters, names, os.path.join(tmp, f"dp{dp}_{policy}.log"))
+            row = rows[policy] = serve_once(args, dp, policy, adapters, names,
+                                            os.path.join(tmp, f"dp{dp}_{policy}.log"))
             print(f"| {dp} | {policy} | {row['completed']}/{row['requests']} | {row['adapter_reads']} | "
                   f"{row['slot_loads']} | {row['slot_hit_rate']:.3f} | {row['idle_while_queued']} | "
                   f"{row['seconds']} |", flush=True)
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
+        floor = slot_miss_floor(args.adapters, args.alpha, args.slots * dp)
+        rr = rows.get("round_robin")
+        floors.append(f"dp {dp}: slot misses at best {floor:.3f} of requests"
+                      + (f", round robin's {rr['slot_loads'] / len(names):.3f}: at most "
+                         f"{rr['slot_loads'] / len(names) / floor:.2f}x fewer than round robin" if rr else ""))
+    print("Floor (any routing, any eviction; popularity alone): " + "; ".join(floors))
 
 
 if __name__ == "__main__":
