@@ -9,6 +9,7 @@ import torch
 from tp_lora.ops import fused as ref
 from tp_lora.ops import sampling
 
+FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -107,6 +108,35 @@ def test_rope_write_kv(device, dtype, tokens, heads, kv, d, partial, norm, offse
         torch.testing.assert_close(got[..., r:], want[..., r:], **_tol(device, dtype))
         if not norm:
             torch.testing.assert_close(got[..., r:], q[..., r:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.25, 4.0)])
+def test_rope_write_kv_into_an_fp8_cache_with_scales(device, scales):
+    """An fp8 cache takes k / k_scale and v / v_scale, as the reference writes them. No rotation (rotary dim 0) and
+    K / V that are e4m3 values times their scale: the interpreter rounds fp8 wrongly where rounding carries into the
+    exponent, so on the CPU the values need none; CUDA also gets rotated random ones."""
+    from tp_lora.ops.triton.fused import rope_write_kv
+    gen = torch.Generator().manual_seed(int(scales[0] * 8))
+    tokens, heads, kv, d = 7, 4, 2, 16
+    cases = []
+    for rotary in ([0, d] if device == "cuda" else [0]):
+        q = torch.randn(tokens, heads, d, generator=gen)
+        kv_vals = [(torch.randn(tokens, kv, d, generator=gen) * 40).to(FP8).float() * s for s in scales]
+        if rotary:
+            kv_vals = [torch.randn(tokens, kv, d, generator=gen) * 40 * s for s in scales]
+        pos = torch.arange(tokens).float()[:, None] * 0.37
+        emb = torch.cat([pos] * max(rotary, 1), -1)[:, :rotary]
+        cos, sin = torch.cos(emb)[:, None], torch.sin(emb)[:, None]
+        cases.append([x.to(device) for x in (q, *kv_vals, cos, sin)])
+    for q, k, v, cos, sin in cases:
+        slots = torch.randperm(4 * 4, generator=gen)[:tokens].to(device)
+        kc, vc = (torch.zeros(4, 4, kv, d, dtype=FP8, device=device) for _ in range(2))
+        want_kc, want_vc = kc.clone(), vc.clone()
+        got = rope_write_kv(q, k, v, cos, sin, kc, vc, slots, None, None, 0.0, False, scales)
+        want = ref.rope_write_kv_ref(q, k, v, cos, sin, want_kc, want_vc, slots, None, None, 0.0, False, scales)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kc.float(), want_kc.float()) and torch.equal(vc.float(), want_vc.float())
+        assert kc.float().abs().max() > 0
 
 
 def test_rope_reference_is_a_rotation_of_pairs():

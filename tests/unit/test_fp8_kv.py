@@ -1,8 +1,13 @@
-"""scheduler.kv_cache_dtype=fp8: K and V stored as float8_e4m3fn (per-tensor scale 1, saturating at +-448) give the
-tokens and logprobs of a float32 cache holding the same values rounded through fp8 (the reference rounds at the
-write, tp_lora.ops.fused.write_kv); the paged attention references read an fp8 cache as that float32 one; the KV
-budget counts one byte per element."""
+"""scheduler.kv_cache_dtype=fp8: K and V stored as float8_e4m3fn (per-tensor scales: 1, or the checkpoint's
+self_attn.k_scale / v_scale; saturating at +-448) give the tokens and logprobs of a float32 cache holding the same
+values rounded through fp8 with those scales (the reference rounds at the write, tp_lora.ops.fused.write_kv); a
+float32 cache ignores the scales; a scale that is not one positive value is refused naming it; the paged attention
+references read an fp8 cache as that float32 one; the KV budget counts one byte per element."""
+import os
+
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tp_lora import distributed as comm
 from tp_lora.assets import write_random_adapter, write_tiny_llama
@@ -23,8 +28,19 @@ def _engine(model, adapters, kv: str) -> Engine:
     return Engine(cfg, comm.single_process("cpu"), model, adapters)
 
 
-def test_fp8_kv_cache_equals_fp8_rounded_float_cache(tmp_path, monkeypatch):
+def with_kv_scales(model: str, scales: dict) -> None:
+    """Add self_attn.<name> tensors ({(layer, name): value}) to the tiny model's one safetensors file."""
+    path = os.path.join(model, "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({f"model.layers.{i}.self_attn.{n}": torch.tensor(v) for (i, n), v in scales.items()})
+    save_file(tensors, path)
+
+
+@pytest.mark.parametrize("scales", [{}, {(0, "k_scale"): 0.05, (0, "v_scale"): 0.02, (1, "k_scale"): 0.3,
+                                         (1, "v_proj.output_scale"): 0.004}])
+def test_fp8_kv_cache_equals_fp8_rounded_float_cache(tmp_path, monkeypatch, scales):
     model = write_tiny_llama(str(tmp_path / "m"), seed=3)
+    with_kv_scales(model, scales)
     write_random_adapter(str(tmp_path / "ad" / "a"), model, r=8, seed=4)
     reqs = [Request(i, id=i, adapter=a, prompt_token_ids=list(range(5 + i, 30 + 3 * i)), max_new_tokens=6,
                     ignore_eos=True) for i, a in enumerate(["a", None, "a"])]
@@ -32,17 +48,31 @@ def test_fp8_kv_cache_equals_fp8_rounded_float_cache(tmp_path, monkeypatch):
     got = [(r.output_token_ids, r.logprobs) for r in engine.generate(reqs)]
     assert engine.runner.cache.k[0].dtype == FP8 and engine.runner.cache.v[1].dtype == FP8
     assert kv_bytes_per_token(2, 2, 16, engine.model.kv_dtype) * 4 == kv_bytes_per_token(2, 2, 16, torch.float32)
+    per_layer = [(scales.get((i, "k_scale"), 1.0), scales.get((i, "v_scale"), scales.get((i, "v_proj.output_scale"),
+                                                                                       1.0))) for i in range(2)]
+    write, calls = fused.write_kv, []
 
-    write = fused.write_kv
-
-    def rounded(k_cache, v_cache, slots, k, v):
-        write(k_cache, v_cache, slots, *(x.clamp(-448, 448).to(FP8).to(x.dtype) for x in (k, v)))
+    def rounded(k_cache, v_cache, slots, k, v, kv_scales):  # layer by layer, step after step
+        assert kv_scales == (1.0, 1.0)  # a float32 cache takes the values unscaled
+        ks, vs = per_layer[len(calls) % 2]
+        calls.append(1)
+        write(k_cache, v_cache, slots, *((x * (1.0 / s)).clamp(-448, 448).to(FP8).to(x.dtype) * s
+                                         for x, s in ((k, ks), (v, vs))))
 
     monkeypatch.setattr(fused, "write_kv", rounded)
     want = [(r.output_token_ids, r.logprobs) for r in _engine(model, str(tmp_path / "ad"), "auto").generate(reqs)]
     for (t, lp), (wt, wlp) in zip(got, want):
         assert t == wt
         assert max(abs(a - b) for a, b in zip(lp, wlp)) < 1e-5
+
+
+@pytest.mark.parametrize("value, words", [([0.1, 0.2], "expected one value"), (0.0, "positive finite"),
+                                          (float("inf"), "positive finite")])
+def test_bad_kv_scales_are_refused_naming_them(tmp_path, value, words):
+    model = write_tiny_llama(str(tmp_path / "m"), seed=3)
+    with_kv_scales(model, {(1, "k_scale"): value})
+    with pytest.raises(Exception, match=rf"model.layers.1.self_attn.k_scale.*{words}"):
+        _engine(model, None, "fp8")
 
 
 def test_paged_references_read_fp8_cache():

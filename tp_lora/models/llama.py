@@ -19,6 +19,7 @@ from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spe
 from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.models.attention import AttnMeta, KVCache, attend
+from tp_lora.ops.fp8 import FP8_DTYPE
 from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, rope_write_kv
 from tp_lora.sharding import unit_range
 
@@ -183,6 +184,9 @@ class Attention(nn.Module):
         eps, offset = hf.get("rms_norm_eps", 1e-6), kind in GEMMA_TYPES
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, offset) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device, offset) if qk_norm else None
+        # An fp8 KV cache holds k / k_scale and v / v_scale (the checkpoint's self_attn.k_scale / v_scale, else 1):
+        # the scores take k_scale with the softmax scale, the output v_scale.
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta):
         qkv = self.qkv_proj(x)
@@ -190,11 +194,12 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
         norm = self.q_norm is not None
+        ks, vs = self.kv_scales if cache.k[self.layer_idx].dtype == FP8_DTYPE else (1.0, 1.0)
         q = rope_write_kv(q, k, v, cos, sin, cache.k[self.layer_idx], cache.v[self.layer_idx], meta.slots,
                           self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                          self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset)
-        out = attend(q, cache, self.layer_idx, meta, self.scale, self.window, self.softcap)
-        return self.o_proj(out)
+                          self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs))
+        out = attend(q, cache, self.layer_idx, meta, self.scale * ks, self.window, self.softcap)
+        return self.o_proj(out if vs == 1.0 else out * vs)
 
 
 class MLP(nn.Module):

@@ -63,12 +63,32 @@ def load_dense_layer(reader: CheckpointReader, layer: nn.Module, i: int) -> None
     if getattr(attn, "q_norm", None) is not None:
         _load_norm(reader, attn.q_norm, p + "self_attn.q_norm.weight")
         _load_norm(reader, attn.k_norm, p + "self_attn.k_norm.weight")
+    attn.kv_scales = tuple(_kv_scale(reader, p + "self_attn.", x) for x in "kv")
     if hasattr(layer.mlp, "gate_up_proj"):
         _load_fused_or_packed(reader, layer.mlp.gate_up_proj, p + "mlp.gate_up_proj",
                               [p + "mlp.gate_proj", p + "mlp.up_proj"])
         _load_packed(reader, layer.mlp.down_proj, [p + "mlp.down_proj"])
     else:
         layer.mlp.load(reader, p + "mlp.")
+
+
+KV_SCALE_NAMES = ("{x}_scale", "{x}_proj.output_scale")  # llm-compressor / vLLM, AutoFP8
+
+
+def _kv_scale(reader: CheckpointReader, prefix: str, x: str) -> float:
+    """The fp8 KV cache scale of K (x="k") or V in this attention layer: one positive value per tensor, 1.0 when the
+    checkpoint has none."""
+    name = next((prefix + n.format(x=x) for n in KV_SCALE_NAMES if reader.has(prefix + n.format(x=x))), None)
+    if name is None:
+        return 1.0
+    t = reader.get(name)
+    if t.numel() != 1:
+        raise CheckpointError(f"{name} has shape {tuple(t.shape)} in {reader.source}: expected one value (per-tensor "
+                              f"KV cache scales; per-head scales are not supported)")
+    value = float(t.float().reshape(()))
+    if not (value > 0 and value < float("inf")):
+        raise CheckpointError(f"{name} = {value} in {reader.source}: expected a positive finite scale")
+    return value
 
 
 def _unquantized(reader: CheckpointReader, name: str):

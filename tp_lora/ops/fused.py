@@ -62,24 +62,26 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                       q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
-                      offset: bool = False) -> torch.Tensor:
+                      offset: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """q [T, H, d], k / v [T, KV, d] (views of the packed qkv output); cos / sin [T, 1, r]; caches [blocks, bs, KV, d];
     slots [T] (block * bs + offset). q_weight / k_weight [d]: the per-head RMSNorm before RoPE (both or neither).
-    Writes RoPE(k) and v at the slots; returns RoPE(q) [T, H, d]."""
+    kv_scales: an fp8 cache's (k, v) scales (it holds k / k_scale, v / v_scale). Writes RoPE(k) and v at the slots;
+    returns RoPE(q) [T, H, d]."""
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps, offset), rms_norm_ref(k, k_weight, eps, offset)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    write_kv(k_cache, v_cache, slots, k, v)
+    write_kv(k_cache, v_cache, slots, k, v, kv_scales)
     return q
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-             ) -> None:
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """k / v [T, KV, d] into the paged caches [blocks, bs, KV, d] at slots [T] (block * bs + offset). An fp8 cache
-    (scale 1) takes them saturated at its largest finite value, as the kernels' conversion does."""
+    takes k / k_scale and v / v_scale (multiplied by the reciprocals in float32, as the kernel does), saturated at its
+    largest finite value, as the kernels' conversion does."""
     if k_cache.dtype == torch.float8_e4m3fn:
         big = torch.finfo(torch.float8_e4m3fn).max
-        k, v = k.clamp(-big, big).to(k_cache.dtype), v.clamp(-big, big).to(v_cache.dtype)
+        k, v = ((x.float() * (1.0 / s)).clamp(-big, big).to(k_cache.dtype) for x, s in zip((k, v), kv_scales))
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v
 
@@ -129,11 +131,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
-                  offset: bool = False) -> torch.Tensor:
+                  offset: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     if use_kernels(q):
         from tp_lora.ops.triton.fused import rope_write_kv as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)
-    return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)
+        return kernel(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset, kv_scales)
+    return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset, kv_scales)
 
 
 def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:

@@ -72,10 +72,10 @@ def _norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexp
 
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, qw_ptr, kw_ptr,
-                          q_out_ptr, eps, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cos, s_sin, s_cs, s_ch, s_vcs, s_vch,
-                          H: tl.constexpr, KV: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-                          D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
-                          OFFSET: tl.constexpr):
+                          q_out_ptr, eps, k_inv, v_inv, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cos, s_sin, s_cs, s_ch,
+                          s_vcs, s_vch, H: tl.constexpr, KV: tl.constexpr, H_PAD: tl.constexpr,
+                          KV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr,
+                          NORM: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
     cos_row, sin_row = cos_ptr + t * s_cos, sin_ptr + t * s_sin
@@ -87,8 +87,11 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     ok = (hk < KV) & (i < D)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     k = _norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, KV_PAD, D, D_PAD, R, NORM, OFFSET, dt)
-    tl.store(kc_ptr + slot * s_cs + hk * s_ch + i, k, mask=ok)
     v = tl.load(v_ptr + t * s_vt + hk * s_vh + i, mask=ok, other=0.0)
+    if SCALED:  # an fp8 cache holds k / k_scale and v / v_scale
+        k = k.to(tl.float32) * k_inv
+        v = v.to(tl.float32) * v_inv
+    tl.store(kc_ptr + slot * s_cs + hk * s_ch + i, k, mask=ok)
     tl.store(vc_ptr + slot * s_vcs + hk * s_vch + i, v, mask=ok)
 
 
@@ -137,7 +140,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
-                  offset: bool = False) -> torch.Tensor:
+                  offset: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     t, heads, d = q.shape
     kv, r = k.shape[1], cos.shape[-1]
     for name, x in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
@@ -152,10 +155,11 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if t:
         _rope_write_kv_kernel[(t,)](
             q, k, v, cos, sin, kc, vc, slots, q_weight if norm else q, k_weight if norm else k, out, float(eps),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            1.0 / kv_scales[0], 1.0 / kv_scales[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             sin.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             H=heads, KV=kv, H_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv), D=d,
             D_PAD=triton.next_power_of_2(d), R=r, NORM=norm, OFFSET=bool(offset),
+            SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
             num_warps=4 if heads * d <= 4096 else 8)
     return out
 
