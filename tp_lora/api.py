@@ -6,6 +6,7 @@ together, data-parallel replicas split the prompts); the driver (global rank 0) 
 """
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -211,6 +212,10 @@ class LLM:
             self.engine.close()
         finally:
             comm.shutdown()
+            # The groups' last references go now, while the interpreter is whole: gloo's worker threads are then
+            # joined here instead of being torn down during interpreter finalization (which aborts the process).
+            self.engine = self.ps = self.tokenizer = None
+            gc.collect()
 
     def __enter__(self) -> "LLM":
         return self
