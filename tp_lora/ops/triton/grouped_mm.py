@@ -62,7 +62,7 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, N, K, s_xm, s_we,
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                block_k: int | None = None, rows_per_expert: int = BLOCK_M) -> torch.Tensor:
     """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
-    row block (at most MAX_BLOCK_M) and the column block (narrower when few programs would cover the weights)."""
+    row block (at most MAX_BLOCK_M); one expert (a dense GEMM) takes narrow column blocks."""
     x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError(f"grouped_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
@@ -81,7 +81,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
         s_se, s_sn = scale.stride(0), scale.stride(1)
         bk = BLOCK_K if block_k is None else min(BLOCK_K, block_k)
     block_m = min(MAX_BLOCK_M, max(BLOCK_M, triton.next_power_of_2(rows_per_expert)))
-    block_n = BLOCK_N if e * triton.cdiv(n, BLOCK_N) >= 256 else 32  # enough programs to stream the weights
+    # a dense GEMM (one expert) in narrow column tiles: enough programs to stream its weights over every SM
+    block_n = 32 if e == 1 else BLOCK_N
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
         x, w, ends, out, scale, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), s_se, s_sn,
