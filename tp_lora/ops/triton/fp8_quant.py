@@ -31,7 +31,7 @@ def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, F
         mask = offs < K - k0
         v = tl.load(x_ptr + row * s_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(v / scale, -FMAX), FMAX)
-        tl.store(q_ptr + row * s_qm + k0 + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(q_ptr + row * s_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
