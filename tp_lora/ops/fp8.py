@@ -4,12 +4,12 @@ layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation qua
     fp8_linear(x [T, K], w [N, K] fp8, scale, block_k) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
-With the Triton kernels (CUDA): up to SMALL_ROWS rows (decode), the weight-only fp8 GEMM
-(tp_lora.ops.triton.grouped_mm with one expert: fp8 tiles widened in registers, scales on the partial sums), which
-reads only the fp8 bytes and quantizes nothing; more rows with per-channel scales, W8A8: activations quantized per
-token (one Triton kernel) and torch._scaled_mm with both scale vectors. Elsewhere (the CPU; block scales at prefill
-sizes): the weights dequantised in float32, cast to x's dtype, then one GEMM: on the CPU that is the exact reference
-the tests compare layouts with."""
+With the Triton kernels on a device that reads fp8 (CUDA sm89+): up to SMALL_ROWS rows (decode), the weight-only fp8
+GEMM (tp_lora.ops.triton.grouped_mm with one expert: fp8 tiles widened in registers, scales on the partial sums),
+which reads only the fp8 bytes and quantizes nothing. More rows with per-channel scales on such a device, W8A8:
+activations quantized per token (one Triton kernel; torch ops with the kernels off) and torch._scaled_mm with both
+scale vectors. Elsewhere (the CPU; block scales at prefill sizes): the weights dequantised in float32, cast to x's
+dtype, then one GEMM: on the CPU that is the exact reference the tests compare layouts with."""
 from __future__ import annotations
 
 import threading
@@ -91,9 +91,10 @@ def _fp8_device(index: int | None) -> bool:
 
 
 def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
-    """Whether fp8_linear runs torch._scaled_mm: CUDA, per-channel scales, 16-aligned K and N, 16-bit output."""
-    return (x.is_cuda and block_k is None and x.dtype in (torch.bfloat16, torch.float16)
-            and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
+    """Whether fp8_linear runs torch._scaled_mm: CUDA that computes in fp8 (sm89+), per-channel scales, 16-aligned
+    K and N, 16-bit output."""
+    return (x.is_cuda and _fp8_device(x.device.index) and block_k is None
+            and x.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
@@ -102,8 +103,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
         from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - CUDA / forced only
         ends = torch.full((1,), rows, dtype=torch.int32, device=x.device)
         return grouped_mm(x, w.unsqueeze(0), ends, scale.unsqueeze(0), block_k, rows_per_expert=rows)
-    if rows and kernels_take(x, block_k) and scaled_mm_ok(x, w, block_k):
-        from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415
+    if rows and scaled_mm_ok(x, w, block_k):
+        if use_kernels(x):
+            from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415
+        else:
+            quantize = quantize_per_token
         xq, xs = quantize(x)
         return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return x @ dequantize(w, scale, block_k).to(x.dtype).t()
