@@ -2,9 +2,11 @@
 
 - the weight-only grouped GEMM (tp_lora.ops.triton.grouped_mm with fp8 weights) against grouped_mm_ref, which
   dequantises: per-channel and per-block scales (blocks narrower and wider than the kernel's K tile, K not a
-  multiple of the block), empty experts, float32 and bf16 activations;
+  multiple of the block), empty experts, prefill sizes (more rows per expert than a row block), float32 and bf16
+  activations;
 - fp8_linear with the kernels on, at decode rows (the weight-only kernel as a one-expert grouped GEMM) and past them
-  (W8A8 through torch._scaled_mm on CUDA; the dequantised GEMM elsewhere), against x @ dequantize(w)^T;
+  (block scales: the same kernel; per-channel: W8A8 through torch._scaled_mm on CUDA, the dequantised GEMM
+  elsewhere), against x @ dequantize(w)^T;
 - the per-token activation quantization kernel against quantize_per_token.
 """
 import pytest
@@ -25,7 +27,8 @@ def fp8_weights(gen, experts, n, k, block_k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts,k,n,block_k", [([3, 0, 9, 4], 96, 40, None), ([3, 0, 9, 4], 96, 40, 32),
                                                 ([0, 7, 0], 200, 24, 64), ([5, 2], 512, 48, 256),
-                                                ([16, 1, 0, 30], 160, 136, 128)])
+                                                ([16, 1, 0, 30], 160, 136, 128),
+                                                ([70, 0, 190], 96, 40, None), ([70, 0, 190], 96, 40, 32)])
 def test_fp8_grouped_mm_matches_the_dequantised_loop(device, monkeypatch, dtype, counts, k, n, block_k):
     monkeypatch.setattr(fused, "KERNELS", True)
     gen = torch.Generator().manual_seed(sum(counts) * 7 + k + (block_k or 0))

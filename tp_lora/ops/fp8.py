@@ -6,10 +6,11 @@ layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation qua
 
 With the Triton kernels on a device that reads fp8 (CUDA sm89+): up to SMALL_ROWS rows (decode), the weight-only fp8
 GEMM (tp_lora.ops.triton.grouped_mm with one expert: fp8 tiles widened in registers, scales on the partial sums),
-which reads only the fp8 bytes and quantizes nothing. More rows with per-channel scales on such a device, W8A8:
-activations quantized per token (one Triton kernel; torch ops with the kernels off) and torch._scaled_mm with both
-scale vectors. Elsewhere (the CPU; block scales at prefill sizes): the weights dequantised in float32, cast to x's
-dtype, then one GEMM: on the CPU that is the exact reference the tests compare layouts with."""
+which reads only the fp8 bytes and quantizes nothing; block scales take it at every row count too (no float32 copy
+of the weights). More rows with per-channel scales on such a device, W8A8: activations quantized per token (one
+Triton kernel; torch ops with the kernels off) and torch._scaled_mm with both scale vectors. Elsewhere (the CPU):
+the weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare layouts
+with."""
 from __future__ import annotations
 
 import threading
@@ -99,7 +100,7 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
     rows = x.shape[0]
-    if rows and rows <= SMALL_ROWS and kernels_take(x, block_k):
+    if rows and (rows <= SMALL_ROWS or block_k is not None) and kernels_take(x, block_k):
         from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - CUDA / forced only
         ends = torch.full((1,), rows, dtype=torch.int32, device=x.device)
         return grouped_mm(x, w.unsqueeze(0), ends, scale.unsqueeze(0), block_k, rows_per_expert=rows)

@@ -6,7 +6,8 @@
 w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block
 (tp_lora.ops.fp8.dequantize's layouts).
 
-Rows past ends[-1] are left undefined (the plan never reads them). On CUDA with few rows per expert (decode) our
+Rows past ends[-1] are left undefined (the plan never reads them). On CUDA with few rows per expert (decode), and
+for fp8 weights at any row count (a dequantised copy of every expert would cost more memory than the experts), our
 Triton kernel (tp_lora/ops/triton/grouped_mm.py: one pass over the routed experts' weights); otherwise torch's
 grouped GEMM (`F.grouped_mm`) where the installed torch runs it for the device and dtype (CUDA: bf16 on sm90+; CPU
 builds that have it), else the per-expert loop `grouped_mm_ref`, which reads the offsets on the host (a sync: eager
@@ -42,8 +43,10 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                block_k: int | None = None) -> torch.Tensor:
-    if use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0] and (scale is None or kernels_take(x, block_k)):
-        return grouped_mm_triton(x, w, ends, scale, block_k)
+    if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
+        return grouped_mm_triton(x, w, ends, scale, block_k, -(-x.shape[0] // max(w.shape[0], 1)))
+    if scale is None and use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0]:
+        return grouped_mm_triton(x, w, ends)
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
     if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
