@@ -102,8 +102,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     rows = x.shape[0]
     if rows and (rows <= SMALL_ROWS or block_k is not None) and kernels_take(x, block_k):
         from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - CUDA / forced only
-        ends = torch.full((1,), rows, dtype=torch.int32, device=x.device)
-        return grouped_mm(x, w.unsqueeze(0), ends, scale.unsqueeze(0), block_k, rows_per_expert=rows)
+        return grouped_mm(x, w.unsqueeze(0), None, scale.unsqueeze(0), block_k, rows_per_expert=rows)
     if rows and scaled_mm_ok(x, w, block_k):
         if use_kernels(x):
             from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415

@@ -2,11 +2,12 @@
 
     grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None) -> [C, N],
         rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+    (ends None: one expert, w [1, N, K], taking every row: a dense GEMM)
 
 w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block of
 block_k columns: the fp8 tile is widened to x's dtype in registers (exact) and the scales applied to the float32
 partial sums, so only the fp8 bytes leave memory (weight-only fp8: the activations are not quantized). With E = 1 and
-ends = [C] it is a dense GEMM of few rows (tp_lora.ops.fp8.fp8_linear at decode).
+no ends it is a dense GEMM (tp_lora.ops.fp8.fp8_linear).
 
 A program owns one (expert, BLOCK_N columns) tile of the weights and walks that expert's rows in blocks of BLOCK_M,
 so each weight byte is read once per row block and experts without rows read nothing: a memory-bound pass over the
@@ -27,13 +28,17 @@ SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
-def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, N, K, s_xm, s_we, s_wn, s_om, s_se, s_sn,
+def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, C, N, K, s_xm, s_we, s_wn, s_om, s_se, s_sn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SCALES: tl.constexpr, SCALE_K: tl.constexpr,
+                       SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
                        CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     e = tl.program_id(0)
-    start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
-    end = tl.load(ends_ptr + e)
+    if ENDS:
+        start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
+        end = tl.load(ends_ptr + e)
+    else:  # one expert, every row
+        start = 0
+        end = C
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -59,10 +64,10 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, N, K, s_xm, s_we,
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scale: torch.Tensor | None = None,
                block_k: int | None = None, rows_per_expert: int = BLOCK_M) -> torch.Tensor:
     """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
-    row block (at most MAX_BLOCK_M); one expert (a dense GEMM) takes narrow column blocks."""
+    row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks."""
     x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError(f"grouped_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
@@ -70,6 +75,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
         raise ValueError(f"grouped_mm: block_k={block_k}: expected a power of two of at least 16")
     c, k = x.shape
     e, n, _ = w.shape
+    if ends is None and e != 1:
+        raise ValueError(f"grouped_mm without ends takes one expert (a dense GEMM), got w of {e}")
     out = torch.empty(c, n, dtype=x.dtype, device=x.device)
     if c == 0 or e == 0:
         return out
@@ -81,11 +88,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
         s_se, s_sn = scale.stride(0), scale.stride(1)
         bk = BLOCK_K if block_k is None else min(BLOCK_K, block_k)
     block_m = min(MAX_BLOCK_M, max(BLOCK_M, triton.next_power_of_2(rows_per_expert)))
-    # a dense GEMM (one expert) in narrow column tiles: enough programs to stream its weights over every SM
-    block_n = 32 if e == 1 else BLOCK_N
+    # a dense GEMM in narrow column tiles: enough programs to stream its weights over every SM
+    block_n = 32 if ends is None else BLOCK_N
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
-        x, w, ends, out, scale, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), s_se, s_sn,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode, SCALE_K=block_k or 1, CDT=cdt, DOT=dot,
+        x, w, x if ends is None else ends, out, scale, c, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode, SCALE_K=block_k or 1,
+        ENDS=ends is not None, CDT=cdt, DOT=dot,
         PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
