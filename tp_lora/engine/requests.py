@@ -84,15 +84,22 @@ def parse_stop(stop) -> list[str]:
 MAX_N = 16  # n and best_of: sequences per prompt
 
 
-def set_choices(req: Request, n, best_of) -> None:
-    """req.n / req.best_of from request values (None: the default), checked: ValueError naming the field."""
+def choices_error(n, best_of) -> Optional[tuple[str, str]]:
+    """(field, why) when n / best_of (None: the default) cannot be served, else None."""
     for name, v in (("n", n), ("best_of", best_of)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_N):
-            raise ValueError(f"'{name}' must be an integer from 1 to {MAX_N}, got {v!r}")
-    req.n = 1 if n is None else n
-    req.best_of = best_of
-    if best_of is not None and best_of < req.n:
-        raise ValueError(f"'best_of' ({best_of}) must be at least 'n' ({req.n})")
+            return name, f"'{name}' must be an integer from 1 to {MAX_N}, got {v!r}"
+    if best_of is not None and best_of < (n or 1):
+        return "best_of", f"'best_of' ({best_of}) must be at least 'n' ({n or 1})"
+    return None
+
+
+def set_choices(req: Request, n, best_of) -> None:
+    """req.n / req.best_of from request values (None: the default), checked: ValueError naming the field."""
+    err = choices_error(n, best_of)
+    if err:
+        raise ValueError(err[1])
+    req.n, req.best_of = n or 1, best_of
 
 
 RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",

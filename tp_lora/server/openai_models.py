@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tp_lora.engine.requests import MAX_N
+from tp_lora.engine.requests import MAX_N, choices_error
 from tp_lora.engine.response_format import parse_response_format, schema_error
 from tp_lora.server.errors import APIError
 
@@ -110,8 +110,9 @@ class Sampling(Strict):
                 return "response_format", why
             if grammar and self.min_tokens:
                 return "min_tokens", "'min_tokens' with 'response_format': the grammar decides where the output ends"
-        if self.best_of_n() < (self.n or 1):
-            return "best_of", f"'best_of' ({self.best_of_n()}) must be at least 'n' ({self.n})"
+        bad = choices_error(self.n, self.best_of_n())
+        if bad:
+            return bad
         if self.stream and self.best_of_n() > (self.n or 1):
             return "best_of", "'best_of' above 'n' cannot stream (the best are known only at the end)"
         if self.stream_options is not None and not self.stream:
