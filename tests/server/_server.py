@@ -123,5 +123,16 @@ def offline_reference(home, out_path) -> list[dict]:
     return list(zip(reqs, outs))
 
 
+def load_gamma_copy(url: str, default: dict, reference: list, tmp_path) -> tuple[dict, dict]:
+    """Copy the default bundle's gamma adapter to tmp_path/g2 and load it as "g2" at run time (asserting a 200):
+    a gamma request line and its offline output, to compare g2's answers with."""
+    import shutil
+    shutil.copytree(os.path.join(default["adapter_dir"], "gamma"), tmp_path / "g2")
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "g2", "lora_path": str(tmp_path / "g2")},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return next((q, o) for q, o in reference if q["adapter"] == "gamma")
+
+
 def model_of(req: dict) -> str:
     return req["adapter"] or BASE

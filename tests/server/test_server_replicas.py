@@ -8,7 +8,6 @@ before any collective. dp2_tp2 and ep2_tp2 (4 ranks, self-spawned): the offline 
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from _server import GENERATE, ROOT, SERVE, Server, children, env_for, model_of
+from _server import GENERATE, ROOT, SERVE, Server, children, env_for, load_gamma_copy, model_of
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 from test_moe import moe_config, write_adapters, write_moe  # noqa: E402
@@ -88,11 +87,7 @@ def test_dp2_completions_from_concurrent_clients_match_the_offline_job(dp2, refe
 
 
 def test_dp2_runtime_adapter_reaches_and_serves_on_both_replicas(dp2, reference, default, tmp_path):
-    shutil.copytree(os.path.join(default["adapter_dir"], "gamma"), tmp_path / "g2")
-    q, want = next((q, o) for q, o in reference if q["adapter"] == "gamma")
-    r = httpx.post(dp2.url + "/v1/load_lora_adapter", json={"lora_name": "g2", "lora_path": str(tmp_path / "g2")},
-                   timeout=60)
-    assert r.status_code == 200, r.text
+    q, want = load_gamma_copy(dp2.url, default, reference, tmp_path)
     picks = [(dict(q, adapter="g2"), want)] * 12  # more than one replica's batch: both serve g2
     got = asyncio.run(asyncio.wait_for(completions(dp2.url, picks, model_of), 300))
     assert all(tokens == want["output_token_ids"] for tokens in got)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from _server import Server, env_for
+from _server import Server, env_for, load_gamma_copy
 
 TIMEOUT_S = 20
 
@@ -52,11 +52,7 @@ def test_tp2_greedy_completions_and_streams_match_the_offline_job(server, refere
 
 
 def test_tp2_load_use_unload(server, reference, default, tmp_path):
-    shutil.copytree(os.path.join(default["adapter_dir"], "gamma"), tmp_path / "g2")
-    q, want = next((q, o) for q, o in reference if q["adapter"] == "gamma")
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "g2", "lora_path": str(tmp_path / "g2")},
-                   timeout=60)
-    assert r.status_code == 200, r.text
+    q, want = load_gamma_copy(server.url, default, reference, tmp_path)
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     got = c.completions.create(model="g2", prompt=q["prompt_token_ids"], max_tokens=q["max_new_tokens"],
                                temperature=0)
