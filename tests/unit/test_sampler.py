@@ -1,6 +1,7 @@
 """The sampler on fresh random logits: greedy rows take the argmax (lowest id among equals) with its log-probability,
-sampled rows draw from their temperature / top-p distribution (seeded rows the same whatever shares their step), and
-every row's log-probability is that of the model's distribution (unscaled, before logit rules). Logit rules
+temperatures below GREEDY_BELOW too, sampled rows draw from their temperature / top-p distribution (seeded rows the
+same whatever shares their step), and every row's log-probability is that of the model's distribution (unscaled,
+before logit rules); stop_token_ids are looked up as a set. Logit rules
 (penalties, logit_bias, min_tokens) against a plain per-token reference of the OpenAI / vLLM definitions."""
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from tp_lora.config import GenerationConfig
 from tp_lora.engine.logit_rules import LogitRules
 from tp_lora.engine.requests import Request, Result
-from tp_lora.engine.sampler import Sampler, draw
+from tp_lora.engine.sampler import GREEDY_BELOW, Sampler, draw
 
 
 def sample(logits, temperatures, top_p, generator, seeds=None, steps=None) -> tuple[list[int], list[float]]:
@@ -131,3 +132,53 @@ def test_sampler_bias_forces_a_token_and_min_tokens_holds_back_eos():
     res = Result(reqs[2])
     assert s.finished(res, 5, 1) and res.finish_reason == "stop"  # a stop token id ends it
     assert not s.finished(Result(reqs[2]), 6, 1)
+
+
+def test_temperatures_below_the_bound_are_greedy_and_just_above_it_sample():
+    """1e-38 overflows float32 logits and 1e-300 is 0 there: they, and any temperature below GREEDY_BELOW, pick what
+    temperature 0 picks (a two-way tie: the lower id) with its log-probability; at GREEDY_BELOW and just above a row
+    still samples (the tie splits) with finite log-probabilities."""
+    rows = 400
+    logits = torch.full((rows, 9), -3.0)
+    logits[:, [2, 6]] = 4.0
+    want = sample(logits, [0.0] * rows, 1.0, None)
+    assert set(want[0]) == {2}
+    for t in (1e-300, 1e-38, 1e-20, GREEDY_BELOW * (1 - 1e-6)):
+        for top_p in (1.0, 0.9):
+            assert sample(logits, [t] * rows, top_p, torch.Generator().manual_seed(0)) == want, (t, top_p)
+        assert sample(logits, [t] * rows, 1.0, None, list(range(rows)), [0] * rows) == want, t  # seeded rows
+    for t in (GREEDY_BELOW, GREEDY_BELOW * (1 + 1e-6), 1e-3):
+        toks, lps = sample(logits, [t] * rows, 1.0, torch.Generator().manual_seed(0))
+        assert set(toks) == {2, 6} and 120 < toks.count(6) < 280, t
+        assert all(abs(lp - want[1][0]) < 1e-6 for lp in lps), t  # the model's log-probability of a tied token
+
+
+class _Scanned(list):
+    """A list that counts the scans of its entries (membership tests, iteration)."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.scans = 0
+
+    def __contains__(self, x):
+        self.scans += 1
+        return super().__contains__(x)
+
+    def __iter__(self):
+        self.scans += 1
+        return super().__iter__()
+
+
+def test_stop_token_ids_are_scanned_once_per_request_not_per_token():
+    """A request's stop_token_ids (as the request lines, LLM.generate and the server give them: a list) become a set
+    at its first token, so a long list costs one pass, not one per generated token."""
+    s = Sampler(GenerationConfig(), {2}, None)
+    stops = _Scanned(range(1000, 60000))
+    req = Request(0, 0, prompt_token_ids=[1], stop_token_ids=stops, max_new_tokens=500)
+    res = Result(req)
+    assert not any(s.finished(res, tok, n) for n, tok in enumerate(range(3, 300), 1))
+    assert s.finished(res, 59999, 298) and res.finish_reason == "stop"
+    assert stops.scans <= 1
+    s.forget(0)  # a later request under the same index has its own set
+    other = Request(0, 0, prompt_token_ids=[1], stop_token_ids=[7], max_new_tokens=500)
+    assert not s.finished(Result(other), 59999, 1) and s.finished(Result(other), 7, 2)

@@ -18,6 +18,9 @@ from tp_lora.ops.sampling import greedy
 
 
 MASK32 = 0xFFFFFFFF
+# Temperatures below this are greedy: float32 logits divided by a tinier one overflow (NaN probabilities), and the
+# distribution is one-hot long before (the same bound as vLLM's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -41,12 +44,12 @@ def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Se
          steps: Optional[list[int]] = None, raw: Optional[torch.Tensor] = None) -> torch.Tensor:
     """logits [N, V] -> [2, N] float64 on logits' device: each row's token id (exact in float64) and its
     log-probability under `raw` (the model's logits before any logit rule; default: logits) unscaled by temperature,
-    so one device->host copy reads both. Temperature 0 is greedy (no host sync); the others draw on the device with
-    the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). top_p is one for all rows or one per row; a
-    row whose seeds[i] is set takes its noise from (seed, steps[i]) (seeded_noise), the others from `generator` (a
-    generator of logits' device), in one call."""
+    so one device->host copy reads both. A temperature below GREEDY_BELOW (0 included) is greedy (no host sync); the
+    others draw on the device with the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). top_p is one
+    for all rows or one per row; a row whose seeds[i] is set takes its noise from (seed, steps[i]) (seeded_noise),
+    the others from `generator` (a generator of logits' device), in one call."""
     out = greedy(logits)  # [2, N] float64: each row's argmax token, its log-probability
-    hot = [i for i, t in enumerate(temperatures) if t > 0]  # decided on the host: no device round trip for greedy
+    hot = [i for i, t in enumerate(temperatures) if t >= GREEDY_BELOW]  # on the host: no device round trip for greedy
     if hot:
         dev = logits.device
         rows = torch.tensor(hot, device=dev)
@@ -93,6 +96,7 @@ class Sampler:
         self.grammars = Grammars(tokenizer, eos)
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
         self._drawn: dict[int, int] = {}  # tokens drawn per request (its seeded noise, min_tokens)
+        self._stop_ids: dict[int, frozenset[int]] = {}  # requests with stop_token_ids: them as a set
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why req's grammar cannot run on a model of `vocab` logits, or None (compiled then, once per schema)."""
@@ -123,11 +127,19 @@ class Sampler:
         req = res.request
         ignore = req.ignore_eos if req.ignore_eos is not None else self.gen.ignore_eos
         complete = self.grammars.advance(req.index, tok)  # a complete grammar took its stop token
-        if (complete or (not ignore and tok in self.eos) or tok in req.stop_token_ids
+        if (complete or (not ignore and tok in self.eos) or (req.stop_token_ids and tok in self._stops(req))
                 or (req.stop and self._stop_string(res, tok))):
             res.finish_reason = "stop"
             return True
         return generated >= req.max_new_tokens
+
+    def _stops(self, req: Request) -> frozenset[int]:
+        """req.stop_token_ids as a set, made at its first token: each token is checked in O(1), whatever their
+        number."""
+        stops = self._stop_ids.get(req.index)
+        if stops is None:
+            stops = self._stop_ids[req.index] = frozenset(req.stop_token_ids)
+        return stops
 
     def _stop_string(self, res: Result, tok: int) -> bool:
         """Whether the text now holds one of the request's stop strings; the result's text then ends before it."""
@@ -153,6 +165,7 @@ class Sampler:
         """Drop request `index`'s state (it ended)."""
         self._text.pop(index, None)
         self._drawn.pop(index, None)
+        self._stop_ids.pop(index, None)
         self.rules.forget(index)
         self.grammars.forget(index)
 
@@ -160,5 +173,6 @@ class Sampler:
         """Drop every request's state (a new run)."""
         self._text.clear()
         self._drawn.clear()
+        self._stop_ids.clear()
         self.rules.reset()
         self.grammars.reset()
