@@ -12,7 +12,8 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
   own sampled tokens on the host (host work included; at these sizes every decode step replays a CUDA graph). Where
   the prompts take several steps, sequences start decoding (and finish) at different steps: only steps of the whole
   batch count. "step ms (difference)": (median time of a run generating N tokens - of one generating 1) / (N - 1),
-  kept for comparison, though it carries the prefill's interleaving with early decodes;
+  kept for comparison, though it carries the prefill's interleaving with early decodes; every run draws prompts of
+  its own, so neither run reuses another's cached prefix whatever --prefix-caching says;
 - floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
   decode's mean context, + with adapters the A and B of each distinct adapter in the batch) / the device copy
   bandwidth measured in the same run (read + written bytes / time); "of floor" = floor / decode step; "adapters /
@@ -25,12 +26,14 @@ step's GPU idles).
 --quantization none,fp8 runs each shape once per value (fp8: the linear layers quantized at load, W8A8 on CUDA) and
 --kv-cache-dtype auto,fp8 once per KV cache dtype; the floor counts the weights' and the cache's bytes as stored.
 --torch-ops runs the decoder layers' norms, RoPE + cache write and activations as torch ops instead of the fused
-Triton kernels (tp_lora/ops/fused.py). Prints a table; writes bench_step.json into --out.
+Triton kernels (tp_lora/ops/fused.py). --allreduce sets parallel.allreduce (auto | nccl | symm_mem).
+Prints a table; writes bench_step.json into --out.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -254,8 +257,37 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
     return out
 
 
+def scaling_table(paths: list[str]) -> None:
+    """The decode step of earlier runs' bench_step.json files by tp and all-reduce, each against the tp1 run among
+    them (same shape, batch, context; no adapters / 32 adapters)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    base = next(r for r in runs if r["tp"] == 1)
+
+    def steps(run, adapters):
+        return {(r["shape"], r["batch"], r["context"]): r["decode_step_ms"] for r in run["rows"]
+                if r["adapters"] == adapters and r["decode_step_ms"]}
+
+    keys = sorted(steps(base, False))
+    print(f"decode step ms (x faster than tp1), {base['device']}; columns: "
+          + ", ".join(f"{s} batch {b} ctx {c}" for s, b, c in keys) + "; then the same with 32 adapters")
+    print("| tp | all-reduce | " + " | ".join(f"ctx {c}" for _, _, c in keys) + " | "
+          + " | ".join(f"adapters, ctx {c}" for _, _, c in keys) + " |")
+    print("|---|---|" + "---|" * (2 * len(keys)))
+    for run in sorted(runs, key=lambda r: (r["tp"], r.get("allreduce", ""))):
+        cells = []
+        for adapters in (False, True):
+            mine, ref = steps(run, adapters), steps(base, adapters)
+            cells += [f"{mine[k]:.2f} ({ref[k] / mine[k]:.2f}x)" if k in mine and k in ref else "-" for k in keys]
+        print(f"| {run['tp']} | {run.get('allreduce', 'nccl')} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scaling", nargs="+", metavar="JSON",
+                   help="print the tp scaling table of these earlier runs' bench_step.json files and exit")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/tp_lora/bench_step"))
     p.add_argument("--shapes", default="llama-2048,llama3-8b")
@@ -271,13 +303,20 @@ def main() -> None:
                    help="scheduler.prefix_caching (on: the KV cache takes the whole budget)")
     p.add_argument("--quantization", default="none", help="comma list of none | fp8 (weights quantized at load)")
     p.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto | fp8")
+    p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "symm_mem"],
+                   help="parallel.allreduce: the tp group's all-reduce")
     p.add_argument("--torch-ops", action="store_true",
                    help="norms, RoPE + cache write and activations in torch, not the fused Triton kernels (A/B)")
     args = p.parse_args()
+    if args.scaling:
+        scaling_table(args.scaling)
+        return
     fused.KERNELS = False if args.torch_ops else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ps = comm.init_parallel(args.tp, device)
+    ps = comm.init_parallel(args.tp, device, allreduce=args.allreduce)
+    allreduce = "symm_mem" if ps.tp.peer is not None else "nccl" if ps.tp.size > 1 else "none"
     bw = copy_bandwidth(ps.device)
+    seeds = itertools.count()  # a seed per generate(): prompts never repeat, so no run hits another's prefix cache
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     rows, extra = [], {}
@@ -301,16 +340,16 @@ def main() -> None:
         vocab = engine.hf["vocab_size"]
         wb, ab = weight_bytes(engine.model), adapter_bytes(engine.model)
         for with_ad in ([False] if args.no_adapters_only else [False, True]):
-            engine.generate(requests(min(batches), 16, 3, vocab, with_ad, 0))  # warm-up: compile, capture
+            engine.generate(requests(min(batches), 16, 3, vocab, with_ad, next(seeds)))  # warm-up: compile, capture
             for b in batches:
                 for ctx in contexts:
-                    engine.generate(requests(b, ctx, 3, vocab, with_ad, 1))  # this size's graphs and kernels
+                    engine.generate(requests(b, ctx, 3, vocab, with_ad, next(seeds)))  # this size's graphs, kernels
                     ones, longs = [], []
-                    for r in range(args.reps):
-                        ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, 10 + r)))
+                    for _ in range(args.reps):
+                        ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, next(seeds))))
                         st = dataclasses.replace(engine.stats)
                         full0 = list(engine.stats.decode_by_rows.get(b, [0, 0.0]))
-                        longs.append(timed(engine, requests(b, ctx, args.new, vocab, with_ad, 10 + r)))
+                        longs.append(timed(engine, requests(b, ctx, args.new, vocab, with_ad, next(seeds))))
                     # The last long run: steps replayed from graphs (prefill too), and the count and mean wall time
                     # (host included) of its decode-only steps of the whole batch.
                     graph_steps = engine.stats.graph_steps - st.graph_steps
@@ -337,7 +376,8 @@ def main() -> None:
     comm.shutdown()
     if not ps.is_driver:
         return
-    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size}, copy bandwidth "
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size} (all-reduce "
+          f"{allreduce}), copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (read + written), layer ops {'torch' if args.torch_ops else 'fused'}")
     head = ("| shape | weights | kv | adapters | batch | context | step ms (difference) | floor ms | of floor | adapters / none | "
             "prefill tok/s | graph steps | decode steps | decode step ms |")
@@ -368,6 +408,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_step.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,
+                       allreduce=allreduce, prefix_caching=args.prefix_caching,
                        copy_bandwidth=bw, fused_ops=not args.torch_ops, rows=rows, mixed=extra), f, indent=2)
 
 

@@ -5,6 +5,8 @@
 # (the lent host returns few files), re-packed after every step so a run cut short still returns what finished.
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
+#   tp_scaling (2-4 GPUs, one call): issue 36's all-reduce microbenchmark at 2 and 4 ranks and the Llama-3-8B
+#   decode-step table at tp1 / tp2 / tp4 with the symm_mem and the NCCL all-reduce.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
 #   The open issues' unmeasured targets on one GPU, in two calls of under 10 minutes: `pending_a` (GPU tests of the
@@ -48,6 +50,21 @@ for what in "${@:-all}"; do
       step "bench_step tp=2: Llama-3-8B shape, batch 32, context 2048"
       run bench_step_tp2 240 8 torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-8b \
         --batches 32 --contexts 2048 --out "$RES/step_tp2" ;;
+    tp_scaling)
+      step "issue 36: tp all-reduce in a CUDA graph (NCCL vs symmetric memory) at 2 and 4 ranks"
+      for n in 2 4; do
+        [ "$NGPU" -ge $n ] && run allreduce_$n 120 14 torchrun --nproc_per_node=$n scripts/bench_allreduce.py \
+          --out "$RES/allreduce_$n"
+      done
+      step "issue 36: Llama-3-8B decode step at tp1 / tp2 / tp4, symm_mem and NCCL all-reduce, batch 32"
+      for spec in 1:auto 2:symm_mem 4:symm_mem 2:nccl 4:nccl; do
+        n=${spec%%:*} ar=${spec#*:}
+        [ "$NGPU" -ge $n ] || continue
+        only=$([ "$ar" = nccl ] && echo --no-adapters-only)
+        run step_tp${n}_$ar 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
+          --batches 32 --contexts 128,2048 --prefix-caching off --allreduce $ar $only --out "$RES/step_tp${n}_$ar"
+      done
+      python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
     moe_decode_2gpu)
       step "bench_moe_decode on 2 GPUs: Qwen3-30B-A3B (48 layers) and Mixtral (16 layers), mixed steps too"
       run moe_decode_qwen3 240 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --prefill 512 \

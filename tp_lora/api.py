@@ -92,7 +92,7 @@ class LLM:
         self.cfg = cfg
         self.model_dir, self.adapter_dir = resolve_model(cfg)
         check_expert_layout(cfg, self.model_dir)
-        self.ps = comm.init_parallel(cfg.parallel.tp_size, device, cfg.parallel.timeout_s)
+        self.ps = comm.init_parallel(cfg.parallel.tp_size, device, cfg.parallel.timeout_s, cfg.parallel.allreduce)
         from tp_lora.engine.engine import Engine
         self.engine = Engine(cfg, self.ps, self.model_dir, self.adapter_dir)
         self.tokenizer = self.engine.tokenizer

@@ -27,6 +27,10 @@ class ParallelConfig:
     # dp_size x tp_size ranks itself); null = one. Under torchrun the launched ranks decide (it must then agree).
     dp_size: Optional[int] = None
     timeout_s: float = 300.0  # a collective that does not complete in this time fails the run
+    # The tp group's all-reduce: auto (symm_mem where the group's GPUs share one host with P2P access, else nccl) |
+    # nccl (NCCL on CUDA, gloo on CPU) | symm_mem (PyTorch symmetric memory over NVLink peer memory for messages up
+    # to 1 MiB, NCCL above; an error without P2P). The choice is printed at start.
+    allreduce: str = "auto"
     # MoE models: experts split over ep_size ranks (1 = every rank holds every expert, intermediate split over tp).
     ep_size: int = 1
     # Where the expert-parallel group's tokens come from: dp = EP ranks are DP replicas, each with its own requests
@@ -153,6 +157,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"parallel.dp_size={p.dp_size} x parallel.tp_size={p.tp_size} = {(p.dp_size or 1) * p.tp_size} ranks, "
            f"but {world_size} were launched")
     _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s}: expected > 0")
+    _check(p.allreduce in ("auto", "nccl", "symm_mem"),
+           f"parallel.allreduce={p.allreduce!r}: expected auto, nccl or symm_mem")
+    _check(p.allreduce != "symm_mem" or cfg.device != "cpu",
+           "parallel.allreduce=symm_mem reduces over GPU peer memory, but device=cpu: use auto or nccl")
     _check(p.host_threads >= 0, f"parallel.host_threads={p.host_threads}: expected >= 0 (0 = automatic)")
     _check(p.read_threads >= 0, f"parallel.read_threads={p.read_threads}: expected >= 0 (0 = automatic)")
     _check(p.ep_size >= 1, f"parallel.ep_size={p.ep_size}: expected >= 1")

@@ -5,12 +5,18 @@ here let tests and benchmarks read the communication of a forward pass in one pl
 
 The mesh is (dp, tp): `tp` groups split layers; `dp` groups hold disjoint requests (and, for MoE, are the expert-
 parallel groups). With one process nothing is initialised and every collective is the identity.
+
+All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES PyTorch's symmetric-memory
+kernels, which read the peers' staging buffers over NVLink directly (one-shot up to ONE_SHOT_MAX_BYTES, two-shot
+above): a few microseconds where NCCL's small all-reduce costs 17-25 (BENCHMARKS.md, issue 36). Never NVLink
+multicast (multimem): only peer loads and stores.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import pickle
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +33,7 @@ class Group:
     size: int = 1
     ranks: tuple[int, ...] = (0,)
     pg: object | None = None
+    peer: PeerAllReduce | None = None  # the symmetric-memory all-reduce, where parallel.allreduce chose it
 
 
 @dataclass
@@ -56,10 +63,13 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum over the group, in place; returns t."""
+    """Sum over the group, in place; returns t. Through peer memory where the group has it and t fits, else NCCL /
+    gloo: the choice depends on t's size, dtype and layout alone, so every rank makes the same one."""
     if group.size == 1:
         return t
     STATS.record("all_reduce", group, t)
+    if group.peer is not None and group.peer.takes(t):
+        return group.peer.all_reduce(t)
     dist.all_reduce(t, group=group.pg)
     return t
 
@@ -85,6 +95,106 @@ def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty((t.shape[0] // group.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     _reduce_scatter_tensor(out, t.contiguous(), group=group.pg)
     return out
+
+
+ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem")
+# Messages the symmetric-memory path takes (bytes), and the one-shot / two-shot crossover: measured on H100 NVLink
+# hosts at 2 and 4 ranks (BENCHMARKS.md, issue 36); NCCL above PEER_MAX_BYTES.
+PEER_MAX_BYTES = 1 << 20
+ONE_SHOT_MAX_BYTES = 1 << 20
+PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
+
+
+class PeerAllReduce:
+    """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): each rank
+    stages its tensor in a buffer every peer maps, then reads the peers' buffers over NVLink and reduces (one-shot),
+    or reduces its 1/n share and writes it to every peer (two-shot). One buffer of max_bytes per dtype, allocated
+    and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs."""
+
+    def __init__(self, pg, device: torch.device, max_bytes: int = PEER_MAX_BYTES,
+                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+        if symm_mem.get_backend(device) is None and hasattr(symm_mem, "set_backend"):
+            symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
+        self.name, self.max_bytes, self.one_shot_max_bytes = pg.group_name, max_bytes, one_shot_max_bytes
+        self.ops = torch.ops.symm_mem
+        self.bufs = {}
+        for dtype in PEER_DTYPES:
+            buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            symm_mem.rendezvous(buf, self.name)
+            self.bufs[dtype] = buf
+
+    def takes(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.numel() * t.element_size() \
+            <= self.max_bytes
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the group, in place. A message of whole 16-byte vectors at a 16-byte offset takes one kernel
+        (one-shot, which stages t itself) up to one_shot_max_bytes; any other is copied into the buffer padded to
+        whole vectors, reduced there two-shot and copied back."""
+        n, size = t.numel(), t.element_size()
+        flat, buf = t.view(-1), self.bufs[t.dtype]
+        if n * size <= self.one_shot_max_bytes and (n * size) % 16 == 0 and (t.storage_offset() * size) % 16 == 0:
+            self.ops.one_shot_all_reduce_copy_out(buf[:n], flat, "sum", self.name, flat)
+            return t
+        padded = -(-n * size // 16) * 16 // size
+        buf[:n].copy_(flat)
+        self.ops.two_shot_all_reduce_(buf[:padded], "sum", self.name)
+        flat.copy_(buf[:n])
+        return t
+
+
+_PEER_GROUPS: list[Group] = []  # groups holding peer buffers, released by shutdown()
+
+
+def peer_access(group: Group, device: torch.device) -> str | None:
+    """Why the group's ranks cannot reduce through peer memory, or None when they can: every rank on one host, each
+    pair of its GPUs with P2P access, the symmetric-memory kernels present. The same answer on every rank (one small
+    all-gather over the group)."""
+    if device.type != "cuda" or group.pg is None:
+        return f"{device.type} ranks (gloo)" if device.type != "cuda" else "a group of one"
+    ops = torch.ops.symm_mem
+    me = {"host": socket.gethostname(), "uuid": str(torch.cuda.get_device_properties(device).uuid),
+          "kernels": all(hasattr(ops, op) for op in ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_"))}
+    peers = all_gather_object(me, group)
+    if len({p["host"] for p in peers}) > 1:
+        return "the group spans several hosts"
+    if not all(p["kernels"] for p in peers):
+        return f"torch {torch.__version__} lacks the symmetric-memory all-reduce kernels"
+    local = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    missing = [p["uuid"] for p in peers if p["uuid"] not in local]
+    no_p2p = [local[p["uuid"]] for p in peers if p["uuid"] in local and p["uuid"] != me["uuid"]
+              and not torch.cuda.can_device_access_peer(device, local[p["uuid"]])]
+    mine = (f"GPU {missing[0]} of a peer is not visible to rank {group.rank}" if missing else
+            f"no P2P access from cuda:{device.index} to cuda:{no_p2p[0]}" if no_p2p else None)
+    reasons = [r for r in all_gather_object(mine, group) if r]
+    return reasons[0] if reasons else None
+
+
+def use_allreduce(group: Group, device: torch.device, choice: str = "auto", announce: bool = True) -> str:
+    """Set how the group's all_reduce runs (parallel.allreduce): nccl (NCCL on CUDA, gloo on CPU), symm_mem (peer
+    memory up to PEER_MAX_BYTES, NCCL above; an error where the ranks lack peer access), auto (symm_mem where they
+    have it, else nccl). Collective over the group. Returns the path taken; announce: rank 0 prints it."""
+    if choice not in ALLREDUCE_CHOICES:
+        raise ValueError(f"parallel.allreduce={choice!r}: expected one of {', '.join(ALLREDUCE_CHOICES)}")
+    group.peer = None
+    if group.size == 1:
+        return "none"
+    why_not = None if choice == "nccl" else peer_access(group, device)
+    if choice == "symm_mem" and why_not:
+        raise ValueError(f"parallel.allreduce=symm_mem needs peer memory between the tp group's GPUs, but {why_not}:"
+                         f" use parallel.allreduce=auto or nccl")
+    if choice != "nccl" and why_not is None:
+        group.peer = PeerAllReduce(group.pg, device)
+        _PEER_GROUPS.append(group)
+        path = (f"symm_mem (one-shot up to {ONE_SHOT_MAX_BYTES // 1024} KiB, two-shot up to "
+                f"{PEER_MAX_BYTES // 1024} KiB, NCCL above)")
+    else:
+        path = "nccl" if device.type == "cuda" else "gloo"
+        path += f" ({why_not})" if why_not else ""
+    if announce and group.rank == 0 and group.ranks[0] == 0:
+        print(f"parallel.allreduce={choice}: tp all-reduce over {group.size} ranks by {path}", flush=True)
+    return "symm_mem" if group.peer is not None else "nccl"
 
 
 class CollectiveTimeout(RuntimeError):
@@ -222,11 +332,15 @@ def mesh_groups(world_size: int, tp_size: int) -> tuple[list[tuple[int, ...]], l
     return tp_groups, dp_groups
 
 
-def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0) -> ParallelState:
+def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0,
+                  allreduce: str = "auto") -> ParallelState:
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
 
-    NCCL on CUDA, gloo on CPU. A collective that does not complete within timeout_s raises instead of hanging.
+    NCCL on CUDA, gloo on CPU; the tp group's all-reduce as parallel.allreduce says (use_allreduce). A collective
+    that does not complete within timeout_s raises instead of hanging.
     """
+    if allreduce not in ALLREDUCE_CHOICES:  # before any collective: every rank stops with the same message
+        raise ValueError(f"parallel.allreduce={allreduce!r}: expected one of {', '.join(ALLREDUCE_CHOICES)}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -249,8 +363,10 @@ def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0) -
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
     world = Group("world", rank, world_size, tuple(range(world_size)), dist.group.WORLD)
-    return ParallelState(world=world, tp=_my_group("tp", tp_groups, rank, timeout_s),
-                         dp=_my_group("dp", dp_groups, rank, timeout_s), device=dev)
+    ps = ParallelState(world=world, tp=_my_group("tp", tp_groups, rank, timeout_s),
+                       dp=_my_group("dp", dp_groups, rank, timeout_s), device=dev)
+    use_allreduce(ps.tp, dev, allreduce)
+    return ps
 
 
 def _my_group(name: str, groups: list[tuple[int, ...]], rank: int, timeout_s: float) -> Group:
@@ -331,5 +447,11 @@ def expert_layout(tp: Group) -> ParallelState | None:
 
 
 def shutdown() -> None:
+    """Free the peer buffers (their mappings need the process group), then the process group."""
     if dist.is_initialized():
+        if _PEER_GROUPS and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for g in _PEER_GROUPS:
+            g.peer = None
+        _PEER_GROUPS.clear()
         dist.destroy_process_group()
