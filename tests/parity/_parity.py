@@ -21,8 +21,21 @@ def randomize(model) -> None:
                 p.normal_(0, p.shape[-1] ** -0.5)
 
 
+def hf_greedy(model, ids, new_tokens: int, eos_token_id: int | None = None):
+    """A transformers model's greedy continuation of ids [1, P], in check_matches' expected form: (tokens, their
+    logprobs, every step's logprobs [V] from the raw logits). Stops after eos_token_id, or (None) runs new_tokens."""
+    stop = dict(min_new_tokens=new_tokens) if eos_token_id is None else dict(eos_token_id=eos_token_id)
+    with torch.no_grad():
+        g = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                                  **stop)
+    tokens = g.sequences[0, ids.shape[1]:].tolist()
+    full = [torch.log_softmax(lg[0].float(), -1) for lg in g.logits]
+    return tokens, [f[t].item() for f, t in zip(full, tokens)], full
+
+
 def peft_reference(model_dir, adapter_dir, reqs, new_tokens: int):
-    """transformers + PEFT, each (adapter, prompt) alone: (greedy tokens, their logprobs, every step's logprobs [V])
+    """transformers + PEFT, each (adapter, prompt) alone: hf_greedy's (tokens, logprobs, every step's logprobs)
     per request."""
     import peft
     import transformers
@@ -32,14 +45,7 @@ def peft_reference(model_dir, adapter_dir, reqs, new_tokens: int):
                                                                   attn_implementation="eager")
         if adapter is not None:
             model = peft.PeftModel.from_pretrained(model, adapter_dir / adapter)
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            g = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                      output_logits=True, return_dict_in_generate=True)
-        tokens = g.sequences[0, ids.shape[1]:].tolist()
-        full = [torch.log_softmax(lg[0].float(), -1) for lg in g.logits]
-        out.append((tokens, [f[t].item() for f, t in zip(full, tokens)], full))
+        out.append(hf_greedy(model, torch.tensor([prompt]), new_tokens))
     return out
 
 

@@ -1,6 +1,6 @@
 """The outside world as the oracle: checkpoints made by transformers, adapters made by PEFT (init_lora_weights=False),
-greedy tokens from launch/generate.py (tp=1, and tp=2 in both LoRA modes) equal transformers + PEFT running each
-request alone with its adapter."""
+greedy tokens and their logprobs from launch/generate.py (tp=1, and tp=2 in both LoRA modes) match transformers + PEFT
+running each request alone with its adapter (_parity.check_matches)."""
 import json
 import os
 import subprocess
@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from tp_lora.testing import free_port  # noqa: E402
+
+from _parity import check_matches, hf_greedy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEW_TOKENS = 8
@@ -66,18 +68,14 @@ def _make(kind: str, root):
 
 
 def _reference(model_dir, adapter_dir, reqs, kind):
+    """Each request alone, transformers (+ PEFT): {id: (tokens through EOS, their logprobs, every step's)}."""
     cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
     out = {}
     for r in reqs:
         model = cls.from_pretrained(model_dir, torch_dtype=torch.float32)
         if r["adapter"] is not None:
             model = peft.PeftModel.from_pretrained(model, adapter_dir / r["adapter"])
-        model.eval()
-        ids = torch.tensor([r["prompt_token_ids"]])
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, eos_token_id=1, pad_token_id=0)
-        out[r["id"]] = gen[0, ids.shape[1]:].tolist()
+        out[r["id"]] = hf_greedy(model, torch.tensor([r["prompt_token_ids"]]), NEW_TOKENS, eos_token_id=1)
     return out
 
 
@@ -95,11 +93,7 @@ def _generate(model_dir, adapter_dir, req_path, out_path, tp: int, fully: bool):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(ln) for ln in open(out_path)]
-    return {ln["id"]: ln["output_token_ids"] for ln in lines}, [ln["id"] for ln in lines]
-
-
-def _strip_after_eos(tokens):
-    return tokens[:tokens.index(1) + 1] if 1 in tokens else tokens
+    return {ln["id"]: (ln["output_token_ids"], ln["logprobs"]) for ln in lines}, [ln["id"] for ln in lines]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -107,11 +101,9 @@ def test_generate_matches_transformers_peft(tmp_path, kind):
     model_dir, adapter_dir, req_path, reqs = _make(kind, tmp_path)
     expected = _reference(model_dir, adapter_dir, reqs, kind)
     base_only = _reference(model_dir, adapter_dir, [dict(r, adapter=None) for r in reqs], kind)
-    assert any(expected[r["id"]] != base_only[r["id"]] for r in reqs if r["adapter"]), \
+    assert any(expected[r["id"]][0] != base_only[r["id"]][0] for r in reqs if r["adapter"]), \
         "adapters did not change any greedy output: the test would not see a LoRA bug"
     for tp, fully in [(1, False), (2, False), (2, True)]:
         got, order = _generate(model_dir, adapter_dir, req_path, tmp_path / f"out-{tp}-{fully}.jsonl", tp, fully)
         assert order == [r["id"] for r in reqs], "output lines must follow request order"
-        for r in reqs:
-            assert _strip_after_eos(got[r["id"]]) == _strip_after_eos(expected[r["id"]]), \
-                f"tp={tp} fully_sharded={fully} request {r['id']} (adapter {r['adapter']})"
+        check_matches([got[i] for i in order], [expected[i] for i in order], f"tp={tp} fully_sharded={fully}")

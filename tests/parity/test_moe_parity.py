@@ -1,6 +1,6 @@
 """MoE against the outside world: random Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints saved by transformers, LoRA
-adapters in both PEFT MoE formats, greedy tokens from launch/generate.py in several parallel layouts equal to
-transformers + PEFT running each request alone with its adapter.
+adapters in both PEFT MoE formats, greedy tokens and their logprobs from launch/generate.py in several parallel layouts
+matching transformers + PEFT running each request alone with its adapter (_parity.check_matches).
 
 Adapter formats:
   target_parameters  made by PEFT itself (get_peft_model with target_parameters=[mlp.experts.gate_up_proj,
@@ -24,6 +24,8 @@ peft = pytest.importorskip("peft")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tp_lora.testing import free_port  # noqa: E402
+
+from _parity import check_matches, hf_greedy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEW_TOKENS = 6
@@ -123,21 +125,11 @@ def _make(kind: str, root):
     return model_dir, adapters, req_path, reqs, pe
 
 
-def _generate_hf(model, ids):
-    with torch.no_grad():
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, eos_token_id=1, pad_token_id=0)
-    return _until_eos(gen[0, ids.shape[1]:].tolist())
-
-
-def _until_eos(tokens):
-    return tokens[:tokens.index(1) + 1] if 1 in tokens else tokens
-
-
 def _reference(kind, model_dir, adapter_dir, reqs, pe: dict | None = None):
     """Each request alone: transformers + PEFT. The per-expert adapter's oracle is the manual merge, checked against
     PEFT wherever PEFT converts that format (it does for Mixtral and Qwen3-MoE; for Qwen2-MoE, whose shared expert and
-    dense layers also have gate/up/down_proj modules, PEFT 0.21 targets those instead and drops the expert weights)."""
+    dense layers also have gate/up/down_proj modules, PEFT 0.21 targets those instead and drops the expert weights).
+    -> {id: hf_greedy's (tokens through EOS, their logprobs, every step's)}, how many PEFT conversions were checked."""
     cls = KINDS[kind][1]
     out, peft_checked = {}, 0
     for r in reqs:
@@ -145,14 +137,15 @@ def _reference(kind, model_dir, adapter_dir, reqs, pe: dict | None = None):
         model = cls.from_pretrained(model_dir, dtype=torch.float32)
         if r["adapter"] is not None:
             model = peft.PeftModel.from_pretrained(model, adapter_dir / r["adapter"])
-        tokens = _generate_hf(model.eval(), ids)
+        greedy = hf_greedy(model, ids, NEW_TOKENS, eos_token_id=1)
         if r["adapter"] == "pe":
             merged = _merged_reference(kind, model_dir, pe, 16, 16, ids)
             if model.peft_config["default"].target_parameters:
-                assert tokens == merged, f"PEFT's per-expert conversion disagrees with the manual merge ({r['id']})"
+                assert greedy[0] == merged[0], \
+                    f"PEFT's per-expert conversion disagrees with the manual merge ({r['id']})"
                 peft_checked += 1
-            tokens = merged
-        out[r["id"]] = tokens
+            greedy = merged
+        out[r["id"]] = greedy
     return out, peft_checked
 
 
@@ -177,7 +170,7 @@ def _merged_reference(kind, model_dir, pe: dict, r: int, alpha: float, ids):
                 ex.gate_up_proj[e, :MOE_I] += delta[g]
                 ex.gate_up_proj[e, MOE_I:] += delta[u]
                 ex.down_proj[e] += delta[d]
-    return _generate_hf(model, ids)
+    return hf_greedy(model, ids, NEW_TOKENS, eos_token_id=1)
 
 
 def _fused_copy(model_dir, out_dir):
@@ -220,7 +213,7 @@ def _generate(model_dir, adapter_dir, req_path, out_path, layout: str, fully: bo
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(ln) for ln in open(out_path)]
-    return {ln["id"]: ln["output_token_ids"] for ln in lines}, [ln["id"] for ln in lines]
+    return {ln["id"]: (ln["output_token_ids"], ln["logprobs"]) for ln in lines}, [ln["id"] for ln in lines]
 
 
 RUNS = {"mixtral": [("tp1", False), ("tp2", True), ("ep2", False), ("tp2_ep2", True), ("ep2_tp2", True)],
@@ -236,7 +229,7 @@ def test_moe_generate_matches_transformers_peft(tmp_path, kind):
         assert peft_checked == 2, "PEFT no longer converts the per-expert format: check its oracle"
     base_only, _ = _reference(kind, model_dir, adapter_dir, [dict(r, adapter=None) for r in reqs])
     for name in ("tp", "pe", "dn"):
-        assert any(expected[r["id"]] != base_only[r["id"]] for r in reqs if r["adapter"] == name), \
+        assert any(expected[r["id"]][0] != base_only[r["id"]][0] for r in reqs if r["adapter"] == name), \
             f"adapter {name} did not change any greedy output: the test would not see a LoRA bug in it"
 
     runs = [(model_dir, layout, fully) for layout, fully in RUNS[kind]]
@@ -246,7 +239,5 @@ def test_moe_generate_matches_transformers_peft(tmp_path, kind):
     for i, (mdir, layout, fully) in enumerate(runs):
         got, order = _generate(mdir, adapter_dir, req_path, tmp_path / f"out-{i}.jsonl", layout, fully)
         assert order == [r["id"] for r in reqs], "output lines must follow request order"
-        for r in reqs:
-            assert _until_eos(got[r["id"]]) == expected[r["id"]], \
-                f"{os.path.basename(str(mdir))} parallel={layout} fully_sharded={fully} request {r['id']} " \
-                f"(adapter {r['adapter']})"
+        check_matches([got[i] for i in order], [expected[i] for i in order],
+                      f"{os.path.basename(str(mdir))} parallel={layout} fully_sharded={fully}")
