@@ -119,6 +119,18 @@ class ServerConfig:
     # affinity: requests a replica may queue beyond its batch (scheduler.max_batch_size) past the least queued
     # replica before a request goes elsewhere than to its adapter's replica.
     max_imbalance: int = 4
+    # Client input bounds (README "Security"): a body past max_body_mb is a 413, read no further; bodies being read
+    # at once hold at most max_reading_mb (beyond: 503 + Retry-After); a body must arrive within body_timeout_s and a
+    # request's headers within header_timeout_s (408 / connection closed); at most max_connections open at once.
+    max_body_mb: float = 16.0
+    max_reading_mb: float = 256.0
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    max_connections: int = 1024
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter: off unless allowed; a lora_path must resolve (links and
+    # `..` followed) inside one of lora_roots (null = [lora.adapter_dir]).
+    allow_runtime_lora: bool = False
+    lora_roots: Optional[list[str]] = None
 
 
 @dataclass
@@ -213,6 +225,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(v.routing in ("affinity", "least_loaded", "round_robin"),
            f"server.routing={v.routing!r}: expected affinity, least_loaded or round_robin")
     _check(v.max_imbalance >= 0, f"server.max_imbalance={v.max_imbalance}: expected >= 0")
+    for key in ("max_body_mb", "max_reading_mb", "body_timeout_s", "header_timeout_s"):
+        _check(getattr(v, key) > 0, f"server.{key}={getattr(v, key)}: expected > 0")
+    _check(v.max_reading_mb >= v.max_body_mb,
+           f"server.max_reading_mb={v.max_reading_mb}: expected >= server.max_body_mb ({v.max_body_mb})")
+    _check(v.max_connections >= 1, f"server.max_connections={v.max_connections}: expected >= 1")
+    _check(v.lora_roots is None or (isinstance(v.lora_roots, (list, tuple)) and
+                                    all(isinstance(r, str) and r for r in v.lora_roots)),
+           f"server.lora_roots={v.lora_roots!r}: expected a list of directories or null")
 
 
 def world_size_of(p: ParallelConfig) -> int:

@@ -123,6 +123,11 @@ def offline_reference(home, out_path) -> list[dict]:
     return list(zip(reqs, outs))
 
 
+def runtime_lora(root) -> list[str]:
+    """Server overrides allowing run-time adapter loads from under `root`."""
+    return ["server.allow_runtime_lora=true", f"server.lora_roots=['{root}']"]
+
+
 def load_gamma_copy(url: str, default: dict, reference: list, tmp_path) -> tuple[dict, dict]:
     """Copy the default bundle's gamma adapter to tmp_path/g2 and load it as "g2" at run time (asserting a 200):
     a gamma request line and its offline output, to compare g2's answers with."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _server import BASE, Server, env_for, model_of
+from _server import BASE, Server, env_for, model_of, runtime_lora
 from tp_lora.assets import write_random_adapter, write_tiny_llama
 from tp_lora.engine.tokenizer import load_tokenizer
 
@@ -33,7 +33,8 @@ def server(home, default, reference, tmp_path_factory):
     tensors[first] = torch.full_like(tensors[first], float("nan"))
     save_file(tensors, str(st), metadata={"format": "pt"})
     srv = Server([f"lora.adapter_dir={adapters}", f"scheduler.max_batch_size={BATCH}",
-                  f"server.max_queue={QUEUE}", "scheduler.stop_grace_s=60"], env_for(home), root / "server.log")
+                  f"server.max_queue={QUEUE}", "scheduler.stop_grace_s=60"]
+                 + runtime_lora(tmp_path_factory.getbasetemp()), env_for(home), root / "server.log")
     yield srv
     srv.kill()
 
@@ -249,10 +250,14 @@ def test_client_leaving_mid_stream_frees_its_sequence(server):
 
 
 def test_metrics_carry_the_engines_step_stats(server):
-    httpx.post(server.url + "/v1/completions", json={"model": BASE, "prompt": [1, 4], "max_tokens": 3,
-                                                    "ignore_eos": True}, timeout=30).raise_for_status()
-    steps, decode = _metric(server, "tp_lora_engine_steps"), _metric(server, "tp_lora_engine_decode_steps")
-    assert steps >= 3 and 2 <= decode < steps  # a prefill step, then decode-only ones
+    before = [_metric(server, "tp_lora_engine_steps"), _metric(server, "tp_lora_engine_decode_steps")]
+    for tokens in (3, 6):
+        httpx.post(server.url + "/v1/completions", json={"model": BASE, "prompt": [1, 4], "max_tokens": tokens,
+                                                        "ignore_eos": True}, timeout=30).raise_for_status()
+        steps, decode = _metric(server, "tp_lora_engine_steps"), _metric(server, "tp_lora_engine_decode_steps")
+        # At least this request's steps: a prefill, then tokens - 1 decode-only ones.
+        assert steps - before[0] >= tokens and decode - before[1] >= tokens - 1, (before, steps, decode)
+        before = [steps, decode]
     graphs, captures = _metric(server, "tp_lora_engine_graph_steps"), _metric(server, "tp_lora_engine_graph_captures")
     assert captures <= graphs <= steps  # graphs on CUDA only
     assert _metric(server, "tp_lora_engine_eager_seconds") + _metric(server, "tp_lora_engine_graph_seconds") > 0

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from _server import GENERATE, ROOT, SERVE, Server, children, env_for, load_gamma_copy, model_of
+from _server import (GENERATE, ROOT, SERVE, Server, children, env_for, load_gamma_copy, model_of,
+                     runtime_lora)
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 from test_moe import moe_config, write_adapters, write_moe  # noqa: E402
@@ -67,7 +68,8 @@ async def completions(url: str, picks: list, model_of) -> list[list[int]]:
 def dp2(home, default, reference, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp2")
     srv = Server(["parallel=dp2", f"parallel.timeout_s={TIMEOUT_S}", "scheduler.max_batch_size=4",
-                  "server.max_imbalance=0"], env_for(home), root / "server.log")
+                  "server.max_imbalance=0"] + runtime_lora(tmp_path_factory.getbasetemp()), env_for(home),
+                 root / "server.log")
     yield srv
     srv.kill()
 
@@ -202,8 +204,8 @@ def moe(tmp_path_factory, home):
 
 def test_ep2_under_torchrun_matches_the_offline_job_and_drains_on_sigterm(moe, home):
     root, args, ref = moe
-    srv = Server(args + ["parallel=ep2", f"parallel.timeout_s={TIMEOUT_S}"], env_for(home), root / "server.log",
-                 nproc=2)
+    srv = Server(args + ["parallel=ep2", f"parallel.timeout_s={TIMEOUT_S}"] + runtime_lora(root), env_for(home),
+                 root / "server.log", nproc=2)
     try:
         picks = ref * 4
         got = asyncio.run(asyncio.wait_for(completions(srv.url, picks, lambda q: q["adapter"] or "qwen2_moe"), 300))

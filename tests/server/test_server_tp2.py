@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from _server import Server, env_for, load_gamma_copy
+from _server import Server, env_for, load_gamma_copy, runtime_lora
 
 TIMEOUT_S = 20
 
@@ -23,7 +23,8 @@ def server(home, default, reference, tmp_path_factory):
     shutil.copytree(default["model"], root / "plain")
     os.remove(root / "plain" / "tokenizer_config.json")
     srv = Server([f"model.path={root / 'plain'}", f"lora.adapter_dir={default['adapter_dir']}", "parallel=tp2",
-                  f"parallel.timeout_s={TIMEOUT_S}"], env_for(home), root / "server.log", nproc=2)
+                  f"parallel.timeout_s={TIMEOUT_S}"] + runtime_lora(tmp_path_factory.getbasetemp()), env_for(home),
+                 root / "server.log", nproc=2)
     yield srv
     srv.kill()
 

@@ -24,6 +24,11 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
 
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers (its vocabulary string's bytes: byte-level and
+        sentencepiece strings spell each byte with one or more bytes), so a text of b bytes takes >= b / this tokens."""
+        return max(len(t.encode("utf-8")) for t in self.tok.get_vocab(with_added_tokens=True))
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The prompt text for chat `messages` ([{role, content}]), ready for the model's reply."""
         if self.chat_template is None:

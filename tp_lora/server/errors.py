@@ -14,8 +14,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
     def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
+        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
                                        "code": self.status}}, status_code=self.status, headers=self.headers)
 

@@ -34,7 +34,10 @@ class FrontendProcess:
     def __init__(self):
         import tp_lora
         root = os.path.dirname(os.path.dirname(os.path.abspath(tp_lora.__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        # glibc: buffers of 1 MB and more always mapped apart and unmapped when freed (by default the threshold
+        # grows to the largest freed, and request bodies then stay in the process's heap after they are gone)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+                   MALLOC_MMAP_THRESHOLD_="1048576")
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
@@ -118,6 +121,7 @@ async def _serve(sock: socket.socket, info: dict, parent: int) -> int:
     import uvicorn
     from tp_lora.engine.tokenizer import load_tokenizer
     from tp_lora.server.engine_proxy import EngineProxy
+    from tp_lora.server.guard import timed_h11
     from tp_lora.server.http import OpenAIFrontend, make_app
     from tp_lora.server.metrics import Metrics
 
@@ -135,9 +139,11 @@ async def _serve(sock: socket.socket, info: dict, parent: int) -> int:
         return 1
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     engine = EngineProxy(reader, writer, info["context"], info["adapters"], Metrics())
-    fe = OpenAIFrontend(engine, load_tokenizer(info["model_dir"]), info["model_name"], info["model_dir"], cfg)
+    fe = OpenAIFrontend(engine, load_tokenizer(info["model_dir"]), info["model_name"], info["model_dir"], cfg,
+                        info["lora_roots"])
     server = Server(uvicorn.Config(make_app(fe), log_level="warning", access_log=False, lifespan="off",
-                                   timeout_graceful_shutdown=HTTP_STOP_S))
+                                   timeout_graceful_shutdown=HTTP_STOP_S, http=timed_h11(cfg.server.header_timeout_s),
+                                   limit_concurrency=cfg.server.max_connections))
     serving = asyncio.create_task(server.serve(sockets=[listen]))
     while not server.started:
         if serving.done():

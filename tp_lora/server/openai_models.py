@@ -1,10 +1,14 @@
 """The request bodies of /v1/completions and /v1/chat/completions as pydantic models: every documented OpenAI field
 (and vLLM's sampling extensions) type-checked, unknown fields refused; fields documented but not served are refused
 by name with the reason (refusal()); fields accepted on purpose without effect are listed in ACCEPTED_WITHOUT_EFFECT
-(and the README). parse() turns a body into its model or an APIError (400) naming the field."""
+(and the README). load_json() reads a body (bounded nesting, no lone surrogates) and parse() turns it into its model, each an APIError
+(400) naming the field otherwise; list sizes are bounded here too (limits in the README's "Security")."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import json
+import re
+import reprlib
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -14,6 +18,16 @@ from tp_lora.server.errors import APIError
 
 MAX_LOGPROBS = 5  # completions' logprobs, as OpenAI
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_JSON_DEPTH = 64  # nesting of a body's arrays and objects
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_MESSAGES = 2048  # chat messages per request
+MAX_ADAPTER_NAME = 128  # characters
+# A response's logprob entries (choices x max_tokens x (1 + top logprobs)): about 60 bytes of JSON each
+MAX_LOGPROB_ENTRIES = 2 ** 17
+TokenId = Annotated[int, Field(ge=0, lt=2 ** 31)]
+SHORT = reprlib.Repr()  # a refused value, quoted in the error: a few items / characters of it
+SHORT.maxlevel, SHORT.maxlist, SHORT.maxdict, SHORT.maxstring, SHORT.maxother = 2, 4, 4, 60, 60
 
 # Fields taken and given no effect: they tag, route or store requests on OpenAI's side, which this server does not do
 ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
@@ -22,6 +36,10 @@ ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    def refusal(self) -> Optional[tuple[str, str]]:
+        """(field, why) for a valid body asking what is not served, or None."""
+        return None
 
 
 class StreamOptions(Strict):
@@ -64,16 +82,18 @@ class Sampling(Strict):
     ignore_eos: Optional[bool] = None
     min_tokens: Optional[int] = Field(None, ge=0)
     repetition_penalty: Optional[float] = Field(None, gt=0.0, le=2.0)
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v):
         if v is None:
             return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
         for key, bias in v.items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+            if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) >= 2 ** 31:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key[:40]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
         return v
@@ -122,9 +142,12 @@ class Sampling(Strict):
     def best_of_n(self) -> int:
         return self.n or 1
 
+    def wants_logprobs(self) -> bool:
+        return False
+
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     echo: Optional[bool] = None
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -132,6 +155,9 @@ class CompletionRequest(Sampling):
 
     def best_of_n(self) -> int:
         return self.best_of or self.n or 1
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def refusal(self) -> Optional[tuple[str, str]]:
         if self.suffix:
@@ -167,7 +193,7 @@ NOT_SERVED = {
 
 
 class ChatCompletionRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -188,6 +214,9 @@ class ChatCompletionRequest(Sampling):
     web_search_options: Optional[dict] = None
     verbosity: Optional[str] = None
 
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
     def refusal(self) -> Optional[tuple[str, str]]:
         for name, why in NOT_SERVED.items():
             v = getattr(self, name)
@@ -200,14 +229,14 @@ class ChatCompletionRequest(Sampling):
         return super().refusal()
 
 
-def parse(cls: type[Sampling], body: Any) -> Sampling:
+def parse(cls: type[Strict], body: Any) -> Strict:
     """The body as `cls`, or an APIError (400) naming the first bad field and what it expects."""
     if not isinstance(body, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = max(e.errors(), key=lambda x: len(x["loc"]))  # a union's most specific complaint
         field = str(err["loc"][0]) if err["loc"] else None
         where = ".".join(str(x) for x in err["loc"] if not _is_type_tag(x))
         if err["type"] == "extra_forbidden":
@@ -215,8 +244,8 @@ def parse(cls: type[Sampling], body: Any) -> Sampling:
                                 f"server serves)", field) from None
         if err["type"] == "missing":
             raise APIError(400, f"'{where}' is required", field) from None
-        got = repr(err.get("input"))[:80]
-        raise APIError(400, f"'{where}': {err['msg']}, got {got}", field) from None
+        got = "" if err["type"] == "value_error" else f", got {SHORT.repr(err.get('input'))}"
+        raise APIError(400, f"'{where}': {err['msg']}{got}", field) from None
     refused = req.refusal()
     if refused:
         raise APIError(400, refused[1], refused[0])
@@ -226,3 +255,86 @@ def parse(cls: type[Sampling], body: Any) -> Sampling:
 def _is_type_tag(x) -> bool:
     """pydantic's loc names a union member by its type ('str', 'list[int]', 'function-after[...]'): not a key."""
     return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict", "list"))
+
+
+class LoadAdapter(Strict):
+    """The body of POST /v1/load_lora_adapter."""
+    lora_name: str
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+    @field_validator("lora_name")
+    @classmethod
+    def _name(cls, v):
+        return adapter_name(v)
+
+
+class UnloadAdapter(Strict):
+    """The body of POST /v1/unload_lora_adapter."""
+    lora_name: str
+
+    @field_validator("lora_name")
+    @classmethod
+    def _name(cls, v):
+        return adapter_name(v)
+
+
+def adapter_name(name: str) -> str:
+    """An adapter's API name: 1..MAX_ADAPTER_NAME printable characters (no lone surrogates, no control characters),
+    no space at either end: it appears in /v1/models and as a metrics label."""
+    if not 1 <= len(name) <= MAX_ADAPTER_NAME:
+        raise ValueError(f"expected 1 to {MAX_ADAPTER_NAME} characters, got {len(name)}")
+    if not name.isprintable() or name != name.strip():
+        raise ValueError(f"expected printable characters with no space at either end, got {name[:40]!r}")
+    return name
+
+
+def load_json(raw: bytes) -> Any:
+    """The body as JSON: a 400 naming why for invalid JSON or UTF-8, integers past Python's digit limit, nesting
+    deeper than MAX_JSON_DEPTH or strings holding lone surrogates (escaped \\ud800: not text)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the body nests arrays / objects deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digit limit
+        raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
+    flaw = first_flaw(body)
+    if flaw:
+        raise APIError(400, flaw, flaw.split("'")[1] if flaw.startswith("'") else None)
+    return body
+
+
+def first_flaw(body: Any) -> Optional[str]:
+    """Why a parsed body is refused (too deep, a lone surrogate in a key or string: where), or None. Iterative, and
+    lists of numbers are passed over by their element types alone."""
+    if not isinstance(body, (list, dict)):
+        return None if not isinstance(body, str) or _is_text(body) else "a lone surrogate is not text"
+    stack = [(body, 1, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return f"the body nests arrays / objects deeper than {MAX_JSON_DEPTH} levels (at '{where}')"
+        if isinstance(node, list):
+            if set(map(type, node)) <= {int, float, bool, type(None)}:
+                continue
+            items = ((f"{where}[{i}]", v) for i, v in enumerate(node))
+        else:
+            items = ((f"{where}.{k}" if where else k, v) for k, v in node.items())
+            if not all(map(_is_text, node)):
+                return f"'{where or 'body'}': a key holds a lone surrogate (\\ud800-\\udfff), which is not text"
+        for path, v in items:
+            if isinstance(v, str):
+                if not _is_text(v):
+                    return f"'{path}': a lone surrogate (\\ud800-\\udfff) is not text"
+            elif isinstance(v, (list, dict)):
+                stack.append((v, depth + 1, path))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

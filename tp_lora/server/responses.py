@@ -18,8 +18,18 @@ def completion_logprobs(tok: Callable[[int], str], ids: list[int], lps: list[flo
         text_offset.append(pos)
         pos += len(tok(t))
     return {"tokens": [tok(t) for t in ids], "token_logprobs": lps,
-            "top_logprobs": [{tok(t): lp for t, lp in row} for row in tops] if tops else None,
+            "top_logprobs": [_by_text(tok, row) for row in tops] if tops else None,
             "text_offset": text_offset}
+
+
+def _by_text(tok: Callable[[int], str], row) -> dict:
+    """One position's top (token, logprob) pairs keyed by text; tokens decoding alike (bytes of one character) keep
+    the highest."""
+    out: dict[str, float] = {}
+    for t, lp in row:
+        s = tok(t)
+        out[s] = max(lp, out.get(s, lp))
+    return out
 
 
 def chat_logprobs(tok: Callable[[int], str], ids: list[int], lps: list[float], tops: list, k: int) -> dict:

@@ -64,8 +64,10 @@ def _serve(llm, cfg: RunConfig, front) -> int:
     try:
         error = None
         if driver:
+            roots = cfg.server.lora_roots or ([llm.adapter_dir] if llm.adapter_dir else [])
             error = front.start(dict(cfg=cfg, model_name=model_name(cfg, llm.model_dir), model_dir=llm.model_dir,
-                                     context=loop.context, adapters=loop.adapter_registry()))
+                                     context=loop.context, adapters=loop.adapter_registry(),
+                                     lora_roots=[os.path.realpath(r) for r in roots]))
             loop.link = front.link
         # Every rank learns whether rank 0 is listening before any waits for its control messages, and where the
         # others run (to name a rank that dies).
