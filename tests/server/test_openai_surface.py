@@ -87,6 +87,17 @@ def test_logit_bias_penalties_min_tokens_and_stop_token_ids(c):
     rep = c.completions.create(model="beta", prompt=[1, 2, 3], max_tokens=12, temperature=0,
                                extra_body={"repetition_penalty": 2.0}).choices[0].token_ids
     assert rep != plain or len(set(plain)) == len(plain)
+    # Penalties alone, on a greedy run that repeats a token: the same up to that repeat (penalised tokens were not
+    # the argmax before it), then different.
+    kw = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    runs = ((m, p, c.completions.create(model=m, prompt=p, **kw).choices[0].token_ids)
+            for m, p in [("alpha", [1, 2, 3]), ("gamma", [1, 9, 4]), ("beta", [1, 9, 4]), ("gamma", [1, 2, 3])])
+    model, prompt, greedy = next((r for r in runs if len(set(r[2])) < len(r[2])), (None, None, None))
+    assert greedy is not None, "no greedy run repeats a token: the penalties would change nothing"
+    first_repeat = next(i for i, t in enumerate(greedy) if t in greedy[:i])
+    pen = c.completions.create(model=model, prompt=prompt, presence_penalty=2.0, frequency_penalty=2.0,
+                               **kw).choices[0].token_ids
+    assert pen[:first_repeat] == greedy[:first_repeat] and pen != greedy, (pen, greedy)
     # stop_token_ids end the sequence at the token; min_tokens holds it back until then
     stop = plain[2]
     first = plain.index(stop)
