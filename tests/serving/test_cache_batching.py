@@ -1,6 +1,7 @@
 """More adapters than device slots and than host-cache entries in one run: continuous batching gives each request
 exactly the tokens it gets alone (static batching, one request at a time), at one rank and at two; the same when
 requests arrive over time, when the KV memory fits only a few rows, and when a stop signal drains the run."""
+import threading
 import time
 
 import pytest
@@ -140,16 +141,19 @@ def test_stop_drains_or_aborts(bundle, alone, level):
 
 
 SLOW = "r8"
+BEFORE = 3  # requests that must finish while SLOW is read
+HOLD_S = 20  # the longest SLOW's read waits for them
 
 
-def _slowed(engine, seconds: float) -> list[float]:
-    """SLOW's reads on this engine take `seconds` longer; returns the list their end times go to."""
+def _slowed(engine, others: threading.Event) -> list[float]:
+    """SLOW's reads on this engine end only once `others` is set (or after HOLD_S); returns the list their end
+    times go to."""
     ended, read = [], engine.registry.cache._read_safely
 
     def slow_read(info, *threads):
         if info.name != SLOW:
             return read(info, *threads)
-        time.sleep(seconds)
+        others.wait(HOLD_S)
         out = read(info, *threads)
         ended.append(time.perf_counter())
         return out
@@ -169,8 +173,15 @@ def _run_with_slow_read(ps, model, adapters):
     engine = Engine(serving_cfg(tp=ps.tp.size, max_loras=4, max_cpu_loras=8, batch=8, budget=64), ps, model,
                     adapters)
     engine.registry.overlap_reads = True  # as on CUDA
-    ended = _slowed(engine, 1.0) if ps.tp.rank == 0 else []
-    results = engine.generate(_slow_first(make_requests(N)))
+    others, done = threading.Event(), []
+
+    def on_result(res):  # SLOW's read ends once BEFORE others have finished (a step loop blocked on it fails)
+        done.append(res)
+        if sum(r.request.adapter != SLOW for r in done) >= BEFORE:
+            others.set()
+
+    ended = _slowed(engine, others) if ps.tp.rank == 0 else []
+    results = engine.generate(_slow_first(make_requests(N)), on_result=on_result)
     engine.close()
     return results, ended
 
@@ -185,5 +196,5 @@ def test_a_slow_adapter_read_holds_only_its_requests(bundle, alone, tp):
     _check_same(results, alone, f"tp={tp}, a slow read")
     assert len(ended) == 1, ended
     before = [r for r in results if r.metrics["finished"] < ended[0]]
-    assert len(before) >= 3 and all(r.request.adapter != SLOW for r in before), \
+    assert len(before) >= BEFORE and all(r.request.adapter != SLOW for r in before), \
         f"{len(before)} requests finished while {SLOW} was read (its request came first)"

@@ -70,20 +70,25 @@ def test_read_ahead_is_bounded_and_skips_what_is_in_memory(zoo, monkeypatch):
     c.close()
 
 
-def _hold_reader(c, monkeypatch) -> threading.Event:
-    """The reader thread waits before each read ahead until the returned event is set."""
-    go, read = threading.Event(), c._read_ahead
-    monkeypatch.setattr(c, "_read_ahead", lambda info: go.wait(30) and read(info))
-    return go
+def _hold_reader(c, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(go, started): the reader thread sets started and waits before each read ahead until go is set."""
+    go, started, read = threading.Event(), threading.Event(), c._read_ahead
+
+    def held(info):
+        started.set()
+        return go.wait(30) and read(info)
+
+    monkeypatch.setattr(c, "_read_ahead", held)
+    return go, started
 
 
 def test_fetch_reads_an_adapter_still_queued_for_read_ahead_itself(zoo, monkeypatch):
     """The step loop does not wait behind the reader's queue: an adapter whose read ahead has not started is read by
     fetch, while the reader goes on with the one it has (here held)."""
     direct, ahead = _cache(zoo), _cache(zoo)
-    go = _hold_reader(ahead, monkeypatch)
+    go, started = _hold_reader(ahead, monkeypatch)
     ahead.prefetch(["a1", "a2"])
-    time.sleep(0.3)
+    assert started.wait(30), "the reader did not start a1's read"
     queued = ahead._staged["a2"]
     t0 = time.perf_counter()
     got, want = ahead.fetch("a2"), direct.fetch("a2")
@@ -100,9 +105,9 @@ def test_wait_any_reads_a_queued_adapter_itself_then_waits(zoo, monkeypatch):
     """wait_any (the step loop with nothing to run) reads the first adapter whose read ahead has not started itself,
     beside the reader's own read (held); with every read under way it waits for one."""
     c = _cache(zoo)
-    go = _hold_reader(c, monkeypatch)
+    go, started = _hold_reader(c, monkeypatch)
     c.prefetch(["a1", "a2"])
-    time.sleep(0.3)
+    assert started.wait(30), "the reader did not start a1's read"
     queued = c._staged["a2"]
     assert not c.ready("a1") and not c.ready("a2")
     c.wait_any(["a1", "a2"])
