@@ -136,3 +136,121 @@ def test_without_the_library_the_error_names_the_extra(monkeypatch, tokenizer):
     with pytest.raises(APIError) as e:
         parse(CompletionRequest, {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}})
     assert e.value.status == 400 and e.value.param == "response_format" and "tp_lora[structured]" in e.value.message
+
+
+SCHEMAS = [SCHEMA, {"type": "object", "properties": {"k": {"enum": ["ab", "cd", "e"]}}, "required": ["k"]},
+           {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3}]
+
+
+def _logits(index: int, number: int) -> torch.Tensor:
+    """Request `index`'s logits for its token after `number` drawn: the same whatever else shares the step."""
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(1000 * index + number)) * 3
+
+
+def _run_sampler(tokenizer, ahead: bool):
+    """Six concurrent grammar requests (three schemas, seeded draws) and a free one through a Sampler, stepped as
+    the engine does: in line (each step's tokens read before the next step samples) or ahead (the next step samples
+    before the last one's tokens are read; follow() hands them to the worker, which sleeps first as a device would).
+    -> (each request's tokens, every mask the sampler applied by (request, tokens drawn), bitmask fills on the
+    calling thread)."""
+    import threading
+    import time
+    s = Sampler(GenerationConfig(), {EOS}, tokenizer)
+    reqs = [req(i, ("json_schema", json.dumps(SCHEMAS[i % 3])), temperature=1.0, seed=i) for i in range(6)]
+    reqs.append(req(6, temperature=1.0, seed=6))
+    assert all(s.check(r, VOCAB) is None for r in reqs)
+    results = {r.index: Result(r) for r in reqs}
+    masks, fills = {}, []
+    g = s.grammars
+    take, fill = g.masks, g._fill
+
+    def masks_seen(rs, drawn, pin):
+        got, waited = take(rs, drawn, pin)
+        for j, i in enumerate(got[0] if got else []):
+            masks[(rs[i].index, drawn[i])] = got[1][j].clone()
+        return got, waited
+
+    def fill_counted(matchers, pin):
+        fills.append(threading.current_thread() is threading.main_thread())
+        return fill(matchers, pin)
+    g.masks, g._fill = masks_seen, fill_counted
+
+    def read(batch, out):
+        for r, tok in zip(batch, out[0].tolist()):
+            res = results[r.index]
+            if r.index in ended:  # a row of a finished request, launched ahead: dropped
+                continue
+            res.output_token_ids.append(int(tok))
+            if s.finished(res, int(tok), len(res.output_token_ids)):
+                s.final_text(res)
+                ended.add(r.index)
+    draws, last, ended = {r.index: 0 for r in reqs}, None, set()
+    while batch := [r for r in reqs if r.index not in ended]:
+        out = s.sample(torch.stack([_logits(r.index, draws[r.index]) for r in batch]), batch)
+        for r in batch:
+            draws[r.index] += 1
+        if ahead:
+            s.follow(out.clone(), lambda: time.sleep(0.002))
+            if last is not None:
+                read(*last)
+            last = (batch, out)
+        else:
+            read(batch, out)
+    if last is not None:
+        read(*last)
+    return {i: r.output_token_ids for i, r in results.items()}, masks, fills
+
+
+def test_masks_filled_ahead_equal_masks_filled_in_line(tokenizer):
+    """The same seeded requests give the same tokens, and every mask applied in line is applied ahead too, bit for
+    bit; ahead, the calling thread fills only the first tokens' masks (the worker fills every later one)."""
+    want, want_masks, _ = _run_sampler(tokenizer, ahead=False)
+    got, got_masks, fills = _run_sampler(tokenizer, ahead=True)
+    assert got == want
+    assert all(want[i][-1] == EOS for i in range(6)) and len(set(map(tuple, want.values()))) == 7
+    assert set(want_masks) <= set(got_masks) and len(want_masks) > 40
+    for key, bits in want_masks.items():
+        assert torch.equal(got_masks[key], bits), key
+    assert fills.count(True) == 1 and fills.count(False) >= max(len(want[i]) for i in range(6)) - 1
+
+
+@pytest.mark.parametrize("kv_blocks", [0, 6])
+def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_path, kv_blocks):
+    """Through the engine on the CPU: grammar rows no longer make it read each step before launching the next
+    (run_ahead forced on, as on CUDA), and give the tokens of reading every step; with a KV budget of a few blocks
+    too (preempted grammar rows resume with masks filled in line)."""
+    from tp_lora import distributed as comm
+    from tp_lora.assets import write_tiny_llama
+    from tp_lora.config import RunConfig
+    from tp_lora.engine.engine import Engine
+    model = tmp_path / "model"
+    write_tiny_llama(str(model), vocab_size=VOCAB, seed=3)
+    with open(model / "config.json") as f:
+        hf = json.load(f)
+    with open(model / "config.json", "w") as f:
+        json.dump(hf | {"eos_token_id": EOS}, f)
+    tokenizer.tok.save(str(model / "tokenizer.json"))
+
+    def run(run_ahead: bool):
+        cfg = RunConfig()
+        cfg.device, cfg.dtype, cfg.cuda_graphs, cfg.progress = "cpu", "float32", False, False
+        cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step = 8, 32
+        cfg.scheduler.kv_block_size = 4
+        engine = Engine(cfg, comm.single_process(), str(model), None)
+        if kv_blocks:
+            m = engine.model
+            block_bytes = 4 * 2 * len(m.layers) * m.kv_heads * m.head_dim * 4
+            engine.cfg.scheduler.kv_cache_mb = (kv_blocks + 1.5) * block_bytes / 2**20  # + the scratch block
+        engine.run_ahead = run_ahead
+        reqs = [Request(i, id=i, prompt_token_ids=[1, 5 + i, 9], max_new_tokens=12 if kv_blocks else 40,
+                        temperature=1.0, seed=i) for i in range(8)]
+        for r in reqs:  # every row a grammar row: steps launched ahead are steps with grammar rows
+            r.grammar = ("json_schema", json.dumps(SCHEMAS[r.index % 3]))
+        out = engine.generate(reqs)
+        return [(r.output_token_ids, r.finish_reason, r.error) for r in out], engine.stats
+    want, _ = run(False)
+    got, st = run(True)
+    assert got == want
+    assert sum(reason == "stop" for _, reason, _ in want) >= 3
+    assert st.ahead_steps > 0 and st.mask_steps > 0 and st.mask_wait_seconds >= 0
+    assert not kv_blocks or st.preemptions > 0

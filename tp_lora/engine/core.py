@@ -38,7 +38,7 @@ class InFlight:
     replayed: bool  # from a CUDA graph
     captured: bool  # its graph captured by it
     read_first: bool  # the host needs its tokens before the next step: top log-probabilities were taken (a host
-    # sync already), or a grammar's matcher must take a row's token before that row's next mask
+    # sync already)
 
 
 class EngineCore:
@@ -264,7 +264,7 @@ class EngineCore:
             reqs = [s.request for s, _ in sampled]
             idx = [i for _, i in sampled]  # increasing: all of them is every row, in order
             rows = logits if len(idx) == logits.shape[0] else logits[idx]
-            drawn = self.sampler.sample(rows, reqs)
+            drawn = self.sampler.sample(rows, reqs, self.stats)
             self.runner.keep_sampled(drawn[0])
             k = max(r.logprobs for r in reqs)
             tops = top_logprobs(rows, k) if k else None
@@ -274,9 +274,11 @@ class EngineCore:
         if self.ps.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
+        if sampled:  # grammar rows take their tokens and fill their next masks on a worker thread meanwhile
+            self.sampler.follow(host, None if done is None else lambda: comm.wait_event(done, self.ps.device))
         for j, (seq, _) in enumerate(sampled):
             seq.tokens.append(pending(j))
-        read_first = tops is not None or any(seq.request.grammar is not None for seq, _ in sampled)
+        read_first = tops is not None
         self.inflight = InFlight([(seq, len(seq.tokens) - 1) for seq, _ in sampled], host, tops, done, started,
                                  all(n == 1 for _, n in work), self.runner.replayed, self.runner.captured,
                                  read_first)

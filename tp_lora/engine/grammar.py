@@ -2,11 +2,13 @@
 masks the logits of the request's rows, through xgrammar (the optional `structured` extra).
 
 A grammar is compiled once per schema text (an LRU cache) when its request is checked, on every rank alike. Each
-request then holds a matcher from its first sample to its end: before a step's draw the matchers of the step's
-rows fill a bitmask on the host (while the device still runs the forward) that is copied to the device and applied
-to those rows only; after the draw each matcher advances with its row's token (Sampler.finished, once the host has
-the token: the engine reads a step with grammar rows before it launches the next). Matchers are deterministic, so
-every TP rank, advanced with the same tokens, applies the same masks.
+request then holds a matcher from its first sample to its end. A step's grammar rows take their tokens and fill
+their next bitmask on a worker thread (follow(): once the step's tokens reach the host, while the device already
+runs the next step's forward, launched ahead); the next sample takes those masks (masks(): waiting only for what is
+left of that work, counted in StepStats.mask_wait_seconds), filling in line only rows the worker did not cover (a
+first token, a resumed sequence). The bitmask goes to the device in one copy and masks those rows only.
+Matchers are deterministic, so every TP rank, advanced with the same tokens, applies the same masks, wherever they
+were filled.
 
 JSON is compact (no whitespace outside strings): a random or weak model cannot spend its tokens on whitespace.
 A complete grammar allows only the stop tokens (EOS); a grammar that allows no token the tokenizer can spell
@@ -15,8 +17,11 @@ short (finish_reason "length")."""
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
-from typing import Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -44,6 +49,10 @@ class Grammars:
         self.vocab = 0
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.matchers: dict[int, object] = {}
+        self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens its matcher took, grammar complete)
+        self.worker: Optional[ThreadPoolExecutor] = None  # follow()'s thread, from the first follow()
+        self.job: Optional[Ahead] = None  # the last follow()'s work, until joined
+        self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
         self.batch = None
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
 
@@ -90,18 +99,100 @@ class Grammars:
 
     def fill(self, reqs: list[Request], pin: bool) -> Optional[tuple[list[int], torch.Tensor]]:
         """(the rows of reqs with a grammar, their int32 bitmask [rows, ceil(vocab / 32)] on the host, pinned where
-        `pin`) for the next token, or None when no row has one. A row allowing nothing allows the stop tokens."""
+        `pin`) for the next token, filled in line, or None when no row has one."""
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not sel:
             return None
-        matchers = [self._matcher(reqs[i]) for i in sel]
-        bits = torch.empty(len(sel), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
-        self.batch.batch_fill_next_token_bitmask(matchers, bits)
+        self._join()  # the worker's matchers are the same objects
+        return sel, self._fill([self._matcher(reqs[i]) for i in sel], pin)
+
+    def masks(self, reqs: list[Request], drawn: list[int], pin: bool
+              ) -> tuple[Optional[tuple[list[int], torch.Tensor]], float]:
+        """fill()'s (rows, bitmask) for reqs whose requests drew drawn[i] tokens so far, taking the rows the last
+        follow() filled ahead and filling the others in line; and the seconds the host waited for masks (for the
+        worker's filling and for in-line fills, not for the device's tokens)."""
+        sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not sel:
+            return None, 0.0
+        t0 = time.perf_counter()
+        job = self._join()
+        t1 = time.perf_counter()
+        device_wait = max(0.0, min(t1, job.tokens_at) - t0) if job is not None else 0.0
+        have = {} if job is None else job.rows
+        ahead = [have.get(reqs[i].index, (-1, -1)) for i in sel]
+        if all(n == drawn[i] for (n, _), i in zip(ahead, sel)) and [k for _, k in ahead] == list(
+                range(job.bits.shape[0])):
+            bits = job.bits  # every row, in order: the worker's buffer as it is
+        else:
+            bits = torch.empty(len(sel), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
+            took = [j for j, ((n, _), i) in enumerate(zip(ahead, sel)) if n == drawn[i]]
+            if took:
+                bits[took] = job.bits[[ahead[j][1] for j in took]]
+            rest = sorted(set(range(len(sel))) - set(took))
+            if rest:
+                bits[rest] = self.fill([reqs[sel[j]] for j in rest], False)[1]
+        return (sel, bits), time.perf_counter() - t0 - device_wait
+
+    def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
+               pin: bool) -> None:
+        """Rows reqs[i] of a launched step drew their drawn[i]-th token, in host[0, i] once wait() returns (None:
+        there already): on the worker thread, the grammar rows' matchers take those tokens and fill their next
+        bitmask, for the next masks() and advance()."""
+        rows = [(j, r.index, self.matchers[r.index], drawn[j]) for j, r in enumerate(reqs)
+                if r.grammar is not None and r.index in self.matchers]
+        self._join()
+        if not rows:
+            return
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="tp_lora-grammar")
+        self.job = Ahead({index: n for _, index, _, n in rows}, self.worker.submit(self._ahead, rows, host, wait, pin))
+
+    def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], pin: bool
+               ) -> tuple[dict[int, tuple[int, bool]], torch.Tensor, float]:
+        """follow()'s work on the worker: ({request index: (its token's number, grammar complete)}, the next
+        bitmask [rows, ceil(vocab / 32)], perf_counter() when the tokens were on the host)."""
+        if wait is not None:
+            wait()
+        tokens_at = time.perf_counter()
+        toks = host[0].tolist()
+        took = {}
+        for j, index, m, n in rows:
+            if not m.is_terminated():  # a finished row of a step launched ahead: its token is dropped
+                m.accept_token(int(toks[j]))
+            took[index] = (n, m.is_terminated())
+        return took, self._fill([m for _, _, m, _ in rows], pin), tokens_at
+
+    def _join(self) -> Optional[Ahead]:
+        """The last follow()'s work, done (the host waits for it here), its results kept for masks() and advance()
+        while their matchers live; None when nothing was followed since."""
+        job, self.job = self.job, None
+        if job is None:
+            return self.joined
+        took, job.bits, job.tokens_at = job.future.result()
+        job.rows = {}
+        for k, (index, got) in enumerate(took.items()):
+            if index in self.matchers:  # not forgotten (ended or cancelled) meanwhile
+                self.took[index] = got
+                job.rows[index] = (got[0], k)
+        self.joined = job
+        return job
+
+    def _fill(self, matchers: list, pin: bool) -> torch.Tensor:
+        """The int32 bitmask [len(matchers), ceil(vocab / 32)] of each matcher's next token (on the host, pinned
+        where `pin`); a row allowing nothing, or a complete matcher's, allows the stop tokens."""
+        bits = torch.empty(len(matchers), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
+        live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+        if len(live) == len(matchers):
+            self.batch.batch_fill_next_token_bitmask(matchers, bits)
+        else:
+            bits.zero_()
+            if live:
+                self.batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, indices=live)
         bits &= self.printable
         dead = ~bits.any(1)  # the tokenizer cannot go on: end the output
         if bool(dead.any()):
             bits[dead] = pack(self.stop_ids, self.vocab)
-        return sel, bits
+        return bits
 
     def _matcher(self, req: Request):
         m = self.matchers.get(req.index)
@@ -111,20 +202,42 @@ class Grammars:
             m = self.matchers[req.index] = library().GrammarMatcher(self.compiled[req.grammar])
         return m
 
-    def advance(self, index: int, tok: int) -> bool:
-        """Request `index`'s matcher takes its drawn token `tok`; whether its grammar is now complete and stopped
-        (True for a stop token). Requests without a grammar: False."""
+    def advance(self, index: int, tok: int, number: int) -> bool:
+        """Request `index`'s matcher takes `tok`, its `number`-th token (unless follow()'s worker did); whether its
+        grammar is now complete and stopped (True for a stop token). Requests without a grammar: False."""
         m = self.matchers.get(index)
         if m is None:
             return False
+        if self.job is not None and self.job.numbers.get(index) == number:
+            self._join()
+        got = self.took.get(index)
+        if got is not None and got[0] >= number:
+            return got[0] == number and got[1]
+        self._join()
         m.accept_token(tok)
+        self.took[index] = (number, m.is_terminated())
         return m.is_terminated()
 
     def forget(self, index: int) -> None:
         self.matchers.pop(index, None)
+        self.took.pop(index, None)
 
     def reset(self) -> None:
+        """Drop every matcher, and the worker's last results (its work, if any, runs on over dropped matchers)."""
         self.matchers.clear()
+        self.took.clear()
+        self.job = self.joined = None
+
+
+@dataclass
+class Ahead:
+    """One step's grammar rows handed to the worker (Grammars.follow)."""
+    numbers: dict[int, int]  # request index -> the number of the token it drew in that step
+    future: Future  # -> Grammars._ahead's results
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # once joined: request index -> (its token's
+    # number, its row in bits)
+    bits: Optional[torch.Tensor] = None  # once joined: the next bitmask of each row
+    tokens_at: float = 0.0  # once joined: perf_counter() when the step's tokens were on the host
 
 
 def pack(ids: list[int], vocab: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ log-probabilities are the model's (before logit rules, grammars and temperature)
 and the same generator states, so every rank picks the same token without a broadcast."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -97,21 +97,26 @@ class Sampler:
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
         self._drawn: dict[int, int] = {}  # tokens drawn per request (its seeded noise, min_tokens)
         self._stop_ids: dict[int, frozenset[int]] = {}  # requests with stop_token_ids: them as a set
+        self._last: tuple[list[Request], list[int]] = ([], [])  # the last sample()'s requests, each one's draws
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why req's grammar cannot run on a model of `vocab` logits, or None (compiled then, once per schema)."""
         return self.grammars.check(req, vocab)
 
-    def sample(self, rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """draw() over logits `rows` [N, V], row i for reqs[i], after their logit rules and grammars."""
-        # the grammar rows' bitmask first: the host fills it while the device may still run the step's forward
-        masks = self.grammars.fill(reqs, pin=rows.device.type == "cuda")
+    def sample(self, rows: torch.Tensor, reqs: list[Request], stats=None) -> torch.Tensor:
+        """draw() over logits `rows` [N, V], row i for reqs[i], after their logit rules and grammars. stats: a
+        StepStats that counts the host's wait for grammar masks."""
         temps = [r.temperature if r.temperature is not None else self.gen.temperature for r in reqs]
         top_ps = [r.top_p if r.top_p is not None else self.gen.top_p for r in reqs]
         steps = [self._drawn.get(r.index, 0) for r in reqs]
         chosen = self.rules.apply(rows, reqs, steps)
+        # the grammar rows' bitmask last: filled ahead on the worker (follow()) while the device runs the step
+        masks, waited = self.grammars.masks(reqs, steps, pin=rows.device.type == "cuda")
         if masks is not None:
             chosen = apply_mask(chosen, *masks)
+            if stats is not None:
+                stats.mask_steps += 1
+                stats.mask_wait_seconds += waited
         gen = self.generators.get(rows.device)
         if gen is None:
             gen = self.generators[rows.device] = torch.Generator(rows.device).manual_seed(self.gen.seed)
@@ -119,14 +124,22 @@ class Sampler:
         self.rules.update(out[0])
         for r, n in zip(reqs, steps):
             self._drawn[r.index] = n + 1
+        self._last = (reqs, [n + 1 for n in steps])
         return out
+
+    def follow(self, host: torch.Tensor, wait: Optional[Callable[[], None]]) -> None:
+        """The last sample()'s tokens are copied into `host` ([2, N], pinned where on CUDA), there once wait()
+        returns (None: already): its grammar rows take them and fill their next masks on a worker thread
+        (Grammars.follow), while the host prepares the next step."""
+        reqs, numbers = self._last
+        self.grammars.follow(reqs, numbers, host, wait, pin=host.is_pinned())
 
     def finished(self, res: Result, tok: int, generated: int) -> bool:
         """Whether the sequence of `res` ends with its `generated`-th new token `tok` (its grammar's matcher, if any,
         takes the token); sets its finish_reason and, at a stop string, its text."""
         req = res.request
         ignore = req.ignore_eos if req.ignore_eos is not None else self.gen.ignore_eos
-        complete = self.grammars.advance(req.index, tok)  # a complete grammar took its stop token
+        complete = self.grammars.advance(req.index, tok, generated)  # a complete grammar took its stop token
         if (complete or (not ignore and tok in self.eos) or (req.stop_token_ids and tok in self._stops(req))
                 or (req.stop and self._stop_string(res, tok))):
             res.finish_reason = "stop"

@@ -20,6 +20,9 @@ class StepStats:
     # [steps, wall seconds (as graph_seconds)]
     decode_by_rows: dict = field(default_factory=dict)
     ahead_steps: int = 0  # steps launched before the previous step's tokens were read (run_ahead)
+    mask_steps: int = 0  # steps that sampled grammar rows (structured output)
+    mask_wait_seconds: float = 0.0  # the host's wait in those steps for their grammar masks, once the previous
+    # step's tokens were on the host (masks filled ahead on a worker thread cost none while the device runs)
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache (not computed)
     generated_tokens: int = 0
