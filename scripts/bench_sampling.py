@@ -4,7 +4,9 @@
            blocks from the prefix cache) against the same prompts sent --n times as separate requests (each one
            prefilled): seconds and generated tokens/s of each; target n at least 1.5x separate.
   grammar  --batch requests with response_format json_schema (bench_grammar.py's "nested" schema) against the same
-           requests without one: generated tokens/s; target: the grammar costs at most 10%.
+           requests without one: generated tokens/s; target: the grammar costs at most 10%. Its documents: parsed,
+           cut by max_tokens (finish_reason "length") and malformed, apart; and the host's wait for masks per step
+           (StepStats.mask_wait_seconds over the grammar runs).
 
 Model: bench_step.py's random-weight shape (written once under --cache, rank-16 adapters beside it) with a
 byte-level BPE tokenizer trained here on Python's standard library (bench_grammar.py's), so grammars find tokens
@@ -116,13 +118,23 @@ def main() -> None:
     batch_adapters = [names[i % len(names)] for i in range(args.batch)]
     free = dict(max_new_tokens=args.new_tokens, temperature=1.0)
     rows["no_grammar"] = median(lambda: timed(llm, batch_prompts, batch_adapters, **free))
+    st = llm.engine.stats
+    steps0, wait0 = st.mask_steps, st.mask_wait_seconds
     rows["grammar"] = median(lambda: timed(llm, batch_prompts, batch_adapters, response_format=schema, **free))
-    parsed = sum(1 for o in rows["grammar"]["out"] if _parses(o.get("text", "")))
+    mask_steps = st.mask_steps - steps0
+    mask_wait_ms = 1e3 * (st.mask_wait_seconds - wait0) / max(1, mask_steps)
+    docs = [o.get("text", "") for o in rows["grammar"]["out"]]
+    parsed = sum(1 for t in docs if _parses(t))
+    truncated = sum(1 for t, o in zip(docs, rows["grammar"]["out"]) if not _parses(t)
+                    and o["finish_reason"] == "length")  # cut by max_tokens, not malformed
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "shape": args.shape,
               "args": vars(args), "rows": {k: {x: v for x, v in r.items() if x != "out"} for k, r in rows.items()},
               "n_speedup": rows["n"]["tokens_per_s"] / rows["separate"]["tokens_per_s"],
               "grammar_cost": 1 - rows["grammar"]["tokens_per_s"] / rows["no_grammar"]["tokens_per_s"],
-              "grammar_documents_parsed": f"{parsed}/{args.batch}"}
+              "grammar_documents_parsed": f"{parsed}/{args.batch}",
+              "grammar_documents_truncated": f"{truncated}/{args.batch}",
+              "grammar_documents_malformed": f"{args.batch - parsed - truncated}/{args.batch}",
+              "mask_wait_ms_per_step": mask_wait_ms, "mask_steps": mask_steps}
     print(f"device {report['device']}, shape {args.shape}, {args.prompts} prompts of {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens")
     print("| run | requests | seconds | generated tokens | tokens/s |\n|---|---|---|---|---|")
@@ -131,7 +143,8 @@ def main() -> None:
         print(f"| {name} | {count} | {r['seconds']:.3f} | {r['tokens']} | {r['tokens_per_s']:.0f} |")
     print(f"n={args.n} against separate requests: {report['n_speedup']:.2f}x tokens/s (target >= 1.5x); "
           f"grammar cost {report['grammar_cost']:.1%} of tokens/s (target <= 10%); "
-          f"{report['grammar_documents_parsed']} grammar documents parse")
+          f"grammar documents: {parsed} parse, {truncated} cut by max_tokens, {args.batch - parsed - truncated} "
+          f"malformed; the host waited {mask_wait_ms:.3f} ms per step for masks ({mask_steps} steps)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_sampling.json"), "w") as f:
         json.dump(report, f, indent=2)
