@@ -2,7 +2,10 @@
 byte-level BPE over every byte (the default tokenizer has no '{' or '"'), a chat template, and two random
 adapters; and the schemas the tests ask for, each with a bound on its strings, arrays and numbers so a random model's
 document closes within a few dozen tokens."""
+import json
 import os
+
+import jsonschema
 
 from tp_lora.assets import CHAT_TEMPLATE, DEFAULT_MODEL, write_random_adapter, write_tiny_llama
 
@@ -28,7 +31,6 @@ def write_json_model(root) -> dict:
     os.makedirs(model, exist_ok=True)
     tok.save(os.path.join(model, "tokenizer.json"))
     with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
-        import json
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                    "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}, f)
     shape = {k: v for k, v in DEFAULT_MODEL.items() if k != "vocab_size"}
@@ -73,3 +75,17 @@ SCHEMAS = [
     obj({"flag": {"type": "boolean"}, "label": {"enum": ["on", "off"]}, "n": integer(1, 5)}),
     obj({"pair": {"type": "array", "prefixItems": [string(3), integer(0, 9)], "items": False}}),
 ]
+
+
+def fmt(schema: dict) -> dict:
+    """The response_format asking for `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def valid(text: str, schema: dict) -> bool:
+    """Whether text is a JSON document that `schema` accepts."""
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True

@@ -1,6 +1,7 @@
 """The server at tp=2 (two ranks over gloo under torchrun): rank 0 takes the HTTP requests, both ranks step; the
 offline job's tokens, streams, concurrent clients, run-time adapter loads registered on both ranks, a model dir
-without a chat template, a SIGTERM-less end: a lost rank stops the server non-zero within parallel.timeout_s."""
+without a chat template, structured output (every rank masks alike: tp=1's tokens), a SIGTERM-less end: a lost rank
+stops the server non-zero within parallel.timeout_s."""
 import asyncio
 import os
 import shutil
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from _json_model import SCHEMAS, fmt, valid
 from _server import Server, env_for, load_gamma_copy, runtime_lora
 
 TIMEOUT_S = 20
@@ -66,6 +68,29 @@ def test_tp2_chat_without_a_template_is_a_400(server):
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def test_tp2_structured_output_is_tp1s(home, json_paths, tmp_path):
+    """response_format at tp=2 on a model that can spell JSON: the documents validate and are the tokens of an
+    engine at tp=1 (each rank samples on its own: a rank masking otherwise would feed the other ranks' steps other
+    tokens)."""
+    pytest.importorskip("xgrammar")
+    from tp_lora import LLM
+    asks = [("alpha", SCHEMAS[5]), ("model", SCHEMAS[8])]  # the model dir's name: no adapter
+    with LLM(model=json_paths["model"], adapter_dir=json_paths["adapter_dir"], **{"lora.max_loras": 2}) as llm:
+        want = [llm.generate("json:", adapter=None if m == "model" else m, max_new_tokens=48, temperature=0,
+                             response_format=fmt(schema))[0]["output_token_ids"] for m, schema in asks]
+    srv = Server([f"model.path={json_paths['model']}", f"lora.adapter_dir={json_paths['adapter_dir']}",
+                  "parallel=tp2", f"parallel.timeout_s={TIMEOUT_S}"], env_for(home), tmp_path / "server.log", nproc=2)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for (model, schema), tokens in zip(asks, want):
+            got = c.completions.create(model=model, prompt="json:", max_tokens=48, temperature=0,
+                                       extra_body={"response_format": fmt(schema)}).choices[0]
+            assert got.finish_reason == "stop" and valid(got.text, schema), (model, got.text)
+            assert got.token_ids == tokens, model
+    finally:
+        srv.kill()
 
 
 def test_tp2_lost_rank_ends_the_server_non_zero(server):

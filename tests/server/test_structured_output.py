@@ -7,11 +7,10 @@ import concurrent.futures as cf
 import json
 
 import httpx
-import jsonschema
 import openai
 import pytest
 
-from _json_model import SCHEMAS, write_json_model
+from _json_model import SCHEMAS, fmt, valid
 from _server import Server, env_for
 
 BASE = "model"  # the model dir's name
@@ -20,13 +19,8 @@ pytest.importorskip("xgrammar")
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    return write_json_model(tmp_path_factory.mktemp("json_model"))
-
-
-@pytest.fixture(scope="module")
-def server(home, paths, tmp_path_factory):
-    srv = Server([f"model.path={paths['model']}", f"lora.adapter_dir={paths['adapter_dir']}",
+def server(home, json_paths, tmp_path_factory):
+    srv = Server([f"model.path={json_paths['model']}", f"lora.adapter_dir={json_paths['adapter_dir']}",
                   "scheduler.max_batch_size=16", "server.max_queue=128"], env_for(home),
                  tmp_path_factory.mktemp("structured") / "server.log")
     yield srv
@@ -36,10 +30,6 @@ def server(home, paths, tmp_path_factory):
 @pytest.fixture(scope="module")
 def c(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def fmt(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
 def ask(c, schema: dict, model: str, chat: bool, stream: bool, **kw) -> tuple[str, str]:
@@ -60,14 +50,6 @@ def ask(c, schema: dict, model: str, chat: bool, stream: bool, **kw) -> tuple[st
         return out.choices[0].text, out.choices[0].finish_reason
     chunks = [ch.choices[0] for ch in out if ch.choices]
     return "".join(ch.text for ch in chunks), chunks[-1].finish_reason
-
-
-def valid(text: str, schema: dict) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-    except (json.JSONDecodeError, jsonschema.ValidationError):
-        return False
-    return True
 
 
 def test_json_schema_outputs_validate_streamed_and_not_adapter_and_base(c):
@@ -121,9 +103,9 @@ def test_a_bad_schema_is_a_400_naming_it(server, path, response_format, words):
         assert err["param"] == "response_format" and words in err["message"], err
 
 
-def test_llm_generate_and_request_rules(paths):
+def test_llm_generate_and_request_rules(json_paths):
     from tp_lora import LLM
-    with LLM(model=paths["model"], adapter_dir=paths["adapter_dir"], **{"lora.max_loras": 2}) as llm:
+    with LLM(model=json_paths["model"], adapter_dir=json_paths["adapter_dir"], **{"lora.max_loras": 2}) as llm:
         for schema in SCHEMAS[5:9]:
             outs = llm.generate(["json:", [1, 40, 41]], adapter=["alpha", None], max_new_tokens=MAX_TOKENS,
                                 temperature=0, response_format=fmt(schema))
