@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tp_lora.lora.peft_format import lora_scale, module_rank_alpha
 from tp_lora.models.checkpoint import load_hf_config
 
-BUNDLE_VERSION = "default-v2"  # v2: the model dir has a tokenizer (tokenizer.json, chat template)
+BUNDLE_VERSION = "default-v3"  # v3: a lossless tokenizer (all 256 bytes) and a vocab of 320
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -251,22 +251,29 @@ TOKENIZER_TEXT = (
     "Every request picks an adapter by name, or none for the base; tokens stream back one by one until "
     "a stop string, the end token or the length limit. Numbers 0123456789 and symbols (+-*/=%#@&) appear too. "
     "Many LoRA adapters share one server: vLLM and SGLang serve them this way, and so do we. "
+    'Replies may be JSON: {"name": "ada", "tags": ["red", "blue"], "n": 1.5, "ok": true, "x": null}. '
     "Caf\u00e9, na\u00efve, \u00fcber, fa\u00e7ade; \u65e5\u672c\u8a9e\u3067\u3059; \u00a1Hola! \U0001F642\n")
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+MIN_TOKENIZER_VOCAB = len(SPECIAL_TOKENS) + 256  # the specials and one token per byte
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def write_tiny_tokenizer(path: str, vocab_size: int = 256) -> str:
+def write_tiny_tokenizer(path: str, vocab_size: int = 320) -> str:
     """tokenizer.json (HF `tokenizers` format) + tokenizer_config.json with a chat template at `path`: a byte-level
-    BPE of `vocab_size` tokens (<unk>=0, <s>=1 prepended to every encoding, </s>=2) trained on TOKENIZER_TEXT,
-    deterministically. Characters outside the text's bytes cannot be encoded; multi-byte characters span several
-    tokens, so the model's output exercises incremental detokenization."""
+    BPE of `vocab_size` tokens (<unk>=0, <s>=1 prepended to every encoding, </s>=2), one token per byte (ids 3..258)
+    and merges trained on TOKENIZER_TEXT, deterministically. Lossless: any Unicode text decodes back to itself
+    (the specials' own spellings in the text excepted, read as those tokens); multi-byte characters outside the
+    merges span several tokens, so the model's output exercises incremental detokenization."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    if vocab_size < MIN_TOKENIZER_VOCAB:
+        raise ValueError(f"vocab_size={vocab_size}: a byte-level tokenizer needs at least {MIN_TOKENIZER_VOCAB} "
+                         f"tokens ({len(SPECIAL_TOKENS)} specials and 256 bytes)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"the tokenizer text yields {tok.get_vocab_size()} tokens, not vocab_size={vocab_size}")
@@ -284,7 +291,7 @@ def write_tiny_tokenizer(path: str, vocab_size: int = 256) -> str:
 # ---- the default bundle ---------------------------------------------------------------------------------------
 # Sized so every shipped layout runs on it: 8 query heads and 2 KV heads split over tp 1..8 (KV heads replicated
 # beyond 2), vocab / intermediate divisible by 8; head_dim 16 suits tensor-core kernels.
-DEFAULT_MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+DEFAULT_MODEL = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=2, seed=0)
 DEFAULT_ADAPTERS = {
     "alpha": dict(r=8, lora_alpha=16, seed=1, rank_pattern={"o_proj": 4}, alpha_pattern={"down_proj": 32}),

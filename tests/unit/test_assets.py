@@ -2,8 +2,9 @@
 deterministic, greedy decoding on them is varied, adapters visibly change it, and the bundle installs atomically."""
 import filecmp
 import json
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -153,6 +154,9 @@ def test_default_bundle(tmp_path):
     for tp in (1, 2, 4, 8):  # every shipped parallel layout fits
         assert cfg.num_attention_heads % tp == 0 and cfg.intermediate_size % tp == 0 and cfg.vocab_size % tp == 0
         assert cfg.num_key_value_heads % tp == 0 or tp % cfg.num_key_value_heads == 0
+    tok = transformers.AutoTokenizer.from_pretrained(paths["model"])  # HF reads the tokenizer: lossless, fits
+    text = '{"key": [1, 2.5]} na\u00efve \u2014 \u65e5\u672c\u8a9e \U0001F9EA'
+    assert len(tok) == cfg.vocab_size and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
     found = discover_adapters(paths["adapter_dir"])
     assert list(found) == ["alpha", "beta", "gamma"]
     reqs = [json.loads(line) for line in open(paths["requests"])]
@@ -208,24 +212,21 @@ def test_stale_bundle_replaced_foreign_dir_kept(tmp_path):
     assert (mine / "precious.txt").read_text() == "keep"
 
 
-def _install(root, q):
-    try:
-        q.put(ensure_default_assets(root))
-    except BaseException as e:  # report to the parent
-        q.put(repr(e))
-
-
 def test_concurrent_writers(tmp_path):
+    """Four processes at once, started fresh as torchrun starts its ranks (a fork of this process could hang: torch's
+    thread pool does not survive fork)."""
     root = str(tmp_path / "race")
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_install, args=(root, q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    assert all(r == results[0] and isinstance(r, dict) for r in results), results
+    code = "import json, sys; from tp_lora.assets import ensure_default_assets as e; print(json.dumps(e(sys.argv[1])))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    results = [json.loads(out) for out, _ in outs]
+    assert all(r == results[0] for r in results), results
     assert sorted(os.listdir(tmp_path)) == ["race"]
     assert list(discover_adapters(results[0]["adapter_dir"])) == ["alpha", "beta", "gamma"]
     CheckpointReader(results[0]["model"])

@@ -108,10 +108,13 @@ def test_compile_errors_cache_and_tokenizers_that_cannot_spell_json(tokenizer, t
     assert "min_tokens" in g.check(req(3, ("json_object", ANY_OBJECT), min_tokens=1), VOCAB)
     assert "tokenizer" in Grammars(None, {EOS}).check(a, VOCAB)
     assert "eos_token_id" in Grammars(tokenizer, set()).check(a, VOCAB)
-    from tp_lora.assets import write_tiny_tokenizer  # the embedded default's: no '{' nor '"'
-    from tp_lora.engine.tokenizer import load_tokenizer
-    tiny = load_tokenizer(write_tiny_tokenizer(str(tmp_path)))
-    assert "cannot spell" in Grammars(tiny, {EOS}).check(a, 256)
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tiny = Tokenizer(models.BPE())  # byte-level, but only the bytes of its text: no '{' nor '"'
+    tiny.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tiny.train_from_iterator(["hello world"], trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"],
+                                                                  show_progress=False))
+    tiny.save(str(tmp_path / "tokenizer.json"))
+    assert "cannot spell" in Grammars(TextTokenizer(str(tmp_path / "tokenizer.json")), {EOS}).check(a, 64)
 
 
 def test_a_dead_end_allows_only_the_stop_tokens(tokenizer):

@@ -1,8 +1,8 @@
-"""Text out: the embedded default's tokenizer, incremental detokenization across multi-byte characters, and the
-chat template."""
+"""Text out: the embedded default's tokenizer (lossless byte-level BPE), incremental detokenization across multi-byte
+characters, and the chat template."""
 import pytest
 
-from tp_lora.assets import TOKENIZER_TEXT, write_tiny_tokenizer
+from tp_lora.assets import DEFAULT_MODEL, TOKENIZER_TEXT, write_tiny_tokenizer
 from tp_lora.engine.tokenizer import Detokenizer, load_tokenizer
 
 
@@ -13,9 +13,23 @@ def tok(tmp_path_factory):
 
 def test_tokenizer_is_deterministic_and_fits_the_default_vocab(tok, tmp_path):
     again = load_tokenizer(write_tiny_tokenizer(str(tmp_path)))
-    assert tok.tok.to_str() == again.tok.to_str() and tok.tok.get_vocab_size() == 256
+    vocab = DEFAULT_MODEL["vocab_size"]
+    assert tok.tok.to_str() == again.tok.to_str() and tok.tok.get_vocab_size() == vocab
     ids = tok.encode(TOKENIZER_TEXT)
-    assert ids[0] == 1 and max(ids) < 256 and tok.decode(ids) == TOKENIZER_TEXT
+    assert ids[0] == 1 and max(ids) < vocab and tok.decode(ids) == TOKENIZER_TEXT
+
+
+def test_every_byte_is_a_token_so_no_character_is_dropped(tok):
+    text = '{"key": [1, 2.5]} na\u00efve \u2014 \u65e5\u672c\u8a9e \x00\t~`|\\ \U0001F9EA\u0301'
+    assert tok.decode(tok.encode(text)) == text
+    assert all(len(tok.encode(chr(b))) == 2 for b in range(128))  # <s> and the character's own token
+    assert tok.decode(tok.encode("\x80\xff")[1:]) == "\x80\xff"
+
+
+def test_a_vocab_without_room_for_every_byte_is_an_error_naming_the_minimum(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size=256: .* at least 259"):
+        write_tiny_tokenizer(str(tmp_path), 256)
+    assert load_tokenizer(write_tiny_tokenizer(str(tmp_path), 259)).tok.get_vocab_size() == 259  # bytes, no merges
 
 
 @pytest.mark.parametrize("text", ["Caf\u00e9 \u65e5\u672c\u8a9e \U0001F642!", "na\u00efve \u00fcber", "hello world"])
