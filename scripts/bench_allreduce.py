@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tp_lora import distributed as comm  # noqa: E402
 
-SIZES = "4096,16384,65536,131072,262144,524288,1048576,2097152"
+SIZES = "4096,16384,65536,131072,262144,524288,1048576,2097152,4194304,8388608"
 
 
 def reducer(path: str, ps: comm.ParallelState, peers: dict):
@@ -66,8 +66,8 @@ def main() -> None:
     ps = comm.init_parallel(world, "cuda", allreduce="symm_mem")
     sizes = [int(s) for s in args.sizes.split(",")]
     big = max(sizes)
-    peers = {"one_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max_bytes=big),
-             "two_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max_bytes=0)}
+    peers = {"one_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max=big),
+             "two_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max=0)}
     paths = ["nccl", "one_shot", "two_shot", "dispatch"]
     gen = torch.Generator(device=ps.device).manual_seed(ps.rank)
     rows = []
@@ -102,7 +102,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_allreduce.json"), "w") as f:
         json.dump(dict(device=name, ranks=world, dtype="bfloat16", iters=args.iters, reps=args.reps,
-                       peer_max_bytes=comm.PEER_MAX_BYTES, one_shot_max_bytes=comm.ONE_SHOT_MAX_BYTES, rows=rows),
+                       peer_max_bytes=comm.PEER_MAX_BYTES, one_shot_max_bytes=comm.one_shot_max_bytes(world),
+                       rows=rows),
                   f, indent=2)
 
 

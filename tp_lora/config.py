@@ -29,7 +29,7 @@ class ParallelConfig:
     timeout_s: float = 300.0  # a collective that does not complete in this time fails the run
     # The tp group's all-reduce: auto (symm_mem where the group's GPUs share one host with P2P access, else nccl) |
     # nccl (NCCL on CUDA, gloo on CPU) | symm_mem (PyTorch symmetric memory over NVLink peer memory for messages up
-    # to 1 MiB, NCCL above; an error without P2P). The choice is printed at start.
+    # to 8 MiB, NCCL above; an error without P2P). The choice is printed at start.
     allreduce: str = "auto"
     # MoE models: experts split over ep_size ranks (1 = every rank holds every expert, intermediate split over tp).
     ep_size: int = 1

@@ -7,8 +7,8 @@ The mesh is (dp, tp): `tp` groups split layers; `dp` groups hold disjoint reques
 parallel groups). With one process nothing is initialised and every collective is the identity.
 
 All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES PyTorch's symmetric-memory
-kernels, which read the peers' staging buffers over NVLink directly (one-shot up to ONE_SHOT_MAX_BYTES, two-shot
-above): a few microseconds where NCCL's small all-reduce costs 17-25 (BENCHMARKS.md, issue 36). Never NVLink
+kernels, which read the peers' staging buffers over NVLink directly (one-shot up to one_shot_max_bytes, two-shot
+above): 6-11 microseconds for a decode step's messages where NCCL's take 11-17 (BENCHMARKS.md, issue 36). Never NVLink
 multicast (multimem): only peer loads and stores.
 """
 from __future__ import annotations
@@ -98,11 +98,15 @@ def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem")
-# Messages the symmetric-memory path takes (bytes), and the one-shot / two-shot crossover: measured on H100 NVLink
-# hosts at 2 and 4 ranks (BENCHMARKS.md, issue 36); NCCL above PEER_MAX_BYTES.
-PEER_MAX_BYTES = 1 << 20
-ONE_SHOT_MAX_BYTES = 1 << 20
+# Messages the symmetric-memory path takes (bytes), NCCL above; one-shot up to one_shot_max_bytes(ranks), two-shot
+# above: the crossovers measured inside CUDA graphs on 2 and 4 NVLink-connected H200s (BENCHMARKS.md, issue 36).
+PEER_MAX_BYTES = 8 << 20
 PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
+
+
+def one_shot_max_bytes(ranks: int) -> int:
+    """Where two-shot (each rank reduces 1/ranks, then gathers) overtakes one-shot (each reads all of every peer's)."""
+    return 512 << 10 if ranks <= 2 else 256 << 10
 
 
 class PeerAllReduce:
@@ -111,35 +115,30 @@ class PeerAllReduce:
     or reduces its 1/n share and writes it to every peer (two-shot). One buffer of max_bytes per dtype, allocated
     and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs."""
 
-    def __init__(self, pg, device: torch.device, max_bytes: int = PEER_MAX_BYTES,
-                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES):
+    def __init__(self, pg, device: torch.device, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None):
         import torch.distributed._symmetric_memory as symm_mem
-        if symm_mem.get_backend(device) is None and hasattr(symm_mem, "set_backend"):
+        if symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
-        self.name, self.max_bytes, self.one_shot_max_bytes = pg.group_name, max_bytes, one_shot_max_bytes
-        self.ops = torch.ops.symm_mem
-        self.bufs = {}
-        for dtype in PEER_DTYPES:
-            buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        self.name, self.max_bytes = pg.group_name, max_bytes
+        self.one_shot_max = one_shot_max_bytes(pg.size()) if one_shot_max is None else one_shot_max
+        self.bufs = {dt: symm_mem.empty(max_bytes // dt.itemsize, dtype=dt, device=device) for dt in PEER_DTYPES}
+        for buf in self.bufs.values():
             symm_mem.rendezvous(buf, self.name)
-            self.bufs[dtype] = buf
 
     def takes(self, t: torch.Tensor) -> bool:
-        return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.numel() * t.element_size() \
-            <= self.max_bytes
+        return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.nbytes <= self.max_bytes
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the group, in place. A message of whole 16-byte vectors at a 16-byte offset takes one kernel
-        (one-shot, which stages t itself) up to one_shot_max_bytes; any other is copied into the buffer padded to
-        whole vectors, reduced there two-shot and copied back."""
-        n, size = t.numel(), t.element_size()
+        (one-shot, which stages t itself) up to one_shot_max; any other is copied into the buffer padded to whole
+        vectors, reduced there two-shot and copied back."""
+        n, size, ops = t.numel(), t.element_size(), torch.ops.symm_mem
         flat, buf = t.view(-1), self.bufs[t.dtype]
-        if n * size <= self.one_shot_max_bytes and (n * size) % 16 == 0 and (t.storage_offset() * size) % 16 == 0:
-            self.ops.one_shot_all_reduce_copy_out(buf[:n], flat, "sum", self.name, flat)
+        if t.nbytes <= self.one_shot_max and t.nbytes % 16 == 0 and (t.storage_offset() * size) % 16 == 0:
+            ops.one_shot_all_reduce_copy_out(buf[:n], flat, "sum", self.name, flat)
             return t
-        padded = -(-n * size // 16) * 16 // size
         buf[:n].copy_(flat)
-        self.ops.two_shot_all_reduce_(buf[:padded], "sum", self.name)
+        ops.two_shot_all_reduce_(buf[:-(-n * size // 16) * 16 // size], "sum", self.name)
         flat.copy_(buf[:n])
         return t
 
@@ -149,32 +148,23 @@ _PEER_GROUPS: list[Group] = []  # groups holding peer buffers, released by shutd
 
 def peer_access(group: Group, device: torch.device) -> str | None:
     """Why the group's ranks cannot reduce through peer memory, or None when they can: every rank on one host, each
-    pair of its GPUs with P2P access, the symmetric-memory kernels present. The same answer on every rank (one small
-    all-gather over the group)."""
-    if device.type != "cuda" or group.pg is None:
-        return f"{device.type} ranks (gloo)" if device.type != "cuda" else "a group of one"
-    ops = torch.ops.symm_mem
-    me = {"host": socket.gethostname(), "uuid": str(torch.cuda.get_device_properties(device).uuid),
-          "kernels": all(hasattr(ops, op) for op in ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_"))}
-    peers = all_gather_object(me, group)
-    if len({p["host"] for p in peers}) > 1:
+    pair of its GPUs with P2P access. The same answer on every rank (all-gathers over the group)."""
+    if device.type != "cuda":
+        return f"{device.type} ranks (gloo)"
+    uuids = all_gather_object((socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)), group)
+    if len({host for host, _ in uuids}) > 1:
         return "the group spans several hosts"
-    if not all(p["kernels"] for p in peers):
-        return f"torch {torch.__version__} lacks the symmetric-memory all-reduce kernels"
     local = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-    missing = [p["uuid"] for p in peers if p["uuid"] not in local]
-    no_p2p = [local[p["uuid"]] for p in peers if p["uuid"] in local and p["uuid"] != me["uuid"]
-              and not torch.cuda.can_device_access_peer(device, local[p["uuid"]])]
-    mine = (f"GPU {missing[0]} of a peer is not visible to rank {group.rank}" if missing else
-            f"no P2P access from cuda:{device.index} to cuda:{no_p2p[0]}" if no_p2p else None)
-    reasons = [r for r in all_gather_object(mine, group) if r]
-    return reasons[0] if reasons else None
+    peers = [local.get(u) for _, u in uuids if u != str(torch.cuda.get_device_properties(device).uuid)]
+    bad = [p for p in peers if p is None or not torch.cuda.can_device_access_peer(device, p)]
+    mine = f"cuda:{device.index} of rank {group.rank} has no P2P access to a peer's GPU" if bad else None
+    return next((r for r in all_gather_object(mine, group) if r), None)
 
 
-def use_allreduce(group: Group, device: torch.device, choice: str = "auto", announce: bool = True) -> str:
+def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> str:
     """Set how the group's all_reduce runs (parallel.allreduce): nccl (NCCL on CUDA, gloo on CPU), symm_mem (peer
     memory up to PEER_MAX_BYTES, NCCL above; an error where the ranks lack peer access), auto (symm_mem where they
-    have it, else nccl). Collective over the group. Returns the path taken; announce: rank 0 prints it."""
+    have it, else nccl). Collective over the group; the group's first rank prints the choice. Returns the path."""
     if choice not in ALLREDUCE_CHOICES:
         raise ValueError(f"parallel.allreduce={choice!r}: expected one of {', '.join(ALLREDUCE_CHOICES)}")
     group.peer = None
@@ -184,15 +174,13 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto", anno
     if choice == "symm_mem" and why_not:
         raise ValueError(f"parallel.allreduce=symm_mem needs peer memory between the tp group's GPUs, but {why_not}:"
                          f" use parallel.allreduce=auto or nccl")
+    path = ("nccl" if device.type == "cuda" else "gloo") + (f" ({why_not})" if why_not else "")
     if choice != "nccl" and why_not is None:
         group.peer = PeerAllReduce(group.pg, device)
         _PEER_GROUPS.append(group)
-        path = (f"symm_mem (one-shot up to {ONE_SHOT_MAX_BYTES // 1024} KiB, two-shot up to "
-                f"{PEER_MAX_BYTES // 1024} KiB, NCCL above)")
-    else:
-        path = "nccl" if device.type == "cuda" else "gloo"
-        path += f" ({why_not})" if why_not else ""
-    if announce and group.rank == 0 and group.ranks[0] == 0:
+        path = (f"symm_mem (one-shot up to {group.peer.one_shot_max >> 10} KiB, two-shot up to "
+                f"{PEER_MAX_BYTES >> 10} KiB, NCCL above)")
+    if group.rank == 0 and group.ranks[0] == 0:
         print(f"parallel.allreduce={choice}: tp all-reduce over {group.size} ranks by {path}", flush=True)
     return "symm_mem" if group.peer is not None else "nccl"
 

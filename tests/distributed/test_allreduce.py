@@ -43,7 +43,9 @@ def test_auto_falls_back_to_gloo_without_peer_memory():
     assert refused is not None and "parallel.allreduce=symm_mem" in refused and "cpu ranks (gloo)" in refused
 
 
-SIZES = [1, 2, 3, 7, 8, 9, 1000, 1023, 4097, 65536 + 5, 131072, 262144 + 3, 524288 - 1, 1 << 20]  # elements
+# Elements: 1 to 2 MiB of bf16, odd counts, and either side of the largest message the peer path takes.
+SIZES = [1, 2, 3, 7, 8, 9, 1000, 1023, 4097, 65536 + 5, 131072, 262144 + 3, 524288 - 1, 1 << 20,
+         comm.PEER_MAX_BYTES // 2, comm.PEER_MAX_BYTES // 2 + 8]
 
 
 def _against_nccl(ps: comm.ParallelState, graphs: bool):
@@ -55,7 +57,7 @@ def _against_nccl(ps: comm.ParallelState, graphs: bool):
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
         for n in SIZES:
-            if n * dtype.itemsize > 2 << 20:
+            if n * dtype.itemsize > comm.PEER_MAX_BYTES + 16:
                 continue
             # Small integers: every order of summation gives the same sum in bf16 too.
             x = torch.randint(-8, 9, (n,), generator=gen, device=ps.device).to(dtype)
