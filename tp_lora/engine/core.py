@@ -87,8 +87,7 @@ class EngineCore:
             pool = BlockPool(blocks, sc.kv_block_size, sc.prefix_caching)
         self._pool, self._pool_cache = pool, self.runner.allocations
         self.sched = Scheduler(self.registry.state, pool, sc.max_batch_size, sc.max_tokens_per_step,
-                               sc.max_overtakes, admit_batch=sc.admit_batch, identity=self.registry.identity,
-                               max_prefix_overtakes=sc.max_prefix_overtakes)
+                               sc.max_overtakes, admit_batch=sc.admit_batch, identity=self.registry.identity)
         self._arrival.clear()
         self.sampler.reset()
 
@@ -148,31 +147,11 @@ class EngineCore:
         return self.registry.register(name, path)
 
     def unload_adapter(self, name: str) -> Optional[str]:
-        """Unload adapter `name` (every rank, between steps): None, or why it cannot be. From now on no new request
-        may name it; it is forgotten at once when no request of the open run uses it, else it stays in `unloading`
-        until finish_unloads() finds its last running or queued request ended."""
-        why = self.registry.unregister(name)
-        if why is None:
-            self.finish_unloads()
-        return why
-
-    @property
-    def unloading(self) -> set[str]:
-        """Adapters being unloaded, waiting for their requests to end."""
-        return self.registry.unloading
-
-    def finish_unloads(self) -> list[str]:
-        """Forget the adapters being unloaded that no running or queued request uses any more; their names (sorted:
-        the same order on every rank)."""
-        if not self.unloading:
-            return []
+        """Forget adapter `name` (every rank, between steps); refused while requests of the open run use it."""
         sched = self.sched
-        used = set() if sched is None else ({s.request.adapter for s in sched.running}
-                                            | {r.adapter for r in sched.waiting})
-        done = sorted(self.unloading - used)
-        for name in done:
-            self.registry.remove(name)
-        return done
+        users = 0 if sched is None else (sum(s.request.adapter == name for s in sched.running)
+                                         + sum(r.adapter == name for r in sched.waiting))
+        return self.registry.unregister(name, users)
 
     @property
     def busy(self) -> bool:
