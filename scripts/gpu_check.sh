@@ -10,8 +10,8 @@
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
 #   The open issues' unmeasured targets on one GPU, in two calls of under 10 minutes: `pending_a` (GPU tests of the
-#   paths never run on a GPU, fp8, DoRA, n / grammar), then `pending_b` (prefix caching at moderate load, HTTP
-#   against offline at 1 / 100 / 1000 adapters).
+#   paths never run on a GPU, fp8, DoRA, n / grammar), then `pending_b` (prefix caching at moderate load and
+#   saturated, HTTP against offline at 1 / 100 / 1000 adapters).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -125,12 +125,15 @@ for what in "${@:-all}"; do
       step "DoRA (#32): decode stack with 32 DoRA vs plain adapters, rank 16 and 128"
       run dora 60 12 python3 scripts/bench_dora.py --out "$RES/dora"
       run dora_r128 60 12 python3 scripts/bench_dora.py --rank 128 --out "$RES/dora_r128"
-      step "n and structured output (#31)"
+      step "n and structured output (#31, #39): tokens/s, documents parsed / cut / malformed, mask wait per step"
       run sampling 90 10 python3 scripts/bench_sampling.py --shape llama-2048 --out "$RES/sampling" ;;
     pending_b)
       step "prefix caching (#29) at moderate load (TTFT), then the random trace (what caching costs)"
       run prefix_moderate 240 16 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
         --out "$RES/prefix_moderate"
+      step "prefix caching (#39) saturated: arrivals faster than the GPU (cached first against arrival order)"
+      run prefix_saturated 150 16 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 100 --think-s 0 \
+        --conversations 50 --out "$RES/prefix_saturated"
       step "HTTP against offline (#31) at 1 / 100 / 1000 adapters"
       run serving_http 300 12 python3 scripts/bench_serving.py --server --systems ours,server --clients 8 \
         --model llama-2048 --ranks 16 --rate 250 --requests 1024 --max-loras 64 --batch 64 \

@@ -94,6 +94,10 @@ class SchedulerConfig:
     # A request blocked on adapter slots may be overtaken by later requests whose adapter is resident at most this
     # many times; then nothing passes it until it is admitted (no starvation).
     max_overtakes: int = 16
+    # Cached prefixes first: when a step's token budget cannot start every waiting prefill, waiting requests with a
+    # longer prefix in the prefix cache are admitted first (their prefill is short: a hit's time to first token).
+    # A request passed over in this many steps is then admitted first (no starvation); 0 = arrival order.
+    max_prefix_overtakes: int = 8
     # While sequences decode, admit only when this many waiting requests (or all of them, if fewer; at most
     # max_batch_size) fit at once: every admission makes its step mix prefill and decode, a costlier step than a
     # decode-only one. 1 = admit as soon as any room frees (the default's measurements: BENCHMARKS.md).
@@ -215,6 +219,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(s.kv_cache_dtype in ("auto", "fp8"), f"scheduler.kv_cache_dtype={s.kv_cache_dtype!r}: expected auto or fp8")
     _check(s.kv_block_size >= 1, f"scheduler.kv_block_size={s.kv_block_size}: expected >= 1")
     _check(s.max_overtakes >= 0, f"scheduler.max_overtakes={s.max_overtakes}: expected >= 0")
+    _check(s.max_prefix_overtakes >= 0, f"scheduler.max_prefix_overtakes={s.max_prefix_overtakes}: expected >= 0")
     _check(s.admit_batch >= 1, f"scheduler.admit_batch={s.admit_batch}: expected >= 1")
     _check(s.stop_grace_s >= 0, f"scheduler.stop_grace_s={s.stop_grace_s}: expected >= 0")
     _check(s.stop_check_steps >= 1, f"scheduler.stop_check_steps={s.stop_check_steps}: expected >= 1")

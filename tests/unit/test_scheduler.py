@@ -386,3 +386,55 @@ def test_preempted_request_can_be_cancelled_or_abandoned():
     assert seq.request is b and seq.generated >= 1 and not s.preempted  # its tokens so far come back
     assert s.stop_admitting() == [] and [q.request.index for q in s.abort()] == [0]
     assert s.blocks.available == 2
+
+
+def cached_first(k: int, budget: int, rows: int = 64) -> Scheduler:
+    """A scheduler with max_prefix_overtakes=k whose prefix cache holds the 32-token prompt WARM (blocks of 4)."""
+    s = Scheduler(SlotState(2), BlockPool(rows, 4, caching=True), 8, budget, admit_batch=1, max_prefix_overtakes=k)
+    s.add(Request(0, id=0, prompt_token_ids=WARM + [9], max_new_tokens=1))
+    while s.has_work:
+        for seq, n in s.schedule().work:
+            seq.computed += n
+            s.cache_blocks(seq)
+            if seq.computed == len(seq.tokens):
+                s.finish(seq)
+    return s
+
+
+WARM = list(range(100, 132))
+
+
+def test_cached_prefixes_first_when_the_budget_is_short():
+    """Longest cached prefix first, arrival order among equals (the cold ones); arrival order when the budget starts
+    every waiting prefill, or with max_prefix_overtakes=0."""
+    def admitted(k: int, budget: int) -> list[int]:
+        s = cached_first(k, budget)
+        for i, prompt in enumerate([[5] * 20, WARM[:16] + [6] * 8, [7] * 12, WARM + [8] * 4], 1):
+            s.add(Request(i, id=i, prompt_token_ids=prompt, max_new_tokens=4))
+        plan = s.schedule()
+        assert [r.index for r in s.waiting] == sorted(r.index for r in s.waiting)  # back in arrival order
+        return [seq.request.index for seq in plan.admitted]
+    assert admitted(8, 24) == [4, 2, 1]  # 4 (32 cached), 2 (16 cached), then 1 cold: its chunk ends the budget
+    assert admitted(0, 24) == [1, 2]
+    assert admitted(8, 64) == [1, 2, 3, 4]  # 20 + 8 + 12 + 4 uncached tokens fit the budget: arrival order
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_a_cold_request_is_passed_over_at_most_max_prefix_overtakes_steps(k):
+    """A cold request behind a stream of cached ones that take the whole budget each step: passed in k steps, then
+    admitted first."""
+    s = cached_first(k, budget=8)
+    s.add(Request(1, id=1, prompt_token_ids=[5] * 20, max_new_tokens=4))
+    for t in range(k + 1):
+        s.add(Request(10 + t, id=10 + t, prompt_token_ids=WARM + [t] * 8, max_new_tokens=1))  # 8 uncached tokens
+        plan = s.schedule()
+        firsts = [seq.request.index for seq in plan.admitted]
+        assert firsts == ([1] if t == k else [10 + t]), (t, firsts)
+        for seq, n in plan.work:
+            seq.computed += n
+            s.cache_blocks(seq)
+            if seq.computed == len(seq.tokens):
+                s.finish(seq)
+    assert 1 not in s.cached_first.passed
+    with pytest.raises(ValueError, match="max_prefix_overtakes=-1"):
+        Scheduler(SlotState(1), BlockPool(4, 4), 2, 8, max_prefix_overtakes=-1)

@@ -87,7 +87,8 @@ class EngineCore:
             pool = BlockPool(blocks, sc.kv_block_size, sc.prefix_caching)
         self._pool, self._pool_cache = pool, self.runner.allocations
         self.sched = Scheduler(self.registry.state, pool, sc.max_batch_size, sc.max_tokens_per_step,
-                               sc.max_overtakes, admit_batch=sc.admit_batch, identity=self.registry.identity)
+                               sc.max_overtakes, admit_batch=sc.admit_batch, identity=self.registry.identity,
+                               max_prefix_overtakes=sc.max_prefix_overtakes)
         self._arrival.clear()
         self.sampler.reset()
 

@@ -17,6 +17,7 @@ Each step (schedule()):
    prefills in that same step (a separate prefill step would be one more eagerly run step per load). The engine
    names the adapters it can copy in at once (`loadable`: read into host memory); a request whose adapter is still
    being read waits like one without a free slot, so a read never stalls the batch.
+   A budget too short for every waiting prefill: cached prefixes first (tp_lora.engine.cached_first; bounded).
    With admit_batch = k > 1, while sequences are decoding, admission waits until min(k, waiting) requests fit
    (blocks and batch room) and have their adapters resident or loadable: each admission turns a decode-only step
    into a costlier mixed step (its prefill chunk), so under a full batch admissions are grouped instead of trickling
@@ -39,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from tp_lora.engine.cached_first import CachedFirst
 from tp_lora.engine.kv_pool import BlockPool
 from tp_lora.engine.requests import Request, Result
 from tp_lora.lora.popularity import Popularity
@@ -147,13 +149,14 @@ class Scheduler:
 
     def __init__(self, slots: SlotState, blocks: BlockPool, max_batch_size: int, max_tokens_per_step: int,
                  max_overtakes: int = 16, lookahead: int = LOOKAHEAD, admit_batch: int = 1,
-                 identity: Callable[[Optional[str]], int] = lambda name: 0):
+                 identity: Callable[[Optional[str]], int] = lambda name: 0, max_prefix_overtakes: int = 0):
         if max_tokens_per_step < max_batch_size:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} < max_batch_size={max_batch_size}: every "
                              f"running sequence decodes one token per step")
         self.slots, self.blocks = slots, blocks
         self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
         self.max_overtakes, self.lookahead = max_overtakes, lookahead
+        self.cached_first = CachedFirst(max_prefix_overtakes)
         if admit_batch < 1:
             raise ValueError(f"admit_batch={admit_batch}: expected >= 1")
         self.admit_batch = min(admit_batch, max_batch_size)
@@ -205,8 +208,23 @@ class Scheduler:
                 plan.work.append((seq, n))
                 budget -= n
         if admit and self.admitting and self._room_for_a_group(bool(decoding), loadable):
+            arrival = {id(r): k for k, r in enumerate(self.waiting)}
+            order = self._cached_first_order(budget) if self.cached_first.max_passes else None
+            if order is not None:
+                self.waiting[:len(order)] = order
             self._admit(plan, budget, loadable)
+            if order is not None:
+                self.waiting.sort(key=lambda r: arrival[id(r)])
+                self.cached_first.charge(self.waiting, arrival, [seq.request for seq in plan.admitted])
         return plan
+
+    def _cached_first_order(self, budget: int) -> Optional[list[Request]]:
+        """The first `lookahead` waiting requests in cached-first order (CachedFirst.order), or None."""
+        window = self.waiting[:self.lookahead]
+        tokens = [self._tokens(r) for r in window]
+        cached = [len(self.blocks.match(t, self.identity(r.adapter), self._chain(r))[0]) * self.blocks.block_size
+                  for r, t in zip(window, tokens)]
+        return self.cached_first.order(window, cached, sum(map(len, tokens)) - sum(cached), budget, set(self.preempted))
 
     def _room_for_a_group(self, decoding: bool, loadable: Optional[set[str]] = None) -> bool:
         """Whether to admit now: always when nothing decodes, else once a group fits and (when `loadable` is
@@ -303,6 +321,7 @@ class Scheduler:
                 continue
             del self.waiting[i]
             self.passed.pop(req.index, None)
+            self.cached_first.forget(req.index)
             if blocked:
                 for b in self.waiting[:i]:  # exactly the blocked ones: everything else ahead was admitted
                     self.passed[b.index] = self.passed.get(b.index, 0) + 1
@@ -391,6 +410,7 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if r.adapter != name]
         for r in out:
             self.passed.pop(r.index, None)
+            self.cached_first.forget(r.index)
             self._chains.pop(r.index, None)
             self.preempted.pop(r.index, None)
         return out
@@ -406,6 +426,7 @@ class Scheduler:
             if req.index == index:
                 del self.waiting[i]
                 self.passed.pop(index, None)
+                self.cached_first.forget(index)
                 self._chains.pop(index, None)
                 return self.preempted.pop(index, req)
         return None
@@ -415,6 +436,7 @@ class Scheduler:
         self.admitting = False
         out, self.waiting = self.waiting, []
         self.passed.clear()
+        self.cached_first.clear()
         self._chains.clear()
         self.preempted.clear()
         return out
