@@ -98,8 +98,16 @@ class Server:
         return self.wait(timeout)
 
     def kill(self) -> None:
+        """SIGKILL to the launch's process group and to each rank (torchrun starts its ranks in sessions of their
+        own: they would outlive it)."""
         if self.proc.poll() is None:
+            ranks = self.ranks() if self.nproc > 1 else []
             os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait(10)
 
 
