@@ -1,6 +1,6 @@
 """server.routing's policies (tp_lora.server.router), pure: affinity prefers a replica with the adapter in a slot
 (or running requests of it), then in host memory, then the least loaded, bounded by server.max_imbalance; the
-others ignore adapters; requests leave the load when they end; an adapter in flight anywhere is in use."""
+others ignore adapters; requests leave the load and the users when they end."""
 import zlib
 
 import pytest
@@ -54,13 +54,13 @@ def test_a_replica_whose_scheduler_holds_requests_back_counts_them_as_queued():
     assert r.route(11, "a") == 0
 
 
-def test_ended_requests_leave_the_load_and_in_use():
+def test_ended_requests_leave_the_load_and_the_users():
     r = Router(2, "affinity", batch=4, max_imbalance=0)
     d = r.route(7, "a")
-    assert r.load[d] == 1 and r.in_use("a") == 1
+    assert r.load[d] == 1 and r.users[d] == {"a": 1}
     r.ended(7)
     r.ended(7)  # twice (an end after a cancel): once counted
-    assert r.load == [0, 0] and r.in_use("a") == 0
+    assert r.load == [0, 0] and r.users == [{}, {}]
 
 
 def test_round_robin_and_least_loaded_ignore_adapters():

@@ -52,6 +52,7 @@ class AdapterRegistry:
         # and the step reading what it admits keeps each run's batches, and so its rounding, the same.
         self.overlap_reads = device.type == "cuda"
         self._identities: dict[str, int] = {}  # name -> its identity while loaded (identity())
+        self.unloading: set[str] = set()  # adapters being unloaded: no new request may name them (unregister())
         self._next_identity = 1
 
     @property
@@ -82,6 +83,8 @@ class AdapterRegistry:
         """Why a request may not name adapter `name`, or None."""
         if name in self.bad:
             return self.failure(name)
+        if name in self.unloading:
+            return f"adapter {name!r} is being unloaded: it takes no new requests"
         if name not in self.infos:
             known = sorted(self.infos)
             shown = (f"{known[:10]} and {len(known) - 10} more" if len(known) > 10 else known) if known \
@@ -92,6 +95,8 @@ class AdapterRegistry:
     # ---- run-time registration (every rank, between steps) ---------------------------------------------------
     def register(self, name: str, path: str) -> Optional[str]:
         """Add adapter `name` from `path`. None, or why not."""
+        if name in self.unloading:
+            return f"adapter {name!r} is being unloaded; load it again once that has finished"
         if name in self.infos:
             return f"adapter {name!r} is already loaded (unload it first)"
         if self.slots is None:
@@ -101,21 +106,26 @@ class AdapterRegistry:
             return "adapters are pinned in slots here (parallel.ep_attention=dp with ep_size > 1): none can be added"
         return self.cache.register(name, path)
 
-    def unregister(self, name: str, users: int) -> Optional[str]:
-        """Forget adapter `name`, refused while `users` requests of the open run use it. None, or why not."""
+    def unregister(self, name: str) -> Optional[str]:
+        """Start unloading adapter `name`: from now on no new request may name it (`unloading`); remove() forgets it
+        once none uses it. None, or why it cannot be unloaded."""
         if name not in self.infos and name not in self.bad:
             return f"adapter {name!r} is not loaded"
         if self.state.pinned:
             return "adapters are pinned in slots here (parallel.ep_attention=dp with ep_size > 1): none can be removed"
-        if users:
-            return f"adapter {name!r} is in use by {users} requests; unload it when they have finished"
+        self.unloading.add(name)
+        return None
+
+    def remove(self, name: str) -> None:
+        """Forget adapter `name`, being unloaded and used by no request any more: its slot, its host copy, its
+        identity."""
+        self.unloading.discard(name)
         slot = self.state.slot_of(name)
         if slot is not None:
             self.state.clear(slot)
             self.slots.names[slot] = None
         self.cache.remove(name)
         self._identities.pop(name, None)
-        return None
 
     def pin_all(self, max_loras: int, ep_size: int) -> None:
         """Expert parallelism over DP replicas sends a token's adapter slot to the rank owning its expert, so every

@@ -88,6 +88,7 @@ def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[
     group = group or engine.ps.tp
     alike = group.size == engine.ps.tp.size  # one TP group: its ranks step alike, so each knows the others are idle
     level, deadline, it, due, quiet = RUN, None, 0, 0, False
+    unloads: dict[str, list] = {}  # adapter being unloaded -> the tags of the unload calls waiting for its requests
     while True:
         busy = engine.busy
         if it >= due or (alike and not busy):
@@ -106,7 +107,7 @@ def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[
                 if agreed >= ABORT:
                     sink.stopped(engine.abort(), ABORT)
                 level = agreed
-            _apply(engine, ops, sink, level, context)
+            _apply(engine, ops, sink, level, context, unloads)
             quiet = not any(v[2] for v in gathered)  # every rank idle (past a drain, ops make none busy)
             # Exchanges sync the host with the devices: while any rank steps, every few steps (sooner while requests
             # may still come); each iteration when all are idle, or with one rank (free).
@@ -116,14 +117,24 @@ def control_loop(engine: EngineCore, source: Source, sink: Sink, stop: Callable[
         if engine.busy:
             sink.stepped(engine.step())
         elif (quiet or alike) and (level >= DRAIN or not source.more):
+            _unloaded(engine, unloads, sink)
             sink.flush()
             return
         else:
             engine.idle(source.wait_s())
+        _unloaded(engine, unloads, sink)
         sink.flush()
 
 
-def _apply(engine: EngineCore, ops: list[Op], sink: Sink, level: int, context: int) -> None:
+def _unloaded(engine: EngineCore, unloads: dict[str, list], sink: Sink) -> None:
+    """Forget the adapters being unloaded whose last request ended, and answer the calls that waited for them."""
+    for name in engine.finish_unloads():
+        for tag in unloads.pop(name, ()):
+            sink.replied(tag, None)
+
+
+def _apply(engine: EngineCore, ops: list[Op], sink: Sink, level: int, context: int,
+           unloads: dict[str, list]) -> None:
     for op in ops:
         kind = op[0]
         if kind == "add":
@@ -140,8 +151,13 @@ def _apply(engine: EngineCore, ops: list[Op], sink: Sink, level: int, context: i
                 sink.cancelled(op[1])
         elif kind == "load":
             sink.replied(op[1], engine.load_adapter(*op[2:]))
-        elif kind == "unload":
-            sink.replied(op[1], engine.unload_adapter(*op[2:]))
+        elif kind == "unload":  # answered now, or once the adapter's last running or queued request ends
+            _, tag, name = op
+            err = engine.unload_adapter(name)
+            if err is None and name in engine.unloading:
+                unloads.setdefault(name, []).append(tag)
+            else:
+                sink.replied(tag, err)
         else:
             raise ValueError(f"unknown control op {kind!r}")
 

@@ -148,11 +148,31 @@ class EngineCore:
         return self.registry.register(name, path)
 
     def unload_adapter(self, name: str) -> Optional[str]:
-        """Forget adapter `name` (every rank, between steps); refused while requests of the open run use it."""
+        """Unload adapter `name` (every rank, between steps): None, or why it cannot be. From now on no new request
+        may name it; it is forgotten at once when no request of the open run uses it, else it stays in `unloading`
+        until finish_unloads() finds its last running or queued request ended."""
+        why = self.registry.unregister(name)
+        if why is None:
+            self.finish_unloads()
+        return why
+
+    @property
+    def unloading(self) -> set[str]:
+        """Adapters being unloaded, waiting for their requests to end."""
+        return self.registry.unloading
+
+    def finish_unloads(self) -> list[str]:
+        """Forget the adapters being unloaded that no running or queued request uses any more; their names (sorted:
+        the same order on every rank)."""
+        if not self.unloading:
+            return []
         sched = self.sched
-        users = 0 if sched is None else (sum(s.request.adapter == name for s in sched.running)
-                                         + sum(r.adapter == name for r in sched.waiting))
-        return self.registry.unregister(name, users)
+        used = set() if sched is None else ({s.request.adapter for s in sched.running}
+                                            | {r.adapter for r in sched.waiting})
+        done = sorted(self.unloading - used)
+        for name in done:
+            self.registry.remove(name)
+        return done
 
     @property
     def busy(self) -> bool:

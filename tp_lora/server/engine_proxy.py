@@ -13,6 +13,11 @@ from tp_lora.engine.requests import Request, Result
 from tp_lora.server.channel import SHUTTING_DOWN, STOP, encode, read_frame
 from tp_lora.server.metrics import Metrics
 
+# The longest an unload call waits for the adapter's running and queued requests to end (new ones are refused
+# meanwhile); past it the call answers that the unload is pending, and it completes when they end.
+UNLOAD_WAIT_S = 30.0
+UNLOAD_PENDING = "the unload is pending"
+
 
 @dataclass
 class Delta:
@@ -78,14 +83,21 @@ class EngineProxy:
             self._post(("cancel", index))
 
     async def call(self, op: str, *args) -> Optional[str]:
-        """load / unload an adapter on every rank: None, or the error."""
+        """load / unload an adapter on every rank: None, or the error. An unload answers once the adapter's last
+        running or queued request ended, or after UNLOAD_WAIT_S with an error ending in UNLOAD_PENDING."""
         if self.closed:
             return SHUTTING_DOWN
         mid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[mid] = fut
         self._post((op, mid) + args)
-        return await fut
+        if op != "unload":
+            return await fut
+        try:
+            return await asyncio.wait_for(fut, UNLOAD_WAIT_S)  # a later reply finds fut cancelled: dropped
+        except asyncio.TimeoutError:
+            return (f"adapter {args[0]!r} is still in use after {UNLOAD_WAIT_S:g} s: it takes no new requests and "
+                    f"goes when they have ended; {UNLOAD_PENDING}")
 
     # ---- in: the engine's frames ---------------------------------------------------------------------------------
     async def run(self) -> bool:
@@ -103,8 +115,6 @@ class EngineProxy:
             self.close()
 
     def _dispatch(self, frame: dict) -> None:
-        if "adapters" in frame:
-            self.adapters = frame["adapters"]
         if frame.get("draining"):
             self.draining = True
         for index, ids, lps, tops in frame.get("deltas", ()):
@@ -127,6 +137,9 @@ class EngineProxy:
         for index in frame.get("cancelled", ()):
             if self._open.pop(index, None) is not None:
                 self.metrics.requests.labels("cancelled").inc()
+        if "adapters" in frame:  # after the ends: an unloaded adapter's last requests were counted under its label
+            self.adapters = frame["adapters"]
+            self.metrics.keep_adapters(self.adapters)
         for mid, err in frame.get("replies", ()):
             fut = self._calls.pop(mid, None)
             if fut is not None and not fut.done():  # done: its handler was cancelled (the client left)

@@ -10,14 +10,15 @@ from tp_lora.engine.requests import Result
 from tp_lora.server.channel import STEP_FIELDS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-MAX_ADAPTER_LABELS = 100  # adapters named in per-adapter series (first seen first); the rest count as "other"
+MAX_ADAPTER_LABELS = 100  # adapters named in per-adapter series at once (first seen first); the rest count as "other"
 BASE_LABEL = "base"  # requests without an adapter
 OTHER_LABEL = "other"
 
 
 class AdapterLabels:
-    """An adapter's label in per-adapter series: its name for the first MAX_ADAPTER_LABELS names seen, else "other",
-    so the series stay bounded whatever the number of adapters."""
+    """An adapter's label in per-adapter series: its name for the first MAX_ADAPTER_LABELS names seen among the
+    loaded adapters, else "other", so the series stay bounded whatever the number of adapters (an unloaded adapter's
+    label is freed: keep())."""
 
     def __init__(self, cap: int = MAX_ADAPTER_LABELS):
         self.cap, self.named = cap, set()
@@ -31,6 +32,12 @@ class AdapterLabels:
             self.named.add(adapter)
             return adapter
         return OTHER_LABEL
+
+    def keep(self, loaded) -> set[str]:
+        """Free the labels of the adapters not in `loaded`; returns those names."""
+        gone = self.named.difference(loaded)
+        self.named -= gone
+        return gone
 
 
 class Metrics:
@@ -123,6 +130,19 @@ class Metrics:
         self.slots.labels("used").set(used)
         self.slots.labels("free").set(free)
         self.host_adapters.set(hosted)
+
+    def keep_adapters(self, loaded) -> None:
+        """The adapters now loaded: the per-adapter series of any other (unloaded) adapter go, its label freed."""
+        gone = self.label.keep(loaded)
+        if not gone:
+            return
+        for name in gone:
+            for metric in (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens,
+                           self.adapter_ttft):
+                metric.remove(name)  # a no-op where it has no series
+        for key in [k for k in self._resident if k[0] in gone]:
+            self.resident.remove(*key)
+            self._resident.discard(key)
 
     def set_steps(self, replica: int, values: tuple) -> None:
         """A replica's engine step stats, as its loop sent them (the channel's "steps", named by STEP_FIELDS);

@@ -21,10 +21,6 @@ from tp_lora.server.channel import EngineEnd
 from tp_lora.server.router import Router
 
 
-def in_use(name: str, users: int) -> str:
-    return f"adapter {name!r} is in use by {users} requests; unload it when they have finished"
-
-
 class Outbox:
     """A replica leader's frames (rank 0's FrameSink interface: send / flush), handed over at the next exchange."""
 
@@ -104,8 +100,7 @@ class ReplicaSource:
         return None
 
     def _route(self, ops: list) -> list[Op]:
-        """Rank 0: each add tagged with its replica; an unload of an adapter still in use answered here (every
-        replica would have to refuse it alike)."""
+        """Rank 0: each add tagged with its replica."""
         router, out = self.forward.router, []
         now = self.residency()
         if now is not None:
@@ -114,9 +109,6 @@ class ReplicaSource:
         for op in ops:
             if op[0] == "add":
                 op = op + (router.route(op[1].index, op[1].adapter),)
-            elif op[0] == "unload" and (users := router.in_use(op[2])):
-                self.forward.link.send({"replies": [(op[1], in_use(op[2], users))]})
-                continue
             out.append(op)
         return out
 

@@ -69,10 +69,6 @@ class Router:
         if not users[adapter]:
             del users[adapter]
 
-    def in_use(self, adapter: str) -> int:
-        """Requests of `adapter` in flight on any replica."""
-        return sum(u.get(adapter, 0) for u in self.users)
-
     def _queue(self, d: int) -> int:
         return max(0, self.load[d] - self.batch, self.waiting[d])
 
