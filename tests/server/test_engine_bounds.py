@@ -11,11 +11,8 @@ import httpx
 import pytest
 
 from _server import BASE, Server, env_for
-from tp_lora.config import ServerConfig
 
 BATCH = 8
-# Run-time loads may be switched off by default (server.allow_runtime_lora): this module's server allows them.
-RUNTIME = ["server.allow_runtime_lora=true"] if hasattr(ServerConfig, "allow_runtime_lora") else []
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +20,7 @@ def server(home, default, tmp_path_factory):
     root = tmp_path_factory.mktemp("bounds")
     shutil.copytree(default["adapter_dir"], root / "adapters")
     srv = Server([f"lora.adapter_dir={root / 'adapters'}", f"scheduler.max_batch_size={BATCH}",
-                  "server.max_queue=64"] + RUNTIME, env_for(home), root / "server.log")
+                  "server.max_queue=64", "server.allow_runtime_lora=true"], env_for(home), root / "server.log")
     srv.adapters = root / "adapters"
     yield srv
     srv.kill()
