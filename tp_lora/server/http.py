@@ -98,7 +98,7 @@ class OpenAIFrontend:
                     for m, t in zip(body.messages, texts)]
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
 
-    def requests(self, body: Sampling, prompts: list[list[int]], adapter: Optional[str], max_tokens: Optional[int],
+    def requests(self, body: Sampling, prompts: list[list[int]], adapter: Optional[str], max_tokens: int,
                  key: str, logprobs: int = 0) -> list[Request]:
         """body.best_of_n() engine Requests per prompt (consecutive), sibling i seeded seed + i and admitted once the
         first one's prompt is computed (its KV blocks then shared through the prefix cache). Token ids and the logit
@@ -114,7 +114,7 @@ class OpenAIFrontend:
                                 f"exceed what the server can ever hold at once ({self.max_in_flight}: "
                                 f"scheduler.max_batch_size + server.max_queue)", "prompt")
         entries = len(prompts) * (body.n or 1) * max_tokens * (1 + logprobs)
-        if (logprobs or body.wants_logprobs()) and entries > MAX_LOGPROB_ENTRIES:
+        if body.wants_logprobs() and entries > MAX_LOGPROB_ENTRIES:
             raise APIError(400, f"the response would carry {len(prompts)} prompts x {body.n or 1} choices x {key} "
                                 f"{max_tokens} x (1 + {logprobs} top logprobs) = {entries} log-probabilities, past "
                                 f"the limit of {MAX_LOGPROB_ENTRIES}", key)
@@ -251,16 +251,16 @@ class OpenAIFrontend:
         yield "data: [DONE]\n\n"
 
     async def respond(self, body: Sampling, reqs: list[Request], kind: str, top_k: Optional[int],
-                      echo: list[str], gone: asyncio.Future):
+                      echo: list[str], request: HTTPRequest):
         """The answer to `reqs` (body.best_of_n() per prompt): a stream, or the n best per prompt as JSON, built off
-        the event loop. `gone` completes when the client disconnects: its requests are then cancelled."""
+        the event loop. A client that disconnects has its requests cancelled either way."""
         if body.stream:  # submitted before the 200 goes out: the stream's capacity is reserved once, here
-            gone.cancel()  # the stream's response notices a disconnect itself
             q, finals = self._submit(reqs, stream=True), {}
             chunk_kind = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
             include = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(self.stream(q, finals, reqs, chunk_kind, body.model, include, top_k, echo),
                                lambda: self.cancel_unfinished(reqs, finals))
+        gone = asyncio.ensure_future(until_gone(request))
         try:
             results = await self.run_all(reqs, gone)
         finally:
@@ -390,8 +390,7 @@ def make_app(fe: OpenAIFrontend):
             echo = [p if isinstance(p, str) else fe.decode(ids) for p, ids in zip(sent, prompts)] if body.echo else []
             return reqs, echo
         reqs, echo = await asyncio.to_thread(prepare)
-        gone = asyncio.ensure_future(until_gone(request))
-        return await fe.respond(body, reqs, "text_completion", body.logprobs, echo, gone)
+        return await fe.respond(body, reqs, "text_completion", body.logprobs, echo, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
@@ -404,8 +403,7 @@ def make_app(fe: OpenAIFrontend):
         def prepare() -> list[Request]:
             return fe.requests(body, [fe.chat_prompt(body, max_tokens, key)], adapter, max_tokens, key, top_k or 0)
         reqs = await asyncio.to_thread(prepare)
-        gone = asyncio.ensure_future(until_gone(request))
-        return await fe.respond(body, reqs, "chat.completion", top_k, [], gone)
+        return await fe.respond(body, reqs, "chat.completion", top_k, [], request)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: HTTPRequest):
