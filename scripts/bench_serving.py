@@ -699,8 +699,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="our engine under torch.profiler: top ops -> profile.txt")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, every system, < 1 minute")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.model, args.adapters, args.ranks = "tiny", "1,8,40", "8,16,32,64"
+    if args.smoke:  # the tiny model and a small trace; --adapters, if given, still picks the counts
+        args.model, args.ranks = "tiny", "8,16,32,64"
+        args.adapters = args.adapters if args.adapters != p.get_default("adapters") else "1,8,40"
         args.requests, args.prompt_len, args.output_len = 24, "4:24", "2:10"
         args.rate = args.rate if args.rate != "8" else "100"
         args.max_loras, args.max_cpu_loras, args.batch, args.tokens_per_step = 4, 8, 8, 64

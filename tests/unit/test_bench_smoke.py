@@ -1,0 +1,71 @@
+"""The benchmark scripts every GPU number comes from, each once in its CPU mode with a tiny workload: it exits 0 and
+writes its report with a measurement in it (so a refactor of what they call cannot break them unseen)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(tmp_path, script: str, *args: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TP_LORA_HOME=str(tmp_path / "home"))
+    env.pop("TRITON_INTERPRET", None)  # the scripts' CPU modes pick their own backends
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _report(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_bench_generate_smoke(tmp_path):
+    _run(tmp_path, "bench_generate.py", "--smoke", "--no-hf", "--cache", str(tmp_path / "cache"),
+         "--out", str(tmp_path / "out"))
+    ours = _report(tmp_path / "out" / "bench_generate.json")["ours"]
+    assert ours["adapters"]["tokens_per_s"] > 0 and ours["no_adapters"]["tokens_per_s"] > 0
+
+
+def test_bench_prefix_smoke(tmp_path):
+    _run(tmp_path, "bench_prefix.py", "--shapes", "smoke", "--conversations", "2", "--turns", "2",
+         "--system-tokens", "16", "--user-tokens", "4", "--reply-tokens", "2", "--think-s", "0", "--rate", "1000",
+         "--batch", "4", "--tokens-per-step", "64", "--max-loras", "2", "--cache", str(tmp_path / "cache"),
+         "--out", str(tmp_path / "out"))
+    rows = _report(tmp_path / "out" / "bench_prefix.json")["rows"]
+    assert {(r["trace"], r["caching"]) for r in rows} >= {("chat", False), ("chat", True), ("random", True)}
+    assert all(r["generated_tokens"] > 0 for r in rows)
+    assert any(r["prefix_hit_rate"] > 0 for r in rows if r["trace"] == "chat" and r["caching"])
+
+
+def test_bench_dora_quick(tmp_path):
+    _run(tmp_path, "bench_dora.py", "--quick", "--reps", "1", "--out", str(tmp_path / "out"))
+    res = _report(tmp_path / "out" / "dora.json")
+    assert res["plain_ms"] > 0 and res["dora_ms"] > 0 and res["shrink_expand_r256_qkv_us"] > 0
+
+
+def test_bench_routing_small(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    _run(tmp_path, "bench_routing.py", "--dp", "2", "--policies", "affinity", "--adapters", "8", "--requests", "16",
+         "--concurrency", "4", "--max-tokens", "2", "--slots", "2", "--host", "4", "--batch", "4",
+         "--out", str(rows))
+    (row,) = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert row["completed"] == row["finished"] == 16 and row["slot_loads"] > 0, row
+
+
+def test_bench_sampling_smoke(tmp_path):
+    pytest.importorskip("xgrammar")
+    _run(tmp_path, "bench_sampling.py", "--smoke", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"))
+    rows = _report(tmp_path / "out" / "bench_sampling.json")["rows"]
+    assert set(rows) == {"n", "separate", "no_grammar", "grammar"} and all(r["tokens"] > 0 for r in rows.values())
+
+
+def test_bench_serving_smoke(tmp_path):
+    pytest.importorskip("peft")  # its "peft" system
+    _run(tmp_path, "bench_serving.py", "--smoke", "--adapters", "8", "--out", str(tmp_path / "out"))
+    res = _report(tmp_path / "out" / "bench_serving.json")["results"]["8"]
+    assert set(res) >= {"ours", "merged", "peft"}, list(res)
+    assert res["ours"]["failed"] == 0 and res["ours"]["generated_tokens"] > 0 and res["merged"]["tokens_per_s"] > 0
