@@ -15,13 +15,27 @@ from _server import BASE, Server, env_for
 BATCH = 8
 
 
-@pytest.fixture(scope="module")
-def server(home, default, tmp_path_factory):
+def start(home, default, tmp_path_factory, *args) -> Server:
+    """A server over a copy of the default adapters (srv.adapters), run-time loads allowed from there."""
     root = tmp_path_factory.mktemp("bounds")
     shutil.copytree(default["adapter_dir"], root / "adapters")
-    srv = Server([f"lora.adapter_dir={root / 'adapters'}", f"scheduler.max_batch_size={BATCH}",
-                  "server.max_queue=64", "server.allow_runtime_lora=true"], env_for(home), root / "server.log")
+    srv = Server([f"lora.adapter_dir={root / 'adapters'}", "server.allow_runtime_lora=true"] + list(args),
+                 env_for(home), root / "server.log")
     srv.adapters = root / "adapters"
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(home, default, tmp_path_factory):
+    srv = start(home, default, tmp_path_factory, f"scheduler.max_batch_size={BATCH}", "server.max_queue=64")
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def dp2(home, default, tmp_path_factory):
+    """Two data-parallel replicas: each waits for its own requests of an adapter being unloaded."""
+    srv = start(home, default, tmp_path_factory, "parallel=dp2", "parallel.timeout_s=20", "scheduler.max_batch_size=4")
     yield srv
     srv.kill()
 
@@ -109,9 +123,12 @@ def test_an_adapter_in_constant_use_unloads_once_its_requests_end(server):
     assert not [s for s in adapter_series(httpx.get(server.url + "/metrics", timeout=10).text) if "busy" in s]
 
 
-def test_an_unload_refuses_new_requests_and_answers_when_the_running_one_ends(server):
+@pytest.mark.parametrize("layout", ["tp1", "dp2"])
+def test_an_unload_refuses_new_requests_and_answers_when_the_running_one_ends(layout, request):
     """A long stream of "slow" (alpha's weights) runs; its unload is pending meanwhile: a new request naming it is
-    refused naming the unload, the stream finishes with alpha's tokens, and the call answers 200 after it ended."""
+    refused naming the unload, the stream finishes with alpha's tokens, and the call answers 200 after it ended.
+    With two replicas the one not running the stream has let "slow" go already: the call waits for both."""
+    server = request.getfixturevalue("server" if layout == "tp1" else "dp2")
     load_alpha_copy(server, "slow")
     body = dict(prompt=[5, 6, 7], max_tokens=400, ignore_eos=True, temperature=0)
     want = httpx.post(server.url + "/v1/completions", json=dict(body, model="alpha"), timeout=120).json()
@@ -147,6 +164,7 @@ def test_an_unload_refuses_new_requests_and_answers_when_the_running_one_ends(se
     assert tokens == want
     assert r.status_code == 200 and answered > ended - 1, (r.text, answered - ended)  # its own connection
     assert complete(server, "slow").status_code == 404
+    assert not [s for s in adapter_series(httpx.get(server.url + "/metrics", timeout=10).text) if "slow" in s]
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-38, 9.99e-6])

@@ -1,5 +1,6 @@
 """The front end's proxy of the engine loop over a real socket pair: an adapter's per-adapter metric series and label
-slot go when the engine's registry no longer holds it (its last request's end counted first, in the same frame);
+slot go when the engine's registry no longer holds it (its last request's end counted first, in the same frame; with
+replicas, once none holds it);
 an unload call that outlasts UNLOAD_WAIT_S answers that the unload is pending, and the engine's late reply is
 dropped."""
 import asyncio
@@ -39,6 +40,33 @@ def test_an_unloaded_adapters_series_and_label_go_with_it():
     text = proxy.metrics.text().decode()
     assert 'adapter="b"' in text and 'adapter="a"' not in text
     assert proxy.metrics.label.named == {"b"} and proxy.adapters == {"b": "/b"}
+
+
+def test_with_replicas_an_adapter_goes_once_no_replica_holds_it():
+    """Replica 1 unloads "a" while replica 0 still runs its last request: "a" stays served and labelled until
+    replica 0 drops it too."""
+    async def main():
+        proxy, engine = await _proxy({"a": "/a", "b": "/b"})
+        running = asyncio.create_task(proxy.run())
+        for i in range(2):
+            proxy.submit(Request(i, i, adapter="a", prompt_token_ids=[1, 2]), lambda d: None, stream=False)
+        engine.sendall(encode({"ends": [_end(0)], "adapters": {"a": "/a", "b": "/b"}, "replica": 0}))
+        engine.sendall(encode({"adapters": {"b": "/b"}, "replica": 1}))
+        engine.sendall(encode({"ends": [_end(1)], "replica": 0}))
+        for _ in range(1000):
+            if not proxy.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        kept = dict(proxy.adapters), proxy.metrics.text().decode()
+        engine.sendall(encode({"adapters": {"b": "/b"}, "replica": 0}))
+        engine.sendall(encode(STOP))
+        assert await asyncio.wait_for(running, 10)
+        engine.close()
+        return proxy, kept
+    proxy, (kept, text) = asyncio.run(main())
+    assert kept == {"a": "/a", "b": "/b"}
+    assert 'tp_lora_adapter_requests_total{adapter="a"} 2.0' in text
+    assert proxy.adapters == {"b": "/b"} and 'adapter="a"' not in proxy.metrics.text().decode()
 
 
 def test_a_freed_label_slot_names_the_next_adapter():

@@ -42,7 +42,8 @@ class EngineProxy:
                  adapters: dict[str, str], metrics: Metrics):
         self.reader, self.writer = reader, writer
         self.context = context  # the longest prompt + max_tokens the engine holds
-        self.adapters = adapters  # name -> directory
+        self.adapters = adapters  # name -> directory: those a replica holds
+        self._registries: dict[int, dict[str, str]] = {}  # replica -> its adapters as it last sent them
         self.metrics = metrics
         self.draining = False  # a stop signal came: nothing more is admitted
         self._open: dict[int, _Open] = {}
@@ -137,14 +138,15 @@ class EngineProxy:
         for index in frame.get("cancelled", ()):
             if self._open.pop(index, None) is not None:
                 self.metrics.requests.labels("cancelled").inc()
+        replica = frame.get("replica", 0)  # with data-parallel replicas, whose frame it is
         if "adapters" in frame:  # after the ends: an unloaded adapter's last requests were counted under its label
-            self.adapters = frame["adapters"]
-            self.metrics.keep_adapters(self.adapters)
+            self._registries[replica] = frame["adapters"]
+            self.adapters = {n: p for reg in self._registries.values() for n, p in reg.items()}
+            self.metrics.keep_adapters(self.adapters)  # gone once no replica holds it (nor runs its requests)
         for mid, err in frame.get("replies", ()):
             fut = self._calls.pop(mid, None)
             if fut is not None and not fut.done():  # done: its handler was cancelled (the client left)
                 fut.set_result(err)
-        replica = frame.get("replica", 0)  # with data-parallel replicas, whose frame it is
         if "gauges" in frame:
             self.metrics.set_gauges(replica, frame["gauges"])
         if "steps" in frame:
