@@ -150,7 +150,7 @@ def peer_access(group: Group, device: torch.device) -> str | None:
     """Why the group's ranks cannot reduce through peer memory, or None when they can: every rank on one host, each
     pair of its GPUs with P2P access. The same answer on every rank (all-gathers over the group)."""
     if device.type != "cuda":
-        return f"{device.type} ranks (gloo)"
+        return f"the ranks run on {device.type}"
     uuids = all_gather_object((socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)), group)
     if len({host for host, _ in uuids}) > 1:
         return "the group spans several hosts"
