@@ -13,7 +13,8 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
   the prompts take several steps, sequences start decoding (and finish) at different steps: only steps of the whole
   batch count. "step ms (difference)": (median time of a run generating N tokens - of one generating 1) / (N - 1),
   kept for comparison, though it carries the prefill's interleaving with early decodes; every run draws prompts of
-  its own, so neither run reuses another's cached prefix whatever --prefix-caching says;
+  its own, so neither run reuses another's cached prefix whatever --prefix-caching says (the JSON's
+  prefix_hit_tokens counts the long run's cache hits: 0);
 - floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
   decode's mean context, + with adapters the A and B of each distinct adapter in the batch) / the device copy
   bandwidth measured in the same run (read + written bytes / time); "of floor" = floor / decode step; "adapters /
@@ -353,6 +354,7 @@ def main() -> None:
                     # The last long run: steps replayed from graphs (prefill too), and the count and mean wall time
                     # (host included) of its decode-only steps of the whole batch.
                     graph_steps = engine.stats.graph_steps - st.graph_steps
+                    hits = engine.stats.prefix_hit_tokens - st.prefix_hit_tokens  # 0: the run computed its prompts
                     full = engine.stats.decode_by_rows.get(b, [0, 0.0])
                     decode_steps = full[0] - full0[0]
                     decode_ms = 1e3 * (full[1] - full0[1]) / decode_steps if decode_steps else None
@@ -364,6 +366,7 @@ def main() -> None:
                                      floor_ms=floor * 1e3, of_floor=floor / (decode_ms / 1e3) if decode_ms else None,
                                      prefill_tokens_per_s=b * ctx / t1,
                                      graph_steps=graph_steps, decode_steps=decode_steps, decode_step_ms=decode_ms,
+                                     prefix_hit_tokens=hits,
                                      one_token_runs_s=ones, long_runs_s=longs))
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
