@@ -8,8 +8,8 @@ parallel groups). With one process nothing is initialised and every collective i
 
 All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES PyTorch's symmetric-memory
 kernels, which read the peers' staging buffers over NVLink directly (one-shot up to one_shot_max_bytes, two-shot
-above): 6-11 microseconds for a decode step's messages where NCCL's take 11-17 (BENCHMARKS.md, issue 36). Never NVLink
-multicast (multimem): only peer loads and stores.
+above), at about half NCCL's latency for a decode step's messages (BENCHMARKS.md, issue 36). Never NVLink multicast
+(multimem): only peer loads and stores.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem")
 # Messages the symmetric-memory path takes (bytes), NCCL above; one-shot up to one_shot_max_bytes(ranks), two-shot
-# above: the crossovers measured inside CUDA graphs on 2 and 4 NVLink-connected H200s (BENCHMARKS.md, issue 36).
+# above: the crossovers of BENCHMARKS.md (issue 36), inside CUDA graphs at 2 and 4 ranks.
 PEER_MAX_BYTES = 8 << 20
 PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
 
