@@ -1,7 +1,7 @@
 """Issue #31's sampling costs on one GPU, through the offline engine (tp_lora.LLM), in one run:
 
-  n        --prompts prompts, each asking n=--n sampled sequences (one prefill: the siblings take the first one's KV
-           blocks from the prefix cache) against the same prompts sent --n times as separate requests (each one
+  n        --prompts prompts, each asking n=--n sampled sequences (one prefill: the siblings join the batch in the
+           step that ends it, sharing its KV blocks and drawing from its logits) against the same prompts sent --n times as separate requests (each one
            prefilled): seconds and generated tokens/s of each; target n at least 1.5x separate.
   grammar  --batch requests with response_format json_schema (bench_grammar.py's "nested" schema) against the same
            requests without one: generated tokens/s; target: the grammar costs at most 10%. Its documents: parsed,

@@ -60,11 +60,12 @@ def _metric(srv, name: str) -> float:
 
 
 def test_n_siblings_share_the_first_ones_prompt_blocks(server, c):
-    """40 prompt tokens: two full blocks of 16, computed once by the first sequence, found cached by the 3 others."""
+    """40 prompt tokens computed once by the first sequence; the 3 others join as it ends, sharing all 40 (two full
+    blocks of 16 and a copy of the partial third)."""
     before = _metric(server, "tp_lora_engine_prefix_hit_tokens")
     out = c.completions.create(model="gamma", prompt=list(range(50, 90)), max_tokens=3, temperature=1.0, n=4, seed=1)
     assert len(out.choices) == 4
-    assert _metric(server, "tp_lora_engine_prefix_hit_tokens") == before + 3 * 32
+    assert _metric(server, "tp_lora_engine_prefix_hit_tokens") == before + 3 * 40
 
 
 def test_best_of_keeps_the_highest_cumulative_logprob(c):

@@ -42,3 +42,33 @@ def test_n_and_best_of_lines_one_process_and_two_replicas(bundle, tmp_path):
         for x, y in zip(a.get("choices", [a]), b.get("choices", [b])) if "error" not in a else ():
             assert x["output_token_ids"] == y["output_token_ids"], (a["id"], x, y)
             assert x["logprobs"] == pytest.approx(y["logprobs"], abs=1e-4)
+
+
+@pytest.mark.parametrize("prompt,budget", [(13, 64), (16, 64), (37, 16)])
+def test_siblings_join_as_the_prompt_ends_and_draw_as_separate_requests(bundle, prompt, budget):
+    """n=4 in one engine run: the siblings join the batch in the step that computes the prompt's end (a partial
+    last block copied, or a whole last block; in one step, or after chunks of a 16-token budget), so the run takes
+    the steps of n=1; each draws what a separate request seeded like it draws (each in a run of its own, no cache)."""
+    from tp_lora import distributed as comm
+    from tp_lora.engine.engine import Engine
+    from tp_lora.engine.requests import Request
+
+    from _serving import serving_cfg
+
+    def run(reqs, caching=True):
+        cfg = serving_cfg(batch=6, budget=budget, kv_block_size=4, prefix_caching=caching)
+        engine = Engine(cfg, comm.single_process(), *bundle)
+        out = engine.generate(reqs)
+        return out, engine.stats
+
+    ids = [(7 * i) % 250 + 3 for i in range(prompt)]
+    ask = dict(prompt_token_ids=ids, max_new_tokens=5, temperature=1.0, ignore_eos=True, adapter="r8")
+    (one,), st1 = run([Request(0, id=0, **ask, seed=7)])
+    (four,), st4 = run([Request(0, id=0, **ask, seed=7, n=4)])
+    assert st4.steps == st1.steps and st4.prompt_tokens == 4 * prompt and st4.prefix_hit_tokens == 3 * prompt
+    assert four.choices[0].output_token_ids == one.output_token_ids
+    for i, choice in enumerate(four.choices):
+        (alone,), _ = run([Request(0, id=0, **ask, seed=7 + i)], caching=False)
+        assert choice.output_token_ids == alone.output_token_ids, i
+        assert choice.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    assert len({tuple(c.output_token_ids) for c in four.choices}) > 1

@@ -1,8 +1,11 @@
 """n / best_of: several sequences for one prompt. A request asking for n of best_of sequences (best_of >= n) runs as
-best_of engine requests: itself and best_of - 1 siblings, sibling i seeded seed + i and admitted once the first one's
-prompt is computed (its KV blocks are then shared through the prefix cache, not computed again). Their results fold
-back into one Result whose `choices` are the n with the highest cumulative log-probability (all of them, in order,
-when best_of == n). The HTTP endpoints stream each sibling as its own choice and pick with `best`.
+best_of engine requests: itself and best_of - 1 siblings, sibling i seeded seed + i. The siblings wait while the
+first one's prompt is computed and join the batch in the step that computes its end (fork()): they share its full
+KV blocks, copy its partial last one, and draw their first tokens from its logits row in that step, so the prompt
+is computed once and no step is added (siblings that find no room then are admitted later, through the prefix
+cache). Their results fold back into one Result whose `choices` are the n with the highest cumulative
+log-probability (all of them, in order, when best_of == n). The HTTP endpoints stream each sibling as its own choice
+and pick with `best`.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import replace
 from typing import Optional
 
 from tp_lora.engine.requests import Request, Result
+from tp_lora.engine.scheduler import Scheduler, Sequence
 
 
 def per_prompt(req: Request) -> int:
@@ -22,6 +26,37 @@ def siblings(first: Request, indices: list[int]) -> list[Request]:
     return [replace(first, index=index, sibling_of=first.index, n=1, best_of=None,
                     seed=None if first.seed is None else (first.seed + i) % 2 ** 63)
             for i, index in enumerate(indices, 1)]
+
+
+def fork(sched: Scheduler, leaders: list[Sequence]) -> tuple[list[tuple[Sequence, Sequence]], list[tuple[int, int]]]:
+    """The waiting siblings of `leaders` (sequences whose prompt the step being launched computes to its end, before
+    their first token) join sched's running batch, while the batch and the free KV blocks last: each holds its
+    leader's full prompt blocks (shared) and a block of its own for the partial last one and its first token.
+    -> ((sibling, leader) pairs: each sibling samples its first token from its leader's logits row of this step;
+    (source, destination) KV blocks to copy on the device after the step)."""
+    by_leader = {s.request.index: s for s in leaders if s.generated == 0}
+    if not by_leader:
+        return [], []
+    kids = [r for r in sched.waiting if r.sibling_of in by_leader and r.index not in sched.preempted]
+    pairs, copies, pool = [], [], sched.blocks
+    for req in kids:
+        lead = by_leader[req.sibling_of]
+        full, n = divmod(lead.prompt_len, pool.block_size)
+        shared = lead.blocks[:full]
+        if len(sched.running) >= sched.max_batch_size or pool.needed(shared, lead.prompt_len + 1) > pool.available:
+            break
+        sched.remove(req.index)  # out of the queue
+        pool.take(shared)
+        seq = Sequence(req, list(shared), lead.slot, list(lead.tokens), lead.prompt_len, lead.prompt_len,
+                       Result(req), root=lead.root, hashes=lead.hashes[:full])
+        pool.grow(seq.blocks, lead.prompt_len + 1)
+        if n:
+            copies.append((lead.blocks[full], seq.blocks[full]))
+        if seq.slot >= 0:
+            sched.slots.acquire(seq.slot)
+        sched.running.append(seq)
+        pairs.append((seq, lead))
+    return pairs, copies
 
 
 def best(group: list[Result], n: int) -> list[Result]:

@@ -18,6 +18,7 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig
 from tp_lora.engine.adapters import AdapterRegistry
+from tp_lora.engine.choices import fork
 from tp_lora.engine.kv_pool import BlockPool, misfit, plan_kv
 from tp_lora.engine.requests import Request, Result, request_error
 from tp_lora.engine.runner import ModelRunner, StepBatch, pending
@@ -280,11 +281,12 @@ class EngineCore:
             self.sched.cache_blocks(seq)
         self.stats.steps += 1
         sampled = [(seq, i) for i, (seq, _) in enumerate(work) if seq.computed == len(seq.tokens)]
+        sampled += self._fork(sampled)
         host = tops = None
         if sampled:
             reqs = [s.request for s, _ in sampled]
-            idx = [i for _, i in sampled]  # increasing: all of them is every row, in order
-            rows = logits if len(idx) == logits.shape[0] else logits[idx]
+            idx = [i for _, i in sampled]
+            rows = logits if idx == list(range(logits.shape[0])) else logits[idx]
             drawn = self.sampler.sample(rows, reqs, self.stats)
             self.runner.keep_sampled(drawn[0])
             k = max(r.logprobs for r in reqs)
@@ -303,6 +305,21 @@ class EngineCore:
         self.inflight = InFlight([(seq, len(seq.tokens) - 1) for seq, _ in sampled], host, tops, done, started,
                                  all(n == 1 for _, n in work), self.runner.replayed, self.runner.captured,
                                  read_first)
+
+    def _fork(self, sampled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """n / best_of siblings joining the batch as their first one's prompt ends in this step (choices.fork), each
+        with its first one's logits row; their copies of its partial last block queued after the step."""
+        if not self.sched.waiting:
+            return []
+        pairs, copies = fork(self.sched, [seq for seq, _ in sampled])
+        if copies:
+            self.runner.copy_blocks(self.kv, copies)
+        row, now = {id(seq): i for seq, i in sampled}, time.perf_counter()
+        for seq, _ in pairs:
+            seq.result.metrics.update(arrival=self._arrival.pop(seq.request.index), admitted=now)
+            self.stats.prompt_tokens += seq.prompt_len
+            self.stats.prefix_hit_tokens += seq.prompt_len
+        return [(seq, row[id(lead)]) for seq, lead in pairs]
 
     def _read(self, f: InFlight, out: StepOutput) -> None:
         """A launched step's tokens onto the host: each sampled sequence that still runs takes its token (and its

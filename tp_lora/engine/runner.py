@@ -12,9 +12,11 @@ The step that captures a graph takes its result from the warm-up forward before 
 nothing), so every step runs the model's collectives exactly once, captured or not: what lets EP-over-DP peers step
 eagerly, replay or capture in the same step.
 
-A model may size its decode graphs itself (MoE with EP over DP replicas: the EP group's agreed batch, see
-tp_lora.models.moe): graph_batch(tokens, lora) -> (tokens, lora) the graph must cover, graph_rows(valid) a context
-for forwards over padded rows (valid: the real count, on the device), pad_to_graph_sizes(sizes) the sizes in use.
+A model stepping in lockstep with peers (needs_lockstep: MoE with EP over DP replicas, see tp_lora.models.moe) sizes
+its graphs itself: every step, decode or mixed, pads to the rows its EP group agreed on: pad_to_graph_sizes(sizes)
+the row counts of the graphs (decode batch sizes and mixed token buckets in one list), graph_batch(tokens, lora) ->
+(rows, lora) of the step's graph, graph_rows(valid) a context for forwards over padded rows (valid: the real count,
+on the device).
 """
 from __future__ import annotations
 
@@ -106,10 +108,8 @@ class ModelRunner:
         # Graphs need device-side metadata end to end: the torch reference backend loops on the host.
         self.use_graphs = (cuda_graphs and self.device.type == "cuda" and
                            (rt is None or hasattr(rt.ops, "graph_buffers")))
-        # Mixed steps need the varlen kernel (the reference gathers every table's positions for every token), and a
-        # model whose forward over any tokens has no host sync.
-        mixed = self.use_graphs and kernel_takes(model.head_dim) and getattr(model, "mixed_graph_safe", True)
-        self.mixed_sizes = mixed_sizes(max_tokens, max_seqs) if mixed else []
+        self.mixed_sizes: list[tuple[int, int]] = []  # (tokens, sequences) of the mixed-step graphs
+        self.lockstep = False  # whether every step replays a graph of the rows the model's EP group agreed on
         self.graphs: dict[tuple, _Graph] = {}
         self.layout = 0  # the LoRA runtime's layout the graphs were captured with
         self.allocations = 0  # KV caches allocated so far: a new count means new (empty) memory
@@ -120,8 +120,20 @@ class ModelRunner:
         self.pool = None
         self.replayed = False  # whether the last execute() replayed a graph
         self.captured = False  # whether that graph was captured by it (its first use)
-        if self.use_graphs and hasattr(model, "pad_to_graph_sizes"):
-            model.pad_to_graph_sizes(GRAPH_BATCH_SIZES)
+        if self.use_graphs:
+            self.plan_graphs(max_tokens, max_seqs)
+
+    def plan_graphs(self, max_tokens: int, max_seqs: int) -> None:
+        """Sizes of the graphs steps replay. Mixed steps need the varlen kernel (the reference gathers every table's
+        positions for every token). A model stepping in lockstep pads every step to one of the decode batch sizes
+        and mixed token buckets together (each also a mixed graph, so a rank of any mix replays the group's size)."""
+        self.mixed_sizes = mixed_sizes(max_tokens, max_seqs) if kernel_takes(self.model.head_dim) else []
+        self.lockstep = getattr(self.model, "needs_lockstep", False)
+        if self.lockstep:
+            sizes = sorted(set(GRAPH_BATCH_SIZES) | {t for t, _ in self.mixed_sizes})
+            if self.mixed_sizes:
+                self.mixed_sizes = [(t, min(max_seqs, t)) for t in sizes]
+            self.model.pad_to_graph_sizes(tuple(sizes))
 
     def kv_cache(self, blocks: int, block_size: int, max_len: int) -> KVCache:
         """A cache of at least `blocks` blocks for sequences of up to `max_len` positions (the width of the graphs'
@@ -146,24 +158,18 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, step: StepBatch, cache: KVCache) -> torch.Tensor:
         """-> float32 logits [N, V] (or [T, V] with all_logits), gathered over the TP group."""
-        n = len(step.lens)
         if self.rt is not None and self.rt.layout != self.layout:  # graphs captured before lack new LoRA work
             self.release_graphs()
             self.layout = self.rt.layout
         graphed = self.use_graphs and not step.all_logits and cache is self.cache
         self.captured = False
         lora = self.rt is not None and any(s >= 0 for s in step.slots)
-        if graphed and step.is_decode:
-            graph_batch = getattr(self.model, "graph_batch", None)
-            need, lora = graph_batch(n, lora) if graph_batch is not None else (n, lora)
-            if need <= GRAPH_BATCH_SIZES[-1]:
-                self.replayed = True
-                return self._replay_decode(step, need, lora)
-        size = next((sz for sz in self.mixed_sizes if sz[0] >= len(step.ids) and sz[1] >= n), None) \
-            if graphed else None
+        size, lora = self._graph_size(step, lora) if graphed else (None, lora)
         self.replayed = size is not None
         if size is not None:
-            return self._replay_mixed(step, *size, lora)
+            kind, *dims = size
+            replay = self._replay_decode if kind == "decode" else self._replay_mixed
+            return replay(step, *dims, lora)
         meta = build_attn_meta(step.blocks, step.starts, step.lens, cache.block_size, self.device,
                                self.model.sliding_window)
         token_slots = [s for s, n in zip(step.slots, step.lens) for _ in range(n)]
@@ -195,6 +201,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def copy_blocks(self, cache: KVCache, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV block src into block dst, for each (src, dst) of `pairs`, in every layer of `cache` (on the
+        device, after the work queued so far: n / best_of siblings' copies of their prompt's partial last block)."""
+        src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs))
+        for t in cache.k + cache.v:
+            t = t.view(torch.uint8) if t.element_size() == 1 else t  # fp8 KV: copied as bytes
+            t[dst] = t[src]
+
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """tokens [N] (any number type, on the device): this step's sampled tokens, which the next step's fed ids
         read."""
@@ -205,6 +219,22 @@ class ModelRunner:
         return torch.where(feed < 0, ids, self.sampled[feed])
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
+    def _graph_size(self, step: StepBatch, lora: bool) -> tuple[tuple | None, bool]:
+        """(the graph `step` replays: ("decode", rows) or ("mixed", tokens, sequences), None to run it eagerly; the
+        graph's LoRA flag). Decode steps take the smallest decode graph holding them, other steps (and decode steps
+        past the largest) the smallest mixed one. In lockstep a step replays a graph of exactly the rows its EP group
+        agreed on (graph_batch), whatever its own mix, or none where no graph has that many: past the largest size,
+        where every peer steps eagerly too."""
+        n, tokens = len(step.lens), len(step.ids)
+        if self.lockstep:
+            rows, lora = self.model.graph_batch(tokens, lora)
+            if step.is_decode and rows <= GRAPH_BATCH_SIZES[-1]:
+                return ("decode", rows), lora
+            return next((("mixed", t, s) for t, s in self.mixed_sizes if t == rows and s >= n), None), lora
+        if step.is_decode and n <= GRAPH_BATCH_SIZES[-1]:
+            return ("decode", next(s for s in GRAPH_BATCH_SIZES if s >= n)), lora
+        return next((("mixed", t, s) for t, s in self.mixed_sizes if t >= tokens and s >= n), None), lora
+
     def _decode_meta(self, table: torch.Tensor, g_pos: torch.Tensor) -> AttnMeta:
         """Decode layout computed on the device from the static inputs (inside the graph)."""
         bs = self.cache.block_size
@@ -214,10 +244,9 @@ class ModelRunner:
                         last_token=torch.arange(table.shape[0], device=self.device),
                         window=self.model.sliding_window or 0)
 
-    def _replay_decode(self, step: StepBatch, need: int, lora: bool) -> torch.Tensor:
-        """The step through the decode graph of the smallest size holding `need` rows (its own or more)."""
+    def _replay_decode(self, step: StepBatch, size: int, lora: bool) -> torch.Tensor:
+        """The step through the decode graph of `size` rows (its own or more)."""
         n = len(step.lens)
-        size = next(s for s in GRAPH_BATCH_SIZES if s >= need)
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
         pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.scratch,
