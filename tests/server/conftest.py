@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from _json_model import write_json_model
 from _server import offline_reference
 from tp_lora.assets import ensure_default_assets
 
@@ -27,9 +26,3 @@ def default(home):
         return ensure_default_assets()
     finally:
         os.environ.pop("TP_LORA_HOME") if old is None else os.environ.update(TP_LORA_HOME=old)
-
-
-@pytest.fixture(scope="session")
-def json_paths(tmp_path_factory):
-    """The model that can spell JSON (tests/server/_json_model.py): {'model': dir, 'adapter_dir': dir}."""
-    return write_json_model(tmp_path_factory.mktemp("json_model"))

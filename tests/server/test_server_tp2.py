@@ -70,27 +70,21 @@ def test_tp2_chat_without_a_template_is_a_400(server):
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
 
 
-def test_tp2_structured_output_is_tp1s(home, json_paths, tmp_path):
-    """response_format at tp=2 on a model that can spell JSON: the documents validate and are the tokens of an
-    engine at tp=1 (each rank samples on its own: a rank masking otherwise would feed the other ranks' steps other
-    tokens)."""
+def test_tp2_structured_output_is_tp1s(server, default):
+    """response_format at tp=2: the documents validate and are the tokens of an engine at tp=1 (each rank samples
+    on its own: a rank masking otherwise would feed the other ranks' steps other tokens)."""
     pytest.importorskip("xgrammar")
     from tp_lora import LLM
-    asks = [("alpha", SCHEMAS[5]), ("model", SCHEMAS[8])]  # the model dir's name: no adapter
-    with LLM(model=json_paths["model"], adapter_dir=json_paths["adapter_dir"], **{"lora.max_loras": 2}) as llm:
-        want = [llm.generate("json:", adapter=None if m == "model" else m, max_new_tokens=48, temperature=0,
-                             response_format=fmt(schema))[0]["output_token_ids"] for m, schema in asks]
-    srv = Server([f"model.path={json_paths['model']}", f"lora.adapter_dir={json_paths['adapter_dir']}",
-                  "parallel=tp2", f"parallel.timeout_s={TIMEOUT_S}"], env_for(home), tmp_path / "server.log", nproc=2)
-    try:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        for (model, schema), tokens in zip(asks, want):
-            got = c.completions.create(model=model, prompt="json:", max_tokens=48, temperature=0,
-                                       extra_body={"response_format": fmt(schema)}).choices[0]
-            assert got.finish_reason == "stop" and valid(got.text, schema), (model, got.text)
-            assert got.token_ids == tokens, model
-    finally:
-        srv.kill()
+    asks = [("alpha", "json:", SCHEMAS[5]), ("plain", [1, 40, 41], SCHEMAS[8])]  # plain: the base model
+    with LLM(model=default["model"], adapter_dir=default["adapter_dir"]) as llm:
+        want = [llm.generate(prompt, adapter=None if m == "plain" else m, max_new_tokens=48, temperature=0,
+                             response_format=fmt(schema))[0]["output_token_ids"] for m, prompt, schema in asks]
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    for (model, prompt, schema), tokens in zip(asks, want):
+        got = c.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0,
+                                   extra_body={"response_format": fmt(schema)}).choices[0]
+        assert got.finish_reason == "stop" and valid(got.text, schema), (model, got.text)
+        assert got.token_ids == tokens, model
 
 
 def test_tp2_lost_rank_ends_the_server_non_zero(server):

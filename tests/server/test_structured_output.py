@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from _json_model import SCHEMAS, fmt, valid
+from _json_model import SCHEMAS, fmt, valid, write_json_model
 from _server import Server, env_for
 
 BASE = "model"  # the model dir's name
@@ -19,8 +19,13 @@ pytest.importorskip("xgrammar")
 
 
 @pytest.fixture(scope="module")
-def server(home, json_paths, tmp_path_factory):
-    srv = Server([f"model.path={json_paths['model']}", f"lora.adapter_dir={json_paths['adapter_dir']}",
+def paths(tmp_path_factory):
+    return write_json_model(tmp_path_factory.mktemp("json_model"))
+
+
+@pytest.fixture(scope="module")
+def server(home, paths, tmp_path_factory):
+    srv = Server([f"model.path={paths['model']}", f"lora.adapter_dir={paths['adapter_dir']}",
                   "scheduler.max_batch_size=16", "server.max_queue=128"], env_for(home),
                  tmp_path_factory.mktemp("structured") / "server.log")
     yield srv
@@ -103,9 +108,9 @@ def test_a_bad_schema_is_a_400_naming_it(server, path, response_format, words):
         assert err["param"] == "response_format" and words in err["message"], err
 
 
-def test_llm_generate_and_request_rules(json_paths):
+def test_llm_generate_and_request_rules(paths):
     from tp_lora import LLM
-    with LLM(model=json_paths["model"], adapter_dir=json_paths["adapter_dir"], **{"lora.max_loras": 2}) as llm:
+    with LLM(model=paths["model"], adapter_dir=paths["adapter_dir"], **{"lora.max_loras": 2}) as llm:
         for schema in SCHEMAS[5:9]:
             outs = llm.generate(["json:", [1, 40, 41]], adapter=["alpha", None], max_new_tokens=MAX_TOKENS,
                                 temperature=0, response_format=fmt(schema))
