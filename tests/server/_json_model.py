@@ -1,5 +1,5 @@
 """A tiny random Llama that can spell JSON, for the structured-output tests: the embedded default's shape, with a
-byte-level BPE over every byte (the default tokenizer has no '{' or '"'), a chat template, and two random
+byte-level BPE over every byte (as the default's), a chat template, and two random
 adapters; and the schemas the tests ask for, each with a bound on its strings, arrays and numbers so a random model's
 document closes within a few dozen tokens."""
 import json
