@@ -27,7 +27,7 @@ def _masked(index) -> bool:
                for i in (index if isinstance(index, tuple) else (index,)))
 
 
-class _NoHostReads(TorchFunctionMode):
+class NoHostReads(TorchFunctionMode):
     """The CPU analogue of torch.cuda.set_sync_debug_mode("error") over a capture: a host read of a tensor's
     values raises (the Triton interpreter's launches read theirs through numpy, not through torch)."""
 
@@ -37,7 +37,7 @@ class _NoHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Rerun:
+class Rerun:
     """Stands in for a captured graph: a warm-up forward (this step's result, as the runner's _record), the
     forward again as the "capture", and replay() runs it again over the static buffers; capture and replays
     refuse host reads."""
@@ -47,7 +47,7 @@ class _Rerun:
         self.out = self._run()
 
     def _run(self) -> torch.Tensor:
-        with _NoHostReads():
+        with NoHostReads():
             return self.forward()
 
     def replay(self):
@@ -64,7 +64,7 @@ def _engine(model, adapters, graphs: bool, device: str) -> Engine:
     if graphs:
         r = engine.runner
         r.use_graphs, r.mixed_sizes = True, mixed_sizes(16, 3)
-        r._record = lambda forward: (lambda g: (g, g.out, g.warm))(_Rerun(forward))
+        r._record = lambda forward: (lambda g: (g, g.out, g.warm))(Rerun(forward))
     return engine
 
 
@@ -97,7 +97,7 @@ def test_the_capture_stand_in_refuses_host_reads(read):
     x = torch.randn(4, 8)
     read(x)  # fine outside a capture
     with pytest.raises(RuntimeError, match="host read"):
-        _Rerun(lambda: (read(x), x * 2)[1])
+        Rerun(lambda: (read(x), x * 2)[1])
 
 
 def test_a_host_read_in_the_graphed_forward_fails(tmp_path, device, monkeypatch):

@@ -6,9 +6,9 @@ parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
            all_gather(hidden | topk ids | topk weights | adapter slot, one packed call) over ep -> the pairs routed to
            local experts -> reduce_scatter returns each rank its own tokens' sums. Ranks have different token
            counts: once per step, on the host, they exchange counts (and whether any token has an adapter) and
-           pad to a fixed capacity (the max, rounded up to a CUDA-graph batch size when graphs replay), padding rows
-           routed nowhere; `lockstep` keeps idle ranks stepping. No layer reads a device value on the host, so a
-           decode step is capturable: a graph's rows are padded to that capacity, a validity count masks the rest.
+           pad to a fixed capacity (the max, rounded up to a CUDA-graph size when graphs replay), padding rows
+           routed nowhere; `lockstep` keeps idle ranks stepping. No layer reads a device value on the host, so decode
+           and mixed steps are capturable: a graph's rows are padded to that capacity, a validity count masks the rest.
   EP/TP    ep over the attention TP group (ep_attention=tp): tokens are replicated after attention, each rank routes a
            1/tp chunk and runs the shared expert on it (no token routed or shared-expert-computed twice). Every rank
            already holds every hidden state, so only the routing travels: all_gather(topk ids | weights | slot) ->
@@ -115,8 +115,8 @@ class MoEStep:
     counts: list[int] | None = field(default=None)  # token counts of the EP group, stashed by lockstep()
     # EP over DP replicas: whether any token of the EP group has an adapter (agreed with the counts, on the host).
     lora: bool = False
-    # EP over DP replicas: batch sizes a dispatch's rows are rounded up to (the runner's CUDA-graph sizes, while it
-    # replays graphs), so a rank replaying a graph and one stepping eagerly exchange buffers of the same size.
+    # EP over DP replicas: row counts a dispatch's rows are rounded up to (the runner's CUDA-graph sizes, decode and
+    # mixed, while it replays graphs), so a rank replaying a graph and one stepping eagerly exchange equal buffers.
     buckets: tuple[int, ...] = ()
     # A forward over rows padded to a graph's size: [1] integer on the device, how many of them are real tokens
     # (refreshed before each replay); None: every row is real.
@@ -125,7 +125,9 @@ class MoEStep:
 
 def capacity(tokens: int, buckets: tuple[int, ...]) -> int:
     """Rows per rank of an EP-over-DP dispatch whose largest rank has `tokens`: the smallest bucket holding them,
-    or `tokens` beyond the largest bucket (or without buckets)."""
+    or `tokens` beyond the largest bucket (or without buckets). Every rank of the group computes it from the same
+    counts, so all pad to one size; past the largest bucket no graph has that size and the whole group steps
+    eagerly, every token dispatched (none is ever dropped)."""
     return next((b for b in buckets if b >= tokens), tokens)
 
 
@@ -348,13 +350,6 @@ class MoECausalLM(CausalLM):
         self.step_chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
 
     @property
-    def mixed_graph_safe(self) -> bool:
-        """Whether mixed steps (prefill chunks beside decodes) may replay graphs: padded rows route nowhere
-        (graph_rows), but EP over DP replicas stays eager there: its dispatch size is agreed per step, and a mixed
-        graph would bake one in."""
-        return not self.needs_lockstep
-
-    @property
     def cuda_graph_safe(self) -> bool:
         """Whether a decode step runs with no host sync, so the runner may capture it in a CUDA graph: expert GEMMs
         with more rows per expert than the Triton kernel takes run torch's grouped GEMM (the loop fallback reads
@@ -392,20 +387,23 @@ class MoECausalLM(CausalLM):
 
     # ---- CUDA graphs over EP/DP replicas (the runner's hooks) ----------------------------------------------------
     def pad_to_graph_sizes(self, sizes: tuple[int, ...]) -> None:
-        """The runner replays graphs of these batch sizes: EP over DP replicas rounds every step's dispatch rows up
-        to one of them (eager steps too), so ranks replaying a graph and ranks stepping eagerly agree."""
+        """The runner replays graphs of these row counts (decode batches and mixed-step tokens alike): EP over DP
+        replicas rounds every step's dispatch rows up to one of them (capacity; eager steps too), so ranks replaying
+        a graph and ranks stepping eagerly agree. A step whose largest rank has more tokens than the largest size
+        runs eagerly on every rank of the group, each dispatching that many rows."""
         self.step.buckets = tuple(sizes) if self.needs_lockstep else ()
 
     def graph_batch(self, num_tokens: int, lora: bool) -> tuple[int, bool]:
-        """(tokens, LoRA on) that a decode graph for this rank's step of num_tokens tokens (`lora`: any has an
-        adapter) must cover. EP over DP replicas: the EP group's largest count and whether any token of the group
-        has an adapter (agreed by lockstep): every rank of the group then picks the same size and the experts run
-        LoRA for the peers' tokens."""
+        """(rows, LoRA on) of the graph for this rank's step of num_tokens tokens (`lora`: any has an adapter), decode
+        or mixed. EP over DP replicas: the EP group's capacity (its largest count rounded up to a graph size, or that
+        count past the largest: then no graph fits and every rank steps eagerly) and whether any token of the group
+        has an adapter (agreed by lockstep): every rank of the group replays a graph of the same rows, whatever its
+        own mix of prefill and decode, and the experts run LoRA for the peers' tokens."""
         if not self.needs_lockstep:
             return num_tokens, lora
         if self.step.counts is None:
-            raise RuntimeError("EP over DP replicas: a decode step without lockstep() agreeing on the counts first")
-        return max(self.step.counts), self.step.lora
+            raise RuntimeError("EP over DP replicas: a step without lockstep() agreeing on the counts first")
+        return capacity(max(self.step.counts), self.step.buckets), self.step.lora
 
     @contextmanager
     def graph_rows(self, valid: torch.Tensor):

@@ -1,0 +1,146 @@
+"""EP over DP replicas through the runner's graph path on 2 gloo ranks, without a GPU: capture replaced by the stand-in
+of tests/kernels/test_runner_graph_path.py (reruns the captured forward on each replay, refuses host reads; here its
+capture runs the forward once), so every
+graphed step goes through the static buffers, their padding to the EP group's agreed rows and the masked routing.
+
+Mixed steps (prefill chunks beside decodes) and decode steps, with adapters on attention and every expert and
+without, ranks with different token counts and mixes, one rank idle: the graphed engine's tokens and logprobs are the
+eager engine's, and every step replays a graph (mixed ones included). The overflow rule: a step whose largest rank
+has more tokens than the largest graph runs eagerly on every rank of the group, and gives the eager logits.
+"""
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before tp_lora.ops.triton is imported (here and in the ranks)
+
+from tp_lora.config import RunConfig  # noqa: E402
+from tp_lora.engine.engine import Engine  # noqa: E402
+from tp_lora.engine.requests import Request  # noqa: E402
+from tp_lora.engine.runner import GRAPH_BATCH_SIZES, ModelRunner, StepBatch  # noqa: E402
+from tp_lora.testing import run_ranks  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "kernels")]
+from test_moe import V, moe_config, write_adapters, write_moe  # noqa: E402  (the tiny MoE checkpoints)
+from test_runner_graph_path import Rerun  # noqa: E402  (the capture stand-in)
+
+class Once(Rerun):
+    """The stand-in with its capture step's forward run once, checked for host reads (its result the step's): a
+    real capture runs nothing, so each step runs the EP group's collectives exactly once on every rank."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.out = self._run()
+        self.warm = self.out.clone()
+
+
+HEAD_DIM = 16  # the smallest the varlen attention kernel (and so the mixed-step graphs) takes
+MAX_SEQS, MAX_TOKENS = 3, 16
+
+
+def _engine(model: str, adapters: str, ps, graphs: bool) -> Engine:
+    cfg = RunConfig()
+    cfg.device, cfg.dtype, cfg.cuda_graphs, cfg.progress = "cpu", "float32", False, False
+    cfg.parallel.tp_size, cfg.parallel.ep_size, cfg.parallel.ep_attention = 1, 2, "dp"
+    cfg.lora.backend, cfg.lora.max_loras, cfg.lora.max_rank = "triton", 4, 16
+    cfg.generation.ignore_eos = True
+    cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step, cfg.scheduler.admit_batch = \
+        MAX_SEQS, MAX_TOKENS, 1
+    engine = Engine(cfg, ps, model, adapters)
+    if graphs:
+        r = engine.runner
+        r.use_graphs = True
+        r.plan_graphs(MAX_TOKENS, MAX_SEQS)
+        r._record = lambda forward: (lambda g: (g, g.out, g.warm))(Once(forward))
+    return engine
+
+
+def _requests(rank: int) -> list[list[Request]]:
+    """Per rank, batches of requests: with adapters (rank 1 fewer and shorter: it idles while rank 0 steps), then
+    without (rank 1 none at all)."""
+    gen = torch.Generator().manual_seed(11)
+    spec = [[(13, "pe", 3), (6, None, 4), (2, "tp", 5)], [(5, "w2", 2)]], [[(9, None, 3), (4, None, 2)], []]
+    return [[Request(i, id=i, adapter=a, max_new_tokens=m, ignore_eos=True,
+                     prompt_token_ids=torch.randint(2, V, (n,), generator=gen).tolist())
+             for i, (n, a, m) in enumerate(batch[rank])] for batch in spec]
+
+
+def _generate_cases(ps, model: str, adapters: str) -> list[str]:
+    rank = ps.world.rank
+    eager, graphed = _engine(model, adapters, ps, False), _engine(model, adapters, ps, True)
+    checked = []
+    for reqs in _requests(rank):
+        want = eager.generate(reqs)
+        got = graphed.generate(reqs)
+        for w, g in zip(want, got, strict=True):
+            assert g.output_token_ids == w.output_token_ids, f"rank {rank} request {w.request.id}"
+            assert max(abs(a - b) for a, b in zip(w.logprobs, g.logprobs)) < 1e-4, f"rank {rank} {w.request.id}"
+        checked.append(f"rank {rank}: {len(reqs)} requests")
+    keys = set(graphed.runner.graphs)
+    s = graphed.stats
+    assert s.graph_steps == s.steps, f"rank {rank}: {s.graph_steps} of {s.steps} steps graphed"
+    mixed = {k for k in keys if k[0] == "mixed"}
+    if rank == 0:  # its prefill chunks, with and without adapters in the group
+        assert {k[2] for k in mixed} == {True, False} and any(k[0] == "decode" for k in keys), keys
+    checked.append(f"rank {rank}: graphs {sorted(keys)}")
+    checked += _overflow_case(ps, graphed)
+    return checked
+
+
+def _overflow_case(ps, engine: Engine) -> list[str]:
+    """Hand-made steps through a graphed runner and an eager one over the same model and adapters: per step, this
+    rank's step (None: idle), and whether the graphed runner replays. Past the largest graph (rank 0's prompt of
+    more tokens than it) both ranks step eagerly, every token computed; after it both replay again."""
+    model, rank = engine.model, ps.world.rank
+    big = max(t for t, _ in engine.runner.mixed_sizes) + 5
+    assert big > GRAPH_BATCH_SIZES[-1]
+    # (rank 0's step, rank 1's step, graphed?): a step is [(prompt length or 1 for a decode, start, slot)]
+    plan = [([(7, 0, 0), (1, 20, -1)], [(1, 30, 1)], True),  # mixed beside a decode: one agreed size (8)
+            ([(big, 0, 2)], [(1, 31, 1), (1, 40, -1)], False),  # overflow: eager on both ranks
+            (None, [(1, 32, 1), (1, 41, 0), (1, 50, -1)], True),  # rank 0 idle
+            ([(3, 0, -1), (1, 21, -1)], [(4, 0, -1)], True)]  # no adapters: mixed on both ranks
+    gen = torch.Generator().manual_seed(5)
+    block = 16
+    width = -(-(big + 8) // block)
+    graphed = engine.runner
+    eager = ModelRunner(model, engine.runner.rt, "cpu", False)
+    cache = graphed.kv_cache(3 * width + 1, block, big + 8)  # both runners' (the graphed one replays over its own)
+    steps = []
+    for mine in (p[rank] for p in plan):
+        if mine is None:
+            steps.append(None)
+            continue
+        step = StepBatch()
+        for seq, (n, start, slot) in enumerate(mine):
+            step.add(torch.randint(2, V, (n,), generator=gen).tolist(), list(range(seq * width, (seq + 1) * width)),
+                     start, slot)
+        steps.append(step)
+    out = {}
+    for runner in (graphed, eager):
+        for t in cache.k + cache.v:  # each run from the same (zero) K/V: decodes attend over unwritten positions
+            t.zero_()
+        out[runner] = []
+        for step in steps:
+            if step is None:
+                model.lockstep(0)  # idle: serves the peer's tokens
+                out[runner].append((None, False))
+                continue
+            model.lockstep(len(step.ids), any(s >= 0 for s in step.slots))
+            out[runner].append((runner.execute(step, cache).clone(), runner.replayed))
+    for i, ((got, replayed), (want, _), p) in enumerate(zip(out[graphed], out[eager], plan)):
+        if got is None:
+            continue
+        assert replayed == p[2], f"rank {rank} step {i}: replayed {replayed}, expected {p[2]}"
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 1e-4, f"rank {rank} step {i}: logits differ by {err:.2e}"
+    return [f"rank {rank}: overflow plan"]
+
+
+def test_ep_dp_mixed_and_decode_graphs_match_eager(tmp_path):
+    model = write_moe(tmp_path / "mixtral", "mixtral", seed=3, head_dim=HEAD_DIM)
+    adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral", HEAD_DIM), seed=13)
+    checked = run_ranks(_generate_cases, 2, str(model), str(adapters), tp_size=1, timeout_s=240)
+    assert len(checked) == 4, checked
