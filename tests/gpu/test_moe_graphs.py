@@ -1,8 +1,9 @@
 """MoE steps replayed from CUDA graphs give the eager tokens: one GPU (TP layout, Mixtral and Qwen2-MoE with its
-shared expert) and, on 2 GPUs over NCCL, TP (tp2), EP over the attention TP group (tp2_ep2) and EP over DP replicas
-(ep2: each rank its own requests, uneven counts, a rank idle while the other decodes). Decode steps everywhere; the
-prefill steps too (mixed-step graphs, their padded rows routed nowhere) but over EP over DP replicas. Adapters on
-attention and every expert, mixed with requests without one. bf16 (torch's grouped GEMM on sm90+)."""
+shared expert) and, over NCCL, on 2 GPUs TP (tp2), EP over the attention TP group (tp2_ep2) and EP over DP replicas
+(ep2: each rank its own requests, uneven counts, a rank idle while the other decodes), on 4 GPUs tp4, tp4_ep4, ep4
+and the 2D mesh ep2_tp2 (EP over 2 DP replicas of tp2 attention). Decode and prefill steps (mixed-step graphs, their
+padded rows routed nowhere; over EP over DP replicas every rank replays the EP group's agreed rows) in every layout.
+Adapters on attention and every expert, mixed with requests without one. bf16 (torch's grouped GEMM on sm90+)."""
 import os
 import sys
 
@@ -69,18 +70,29 @@ def test_moe_graph_decode_matches_eager_one_gpu(tmp_path, kind):
     assert steps > 0 and mixed > 0, f"graph steps {steps}, of them mixed {mixed}"
 
 
-def _two_ranks(ps, model, adapters):
-    steps = [_compare(model, adapters, 2, ep, attn, 1) for ep, attn in ((1, "dp"), (2, "tp"))]
-    # EP over DP replicas: rank r serves requests r, r + 2, ... (the last batch leaves rank 1 idle).
-    rank = ps.world.rank
-    return steps + [_compare(model, adapters, 1, 2, "dp", 1, lambda reqs: [q for q in reqs if q.index % 2 == rank])]
+# (tp_size, ep_size, ep_attention) per world size, as configs/parallel names them
+LAYOUTS = {2: {"tp2": (2, 1, "dp"), "tp2_ep2": (2, 2, "tp"), "ep2": (1, 2, "dp")},
+           4: {"tp4": (4, 1, "dp"), "tp4_ep4": (4, 4, "tp"), "ep4": (1, 4, "dp"), "ep2_tp2": (2, 2, "dp")}}
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_moe_graph_decode_matches_eager_tp2_tp2_ep2_and_ep2(tmp_path, monkeypatch):
+def _layouts(ps, world, model, adapters):
+    """Every layout of this world size; DP replica d of D serves requests d, d + D, ... (the last batches leave
+    replicas idle)."""
+    from tp_lora import distributed as comm
+    out = {}
+    for name, (tp, ep, attn) in LAYOUTS[world].items():
+        dp = comm.init_parallel(tp, "cuda").dp
+        out[name] = _compare(model, adapters, tp, ep, attn, 1,
+                             lambda reqs: [q for q in reqs if q.index % dp.size == dp.rank])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_graph_steps_match_eager_every_layout(tmp_path, monkeypatch, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")  # the spawned ranks run NCCL, one GPU each
     model = write_moe(tmp_path / "mixtral", "mixtral", seed=5, head_dim=HEAD_DIM)
     adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral", HEAD_DIM), seed=15)
-    steps = run_ranks(_two_ranks, 2, str(model), str(adapters), tp_size=2, timeout_s=300)
-    assert all(s > 0 for s, _ in steps), f"graph steps per layout: {steps}"
-    assert [m > 0 for _, m in steps] == [True, True, False], f"mixed graph steps per layout: {steps}"
+    steps = run_ranks(_layouts, world, world, str(model), str(adapters), tp_size=world, timeout_s=400)
+    assert all(s > 0 and m > 0 for s, m in steps.values()), f"(graph steps, mixed ones) per layout: {steps}"
