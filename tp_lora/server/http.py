@@ -25,7 +25,7 @@ from tp_lora.engine.choices import best, siblings
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer
 from tp_lora.server.channel import SHUTTING_DOWN
-from tp_lora.server.engine_proxy import EngineProxy
+from tp_lora.server.engine_proxy import UNLOAD_PENDING, EngineProxy
 from tp_lora.server.errors import APIError, status_of
 from tp_lora.server.guard import BodyGuard
 from tp_lora.server.openai_models import (MAX_LOGPROB_ENTRIES, ChatCompletionRequest, CompletionRequest,
@@ -422,6 +422,8 @@ def make_app(fe: OpenAIFrontend):
         fe.check_runtime_lora()
         name = (await read(request, UnloadAdapter)).lora_name
         err = await fe.engine.call("unload", name)
+        if err and err.endswith(UNLOAD_PENDING):  # still serving its last requests: it goes when they end
+            return PlainTextResponse(err, status_code=202)
         if err:
             status = 503 if err == SHUTTING_DOWN else 404 if err.endswith("is not loaded") else 400
             raise APIError(status, err, "lora_name")
