@@ -1,28 +1,34 @@
 """End-to-end MoE decode step (every layer, attention + MoE + LM head) at a fixed batch, with and without adapters,
-in each 2-GPU layout (or tp1 on one GPU), against the step's active-weight floor.
+in each 2- or 4-GPU layout (and tp1, one GPU per model copy, as the baseline in the same call), against the step's
+active-weight floor.
 
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model qwen3-30b-a3b --out bench_results/moe_decode
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model mixtral-8x7b --layers 16
-    torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --smoke                  # tiny, CPU + gloo
+    torchrun --nproc_per_node=4 scripts/bench_moe_decode.py --layers 24 --prefill 512   # tp1, tp4, ep4, ep2_tp2, tp4_ep4
+    torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --smoke                  # tiny, CPU + gloo (4 ranks too)
     torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --profile  # one GPU, with its kernels
 
 Models (random bf16 weights, built in memory, no checkpoint): "qwen3-30b-a3b" (48 layers, hidden 2048, 128 experts,
 top-8, expert intermediate 768, GQA 32/4, head_dim 128, vocab 151936) and "mixtral-8x7b" (32 layers, hidden 4096,
 8 experts, top-2, intermediate 14336, GQA 32/8, vocab 32000); --layers cuts the depth (the step time and the floor
-scale together). Layouts: tp1 (one GPU), tp2 (experts' intermediate split), ep2 (EP over two DP replicas, each
-serving --batch sequences; the replicas agree on their token counts once per step, before it, timed with it),
-tp2_ep2 (EP over the attention TP group). LoRA: none, or --adapters adapters of rank --rank on every attention and
+scale together). Layouts, as configs/parallel names them: tp1 (one GPU; on more, each GPU its own copy), tp2 / tp4
+(experts' intermediate split), ep2 / ep4 (EP over 2 / 4 DP replicas, each serving --batch sequences; the replicas
+agree on their token counts once per step, before it, timed with it), tp2_ep2 / tp4_ep4 (EP over the attention TP
+group), ep2_tp2 (the 2D mesh: EP over 2 DP replicas of tp2 attention, each expert's intermediate split over tp). A
+layout of fewer ranks than launched runs as that many DP copies (ep2 on 4 GPUs: two EP groups). Default --layouts: the
+launched size's layouts (tp1 first on 4 GPUs). LoRA: none, or --adapters adapters of rank --rank on every attention and
 expert projection, sequences round-robin over them.
 
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
 capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
 warm-up (and capture); the slowest rank's median. Floor: the bytes one rank must read in the step (its attention,
 norm and LM-head weights, the weights of its experts that the step's tokens are actually routed to, measured on
-one eager step, and the K/V its sequences attend over) over the measured device copy bandwidth (a copy's read +
+one eager step over its EP group, and the K/V its sequences attend over) over the measured device copy bandwidth (a copy's read +
 written bytes per second); "% of floor" is floor / step. Adapters' bytes are not in the floor. --prefill N also times
-a mixed step (batch - 1 decodes + one N-token prompt chunk) replayed from its graph (where the layout captures mixed
-steps: not EP over DP replicas) and run eagerly. --hf (one process) also times transformers + PEFT on the same
-shape (adapters on attention only: PEFT refuses mixed-adapter batches over 3D expert weights). Prints a markdown table, writes bench_moe_decode.json to --out.
+a mixed step (batch - 1 decodes + one N-token prompt chunk) replayed from its graph (EP over DP replicas: every
+replica the same mix, replaying the group's agreed size) and run eagerly. --hf (one process) also times transformers + PEFT on the same
+shape (adapters on attention only: PEFT refuses mixed-adapter batches over 3D expert weights). Prints each row as it
+is done (a cut run keeps them), then a markdown table; writes bench_moe_decode.json to --out.
 """
 from __future__ import annotations
 
@@ -62,7 +68,16 @@ MODELS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                  moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True),
 }
-LAYOUTS = {"tp1": (1, 1, "dp"), "tp2": (2, 1, "dp"), "ep2": (1, 2, "dp"), "tp2_ep2": (2, 2, "tp")}
+# name -> (tp_size, ep_size, ep_attention), as configs/parallel
+LAYOUTS = {"tp1": (1, 1, "dp"), "tp2": (2, 1, "dp"), "ep2": (1, 2, "dp"), "tp2_ep2": (2, 2, "tp"),
+           "tp4": (4, 1, "dp"), "ep4": (1, 4, "dp"), "ep2_tp2": (2, 2, "dp"), "tp4_ep4": (4, 4, "tp")}
+DEFAULT_LAYOUTS = {1: "tp1", 2: "tp2,ep2,tp2_ep2", 4: "tp1,tp4,ep4,ep2_tp2,tp4_ep4"}
+
+
+def layout_ranks(layout: str) -> int:
+    """Ranks one copy of the model spans: tp, times ep where the experts are split over DP replicas."""
+    tp, ep, attn = LAYOUTS[layout]
+    return tp * ep if attn == "dp" else tp
 
 
 @torch.no_grad()
@@ -91,14 +106,14 @@ def execute(runner: ModelRunner, model: MoECausalLM, step: StepBatch, cache) -> 
 def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> int:
     """Bytes this rank reads in one decode step of `step`: every non-expert, non-LoRA weight except the embedding
     table (one row per token), plus its experts that the step's tokens are routed to (one eager step, every rank's
-    routing gathered)."""
+    routing over its EP group gathered: the tokens dispatched to its experts)."""
     routed: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: routed.append(out[0].flatten().cpu()))
              for m in model.modules() if isinstance(m, Router)]
     execute(runner_eager, model, step, cache)
     for h in hooks:
         h.remove()
-    ids = [torch.cat(layer) for layer in zip(*comm.all_gather_object(routed, ps.world))]  # per layer, all ranks
+    ids = [torch.cat(layer) for layer in zip(*comm.all_gather_object(routed, ps.ep))]  # per layer, the EP group
     total = 0
     for name, p in model.named_parameters():
         if "lora_" in name or "embed_tokens" in name or ".experts." in name:
@@ -226,7 +241,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
-    ap.add_argument("--layouts", default="tp2,ep2,tp2_ep2")
+    ap.add_argument("--layouts", default=None, help=f"names from {sorted(LAYOUTS)} (default by ranks: "
+                                                     f"{DEFAULT_LAYOUTS})")
     ap.add_argument("--batch", type=int, default=32, help="decode sequences per attention replica")
     ap.add_argument("--context", type=int, default=512, help="position of the decoded token")
     ap.add_argument("--adapters", type=int, default=32)
@@ -248,12 +264,17 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.smoke
     ps0 = comm.init_parallel(1, "cuda" if cuda else "cpu")
     device = ps0.device
+    world = ps0.world.size
+    if args.layouts is None:
+        if world not in DEFAULT_LAYOUTS:
+            raise SystemExit(f"{world} ranks: name --layouts (defaults for {sorted(DEFAULT_LAYOUTS)} ranks)")
+        args.layouts = DEFAULT_LAYOUTS[world]
     for layout in args.layouts.split(","):
         if layout not in LAYOUTS:
             raise SystemExit(f"--layouts {layout!r}: expected names from {sorted(LAYOUTS)}")
-        if max(LAYOUTS[layout][:2]) != ps0.world.size:
-            raise SystemExit(f"--layouts {layout}: needs {max(LAYOUTS[layout][:2])} ranks (torchrun "
-                             f"--nproc_per_node), got {ps0.world.size}")
+        if world % layout_ranks(layout):
+            raise SystemExit(f"--layouts {layout}: spans {layout_ranks(layout)} ranks, which do not divide the "
+                             f"{world} launched (torchrun --nproc_per_node)")
     dtype = torch.bfloat16 if cuda else torch.float32
     hf = dict(MODELS[args.model])
     if args.layers:
@@ -265,6 +286,8 @@ def main() -> None:
         for n in (0, args.adapters):
             rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
                              **run_case(hf, layout, n, args, device, dtype, ops, bandwidth)))
+            if ps0.is_driver:
+                print(json.dumps(rows[-1]), flush=True)
             gc.collect()  # the LoRA runtime and its layers reference each other: free the model before the next
             if cuda:
                 torch.cuda.empty_cache()

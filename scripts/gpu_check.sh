@@ -9,6 +9,9 @@
 #   decode-step table at tp1 / tp2 / tp4 with the symm_mem and the NCCL all-reduce.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
+#   MoE across GPUs (issue 37), on a 4-GPU host in two calls of under 10 minutes: `moe4` (the 4-GPU table: tp1
+#   baseline, tp4, ep4, ep2_tp2, tp4_ep4), then `moe2` (the 2-GPU table: tp1, tp2, ep2, tp2_ep2), then
+#   `tests` for the graphed-vs-eager MoE tests at 2 and 4 GPUs (tests/gpu/test_moe_graphs.py).
 #   The open issues' unmeasured targets on one GPU, in two calls of under 10 minutes: `pending_a` (GPU tests of the
 #   paths never run on a GPU, fp8, DoRA, n / grammar), then `pending_b` (prefix caching at moderate load and
 #   saturated, HTTP against offline at 1 / 100 / 1000 adapters).
@@ -71,6 +74,14 @@ for what in "${@:-all}"; do
         --out "$RES/moe_decode_qwen3"
       run moe_decode_mixtral 200 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model mixtral-8x7b \
         --layers 16 --prefill 512 --out "$RES/moe_decode_mixtral" ;;
+    moe4)
+      step "issue 37: bench_moe_decode on 4 GPUs, Qwen3-30B-A3B shape (24 layers: tp1 fits one GPU), mixed steps too"
+      [ "$NGPU" -ge 4 ] && run moe_decode_4gpu 560 16 torchrun --nproc_per_node=4 scripts/bench_moe_decode.py \
+        --layouts tp1,tp4,ep4,ep2_tp2,tp4_ep4 --layers 24 --prefill 512 --out "$RES/moe_decode_4gpu" ;;
+    moe2)
+      step "issue 37: bench_moe_decode on 2 GPUs, the same shape and flags as moe4"
+      [ "$NGPU" -ge 2 ] && run moe_decode_2gpu24 560 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py \
+        --layouts tp1,tp2,ep2,tp2_ep2 --layers 24 --prefill 512 --out "$RES/moe_decode_2gpu24" ;;
     moe_decode_hf)
       step "bench_moe_decode tp1 with transformers + PEFT beside ours: Qwen3-30B-A3B shape, 24 layers"
       run moe_decode_hf 300 12 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \

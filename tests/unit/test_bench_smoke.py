@@ -10,11 +10,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tmp_path, script: str, *args: str) -> None:
+def _run(tmp_path, script: str, *args: str, ranks: int = 0) -> None:
+    """ranks: launched by torchrun as that many gloo ranks (0: one plain process)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TP_LORA_HOME=str(tmp_path / "home"))
     env.pop("TRITON_INTERPRET", None)  # the scripts' CPU modes pick their own backends
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=tmp_path)
+    launch = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}"] if ranks else []
+    proc = subprocess.run([sys.executable, *launch, os.path.join(ROOT, "scripts", script), *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
@@ -69,3 +71,15 @@ def test_bench_serving_smoke(tmp_path):
     res = _report(tmp_path / "out" / "bench_serving.json")["results"]["8"]
     assert set(res) >= {"ours", "merged", "peft"}, list(res)
     assert res["ours"]["failed"] == 0 and res["ours"]["generated_tokens"] > 0 and res["merged"]["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("ranks,layouts", [(2, "tp1,tp2,ep2,tp2_ep2"), (4, "tp1,tp4,ep4,ep2_tp2,tp4_ep4")])
+def test_bench_moe_decode_smoke(tmp_path, ranks, layouts):
+    """The 2- and 4-GPU tables' layouts (4: the default), with a mixed step, on gloo ranks."""
+    args = ["--smoke", "--prefill", "8", "--out", str(tmp_path / "out")]
+    _run(tmp_path, "bench_moe_decode.py", *args, *(["--layouts", layouts] if ranks == 2 else []), ranks=ranks)
+    report = _report(tmp_path / "out" / "bench_moe_decode.json")
+    rows = report["rows"]
+    assert report["meta"]["ranks"] == ranks
+    assert [(r["layout"], r["adapters"]) for r in rows] == [(name, n) for name in layouts.split(",") for n in (0, 2)]
+    assert all(r["ms"] > 0 and r["floor_mb"] > 0 and r["mixed_eager_ms"] > 0 for r in rows), rows
