@@ -54,9 +54,10 @@ def model_with_tokenizer(cache: str, shape: str, max_pos: int) -> tuple[str, str
 
 
 def timed(llm, prompts, adapters, **kw) -> dict:
-    """One LLM.generate call: seconds, generated tokens (every choice), tokens/s, and the results."""
+    """One LLM.generate call: seconds, generated tokens (every choice), tokens/s, engine steps, and the results."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    steps = llm.engine.stats.steps
     t0 = time.perf_counter()
     out = llm.generate(prompts, adapter=adapters, **kw)
     if torch.cuda.is_available():
@@ -66,7 +67,8 @@ def timed(llm, prompts, adapters, **kw) -> dict:
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
     tokens = sum(len(c["output_token_ids"]) for o in out for c in o.get("choices", [o]))
-    return {"seconds": s, "tokens": tokens, "tokens_per_s": tokens / s, "out": out}
+    return {"seconds": s, "tokens": tokens, "tokens_per_s": tokens / s, "steps": llm.engine.stats.steps - steps,
+            "out": out}
 
 
 def main() -> None:
@@ -137,10 +139,10 @@ def main() -> None:
               "mask_wait_ms_per_step": mask_wait_ms, "mask_steps": mask_steps}
     print(f"device {report['device']}, shape {args.shape}, {args.prompts} prompts of {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens")
-    print("| run | requests | seconds | generated tokens | tokens/s |\n|---|---|---|---|---|")
+    print("| run | requests | seconds | generated tokens | tokens/s | steps |\n|---|---|---|---|---|---|")
     for name, r in rows.items():
         count = {"n": f"{args.prompts} x n={args.n}", "separate": f"{args.prompts * args.n}"}.get(name, args.batch)
-        print(f"| {name} | {count} | {r['seconds']:.3f} | {r['tokens']} | {r['tokens_per_s']:.0f} |")
+        print(f"| {name} | {count} | {r['seconds']:.3f} | {r['tokens']} | {r['tokens_per_s']:.0f} | {r['steps']} |")
     print(f"n={args.n} against separate requests: {report['n_speedup']:.2f}x tokens/s (target >= 1.5x); "
           f"grammar cost {report['grammar_cost']:.1%} of tokens/s (target <= 10%); "
           f"grammar documents: {parsed} parse, {truncated} cut by max_tokens, {args.batch - parsed - truncated} "

@@ -132,7 +132,8 @@ class Sampler:
         returns (None: already): its grammar rows take them and fill their next masks on a worker thread
         (Grammars.follow), while the host prepares the next step."""
         reqs, numbers = self._last
-        self.grammars.follow(reqs, numbers, host, wait, pin=host.is_pinned())
+        if any(r.grammar is not None for r in reqs):
+            self.grammars.follow(reqs, numbers, host, wait, pin=host.is_pinned())
 
     def finished(self, res: Result, tok: int, generated: int) -> bool:
         """Whether the sequence of `res` ends with its `generated`-th new token `tok` (its grammar's matcher, if any,
