@@ -134,18 +134,20 @@ class Grammars:
         return (sel, bits), time.perf_counter() - t0 - device_wait
 
     def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
-               pin: bool) -> None:
-        """Rows reqs[i] of a launched step drew their drawn[i]-th token, in host[0, i] once wait() returns (None:
-        there already): on the worker thread, the grammar rows' matchers take those tokens and fill their next
-        bitmask, for the next masks() and advance()."""
+               device: torch.device) -> None:
+        """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once wait()
+        returns (None: there already): on the worker thread, the grammar rows' matchers take those tokens and fill
+        their next bitmask (pinned for a CUDA device), for the next masks() and advance()."""
         rows = [(j, r.index, self.matchers[r.index], drawn[j]) for j, r in enumerate(reqs)
                 if r.grammar is not None and r.index in self.matchers]
         self._join()
         if not rows:
             return
-        if self.worker is None:
-            self.worker = ThreadPoolExecutor(1, thread_name_prefix="tp_lora-grammar")
-        self.job = Ahead({index: n for _, index, _, n in rows}, self.worker.submit(self._ahead, rows, host, wait, pin))
+        if self.worker is None:  # on this rank's device: its CUDA calls (event, pinned buffer) make no other context
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="tp_lora-grammar", initializer=bind_device,
+                                             initargs=(device,))
+        cuda = device.type == "cuda"
+        self.job = Ahead({index: n for _, index, _, n in rows}, self.worker.submit(self._ahead, rows, host, wait, cuda))
 
     def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], pin: bool
                ) -> tuple[dict[int, tuple[int, bool]], torch.Tensor, float]:
@@ -238,6 +240,12 @@ class Ahead:
     # number, its row in bits)
     bits: Optional[torch.Tensor] = None  # once joined: the next bitmask of each row
     tokens_at: float = 0.0  # once joined: perf_counter() when the step's tokens were on the host
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (a no-op for others)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def pack(ids: list[int], vocab: int) -> torch.Tensor:

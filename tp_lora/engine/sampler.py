@@ -97,7 +97,7 @@ class Sampler:
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
         self._drawn: dict[int, int] = {}  # tokens drawn per request (its seeded noise, min_tokens)
         self._stop_ids: dict[int, frozenset[int]] = {}  # requests with stop_token_ids: them as a set
-        self._last: tuple[list[Request], list[int]] = ([], [])  # the last sample()'s requests, each one's draws
+        self._last: tuple = ([], [], None)  # the last sample()'s requests, each one's draws, and its device
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why req's grammar cannot run on a model of `vocab` logits, or None (compiled then, once per schema)."""
@@ -124,16 +124,16 @@ class Sampler:
         self.rules.update(out[0])
         for r, n in zip(reqs, steps):
             self._drawn[r.index] = n + 1
-        self._last = (reqs, [n + 1 for n in steps])
+        self._last = (reqs, [n + 1 for n in steps], rows.device)
         return out
 
     def follow(self, host: torch.Tensor, wait: Optional[Callable[[], None]]) -> None:
         """The last sample()'s tokens are copied into `host` ([2, N], pinned where on CUDA), there once wait()
         returns (None: already): its grammar rows take them and fill their next masks on a worker thread
         (Grammars.follow), while the host prepares the next step."""
-        reqs, numbers = self._last
+        reqs, numbers, device = self._last
         if any(r.grammar is not None for r in reqs):
-            self.grammars.follow(reqs, numbers, host, wait, pin=host.is_pinned())
+            self.grammars.follow(reqs, numbers, host, wait, device)
 
     def finished(self, res: Result, tok: int, generated: int) -> bool:
         """Whether the sequence of `res` ends with its `generated`-th new token `tok` (its grammar's matcher, if any,
