@@ -77,3 +77,19 @@ def test_n_siblings_draw_what_separate_seeded_requests_draw(model, prompt):
     assert one.output_token_ids and len({tuple(c.output_token_ids) for c in four.choices}) > 1
     graphed.close()
     alone.close()
+
+
+@pytest.mark.parametrize("sel", [[1, 3, 4], [0, 1, 2, 3, 4, 5]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_device_mask_equals_the_host_one(sel, dtype):
+    """apply_mask on the device (xgrammar's Triton kernel) masks what the CPU path masks: grammar rows only, the
+    padding words' bits past the vocabulary ignored, the model's logits left as they were."""
+    from tp_lora.engine.grammar import apply_mask
+    gen = torch.Generator().manual_seed(len(sel))
+    logits = torch.randn(6, 1003, generator=gen).to(dtype)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(sel), 32), dtype=torch.int32, generator=gen)
+    want = apply_mask(logits, sel, bits)
+    dev = logits.to(DEVICE)
+    got = apply_mask(dev, sel, bits.pin_memory() if DEVICE == "cuda" else bits)
+    assert got.dtype == torch.float32 and torch.equal(got.cpu(), want)
+    assert torch.equal(dev.cpu(), logits)

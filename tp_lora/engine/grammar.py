@@ -258,9 +258,19 @@ def pack(ids: list[int], vocab: int) -> torch.Tensor:
 
 def apply_mask(logits: torch.Tensor, sel: list[int], bits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with rows `sel` set to -inf where their host bitmask `bits` [len(sel), ceil(V / 32)] has a 0
-    bit; a new tensor (the model's logits stay as they were for the reported log-probabilities)."""
-    dev, vocab = logits.device, logits.shape[1]
+    bit; a new float32 tensor (the model's logits stay as they were for the reported log-probabilities). On CUDA one
+    kernel masks (xgrammar's Triton kernel) after one copy of the bitmask, when every row has a grammar."""
+    dev, (n, vocab) = logits.device, logits.shape
     words = bits.to(dev, non_blocking=True)
+    if dev.type == "cuda":
+        out = logits.to(torch.float32, copy=True)
+        every = sel == list(range(n))
+        if not every:  # the kernel reads row i of the bitmask for logits row i
+            full = torch.empty(n, words.shape[1], dtype=torch.int32, device=dev)
+            full[torch.tensor(sel, device=dev)] = words
+            words = full
+        library().apply_token_bitmask_inplace(out, words, vocab_size=vocab, indices=None if every else sel)
+        return out
     shifts = torch.arange(32, device=dev, dtype=torch.int32)
     allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
     rows = torch.tensor(sel, device=dev)
