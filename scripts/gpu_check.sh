@@ -127,7 +127,9 @@ for what in "${@:-all}"; do
       step "pytest on CUDA + triton: kernels (fp8 GEMMs), graphs, run-ahead, prefix cache, adapter kinds"
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_pending 240 8 python3 -m pytest -q -rs -x \
         tests/kernels tests/gpu tests/serving/test_run_ahead.py tests/serving/test_prefix_cache.py \
-        tests/parity/test_adapter_kinds_parity.py
+        tests/parity/test_adapter_kinds_parity.py --ignore=tests/gpu/test_serving_features.py
+      step "#39 on CUDA: grammar rows launched ahead, n siblings' fork, the device mask (mask wait printed)"
+      run pytest_serving_features 120 12 python3 -m pytest -q -rs -s tests/gpu/test_serving_features.py
       step "fp8 (#30): GEMM paths against bf16 and the fp8 floor; greedy agreement; decode step fp8 / fp8 KV"
       run fp8_gemm 90 40 python3 scripts/bench_fp8_gemm.py --rows 1,32,64,128,2048 --out "$RES/fp8"
       run fp8_check 60 8 python3 scripts/gpu_fp8_check.py
