@@ -11,7 +11,7 @@
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
 #   MoE across GPUs (issue 37), on a 4-GPU host in two calls of under 10 minutes: `moe4` (the 4-GPU table: tp1
 #   baseline, tp4, ep4, ep2_tp2, tp4_ep4), then `moe2` (the 2-GPU table: tp1, tp2, ep2, tp2_ep2), then
-#   `tests` for the graphed-vs-eager MoE tests at 2 and 4 GPUs (tests/gpu/test_moe_graphs.py).
+#   `moe_tests` (graphed MoE steps against eager ones at 1, 2 and 4 GPUs, MoE parity over NCCL at 2 and 4 ranks).
 #   The open issues' unmeasured targets on one GPU, in two calls of under 10 minutes: `pending_a` (GPU tests of the
 #   paths never run on a GPU, fp8, DoRA, n / grammar), then `pending_b` (prefix caching at moderate load and
 #   saturated, HTTP against offline at 1 / 100 / 1000 adapters).
@@ -82,6 +82,10 @@ for what in "${@:-all}"; do
       step "issue 37: bench_moe_decode on 2 GPUs, the same shape and flags as moe4"
       [ "$NGPU" -ge 2 ] && run moe_decode_2gpu24 560 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py \
         --layouts tp1,tp2,ep2,tp2_ep2 --layers 24 --prefill 512 --out "$RES/moe_decode_2gpu24" ;;
+    moe_tests)
+      step "issue 37: graphed MoE steps vs eager (1 / 2 / 4 GPUs: decode and mixed, every layout), MoE parity over NCCL"
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_moe 560 8 python3 -m pytest -q -rs \
+        tests/gpu/test_moe_graphs.py tests/distributed/test_moe.py ;;
     moe_decode_hf)
       step "bench_moe_decode tp1 with transformers + PEFT beside ours: Qwen3-30B-A3B shape, 24 layers"
       run moe_decode_hf 300 12 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \
