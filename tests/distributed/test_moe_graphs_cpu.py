@@ -56,11 +56,10 @@ HEAD_DIM = 16  # the smallest the varlen attention kernel (and so the mixed-step
 MAX_SEQS, MAX_TOKENS = 3, 16
 
 
-def _engine(model: str, adapters: str, ps, graphs: bool, tp: int = 1, ep: int = 2) -> Engine:
-    """EP over ep DP replicas of tp-way attention on the ranks of ps (made by comm.init_parallel(tp))."""
+def _engine(model: str, adapters: str, ps, graphs: bool) -> Engine:
     cfg = RunConfig()
     cfg.device, cfg.dtype, cfg.cuda_graphs, cfg.progress = "cpu", "float32", False, False
-    cfg.parallel.tp_size, cfg.parallel.ep_size, cfg.parallel.ep_attention = tp, ep, "dp"
+    cfg.parallel.tp_size, cfg.parallel.ep_size, cfg.parallel.ep_attention = 1, 2, "dp"
     cfg.lora.backend, cfg.lora.max_loras, cfg.lora.max_rank = "triton", 4, 16
     cfg.generation.ignore_eos = True
     cfg.scheduler.max_batch_size, cfg.scheduler.max_tokens_per_step, cfg.scheduler.admit_batch = \
