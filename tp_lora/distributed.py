@@ -8,8 +8,8 @@ parallel groups). With one process nothing is initialised and every collective i
 
 All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES PyTorch's symmetric-memory
 kernels, which read the peers' staging buffers over NVLink directly (one-shot up to one_shot_max_bytes, two-shot
-above), at about half NCCL's latency for a decode step's messages (BENCHMARKS.md, issue 36). Never NVLink multicast
-(multimem): only peer loads and stores.
+above): lower latency than NCCL for a decode step's messages (BENCHMARKS.md). Never NVLink multicast (multimem): only
+peer loads and stores.
 """
 from __future__ import annotations
 
