@@ -364,7 +364,10 @@ def hostile_values(rng: random.Random) -> list:
             [rng.randint(-5, 10 ** 6) for _ in range(rng.randint(1, 3000))], ["a"] * rng.randint(1, 50),
             {str(i): 1 for i in range(rng.randint(1, 1500))}, {"type": "json_object"},
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-            [{"role": "user", "content": "hi"}], [{"role": "bogus"}], nested(rng.randint(1, 90)), "NaN"]
+            [{"role": "user", "content": "hi"}], [{"role": "bogus"}], nested(rng.randint(1, 90)), "NaN", BIG_INT]
+
+
+BIG_INT = "<an integer literal of 5000 digits>"  # json.dumps cannot write one: put in the body's text after
 
 
 def nested(depth: int):
@@ -405,7 +408,7 @@ def test_seeded_fuzz_of_bodies_never_gets_a_5xx(guarded, healthy):
 
     def send(case):
         path, body = case
-        raw = json.dumps(body)  # lone surrogates go as \ud800 escapes
+        raw = json.dumps(body).replace(json.dumps(BIG_INT), "9" * 5000)  # lone surrogates go as \ud800 escapes
         with httpx.Client(timeout=120) as c:
             r = c.post(guarded.url + path, content=raw, headers={"content-type": "application/json"})
             return r.status_code, path, raw[:200], r.text[:300]
