@@ -32,8 +32,8 @@ class Request:
     stop_token_ids: list[int] = field(default_factory=list)  # generation ends after any of these (kept in output)
     n: int = 1  # sequences to return for the prompt (tp_lora.engine.choices)
     best_of: Optional[int] = None  # sequences to run, the n with the highest cumulative log-probability returned
-    # n / best_of: the index of the first of this prompt's sequences; admitted once that one's prompt is computed,
-    # so its full KV blocks are cached and shared (prefix cache) instead of computed again
+    # n / best_of: the index of the first of this prompt's sequences; joins in the step that ends that one's prompt
+    # (sharing its KV blocks, drawing from its last logits row), or later through the prefix cache when no room
     sibling_of: Optional[int] = None
     # structured output (tp_lora.engine.grammar): (response_format's type, the JSON schema's text)
     grammar: Optional[tuple[str, str]] = None

@@ -100,8 +100,8 @@ class OpenAIFrontend:
 
     def requests(self, body: Sampling, prompts: list[list[int]], adapter: Optional[str], max_tokens: int,
                  key: str, logprobs: int = 0) -> list[Request]:
-        """body.best_of_n() engine Requests per prompt (consecutive), sibling i seeded seed + i and admitted once the
-        first one's prompt is computed (its KV blocks then shared through the prefix cache). Token ids and the logit
+        """body.best_of_n() engine Requests per prompt (consecutive), sibling i seeded seed + i and sharing the first
+        one's prompt (tp_lora.engine.choices). Token ids and the logit
         rules' ids are checked against the vocabulary by the engine: a 400 naming them."""
         fields = body.engine_fields()
         if fields["stop"] and self.tokenizer is None:
