@@ -101,8 +101,8 @@ class OpenAIFrontend:
     def requests(self, body: Sampling, prompts: list[list[int]], adapter: Optional[str], max_tokens: int,
                  key: str, logprobs: int = 0) -> list[Request]:
         """body.best_of_n() engine Requests per prompt (consecutive), sibling i seeded seed + i and sharing the first
-        one's prompt (tp_lora.engine.choices). Token ids and the logit
-        rules' ids are checked against the vocabulary by the engine: a 400 naming them."""
+        one's prompt (tp_lora.engine.choices). Token ids and the logit rules' ids are checked against the vocabulary
+        by the engine: a 400 naming them."""
         fields = body.engine_fields()
         if fields["stop"] and self.tokenizer is None:
             raise APIError(400, "'stop' strings need a tokenizer (tokenizer.json in the model dir)", "stop")
