@@ -1,18 +1,37 @@
 """Run a function on N real processes and get rank 0's result: the harness of the distributed tests.
 
+The ranks are a pool started once per (world size, device) and kept for the whole test session: each holds an
+initialised process group, and a test sends it a picklable function (run_ranks). Starting ranks (process, torch
+import, process group, CUDA context) costs far more than most tests, so it happens once; a test that fails, hangs or
+loses a rank ends the pool, and the next test starts a fresh one.
+
 CPU and gloo by default; TP_LORA_TEST_DEVICE=cuda runs the same tests over NCCL, one GPU per rank, and
-TP_LORA_TEST_BACKEND=triton switches the LoRA kernels (tests read both through device_under_test() / backend_under_test())."""
+TP_LORA_TEST_BACKEND=triton switches the LoRA kernels (tests read both through device_under_test() / backend_under_test();
+each call hands the ranks the caller's TP_LORA_* environment)."""
 from __future__ import annotations
 
+import atexit
+import ctypes
+import dataclasses
+import faulthandler
+import gc
 import os
 import pickle
 import queue as queue_mod
+import shutil
+import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+START_TIMEOUT_S = 300.0  # the world process group's collective timeout (a test's own groups take its timeout_s)
+GRACE_S = 2.0  # after one rank fails, how long the others get to report (their own failures) before the pool ends
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -33,58 +52,196 @@ def enough_devices(world_size: int) -> bool:
     return device_under_test() == "cpu" or torch.cuda.device_count() >= world_size
 
 
-def _worker(rank, world_size, port, tp_size, timeout_s, fn, args, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # several ranks share two cores in CI
-    from tp_lora import distributed
-    try:
-        ps = distributed.init_parallel(tp_size, device_under_test(), timeout_s)
-        result = fn(ps, *args)
-        # Pickled by value: torch's queue would share tensors through file descriptors that vanish when this
-        # process exits, before the parent reads them.
-        queue.put((rank, "ok", pickle.dumps(result) if rank == 0 else None))
-    except BaseException:  # report every failure to the parent, which re-raises it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        distributed.shutdown()
+def _test_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("TP_LORA_")}
 
 
-def run_ranks(fn, world_size: int, *args, tp_size: int | None = None, timeout_s: float = 120.0):
-    """fn(parallel_state, *args) on world_size spawned ranks; returns rank 0's return value.
-    Raises RuntimeError with the failing ranks' tracebacks. fn must be importable (module level)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, tp_size or world_size, timeout_s, fn, args,
-                                                queue), daemon=False) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results, errors, reported = None, [], set()
-    deadline = time.monotonic() + timeout_s + 60
-    try:
-        # Poll rather than block: a rank killed from outside (NCCL's watchdog aborts the process) never reports.
-        while len(reported) < world_size and time.monotonic() < deadline:
+class RankPool:
+    """world_size spawned ranks on `device` with one process group, running tasks one at a time.
+
+    run(fn, *args) runs fn(parallel_state, *args) on every rank and returns rank 0's result. parallel_state has
+    tp_size-rank tp groups (created on a rank's first task of that (tp_size, timeout_s), then reused) in Group
+    objects of the task's own, so a task may change them (use_allreduce, init_expert_parallel) without the next
+    seeing it. Between tasks each rank reseeds torch's generator as at its start, restores its environment and
+    frees memory, and the ranks check they ran the same task (a world all-gather)."""
+
+    def __init__(self, world_size: int, device: str):
+        self.world_size, self.device = world_size, device
+        self.procs, self.task = [], 0
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.stacks = tempfile.mkdtemp(prefix="tp_lora_ranks_")  # where a hung rank's stack is dumped
+        self.outbox, self.inboxes = ctx.Queue(), [ctx.Queue() for _ in range(self.world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_pool_rank, name=f"rank{r}",
+                                  args=(r, self.world_size, port, self.device, self.stacks, self.inboxes[r],
+                                        self.outbox)) for r in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.exitcode is None for p in self.procs)
+
+    def run(self, fn, *args, tp_size: int | None = None, timeout_s: float = 120.0):
+        """fn(parallel_state, *args) on every rank; rank 0's return value. Raises RuntimeError with the failing
+        ranks' tracebacks (a hung rank's stack) within timeout_s + 60 s, and then ends the pool."""
+        if not self.alive():
+            self.close()
+            self.start()
+        self.task += 1
+        payload = pickle.dumps((fn, args, tp_size or self.world_size, timeout_s))
+        for inbox in self.inboxes:
+            inbox.put((self.task, list(sys.path), _test_env(), payload))
+        result, errors = self._collect(timeout_s + 60)
+        if errors:
+            self.close(kill=True)
+            raise RuntimeError("\n".join(errors) + "\n(the ranks were ended; the next run starts new ones)")
+        return result
+
+    def _collect(self, limit_s: float):
+        result, errors, reported = None, [], set()
+        deadline = time.monotonic() + limit_s
+        while len(reported) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, status, payload = queue.get(timeout=0.5)
+                rank, task, status, payload = self.outbox.get(timeout=0.5)
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
-                if dead and queue.empty():
-                    errors += [f"rank {r}: exited with code {procs[r].exitcode} before reporting" for r in dead]
+                # Poll rather than block: a rank killed from outside (NCCL's watchdog aborts it) never reports.
+                dead = [r for r, p in enumerate(self.procs) if r not in reported and p.exitcode is not None]
+                if dead and self.outbox.empty():
+                    errors += [f"rank {r}: exited with code {self.procs[r].exitcode} before reporting" for r in dead]
                     reported.update(dead)
+                continue
+            if task not in (self.task, None):  # None: the rank failed to start
                 continue
             reported.add(rank)
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
+                deadline = min(deadline, time.monotonic() + GRACE_S)
             elif rank == 0:
-                results = pickle.loads(payload)
-        if len(reported) < world_size:
-            errors.append(f"ranks {sorted(set(range(world_size)) - reported)}: no result within {timeout_s + 60:.0f} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
+                result = pickle.loads(payload)
+        missing = sorted(set(range(self.world_size)) - reported)
+        if missing:
+            errors.append(f"ranks {missing}: no result {GRACE_S:g} s after the first failure" if errors else
+                          f"ranks {missing}: no result within {limit_s:.0f} s" + self._stacks(missing))
+        return result, errors
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """The Python stacks of the given ranks (faulthandler, on SIGUSR1), to show where they hang."""
+        for r in ranks:
+            if self.procs[r].exitcode is None:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        out = ""
+        for r in ranks:
+            with open(os.path.join(self.stacks, f"rank{r}.txt")) as f:
+                out += f"\nrank {r} stack:\n{f.read()[-4000:]}"
+        return out
+
+    def close(self, kill: bool = False) -> None:
+        """End the ranks: asked to leave (destroying the process group), or killed (a failed pool)."""
+        if not self.procs:
+            return
+        if not kill and self.alive():
+            for inbox in self.inboxes:
+                inbox.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.exitcode is None:
                 p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return results
+            p.join(timeout=10)
+        for q in [self.outbox, *self.inboxes]:
+            q.cancel_join_thread()
+            q.close()
+        shutil.rmtree(self.stacks, ignore_errors=True)
+        self.procs = []
+
+
+def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
+    try:  # end with the test process (Linux): a killed pytest leaves no rank behind
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    stack_file = open(os.path.join(stacks, f"rank{rank}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # several ranks share two cores in CI
+    seed = torch.initial_seed()
+    from tp_lora import distributed
+    states = {}  # (tp_size, timeout_s) -> ParallelState
+    try:
+        states[(1, START_TIMEOUT_S)] = distributed.init_parallel(1, device, START_TIMEOUT_S)
+    except BaseException:
+        outbox.put((rank, None, "error", "starting the rank: " + traceback.format_exc()))
+        return
+    while (msg := inbox.get()) is not None:
+        task, path, env, payload = msg
+        sys.path[:0] = [p for p in path if p not in sys.path]  # the caller's test directories
+        saved = dict(os.environ)
+        for k in [k for k in os.environ if k.startswith("TP_LORA_")]:
+            del os.environ[k]
+        os.environ.update(env)
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        distributed.STATS.reset()
+        try:
+            fn, args, tp_size, timeout_s = pickle.loads(payload)
+            key = (tp_size, timeout_s)
+            if key not in states:
+                states[key] = distributed.init_parallel(tp_size, device, timeout_s)
+            ps = _own_copy(states[key])
+            out = fn(ps, *args)
+            # Pickled by value: torch's queue would share tensors through file descriptors that vanish when this
+            # process ends, before the parent reads them.
+            reply = (rank, task, "ok", pickle.dumps(out) if rank == 0 else None)
+            del out
+            ran = distributed.all_gather_object(task, ps.world)
+            if ran != [task] * world_size:
+                raise RuntimeError(f"the ranks ran different tasks: {ran}")
+        except BaseException:  # report every failure to the parent, which re-raises it
+            reply = (rank, task, "error", traceback.format_exc())
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        outbox.put(reply)
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    distributed.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown racing torch's threads
+
+
+def _own_copy(ps):
+    """ps with Group objects of its own (same process groups): what a task sets on them stays with the task."""
+    return dataclasses.replace(ps, world=dataclasses.replace(ps.world), tp=dataclasses.replace(ps.tp),
+                               dp=dataclasses.replace(ps.dp), ep=None, moe_tp=None, ep_attention="dp")
+
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
+
+
+def rank_pool(world_size: int) -> RankPool:
+    """The session's pool of world_size ranks on device_under_test() (started on its first run)."""
+    key = (world_size, device_under_test())
+    if key not in _POOLS:
+        _POOLS[key] = RankPool(*key)
+    return _POOLS[key]
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(close_pools)
+
+
+def run_ranks(fn, world_size: int, *args, tp_size: int | None = None, timeout_s: float = 120.0):
+    """fn(parallel_state, *args) on world_size ranks (the session's pool); returns rank 0's return value.
+    Raises RuntimeError with the failing ranks' tracebacks. fn must be importable (module level); its tp groups
+    have tp_size ranks (default: all) and collectives that time out after timeout_s."""
+    return rank_pool(world_size).run(fn, *args, tp_size=tp_size, timeout_s=timeout_s)
