@@ -154,6 +154,19 @@ def test_pack_unpack_is_exact():
     x2, ids2, w2, t2 = unpack_tokens(packed, 8, torch.bfloat16, 2, True)
     assert torch.equal(x2[:3], x) and torch.equal(w2[:3], w) and torch.equal(t2[:3], tags)
     assert ids2[:3].tolist() == ids.tolist() and ids2[3:].tolist() == [[-1, -1]] * 2  # padding routes nowhere
+    assert packed.dtype == torch.float32  # whole 4-byte words: what the peer all-gather moves
+
+
+def test_pack_unpack_odd_widths():
+    """A row of hidden bytes that is no whole number of words (bf16 x 7, fp32 x 3 with no tags): padded, exact."""
+    g = torch.Generator().manual_seed(1)
+    for dtype, h, tags in ((torch.bfloat16, 7, torch.tensor([1, -1], dtype=torch.int32)), (torch.float32, 3, None)):
+        x = torch.randn(2, h, generator=g).to(dtype)
+        ids, w = torch.tensor([[3, 1, 0], [2, 2, 5]]), torch.rand(2, 3, generator=g)
+        x2, ids2, w2, t2 = unpack_tokens(pack_tokens(x, ids, w, tags, rows=4), h, dtype, 3, tags is not None)
+        assert torch.equal(x2[:2], x) and torch.equal(w2[:2], w) and ids2[:2].tolist() == ids.tolist()
+        assert ids2[2:].tolist() == [[-1] * 3] * 2 and (t2 is None) == (tags is None)
+        assert t2 is None or torch.equal(t2[:2], tags)
 
 
 def test_router_normalisation_follows_the_model():

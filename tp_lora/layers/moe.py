@@ -147,32 +147,42 @@ class Experts(nn.Module):
 
 def pack_tokens(x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,
                 rows: int) -> torch.Tensor:
-    """One uint8 row per token: hidden bytes (none when x is None) | k int32 ids | k float32 weights | int32 tag (if
-    tags), padded with rows whose ids are -1 (routed nowhere) up to `rows`. Bytes, not a float cast: ids and weights
-    cross exactly, in one collective."""
+    """One row per token: hidden bytes (none when x is None) | k int32 ids | k float32 weights | int32 tag (if tags)
+    | zero bytes up to a whole number of 4-byte words, padded with rows whose ids are -1 (routed nowhere) up to
+    `rows`; [rows, words] float32 words holding those bytes (the dtype the peer all-gather moves; nothing adds them).
+    Bytes, not a float cast: ids and weights cross exactly, in one collective."""
     n, k = ids.shape
-    parts = [] if x is None else [x.contiguous().view(torch.uint8)]
-    parts += [ids.to(torch.int32).contiguous().view(torch.uint8), weights.float().contiguous().view(torch.uint8)]
+    hb = 0 if x is None else x.shape[1] * x.element_size()
+    width = -(-(hb + 8 * k + (4 if tags is not None else 0)) // 4) * 4
+    packed = torch.zeros(max(rows, n), width, dtype=torch.uint8, device=ids.device)
+    if x is not None:
+        packed[:n, :hb] = x.view(torch.uint8) if x.is_contiguous() else x.contiguous().view(torch.uint8)
+    packed[:n, hb:hb + 4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8)
+    packed[n:, hb:hb + 4 * k] = 255  # int32 -1: padding rows route nowhere
+    packed[:n, hb + 4 * k:hb + 8 * k] = weights.float().contiguous().view(torch.uint8)
     if tags is not None:
-        parts.append(tags.to(torch.int32).reshape(n, 1).contiguous().view(torch.uint8))
-    packed = torch.cat(parts, 1)
-    if rows > n:
-        pad = torch.zeros(rows - n, packed.shape[1], dtype=torch.uint8, device=ids.device)
-        off = 0 if x is None else x.shape[1] * x.element_size()
-        pad[:, off:off + 4 * k] = 255  # int32 -1
-        packed = torch.cat([packed, pad], 0)
-    return packed
+        packed[:n, hb + 8 * k:hb + 8 * k + 4] = tags.to(torch.int32).reshape(n, 1).contiguous().view(torch.uint8)
+    return packed.view(torch.float32)
 
 
 def unpack_tokens(packed: torch.Tensor, hidden: int, dtype: torch.dtype, k: int, tags: bool):
     """Inverse of pack_tokens over the gathered rows (hidden=0: no hidden states were packed) ->
     x [N, H] (None if hidden=0), ids [N, k] int32, weights [N, k] f32, tags [N] (None if not packed)."""
+    packed = packed.view(torch.uint8)
     hb = hidden * torch.empty(0, dtype=dtype).element_size()
-    x = packed[:, :hb].contiguous().view(dtype) if hidden else None
+    x = _as(packed[:, :hb], dtype) if hidden else None
     ids = packed[:, hb:hb + 4 * k].contiguous().view(torch.int32)
     w = packed[:, hb + 4 * k:hb + 8 * k].contiguous().view(torch.float32)
     t = packed[:, hb + 8 * k:hb + 8 * k + 4].contiguous().view(torch.int32).reshape(-1) if tags else None
     return x, ids, w, t
+
+
+def _as(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Byte columns b [N, c] read as dtype: a view where the rows are aligned for it (no copy), else a copy."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if b.stride(0) % size == 0 and b.storage_offset() % size == 0:
+        return b.view(dtype)
+    return b.contiguous().view(dtype)
 
 
 def _copy(dst: torch.Tensor, src: Any, what: str) -> None:
