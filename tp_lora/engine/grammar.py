@@ -27,6 +27,7 @@ import torch
 
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import SEPARATORS, field_of, library, message, schema_error
+from tp_lora.hostcopy import to_device
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
 
@@ -78,7 +79,7 @@ class Grammars:
             printable = [i for i, b in enumerate(info.decoded_vocab) if b and min(b) >= 0x20]
             self.printable = pack(printable + self.stop_ids, vocab)
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            self.batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
+            self.batch = xgr.BatchGrammarMatcher(fill_threads())
         if req.grammar in self.compiled:
             self.compiled.move_to_end(req.grammar)
             return None
@@ -242,6 +243,13 @@ class Ahead:
     tokens_at: float = 0.0  # once joined: perf_counter() when the step's tokens were on the host
 
 
+def fill_threads() -> int:
+    """Threads of the batched bitmask fill: this process's CPUs over the ranks on its host, less one for the host's
+    own loop (the fill of a step's rows is on the critical path: the draw waits for it; at most 16)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, min(16, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 1))
+
+
 def bind_device(device: torch.device) -> None:
     """Make `device` the calling thread's current CUDA device (a no-op for others)."""
     if device.type == "cuda":
@@ -259,17 +267,17 @@ def pack(ids: list[int], vocab: int) -> torch.Tensor:
 def apply_mask(logits: torch.Tensor, sel: list[int], bits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with rows `sel` set to -inf where their host bitmask `bits` [len(sel), ceil(V / 32)] has a 0
     bit; a new float32 tensor (the model's logits stay as they were for the reported log-probabilities). On CUDA one
-    kernel masks (xgrammar's Triton kernel) after one copy of the bitmask, when every row has a grammar."""
+    kernel masks (xgrammar's Triton kernel) after one copy of the bitmask (rows without a grammar allow every token),
+    with no host sync."""
     dev, (n, vocab) = logits.device, logits.shape
     words = bits.to(dev, non_blocking=True)
     if dev.type == "cuda":
         out = logits.to(torch.float32, copy=True)
-        every = sel == list(range(n))
-        if not every:  # the kernel reads row i of the bitmask for logits row i
-            full = torch.empty(n, words.shape[1], dtype=torch.int32, device=dev)
-            full[torch.tensor(sel, device=dev)] = words
+        if sel != list(range(n)):  # the kernel reads row i of the bitmask for logits row i: others allow every token
+            full = torch.full((n, words.shape[1]), -1, dtype=torch.int32, device=dev)
+            full[to_device([torch.tensor(sel)], dev)[0]] = words  # (a device tensor from a list would sync the host)
             words = full
-        library().apply_token_bitmask_inplace(out, words, vocab_size=vocab, indices=None if every else sel)
+        library().apply_token_bitmask_inplace(out, words, vocab_size=vocab)
         return out
     shifts = torch.arange(32, device=dev, dtype=torch.int32)
     allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from tp_lora.engine.requests import Request
+from tp_lora.hostcopy import to_device
 
 
 def has_rules(req: Request) -> bool:
@@ -71,13 +72,13 @@ class LogitRules:
             if reqs[i].index not in self.row_of:
                 self._assign(reqs[i], dev, vocab)
         rows_l = [self.row_of[reqs[i].index] for i in sel]
-        sel_t, rows = torch.tensor(sel, device=dev), torch.tensor(rows_l, device=dev)
+        holding = [generated[i] < reqs[i].min_tokens for i in sel]
+        sel_t, rows, holding_t = to_device([torch.tensor(sel), torch.tensor(rows_l), torch.tensor(holding)], dev)
         t = self.t
         pick = (lambda name: t[name][rows] if name in t else None)
         held = pick("held")
         if held is not None:
-            holding = [generated[i] < reqs[i].min_tokens for i in sel]
-            held = held & torch.tensor(holding, device=dev)[:, None] if any(holding) else None
+            held = held & holding_t[:, None] if any(holding) else None
         x = apply_rules(logits[sel_t], pick("counts"), pick("prompt"), pick("bias"), held, t["presence"][rows],
                         t["frequency"][rows], t["repetition"][rows])
         self.plan = RulePlan(sel_t, rows)

@@ -14,6 +14,7 @@ from tp_lora.engine.grammar import Grammars, apply_mask
 from tp_lora.engine.logit_rules import LogitRules
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
+from tp_lora.hostcopy import to_device
 from tp_lora.ops.sampling import greedy
 
 
@@ -44,30 +45,31 @@ def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Se
          steps: Optional[list[int]] = None, raw: Optional[torch.Tensor] = None) -> torch.Tensor:
     """logits [N, V] -> [2, N] float64 on logits' device: each row's token id (exact in float64) and its
     log-probability under `raw` (the model's logits before any logit rule; default: logits) unscaled by temperature,
-    so one device->host copy reads both. A temperature below GREEDY_BELOW (0 included) is greedy (no host sync); the
-    others draw on the device with the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). top_p is one
+    so one device->host copy reads both, with no host sync on the way. A temperature below GREEDY_BELOW (0
+    included) is greedy; the others draw on the device with the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). top_p is one
     for all rows or one per row; a row whose seeds[i] is set takes its noise from (seed, steps[i]) (seeded_noise),
     the others from `generator` (a generator of logits' device), in one call."""
     out = greedy(logits)  # [2, N] float64: each row's argmax token, its log-probability
     hot = [i for i, t in enumerate(temperatures) if t >= GREEDY_BELOW]  # on the host: no device round trip for greedy
     if hot:
         dev = logits.device
-        rows = torch.tensor(hot, device=dev)
-        temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32, device=dev)
-        probs = torch.softmax(logits[rows].float() / temps[:, None], -1)
         tops = [top_p] * len(hot) if isinstance(top_p, (int, float)) else [top_p[i] for i in hot]
+        own = [j for j, i in enumerate(hot) if seeds is not None and seeds[i] is not None]
+        # the rows' parameters in one asynchronous copy (a plain torch.tensor(..., device=cuda) waits for the stream)
+        rows, temps, keep, own_t, own_seeds, own_steps = to_device([
+            torch.tensor(hot), torch.tensor([temperatures[i] for i in hot], dtype=torch.float32),
+            torch.tensor(tops, dtype=torch.float32)[:, None], torch.tensor(own, dtype=torch.long),
+            torch.tensor([seeds[hot[j]] for j in own], dtype=torch.long),
+            torch.tensor([steps[hot[j]] for j in own], dtype=torch.long)], dev)
+        probs = torch.softmax(logits[rows].float() / temps[:, None], -1)
         if min(tops) < 1.0:
-            keep = torch.tensor(tops, dtype=torch.float32, device=dev)[:, None]
             sorted_p, idx = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > keep  # keep the smallest prefix reaching top_p
-            sorted_p[drop] = 0.0
+            sorted_p.masked_fill_(drop, 0.0)  # not sorted_p[drop] = 0: a boolean index syncs with the host
             probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         noise = torch.empty_like(probs).exponential_(generator=generator)
-        own = [j for j, i in enumerate(hot) if seeds is not None and seeds[i] is not None]
         if own:
-            noise[torch.tensor(own, device=dev)] = seeded_noise(
-                torch.tensor([seeds[hot[j]] for j in own], device=dev),
-                torch.tensor([steps[hot[j]] for j in own], device=dev), probs.shape[1])
+            noise[own_t] = seeded_noise(own_seeds, own_steps, probs.shape[1])
         picks = (probs / noise).argmax(-1)
         out[0, rows] = picks.double()
     if raw is not None:  # every row's log-probability under the model's logits
