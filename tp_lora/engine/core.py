@@ -25,6 +25,7 @@ from tp_lora.engine.runner import ModelRunner, StepBatch, pending
 from tp_lora.engine.sampler import Sampler, top_logprobs
 from tp_lora.engine.scheduler import Scheduler, Sequence
 from tp_lora.engine.stats import Gauges, StepOutput, StepStats
+from tp_lora.hostcopy import to_device
 
 
 @dataclass
@@ -203,27 +204,28 @@ class EngineCore:
         With run_ahead the sampled tokens stay on the device until the next call, which first launches the
         following step of the running sequences (their new tokens fed on the device; sequences that end by length
         left out) and then reads them: the host prepares a step while the GPU runs the last one. A sequence found
-        finished then has a row in that step, whose token is dropped. That call admits nothing (it reads first and
-        steps as usual when requests could be admitted, or when the last step's rows must be read first: see
-        InFlight.read_first), so the results of a call are those of the step before."""
+        finished then has a row in that step, whose token is dropped. That step admits waiting requests too (a new
+        request's prefill starts one step sooner than after a read), unless an admission would copy an adapter into
+        a slot (the copy stream could overwrite a slot the step in flight reads): then, as when the last step's rows
+        must be read first (InFlight.read_first), it reads first and steps as usual. The results of a call are those
+        of the step before."""
         sched, reg, out = self.sched, self.registry, StepOutput()
         prev, self.inflight = self.inflight, None
         if prev is not None:
-            if not prev.read_first and not sched.may_admit():
+            copies = bool(reg.wanted(sched))  # a waiting request's adapter would be copied into a slot
+            if not prev.read_first and not (copies and sched.may_admit()):
                 ending = [seq for seq, _ in prev.sampled if seq.generated >= seq.request.max_new_tokens]
-                work = self._schedule(set(), admit=False, ending=ending).work
-                if work:
-                    self._launch(work)
+                plan = self._schedule(set(), admit=not copies, ending=ending)
+                self._admitted(plan.admitted)
+                if plan.work:
+                    self._launch(plan.work)
                     self.stats.ahead_steps += 1
             self._read(prev, out)
             if self.inflight is not None or not sched.has_work:
                 return out
-        now = time.perf_counter()
         loadable, unread = reg.loadable(sched)
         plan = self._schedule(loadable)
-        for seq in plan.admitted:
-            seq.result.metrics.update(arrival=self._arrival.pop(seq.request.index), admitted=now)
-            self.stats.prompt_tokens += seq.prompt_len
+        self._admitted(plan.admitted)
         failed = set()
         for slot, name in plan.loads:  # copied in before the step that prefills their requests
             image = reg.fetch(name)  # read already (overlap_reads), else read here; and the ranks' verdict
@@ -254,6 +256,13 @@ class EngineCore:
             launched, self.inflight = self.inflight, None
             self._read(launched, out)
         return out
+
+    def _admitted(self, seqs: list[Sequence]) -> None:
+        """Sequences a plan admitted: their arrival and admission times, their prompt tokens counted."""
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.result.metrics.update(arrival=self._arrival.pop(seq.request.index), admitted=now)
+            self.stats.prompt_tokens += seq.prompt_len
 
     def _schedule(self, loadable, **kw):
         """The scheduler's plan (Scheduler.schedule), its slot hits, misses and preemptions counted."""
@@ -286,7 +295,9 @@ class EngineCore:
         if sampled:
             reqs = [s.request for s, _ in sampled]
             idx = [i for _, i in sampled]
-            rows = logits if idx == list(range(logits.shape[0])) else logits[idx]
+            rows = logits  # the rows to sample (an index from a list would sync the host with the device)
+            if idx != list(range(logits.shape[0])):
+                rows = logits[to_device([torch.tensor(idx)], logits.device)[0]]
             drawn = self.sampler.sample(rows, reqs, self.stats)
             self.runner.keep_sampled(drawn[0])
             k = max(r.logprobs for r in reqs)
