@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 START_TIMEOUT_S = 300.0  # the world process group's collective timeout (a test's own groups take its timeout_s)
+LATE_S = 60.0  # past a task's collective timeout, how long its ranks get to report (their collectives failing)
 GRACE_S = 2.0  # after one rank fails, how long the others get to report (their own failures) before the pool ends
 PR_SET_PDEATHSIG = 1
 
@@ -63,7 +64,9 @@ class RankPool:
     tp_size-rank tp groups (created on a rank's first task of that (tp_size, timeout_s), then reused) in Group
     objects of the task's own, so a task may change them (use_allreduce, init_expert_parallel) without the next
     seeing it. Between tasks each rank reseeds torch's generator as at its start, restores its environment and
-    frees memory, and the ranks check they ran the same task (a world all-gather)."""
+    frees memory, and the ranks check they ran the same task (a world all-gather). torch's generators are seeded
+    afresh for each task, as in a new process. A rank's host waits on the device
+    (distributed.wait_device) keep the timeout of the groups it set up last."""
 
     def __init__(self, world_size: int, device: str):
         self.world_size, self.device = world_size, device
@@ -85,7 +88,7 @@ class RankPool:
 
     def run(self, fn, *args, tp_size: int | None = None, timeout_s: float = 120.0):
         """fn(parallel_state, *args) on every rank; rank 0's return value. Raises RuntimeError with the failing
-        ranks' tracebacks (a hung rank's stack) within timeout_s + 60 s, and then ends the pool."""
+        ranks' tracebacks (a hung rank's stack) within timeout_s + LATE_S, and then ends the pool."""
         if not self.alive():
             self.close()
             self.start()
@@ -93,14 +96,14 @@ class RankPool:
         payload = pickle.dumps((fn, args, tp_size or self.world_size, timeout_s))
         for inbox in self.inboxes:
             inbox.put((self.task, list(sys.path), _test_env(), payload))
-        result, errors = self._collect(timeout_s + 60)
+        result, errors = self._collect(timeout_s + LATE_S)
         if errors:
             self.close(kill=True)
             raise RuntimeError("\n".join(errors) + "\n(the ranks were ended; the next run starts new ones)")
         return result
 
     def _collect(self, limit_s: float):
-        result, errors, reported = None, [], set()
+        result, errors, reported, finished = None, [], set(), set()
         deadline = time.monotonic() + limit_s
         while len(reported) < self.world_size and time.monotonic() < deadline:
             try:
@@ -114,16 +117,23 @@ class RankPool:
                 continue
             if task not in (self.task, None):  # None: the rank failed to start
                 continue
+            if status == "finished":  # fn returned; the check that every rank ran this task follows
+                finished.add(rank)
+                continue
             reported.add(rank)
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
                 deadline = min(deadline, time.monotonic() + GRACE_S)
             elif rank == 0:
                 result = pickle.loads(payload)
-        missing = sorted(set(range(self.world_size)) - reported)
-        if missing:
-            errors.append(f"ranks {missing}: no result {GRACE_S:g} s after the first failure" if errors else
-                          f"ranks {missing}: no result within {limit_s:.0f} s" + self._stacks(missing))
+        missing = sorted(set(range(self.world_size)) - reported - finished)
+        waiting = sorted(finished - reported)
+        if errors and missing:
+            errors.append(f"ranks {missing}: no result {GRACE_S:g} s after the first failure")
+        elif missing:
+            errors.append(f"ranks {missing}: no result within {limit_s:.0f} s" + self._stacks(missing))
+        if waiting:
+            errors.append(f"ranks {waiting}: finished the task, then waited for the other ranks")
         return result, errors
 
     def _stacks(self, ranks: list[int]) -> str:
@@ -148,6 +158,8 @@ class RankPool:
             for p in self.procs:
                 p.join(timeout=10)
         for p in self.procs:
+            if p.pid is None:  # start() failed before this rank
+                continue
             if p.exitcode is None:
                 p.kill()
             p.join(timeout=10)
@@ -168,7 +180,6 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share two cores in CI
-    seed = torch.initial_seed()
     from tp_lora import distributed
     states = {}  # (tp_size, timeout_s) -> ParallelState
     try:
@@ -183,7 +194,7 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
         for k in [k for k in os.environ if k.startswith("TP_LORA_")]:
             del os.environ[k]
         os.environ.update(env)
-        torch.manual_seed(seed)
+        torch.seed()  # every device's generator, as a new process would have them
         torch.set_num_threads(1)
         distributed.STATS.reset()
         try:
@@ -193,6 +204,7 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
                 states[key] = distributed.init_parallel(tp_size, device, timeout_s)
             ps = _own_copy(states[key])
             out = fn(ps, *args)
+            outbox.put((rank, task, "finished", None))
             # Pickled by value: torch's queue would share tensors through file descriptors that vanish when this
             # process ends, before the parent reads them.
             reply = (rank, task, "ok", pickle.dumps(out) if rank == 0 else None)
