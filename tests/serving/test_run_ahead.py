@@ -9,7 +9,7 @@ import pytest
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
 
-from _serving import make_requests, serving_cfg
+from _serving import ADAPTERS, make_requests, serving_cfg
 
 
 def _engine(bundle, run_ahead: bool, kv_blocks: int = 0) -> Engine:
@@ -117,4 +117,33 @@ def test_abort_while_a_step_is_in_flight(bundle, eos):
         out = engine.step()
         assert not {r.request.index for r in out.advanced + out.finished} & dropped
     assert engine.sched.blocks.available == total
+    engine.close_run()
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_step_launched_ahead_admits_requests_unless_an_adapter_must_be_copied(bundle, resident):
+    """A request arriving while a step is in flight joins the step launched ahead of the read when its adapter is in
+    a slot (or it has none); one whose adapter must be copied into a slot waits for the read (the copy could
+    overwrite a slot the step in flight reads) and is admitted in the step after it. Tokens as step by step."""
+    a, b = sorted(ADAPTERS)[:2]
+    first = make_requests(2, seed=7, adapters=(a,), new=(12, 12))
+    late = make_requests(3, seed=8, adapters=(a if resident else b,), new=(4, 4))[2]
+    late.index = 2
+    want = {r.request.index: r.output_token_ids for r in _engine(bundle, False).generate(first + [late])}
+    engine = _engine(bundle, True)
+    engine.sampler.eos = set()
+    engine.open(*engine.plan_kv([len(r.prompt_token_ids) + r.max_new_tokens for r in first + [late]]))
+    for r in first:
+        engine.add(r, 0.0)
+    done = {}
+    while engine.stats.ahead_steps < 2:
+        done.update((res.request.index, res) for res in engine.step().finished)
+    engine.add(late, 0.0)
+    ahead = engine.stats.ahead_steps
+    done.update((res.request.index, res) for res in engine.step().finished)
+    admitted = any(seq.request is late for seq in engine.sched.running)
+    assert admitted and engine.stats.ahead_steps == ahead + resident  # read first when its adapter is copied in
+    while engine.busy:
+        done.update((res.request.index, res) for res in engine.step().finished)
+    assert {i: r.output_token_ids for i, r in done.items()} == want
     engine.close_run()
