@@ -46,11 +46,13 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 20 / (s.elapsed_time(e) / 1e3)
 
 
-def graph_time(calls) -> float:
-    """Seconds per call of the callables, replayed from one CUDA graph (the median of 5 replays)."""
+def graph_time(calls, repeat: int = 1) -> float:
+    """Seconds per call of the callables (each `repeat` times in turn), replayed from one CUDA graph (the median of 5
+    replays)."""
     for c in calls:
         c()
     torch.cuda.synchronize()
+    calls = list(calls) * repeat
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for c in calls:

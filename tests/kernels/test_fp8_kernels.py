@@ -4,16 +4,21 @@
   dequantises: per-channel and per-block scales (blocks narrower and wider than the kernel's K tile, K not a
   multiple of the block), empty experts, prefill sizes (more rows per expert than a row block), float32 and bf16
   activations;
-- fp8_linear with the kernels on, at decode rows (the weight-only kernel as a one-expert grouped GEMM) and past them
-  (block scales: the same kernel; per-channel: W8A8 through torch._scaled_mm on CUDA, the dequantised GEMM
-  elsewhere), against x @ dequantize(w)^T;
-- the per-token activation quantization kernel against quantize_per_token.
+- the base layers' fp8 GEMMs (tp_lora.ops.triton.fp8_gemm) against their references: the weight-only split-K
+  w8a16_mm (splits that do not divide K's tiles, more splits than tiles, ragged N and K, block scales narrower than
+  the tile; the split counters back at 0 and a second call equal to the first), W8A8 w8a8_mm per channel and per
+  block (ragged M, N, K);
+- fp8_linear with the kernels on, at decode rows (w8a16_mm) and past them (block scales: per-group quantization +
+  w8a8_mm; per-channel: W8A8 through torch._scaled_mm on CUDA, the dequantised GEMM elsewhere), against
+  x @ dequantize(w)^T;
+- the per-token and per-group activation quantization kernels against quantize_per_token / quantize_per_group.
 """
 import pytest
 import torch
 
 from tp_lora.ops import fused
-from tp_lora.ops.fp8 import SMALL_ROWS, dequantize, fp8_linear, quantize_fp8_per_channel, quantize_per_token
+from tp_lora.ops.fp8 import (SMALL_ROWS, dequantize, fp8_linear, quantize_fp8_per_channel, quantize_per_group,
+                              quantize_per_token, w8a8_mm_ref, w8a16_mm_ref)
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref
 
 
@@ -44,6 +49,53 @@ def test_fp8_grouped_mm_matches_the_dequantised_loop(device, monkeypatch, dtype,
     torch.testing.assert_close(got[:used].float(), want[:used], **tol)
 
 
+def rel_err(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n,k,block_k,cfg", [
+    (1, 40, 96, None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)),
+    (5, 40, 200, None, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=3)),      # 4 tiles in 2 shares of 2
+    (16, 72, 160, 32, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=8)),       # more splits than tiles; blocks < tile
+    (33, 48, 320, 128, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
+    (64, 24, 96, None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=16))])
+def test_w8a16_mm_matches_its_reference(device, dtype, rows, n, k, block_k, cfg):
+    from tp_lora.ops.triton import fp8_gemm
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w, scale = fp8_weights(gen, 1, n, k, block_k)
+    w, scale = w[0].to(device), scale[0].to(device)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    got = fp8_gemm.w8a16_mm(x, w, scale, block_k, cfg)
+    want = w8a16_mm_ref(x.float(), w, scale, block_k)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert not fp8_gemm.counter_buffer(x.device).any()  # the last split of each column block reset its counter
+    assert torch.equal(fp8_gemm.w8a16_mm(x, w, scale, block_k, cfg), got)  # partials summed in a fixed order
+
+
+def test_w8a16_mm_refuses_more_rows_than_one_block(device):
+    from tp_lora.ops.triton import fp8_gemm
+    w = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)
+    with pytest.raises(ValueError, match="up to 64 rows, got 65"):
+        fp8_gemm.w8a16_mm(torch.zeros(65, 32, device=device), w, torch.ones(16, device=device), None)
+
+
+@pytest.mark.parametrize("rows,n,k,block_k", [(37, 40, 200, None), (70, 72, 320, 64), (20, 48, 300, 128)])
+def test_w8a8_mm_matches_its_reference(device, rows, n, k, block_k):
+    from tp_lora.ops.triton import fp8_gemm
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w, scale = fp8_weights(gen, 1, n, k, block_k)
+    w, scale = w[0].to(device), scale[0].to(device)
+    x = torch.randn(rows, k, generator=gen).to(device)
+    xq, xs = quantize_per_token(x) if block_k is None else quantize_per_group(x, block_k)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+    got = fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, torch.bfloat16, cfg)
+    want = w8a8_mm_ref(xq, xs, w, scale, block_k, torch.float32)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 5, SMALL_ROWS, SMALL_ROWS + 31])
 @pytest.mark.parametrize("block_k", [None, 128])
 def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatch, rows, block_k):
@@ -52,25 +104,30 @@ def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatc
     n, k = 96, 320
     w, scale = fp8_weights(gen, 1, n, k, block_k)
     w, scale = w[0].to(device), scale[0].to(device)
-    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(device)
+    # exact under per-group quantization on the CPU, whose interpreter rounds some values to fp8 wrongly
+    x = representable(gen, rows, k, 128) if device == "cpu" else torch.randn(rows, k, generator=gen)
+    x = x.to(torch.bfloat16).to(device)
     got = fp8_linear(x, w, scale, block_k)
     want = x.float() @ dequantize(w, scale, block_k).t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    # Past SMALL_ROWS with per-channel scales on CUDA the activations are quantized too (W8A8): e4m3 rounding of
-    # x adds up to 2^-4 relative per element, a few percent of the output's scale over K terms.
-    w8a8 = device == "cuda" and block_k is None and rows > SMALL_ROWS
-    tol = 0.08 if w8a8 else 0.02
-    assert ((got.float() - want).norm() / want.norm()).item() < tol
+    # Past SMALL_ROWS on CUDA the activations are quantized too (W8A8): e4m3 rounding of x adds up to 2^-4 relative
+    # per element, a few percent of the output's scale over K terms.
+    w8a8 = device == "cuda" and rows > SMALL_ROWS
+    assert rel_err(got, want) < (0.08 if w8a8 else 0.02)
 
 
-def representable(gen, rows, k):
-    """Rows whose per-token quantization is exact: e4m3 values times a power of two, each row's |max| at 448 times
-    it (the scale is then that power of two). The interpreter rounds fp8 wrongly where the rounding carries into the
-    exponent (1.98 -> 1.0), so on the CPU the kernel is checked on values that need no rounding; CUDA rounds in
-    hardware and also gets random rows."""
-    q = (torch.randn(rows, k, generator=gen) * 100).clamp(-440, 440).to(torch.float8_e4m3fn).float()
-    q[:, 0] = 448.0
-    return q * 2.0 ** torch.randint(-8, 4, (rows, 1), generator=gen).float()
+def representable(gen, rows, k, group=None):
+    """Rows whose per-token (group None) or per-group quantization is exact: e4m3 values times a power of two per
+    row or group, each row's or group's |max| at 448 times it (the scale is then that power of two). The interpreter
+    rounds fp8 wrongly where the rounding carries into the exponent (1.98 -> 1.0), so on the CPU the kernels are
+    checked on values that need no rounding; CUDA rounds in hardware and also gets random rows."""
+    group = group or k
+    groups = -(-k // group)
+    q = (torch.randn(rows, groups * group, generator=gen) * 100).clamp(-440, 440).to(torch.float8_e4m3fn).float()
+    q = q.view(rows, groups, group)
+    q[:, :, 0] = 448.0
+    q = q * 2.0 ** torch.randint(-8, 4, (rows, groups, 1), generator=gen).float()
+    return q.view(rows, -1)[:, :k].contiguous()
 
 
 @pytest.mark.parametrize("rows,k", [(1, 64), (7, 1000), (3, 4096 + 24)])
@@ -86,5 +143,22 @@ def test_per_token_quantization_kernel_matches_the_reference(device, rows, k):
         q, s = kernel(x)
         want_q, want_s = quantize_per_token(x)
         assert q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
+        torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+        assert torch.equal(q.float(), want_q.float())
+
+
+@pytest.mark.parametrize("rows,k,group", [(1, 256, 128), (5, 1000, 128), (3, 320, 64)])
+def test_per_group_quantization_kernel_matches_the_reference(device, rows, k, group):
+    from tp_lora.ops.triton.fp8_quant import quantize_per_group as kernel
+    gen = torch.Generator().manual_seed(rows * k + group)
+    inputs = [representable(gen, rows, k, group).to(torch.bfloat16)]
+    if device == "cuda":
+        inputs.append(torch.randn(rows, k, generator=gen).to(torch.bfloat16))
+    for x in inputs:
+        x[0, :group] = 0  # an all-zero group: scale 1e-12, zeros out
+        x = x.to(device)
+        q, s = kernel(x, group)
+        want_q, want_s = quantize_per_group(x, group)
+        assert q.dtype == torch.float8_e4m3fn and s.shape == (rows, -(-k // group))
         torch.testing.assert_close(s, want_s, rtol=0, atol=0)
         assert torch.equal(q.float(), want_q.float())

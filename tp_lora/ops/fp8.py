@@ -4,13 +4,14 @@ layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation qua
     fp8_linear(x [T, K], w [N, K] fp8, scale, block_k) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
-With the Triton kernels on a device that reads fp8 (CUDA sm89+): up to SMALL_ROWS rows (decode), the weight-only fp8
-GEMM (tp_lora.ops.triton.grouped_mm with one expert: fp8 tiles widened in registers, scales on the partial sums),
-which reads only the fp8 bytes and quantizes nothing; block scales take it at every row count too (no float32 copy
-of the weights). More rows with per-channel scales on such a device, W8A8: activations quantized per token (one
-Triton kernel; torch ops with the kernels off) and torch._scaled_mm with both scale vectors. Elsewhere (the CPU):
-the weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare layouts
-with."""
+With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter), tp_lora.ops.triton.fp8_gemm:
+up to SMALL_ROWS rows (decode) the weight-only split-K GEMM (w8a16_mm: fp8 tiles widened in registers, scales on
+the partial sums; it reads only the fp8 bytes and quantizes nothing); more rows with block scales, W8A8 on the fp8
+tensor cores (w8a8_mm) after one kernel quantizes the activations per (token, block_k columns). More rows with
+per-channel scales on CUDA: activations quantized per token (one Triton kernel; torch ops with the kernels off) and
+torch._scaled_mm with both scale vectors. Elsewhere (the CPU): the weights dequantised in float32, cast to x's
+dtype, then one GEMM: the exact reference the tests compare layouts with. w8a16_mm_ref / w8a8_mm_ref are the
+kernels' references (same signatures)."""
 from __future__ import annotations
 
 import threading
@@ -76,6 +77,32 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (x_fp8 [T, K], scales [T, ceil(K / group)] float32), one scale per (row, group columns): the
+    activations of a block-scaled W8A8 GEMM. The reference of tp_lora.ops.triton.fp8_quant.quantize_per_group."""
+    t, k = x.shape
+    g = -(-k // group)
+    xp = torch.nn.functional.pad(x.float(), (0, g * group - k)).view(t, g, group)
+    scales = (xp.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)
+    q = (xp / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(t, g * group)[:, :k]
+    return q.contiguous(), scales
+
+
+def w8a16_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+                 cfg: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ the dequantised w [N, K]^T in float32, rounded once to x's dtype (cfg: the kernel's launch
+    configuration, unused here)."""
+    return (x.float() @ dequantize(w, scale, block_k).t()).to(x.dtype)
+
+
+def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+                out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
+    """Quantized activations xq [M, K] fp8 with xs [M, 1] (per token) or [M, ceil(K / block_k)] (per group) times
+    the dequantised w [N, K]^T, in float32, rounded once to out_dtype."""
+    a = xq.float() * (xs if xs.shape[1] == 1 else xs.repeat_interleave(block_k, -1)[:, :xq.shape[1]])
+    return (a @ dequantize(w, scale, block_k).t()).to(out_dtype)
+
+
 SMALL_ROWS = 64  # rows up to which the kernels run the weight-only fp8 GEMM
 
 
@@ -101,8 +128,12 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
     rows = x.shape[0]
     if rows and (rows <= SMALL_ROWS or block_k is not None) and kernels_take(x, block_k):
-        from tp_lora.ops.triton.grouped_mm import grouped_mm  # noqa: PLC0415 - CUDA / forced only
-        return grouped_mm(x, w.unsqueeze(0), None, scale.unsqueeze(0), block_k, rows_per_expert=rows)
+        from tp_lora.ops.triton import fp8_gemm  # noqa: PLC0415 - CUDA / forced only
+        if rows <= SMALL_ROWS:
+            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(w.shape[0], w.shape[1]))
+        from tp_lora.ops.triton.fp8_quant import quantize_per_group as quantize  # noqa: PLC0415
+        xq, xs = quantize(x, block_k)
+        return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype, fp8_gemm.w8a8_config(rows))
     if rows and scaled_mm_ok(x, w, block_k):
         if use_kernels(x):
             from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415

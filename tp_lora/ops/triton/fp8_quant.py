@@ -1,10 +1,11 @@
-"""Per-token fp8 activation quantization in one launch, with the signature of its reference
-(tp_lora.ops.fp8.quantize_per_token):
+"""Dynamic fp8 activation quantization in one launch, with the signatures of the references in tp_lora.ops.fp8:
 
     quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)
+    quantize_per_group(x [T, K], group) -> (x_fp8 [T, K], scales [T, ceil(K / group)] float32)
 
-One program per row: the row's absolute maximum, then the row divided by max(amax / 448, 1e-12), clamped and rounded
-to e4m3, as the reference computes it.
+Each row (per token) or each group of `group` columns of a row (per group, the activations of block-scaled GEMMs) is
+divided by max(amax / 448, 1e-12), clamped and rounded to e4m3, as the references compute it. Per token: one program
+per row; per group: a program per GROUPS groups of a row.
 """
 from __future__ import annotations
 
@@ -42,4 +43,36 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     if t:
         _per_token_kernel[(t,)](x, q, scales, k, x.stride(0), q.stride(0), BLOCK=BLOCK, FMAX=FP8_MAX)
+    return q, scales
+
+
+GROUPS = 8  # groups of one row per program of the per-group kernel
+
+
+@triton.jit
+def _per_group_kernel(x_ptr, q_ptr, s_ptr, K, G, s_xm, s_qm, s_sm, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                      FMAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (g[:, None] < G) & (cols < K)
+    v = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FMAX, 1e-12)
+    tl.store(s_ptr + row * s_sm + g, scale, mask=g < G)
+    q = tl.minimum(tl.maximum(v / scale[:, None], -FMAX), FMAX)
+    tl.store(q_ptr + row * s_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"quantize_per_group: group={group}: expected a power of two of at least 16")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, k = x.shape
+    g = -(-k // group)
+    q = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(t, g, dtype=torch.float32, device=x.device)
+    if t:
+        _per_group_kernel[(t, triton.cdiv(g, GROUPS))](x, q, scales, k, g, x.stride(0), q.stride(0),
+                                                       scales.stride(0), GROUP=group, GROUPS=GROUPS, FMAX=FP8_MAX)
     return q, scales

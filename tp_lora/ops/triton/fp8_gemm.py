@@ -1,0 +1,207 @@
+"""Triton FP8 GEMMs of the base layers (tp_lora.ops.fp8.fp8_linear dispatches here), with the signatures of their
+references in tp_lora.ops.fp8:
+
+    w8a16_mm(x [M, K], w [N, K] fp8, scale, block_k, cfg=None) -> [M, N] in x's dtype       (decode: M <= 64)
+    w8a8_mm(xq [M, K] fp8, xs, w [N, K] fp8, scale, block_k, out_dtype, cfg=None) -> [M, N]  (prefill)
+
+scale: [N] per output channel (block_k None) or [N, ceil(K / block_k)] per block of block_k columns; xs: [M, 1] per
+token, or [M, ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant).
+
+w8a16_mm: weight-only. Few rows make the GEMM a stream of the weights, so programs own BLOCK_N output columns and a
+1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight; the fp8 tile is widened to x's dtype in
+registers (exact) and block scales multiply each K tile's float32 partial sum. With SPLIT_K > 1 each program stores
+its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on its column block's counter; the last
+one to arrive sums the SPLIT_K partials in split order (the output does not depend on arrival order), applies the
+channel scales, writes the output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA
+graph (the counters live in one int32 buffer per device; kernels on one stream take turns on it).
+
+w8a8_mm: both operands fp8 on the fp8 tensor cores, float32 accumulation; block scales (activations per token and
+block_k columns, weights per row and block) multiply each K tile's product, channel scales the end. Tiles are
+ordered in groups of GROUP_M row blocks so a wave of programs shares its weight tiles in L2.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tp_lora.ops.triton.dot import compute_types, mm
+
+SCALE_CHANNEL, SCALE_BLOCK = 1, 2
+MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
+COUNTERS = 1 << 14  # column blocks a split-K launch may have (one ticket counter each)
+
+# Defaults when no tuned entry matches (tp_lora.ops.fp8 holds the per-shape table).
+W8A16_DEFAULT = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=4)
+W8A8_DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+_counters: dict[int, torch.Tensor] = {}
+
+
+def _interpreting() -> bool:
+    return type(_w8a16_kernel).__name__ == "InterpretedFunction"
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
+                  PREC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(K, k_lo + k_split)
+    x_blk = x_ptr + rows[:, None] * s_xm + offs_k[None, :]
+    w_blk = w_ptr + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
+    s_row = s_ptr + offs_n.to(tl.int64) * s_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_mask = offs_k < k_hi - k0
+        xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wv = tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        part = mm(xv, wv, CDT, DOT, PREC)
+        if SCALES == 2:  # BLOCK_K divides SCALE_K: one scale per row of this K tile
+            acc += part * tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[None, :]
+        else:
+            acc += part
+    o = out_ptr + rows[:, None] * s_om + offs_n[None, :]
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    if tl.num_programs(1) > 1:
+        tile = rows[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial stored before the ticket publishes them
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:  # the last split of this column block: sum the partials in order
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, tl.num_programs(1)):
+                acc += tl.load(ws_ptr + s * M * N + tile, mask=o_mask, other=0.0, cache_modifier=".cg")
+            if SCALES == 1:
+                acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
+            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    else:
+        if SCALES == 1:
+            acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def counter_buffer(device: torch.device) -> torch.Tensor:
+    """The split-K ticket counters of a device, int32 [COUNTERS], all 0 between launches (made at the first call;
+    the runner's eager warm-up step makes it before any graph is captured)."""
+    key = device.index if device.type == "cuda" else -1
+    if key not in _counters:
+        _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+             cfg: dict | None = None) -> torch.Tensor:
+    """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), num_warps, num_stages."""
+    cfg = {**W8A16_DEFAULT, **(cfg or {})}
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"w8a16_mm takes up to {MAX_ROWS} rows, got {m}")
+    if w.stride(-1) != 1:
+        raise ValueError(f"w8a16_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    scale = scale.contiguous()
+    bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
+    tiles = triton.cdiv(k, bk)
+    split = max(1, min(cfg["SPLIT_K"], tiles))
+    k_split = triton.cdiv(tiles, split) * bk
+    split = triton.cdiv(k, k_split)
+    grid_n = triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1 and grid_n > COUNTERS:
+        raise ValueError(f"w8a16_mm: {grid_n} column blocks of a split-K launch, at most {COUNTERS}")
+    cnt = counter_buffer(x.device)
+    # one compiled kernel for every split: without splits the workspace is never touched (any float32 pointer)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else cnt.view(torch.float32)
+    cdt, dot, prec = compute_types(x.dtype, w.dtype)
+    _w8a16_kernel[(grid_n, split)](
+        x, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+        SCALES=SCALE_CHANNEL if block_k is None else SCALE_BLOCK, SCALE_K=block_k or 1,
+        CDT=cdt, DOT=dot, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+@triton.jit
+def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, M, N, K, s_am, s_asm, s_bn, s_bsn, s_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 SCALES: tl.constexpr, SCALE_K: tl.constexpr, DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * grid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_blk = a_ptr + offs_m[:, None].to(tl.int64) * s_am + offs_k[None, :]
+    b_blk = b_ptr + offs_n[None, :].to(tl.int64) * s_bn + offs_k[:, None]
+    as_row = as_ptr + offs_m.to(tl.int64) * s_asm
+    bs_row = bs_ptr + offs_n.to(tl.int64) * s_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if SCALES == 2:  # BLOCK_K divides SCALE_K: one scale per row of A and of B in this K tile
+            sa = tl.load(as_row + k0 // SCALE_K, mask=m_mask, other=0.0)
+            sb = tl.load(bs_row + k0 // SCALE_K, mask=n_mask, other=0.0)
+            acc += tl.dot(a.to(DOT), b.to(DOT)) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a.to(DOT), b.to(DOT), acc)
+    if SCALES == 1:
+        acc *= tl.load(as_row, mask=m_mask, other=0.0)[:, None] * tl.load(bs_row, mask=n_mask, other=0.0)[None, :]
+    o = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+            out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
+    """cfg: BLOCK_M, BLOCK_N, BLOCK_K (at most block_k), GROUP_M, num_warps, num_stages."""
+    cfg = {**W8A8_DEFAULT, **(cfg or {})}
+    m, k = xq.shape
+    n = w.shape[0]
+    if xq.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"w8a8_mm: operands need a unit stride along K, got {tuple(xq.stride())} and "
+                         f"{tuple(w.stride())}")
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    xs, scale = xs.contiguous(), scale.contiguous()
+    bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _w8a8_kernel[grid](
+        xq, xs, w, scale, out, m, n, k, xq.stride(0), xs.stride(0), w.stride(0), scale.stride(0), out.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        SCALES=SCALE_CHANNEL if block_k is None else SCALE_BLOCK, SCALE_K=block_k or 1,
+        DOT=tl.float32 if _interpreting() else tl.float8e4nv,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def w8a16_config(n: int, k: int) -> dict:
+    """The launch configuration of w8a16_mm for a weight [n, k]: column blocks and K shares enough to put a few
+    programs on every SM of an H100 / H200 (132)."""
+    return dict(W8A16_DEFAULT, SPLIT_K=max(1, min(8, 512 // max(1, n // W8A16_DEFAULT["BLOCK_N"]))))
+
+
+def w8a8_config(m: int) -> dict:
+    """The launch configuration of w8a8_mm for m rows."""
+    return dict(W8A8_DEFAULT) if m > 256 else dict(W8A8_DEFAULT, BLOCK_M=64, num_warps=4)
