@@ -13,8 +13,10 @@ Trace ("random"): as many single requests of the chat trace's lengths with rando
 same arrival rate: what caching costs where it cannot hit (decode step and tokens/s).
 With caching on, the chat trace runs twice: cached prefixes first (scheduler.max_prefix_overtakes, the default) and
 in arrival order (max_prefix_overtakes=0, column "order"); --rate high and --think-s 0 make the saturated case.
-Reports generated tokens/s over the trace, TTFT (arrival to first token) p50 / p99, the prefix hit rate and the
-mean decode step; writes bench_prefix.json into --out.
+--traces / --orders pick the runs (default all; the caching-off chat run always runs, as the baseline).
+Reports generated tokens/s over the trace, TTFT (arrival to first token) p50 / p99 and where it goes (p50 of the
+wait to be admitted, and of admission to the first token read), TTFT p50 of the later turns alone (those the
+cache can serve), the prefix hit rate, the mean decode step and the engine steps; writes bench_prefix.json into --out.
 """
 from __future__ import annotations
 
@@ -151,8 +153,14 @@ def run_trace(engine: Engine, args, adapters: list[str], shared: bool, seed: int
     span = max(r.metrics["finished"] for r in rs) - t0
     tokens = sum(len(r.output_token_ids) for r in rs)
     s = engine.stats
+    later = [r for r in rs if len(r.request.prompt_token_ids) > args.system_tokens + args.user_tokens]
     return dict(requests=len(rs), generated_tokens=tokens, seconds=span, tokens_per_s=tokens / span,
                 ttft_s=_stats([r.metrics["first_token"] - r.metrics["arrival"] for r in rs]),
+                # where TTFT goes: waiting to be admitted, then admission to the first token read (its prefill step
+                # and the steps ahead of it); and TTFT of the later turns alone (those a prefix cache can serve)
+                queue_s=_stats([r.metrics["admitted"] - r.metrics["arrival"] for r in rs]),
+                admitted_to_first_s=_stats([r.metrics["first_token"] - r.metrics["admitted"] for r in rs]),
+                later_turns_ttft_s=_stats([r.metrics["first_token"] - r.metrics["arrival"] for r in later]),
                 prefix_hit_rate=s.prefix_hit_rate, prompt_tokens=s.prompt_tokens,
                 prefix_hit_tokens=s.prefix_hit_tokens, steps=s.steps,
                 decode_step_ms=1e3 * s.decode_seconds / s.decode_steps if s.decode_steps else None,
@@ -201,46 +209,64 @@ def main() -> None:
     p.add_argument("--tokens-per-step", type=int, default=2048)
     p.add_argument("--max-loras", type=int, default=64)
     p.add_argument("--kv-fraction", type=float, default=0.8)
+    p.add_argument("--traces", default="chat,random", help="random: what caching costs where nothing hits")
+    p.add_argument("--orders", default="cached,arrival", help="the admission orders of the caching-on chat runs")
     args = p.parse_args()
+    traces, orders = args.traces.split(","), args.orders.split(",")
     os.makedirs(args.out, exist_ok=True)
     report = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", args=vars(args),
                   rows=[])
     longest = args.system_tokens + args.turns * (args.user_tokens + args.reply_tokens)
     print(f"{'shape':<11} {'trace':<7} {'caching':<8} {'order':<7} {'tok/s':>8} {'TTFT p50 ms':>12} "
-          f"{'TTFT p99 ms':>12} {'hit rate':>9} {'decode ms':>10}", flush=True)
+          f"{'TTFT p99 ms':>12} {'queue p50':>10} {'adm->1st p50':>13} {'later p50':>10} {'hit rate':>9} "
+          f"{'decode ms':>10} {'steps':>6}", flush=True)
     for shape in args.shapes.split(","):
         model, adapter_src = assets(args.cache, shape, longest + 16)
         adapter_dir = named_adapters(adapter_src, args.conversations)
         names = [f"c{i:03d}" for i in range(args.conversations)]
-        for caching, order in ((False, "arrival"), (True, "cached"), (True, "arrival")):
+        for caching, order in [(False, "arrival")] + [(True, o) for o in ("cached", "arrival") if o in orders]:
             engine = engine_for(model, adapter_dir, caching, args, arrival_order=caching and order == "arrival")
             warm = argparse.Namespace(**{**vars(args), "conversations": 8, "turns": 2, "rate": 1000.0})
             run_trace(engine, warm, names, True, seed=1)  # graphs, kernels, adapter reads
-            traces = (("chat", True),) if caching and order == "arrival" else (("chat", True), ("random", False))
-            for trace, shared in traces:
+            runs = [t for t in ("chat", "random") if t in traces and (t == "chat" or order == "cached" or not caching)]
+            for trace, shared in ((t, t == "chat") for t in runs):
                 row = dict(shape=shape, trace=trace, caching=caching, order=order,
                            **run_trace(engine, args, names, shared, 0))
                 report["rows"].append(row)
-                t = row["ttft_s"]
+                t, later = row["ttft_s"], row["later_turns_ttft_s"]["p50"]
                 print(f"{shape:<11} {trace:<7} {str(caching):<8} {order:<7} {row['tokens_per_s']:>8.0f} "
-                      f"{1e3 * t['p50']:>12.1f} {1e3 * t['p99']:>12.1f} {row['prefix_hit_rate']:>9.1%} "
-                      f"{row['decode_step_ms'] or float('nan'):>10.3f}", flush=True)
+                      f"{1e3 * t['p50']:>12.1f} {1e3 * t['p99']:>12.1f} {1e3 * row['queue_s']['p50']:>10.1f} "
+                      f"{1e3 * row['admitted_to_first_s']['p50']:>13.1f} "
+                      f"{1e3 * later if later is not None else float('nan'):>10.1f} {row['prefix_hit_rate']:>9.1%} "
+                      f"{row['decode_step_ms'] or float('nan'):>10.3f} {row['steps']:>6}", flush=True)
             engine.close()
             del engine
             gc.collect()  # the engine's reference cycles hold its KV cache until collected
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         rows = {(r["trace"], r["caching"], r["order"]): r for r in report["rows"] if r["shape"] == shape}
-        on, off, fifo = rows[("chat", True, "cached")], rows[("chat", False, "arrival")], rows[("chat", True, "arrival")]
-        ron, roff = rows[("random", True, "cached")], rows[("random", False, "arrival")]
-        print(f"{shape}: chat TTFT p50 {off['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x lower, tokens/s "
-              f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x (cached first against arrival order: TTFT p50 "
-              f"{fifo['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x lower, tokens/s "
-              f"{on['tokens_per_s'] / fifo['tokens_per_s']:.2f}x); random tokens/s "
-              f"{ron['tokens_per_s'] / roff['tokens_per_s']:.3f}x, "
-              f"decode step {ron['decode_step_ms'] / roff['decode_step_ms']:.3f}x", flush=True)
+        print(f"{shape}: " + "; ".join(_gains(rows)), flush=True)
     with open(os.path.join(args.out, "bench_prefix.json"), "w") as f:
         json.dump(report, f, indent=1)
+
+
+def _gains(rows: dict) -> list[str]:
+    """The summary's ratios, of the rows that ran: caching on (cached first) against off, cached first against
+    arrival order, and caching's cost on the random trace."""
+    out = []
+    on, off = rows.get(("chat", True, "cached")), rows.get(("chat", False, "arrival"))
+    fifo = rows.get(("chat", True, "arrival"))
+    ron, roff = rows.get(("random", True, "cached")), rows.get(("random", False, "arrival"))
+    if on and off:
+        out.append(f"chat TTFT p50 {off['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x lower, tokens/s "
+                   f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x with caching")
+    if on and fifo:
+        out.append(f"cached first against arrival order: TTFT p50 {fifo['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x "
+                   f"lower, tokens/s {on['tokens_per_s'] / fifo['tokens_per_s']:.2f}x")
+    if ron and roff:
+        out.append(f"random tokens/s {ron['tokens_per_s'] / roff['tokens_per_s']:.3f}x, decode step "
+                   f"{ron['decode_step_ms'] / roff['decode_step_ms']:.3f}x")
+    return out
 
 
 if __name__ == "__main__":
