@@ -12,9 +12,11 @@
 #   MoE across GPUs (issue 37), on a 4-GPU host in two calls of under 10 minutes: `moe4` (the 4-GPU table: tp1
 #   baseline, tp4, ep4, ep2_tp2, tp4_ep4), then `moe2` (the 2-GPU table: tp1, tp2, ep2, tp2_ep2), then
 #   `moe_tests` (graphed MoE steps against eager ones at 1, 2 and 4 GPUs, MoE parity over NCCL at 2 and 4 ranks).
-#   The open issues' unmeasured targets on one GPU, in two calls of under 10 minutes: `pending_a` (GPU tests of the
-#   paths never run on a GPU, fp8, DoRA, n / grammar), then `pending_b` (prefix caching at moderate load and
-#   saturated, HTTP against offline at 1 / 100 / 1000 adapters).
+#   The open issues' unmeasured targets on one GPU, in calls of under 10 minutes: `pending_a` (GPU tests of the
+#   paths never run on a GPU, fp8, DoRA, n / grammar), `pending_b` (prefix caching at moderate load and saturated),
+#   `pending_c` (HTTP against offline at 1 / 100 / 1000 adapters).
+#   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
+#   json_schema with its mask wait; `prefix_moderate`: TTFT at 5 conversations/s; `prefix_saturated`).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -142,15 +144,20 @@ for what in "${@:-all}"; do
       step "DoRA (#32): decode stack with 32 DoRA vs plain adapters, rank 16 and 128"
       run dora 60 12 python3 scripts/bench_dora.py --out "$RES/dora"
       run dora_r128 60 12 python3 scripts/bench_dora.py --rank 128 --out "$RES/dora_r128"
+      ;;&
+    pending_a|serve39|sampling)
       step "n and structured output (#31, #39): tokens/s, documents parsed / cut / malformed, mask wait per step"
-      run sampling 90 10 python3 scripts/bench_sampling.py --shape llama-2048 --out "$RES/sampling" ;;
-    pending_b)
-      step "prefix caching (#29) at moderate load (TTFT), then the random trace (what caching costs)"
-      run prefix_moderate 240 16 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
-        --out "$RES/prefix_moderate"
-      step "prefix caching (#39) saturated: arrivals faster than the GPU (cached first against arrival order)"
-      run prefix_saturated 150 16 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 100 --think-s 0 \
-        --conversations 50 --out "$RES/prefix_saturated"
+      run sampling 150 10 python3 scripts/bench_sampling.py --shape llama-2048 --out "$RES/sampling" ;;&
+    pending_b|serve39|prefix_moderate)
+      step "prefix caching (#39) at moderate load: TTFT with and without caching, where it goes (chat trace only)"
+      run prefix_moderate 170 8 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
+        --conversations 60 --traces chat --orders cached --out "$RES/prefix_moderate" ;;&
+    pending_b|serve39|prefix_saturated)
+      step "prefix caching (#39) saturated: arrivals faster than the GPU (cached first against arrival order), and"
+      step "  the random trace (what caching costs)"
+      run prefix_saturated 150 12 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 100 --think-s 0 \
+        --conversations 50 --out "$RES/prefix_saturated" ;;
+    pending_c)
       step "HTTP against offline (#31) at 1 / 100 / 1000 adapters"
       run serving_http 300 12 python3 scripts/bench_serving.py --server --systems ours,server --clients 8 \
         --model llama-2048 --ranks 16 --rate 250 --requests 1024 --max-loras 64 --batch 64 \
