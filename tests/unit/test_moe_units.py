@@ -8,7 +8,8 @@ from safetensors.torch import save_file
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError, RunConfig, validate
-from tp_lora.layers.moe import Router, pack_tokens, unpack_tokens
+from tp_lora.layers.moe import Router
+from tp_lora.ops.moe_pack import pack_tokens, unpack_tokens
 from tp_lora.lora.adapter import load_peft_adapter, validate_adapter
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.lora.peft_format import AdapterError

@@ -1,5 +1,5 @@
-"""Base MoE pieces, no LoRA knowledge: the replicated router, the experts a rank holds, and the byte packing that lets
-one all-gather carry a rank's hidden states, top-k ids, top-k weights and per-token tags.
+"""Base MoE pieces, no LoRA knowledge: the replicated router and the experts a rank holds (the rows an all-gather
+carries between EP ranks: tp_lora.ops.moe_pack).
 
 Expert sharding: a rank holds experts [e0, e1) of the EP group's split and, of each, intermediate rows [i0, i1) of
 the moe-tp group's split: w1/w3 are column-parallel (rows of I), w2 row-parallel (columns of I), so a rank's
@@ -143,46 +143,6 @@ class Experts(nn.Module):
 
     def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         return self.down(self.act(self.up(xp, plan)), plan)
-
-
-def pack_tokens(x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,
-                rows: int) -> torch.Tensor:
-    """One row per token: hidden bytes (none when x is None) | k int32 ids | k float32 weights | int32 tag (if tags)
-    | zero bytes up to a whole number of 4-byte words, padded with rows whose ids are -1 (routed nowhere) up to
-    `rows`; [rows, words] float32 words holding those bytes (the dtype the peer all-gather moves; nothing adds them).
-    Bytes, not a float cast: ids and weights cross exactly, in one collective."""
-    n, k = ids.shape
-    hb = 0 if x is None else x.shape[1] * x.element_size()
-    width = -(-(hb + 8 * k + (4 if tags is not None else 0)) // 4) * 4
-    packed = torch.zeros(max(rows, n), width, dtype=torch.uint8, device=ids.device)
-    if x is not None:
-        packed[:n, :hb] = x.view(torch.uint8) if x.is_contiguous() else x.contiguous().view(torch.uint8)
-    packed[:n, hb:hb + 4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8)
-    packed[n:, hb:hb + 4 * k] = 255  # int32 -1: padding rows route nowhere
-    packed[:n, hb + 4 * k:hb + 8 * k] = weights.float().contiguous().view(torch.uint8)
-    if tags is not None:
-        packed[:n, hb + 8 * k:hb + 8 * k + 4] = tags.to(torch.int32).reshape(n, 1).contiguous().view(torch.uint8)
-    return packed.view(torch.float32)
-
-
-def unpack_tokens(packed: torch.Tensor, hidden: int, dtype: torch.dtype, k: int, tags: bool):
-    """Inverse of pack_tokens over the gathered rows (hidden=0: no hidden states were packed) ->
-    x [N, H] (None if hidden=0), ids [N, k] int32, weights [N, k] f32, tags [N] (None if not packed)."""
-    packed = packed.view(torch.uint8)
-    hb = hidden * torch.empty(0, dtype=dtype).element_size()
-    x = _as(packed[:, :hb], dtype) if hidden else None
-    ids = packed[:, hb:hb + 4 * k].contiguous().view(torch.int32)
-    w = packed[:, hb + 4 * k:hb + 8 * k].contiguous().view(torch.float32)
-    t = packed[:, hb + 8 * k:hb + 8 * k + 4].contiguous().view(torch.int32).reshape(-1) if tags else None
-    return x, ids, w, t
-
-
-def _as(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Byte columns b [N, c] read as dtype: a view where the rows are aligned for it (no copy), else a copy."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    if b.stride(0) % size == 0 and b.storage_offset() % size == 0:
-        return b.view(dtype)
-    return b.contiguous().view(dtype)
 
 
 def _copy(dst: torch.Tensor, src: Any, what: str) -> None:

@@ -35,7 +35,7 @@ from torch import nn
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError
 from tp_lora.layers.linear import ParallelLinear, column_spec, replicated_spec, row_spec
-from tp_lora.layers.moe import Experts, Router, pack_tokens, unpack_tokens
+from tp_lora.layers.moe import Experts, Router
 from tp_lora.layers.quant import QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.lora.moe import wrap_experts
@@ -44,6 +44,7 @@ from tp_lora.models.loader import weight_scale
 from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.fused import moe_combine
 from tp_lora.ops.grouped_mm import torch_grouped_available
+from tp_lora.ops.moe_pack import pack_tokens, unpack_tokens
 from tp_lora.ops.moe_plan import build_plan
 from tp_lora.sharding import token_chunk
 

@@ -1,5 +1,5 @@
 """The layout of an MoE routing plan (MoEPlan), shared by its builders (tp_lora.ops.moe_plan and its Triton
-kernels) and the ops that read it (grouped GEMMs, fused MoE LoRA).
+kernels) and the ops that read it (grouped GEMMs, fused MoE LoRA); the width of an EP dispatch row (row_bytes).
 
 Shapes: N dispatched tokens, k top-k, E local experts, L adapter slots (0 without LoRA), C = N * min(k, E) the static
 capacity (a token sends at most min(k, E) pairs to this rank's experts), B the static number of LoRA blocks.
@@ -50,3 +50,11 @@ class MoEPlan:
 def num_lora_blocks(cap: int, E: int, L: int) -> int:
     """Static row count of the LoRA block table: every group's blocks fit, whatever the routing."""
     return cap // LORA_BLOCK + min(E * L, cap) + 1
+
+
+PACK_ALIGN = 16  # bytes: a dispatch row (tp_lora.ops.moe_pack) is a whole number of 16-byte vectors
+
+
+def row_bytes(hidden_bytes: int, k: int, tags: bool) -> int:
+    """Bytes of one dispatch row: hidden | k int32 ids | k float32 weights | int32 slot (if tags), padded."""
+    return -(-(hidden_bytes + 8 * k + (4 if tags else 0)) // PACK_ALIGN) * PACK_ALIGN
