@@ -1,7 +1,7 @@
 """The Triton paged decode kernel against its torch reference (itself checked against dense softmax attention)."""
 import pytest
 import torch
-from _paged import poisoned_cache
+from _paged import fp8_edges, poisoned_cache
 
 from tp_lora.ops.paged_attention import paged_decode_ref
 
@@ -81,3 +81,85 @@ def test_kernel_bf16_on_gpu():
     got = paged_decode(*args, 128 ** -0.5, 0).float()
     want = paged_decode_ref(*args, 128 ** -0.5, 0).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _fp8_case(gen, lens, heads, kv, d, bs, device, width=None):
+    """_case's inputs over an fp8 cache with e4m3's edges (+-448, subnormals), queries float32."""
+    q, k, v, table, ctx = _case(gen, lens, heads, kv, d, bs, torch.float32, "cpu", width)
+    return tuple(t.to(device) for t in (q, fp8_edges(k, gen), fp8_edges(v, gen), table, ctx))
+
+
+def fp8_close(got, q, k, v, table, ctx, scale, window=0, softcap=0.0):
+    """got equals the reference over the fp8 cache read as float32, given the queries as the kernel multiplies them
+    (q x scale rounded to float16, then scale 1: a 448 key would turn q's rounding into whole units of score), within
+    float16 probabilities' rounding of the values (2^-11 of the largest)."""
+    qh = (q.float() * scale).half().float()
+    k, v = k.float(), v.float()  # exact, and indexed on any device
+    want = paged_decode_ref(qh, k, v, table, ctx, 1.0, window, softcap)
+    tol = 2.0 ** -10 * v.nan_to_num(0.0).abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=tol)
+
+
+@pytest.mark.parametrize("lens, bs, rep, window, softcap", [
+    ([1], 16, 4, 0, 0.0),  # one position
+    ([16, 17, 3, 31], 16, 4, 0, 0.0),  # exactly a block, a block + 1, ragged, odd
+    ([70, 5, 33], 16, 3, 20, 0.0),  # sliding window; rep 3 (GQA padded to a 16-row tile)
+    ([130, 1], 8, 1, 0, 0.0),  # several inner iterations, multi-head
+    ([40, 9], 16, 8, 0, 1.5),  # soft-capped scores, rep 8
+])
+def test_kernel_fp8_cache_matches_reference(device, lens, bs, rep, window, softcap):
+    """An fp8 cache is read as stored and widened exactly: the kernel against the reference over the same bytes."""
+    from tp_lora.ops.triton.paged_attention import paged_decode
+    gen = torch.Generator().manual_seed(sum(lens) + bs + rep)
+    kv, d = 2, 16
+    args = _fp8_case(gen, lens, kv * rep, kv, d, bs, device)
+    assert args[1].dtype == torch.float8_e4m3fn
+    got = paged_decode(*args, 0.25, window, softcap)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    fp8_close(got, *args, 0.25, window, softcap)
+
+
+def test_kernel_fp8_partitions_merge(device, monkeypatch):
+    """An fp8 cache splits the context as a bf16 one twice its width would (the same bytes per partition)."""
+    from tp_lora.ops.triton import paged_attention as pa
+    monkeypatch.setattr(pa, "MIN_PART", 64)
+    assert pa.partitions(2, 4, 16 * 16, 16, 1) == pa.partitions(2, 4, 16 * 16, 32, 2)
+    gen = torch.Generator().manual_seed(8)
+    args = _fp8_case(gen, [200, 3, 77], 8, 4, 16, 16, device, width=16)  # rep 2, some partitions empty
+    assert pa.partitions(3, 4, 16 * 16, 16, 1)[0] > 1
+    fp8_close(pa.paged_decode(*args, 0.5, 0), *args, 0.5)
+
+
+def test_kernel_fp8_queries_past_float16_range(device):
+    """Queries far past float16's range (1e5) with a scale that brings the scores back: the scale is applied before
+    the queries narrow to float16, so no score overflows."""
+    from tp_lora.ops.triton.paged_attention import paged_decode
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, table, ctx = _fp8_case(gen, [45, 12], 8, 2, 16, 16, device)
+    q = q * 1e5
+    got = paged_decode(q, k, v, table, ctx, 1e-5)
+    assert torch.isfinite(got).all()
+    fp8_close(got, q, k, v, table, ctx, 1e-5)
+
+
+def test_fp8_partitions_double():
+    """At the 8B decode shape (32 sequences x 8 KV heads, head_dim 128) a bf16 cache runs one partition, an fp8 one
+    (half the bytes per position) two."""
+    from tp_lora.ops.triton import paged_attention as pa
+    assert pa.partitions(32, 8, 4096, 128, 2)[0] == 1
+    assert pa.partitions(32, 8, 4096, 128, 1)[0] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")
+def test_kernel_fp8_bf16_queries_on_gpu():
+    """The 8B decode shape over an fp8 cache with bf16 queries, against the reference and against the kernel over the
+    same values in a bf16 cache."""
+    from tp_lora.ops.triton.paged_attention import paged_decode
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, table, ctx = _case(gen, [2048, 1, 777, 64, 4096] * 6, 32, 8, 128, 16, torch.float32, "cpu")
+    k8, v8 = fp8_edges(k, gen), fp8_edges(v, gen)
+    q, k8, v8, table, ctx = (t.cuda() for t in (q.bfloat16(), k8, v8, table, ctx))
+    got = paged_decode(q, k8, v8, table, ctx, 128 ** -0.5)
+    fp8_close(got, q, k8, v8, table, ctx, 128 ** -0.5)
+    bf16 = paged_decode(q, k8.bfloat16(), v8.bfloat16(), table, ctx, 128 ** -0.5)
+    torch.testing.assert_close(got.float(), bf16.float(), rtol=2e-2, atol=2e-2 * v8.float().nan_to_num(0).abs().max())

@@ -2,7 +2,7 @@
 gathered SDPA path (build_attn_meta + attend) and against the paged decode reference."""
 import pytest
 import torch
-from _paged import poisoned_cache
+from _paged import fp8_edges, poisoned_cache
 
 from tp_lora.models.attention import KVCache, attend, build_attn_meta
 from tp_lora.ops.fused import write_kv
@@ -50,6 +50,32 @@ def test_kernel_matches_reference(device, monkeypatch, seqs, bs, rep, window, so
     torch.testing.assert_close(got[:n], want[:n], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("seqs, bs, rep, window, softcap, pad_seqs, pad_tokens", [
+    ([(3, 3), (1, 17), (20, 20), (1, 5)], 8, 4, 0, 0.0, 2, 5),  # ragged, decodes between chunks, padding
+    ([(12, 70), (1, 33), (9, 9)], 16, 3, 0, 0.0, 1, 3),  # continuation (context > q_len), rep 3, odd lengths
+    ([(30, 90), (1, 70), (5, 5)], 16, 4, 20, 0.0, 0, 0),  # window shorter than the chunk and the context
+    ([(17, 40), (1, 16)], 16, 1, 0, 1.5, 3, 0),  # soft-capped, rep 1, a context of exactly one block
+])
+@pytest.mark.parametrize("rows", [16, 64])
+def test_kernel_fp8_cache_matches_reference(device, monkeypatch, seqs, bs, rep, window, softcap, pad_seqs,
+                                            pad_tokens, rows):
+    """An fp8 cache (with e4m3's edges: +-448, subnormals) read as stored and widened exactly: the kernel against the
+    reference over the same bytes, given the queries as the kernel multiplies them (q x scale rounded to float16),
+    within float16 probabilities' rounding of the values."""
+    from tp_lora.ops.triton import paged_varlen as pv
+    monkeypatch.setattr(pv, "tile", lambda rep, t, s, d: (rows // rep, rows))
+    gen = torch.Generator().manual_seed(sum(n + c for n, c in seqs) + bs + rep + 1)
+    kv, d = 2, 16
+    q, k, v, table, ctx, cu_q = _case(gen, seqs, kv * rep, kv, d, bs, torch.float32, "cpu", pad_seqs, pad_tokens)
+    k, v = fp8_edges(k, gen), fp8_edges(v, gen)
+    got = pv.paged_varlen(*(t.to(device) for t in (q, k, v, table, ctx, cu_q)), 0.25, window, softcap).cpu()
+    n = sum(qn for qn, _ in seqs)
+    want = paged_varlen_ref((q * 0.25).half().float(), k, v, table, ctx, cu_q, 1.0, window, softcap)
+    assert torch.isfinite(got[:n]).all()
+    tol = 2.0 ** -10 * v.float().nan_to_num(0.0).abs().max().item()
+    torch.testing.assert_close(got[:n], want[:n], rtol=2e-3, atol=tol)
+
+
 def test_padding_sequences_write_nothing(device, monkeypatch):
     """Query rows past the real sequences keep what the output buffer held: padding sequences own no rows."""
     from tp_lora.ops.triton.paged_varlen import paged_varlen
@@ -73,6 +99,26 @@ def test_kernel_bf16_on_gpu():
     got = paged_varlen(*args, 128 ** -0.5, 0)[:n].float()
     want = paged_varlen_ref(*args, 128 ** -0.5, 0)[:n].float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")
+def test_kernel_fp8_bf16_queries_on_gpu():
+    """A mixed step at the 8B shape over an fp8 cache with bf16 queries: against the reference, and against the kernel
+    over the same values in a bf16 cache."""
+    from tp_lora.ops.triton.paged_varlen import paged_varlen
+    gen = torch.Generator().manual_seed(6)
+    seqs = [(1, 2048)] * 6 + [(1, 300)] * 6 + [(64, 64), (40, 700)]  # the reference holds [T, 2048, 8, 128] floats
+    q, k, v, table, ctx, cu_q = _case(gen, seqs, 32, 8, 128, 16, torch.float32, "cpu", pad_seqs=3, pad_tokens=50)
+    k8, v8 = fp8_edges(k, gen), fp8_edges(v, gen)
+    q, k8, v8, table, ctx, cu_q = (t.cuda() for t in (q.bfloat16(), k8, v8, table, ctx, cu_q))
+    n = sum(qn for qn, _ in seqs)
+    got = paged_varlen(q, k8, v8, table, ctx, cu_q, 128 ** -0.5)[:n].float()
+    want = paged_varlen_ref((q.float() * 128 ** -0.5).half().float(), k8.float(), v8.float(), table, ctx, cu_q,
+                            1.0)[:n]
+    tol = 2.0 ** -10 * v8.float().nan_to_num(0.0).abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=tol)
+    bf16 = paged_varlen(q, k8.bfloat16(), v8.bfloat16(), table, ctx, cu_q, 128 ** -0.5)[:n].float()
+    torch.testing.assert_close(got, bf16, rtol=2e-2, atol=2e-2 * v8.float().nan_to_num(0).abs().max().item())
 
 
 def test_reference_matches_decode_reference():

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.paged_attention import online_softmax, softmax_start
+from tp_lora.ops.triton.paged_attention import dot_flags, dot_queries, online_softmax, softmax_start
 
 BLOCK_N = 64  # key positions per inner iteration
 MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: what tl.dot takes
@@ -43,7 +43,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
                    scale, window, softcap,
                    s_qt, s_qh, s_kb, s_ks, s_kh, s_btb, s_ot, s_oh,
                    REP: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                   BLOCK: tl.constexpr, STEPS: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK: tl.constexpr, STEPS: tl.constexpr, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+                   FP8_ASM: tl.constexpr):
     # Grid (KV heads, query blocks), blocks taken last to first: a chunk's late blocks attend the most keys (causal),
     # so they start first instead of forming the grid's tail.
     g = tl.program_id(0)
@@ -68,17 +69,18 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (q_begin + qi)[:, None] * s_qt + heads[:, None] * s_qh + d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    if F32_DOT:
-        q = q.to(tl.float32)
+    q, scale = dot_queries(q, scale, F32_DOT, KV_FP8)
     # Without a window, the whole tiles before the block's first query are visible to every row: no causal mask.
     split = lo
     if window == 0:
         split = tl.maximum(lo, (ctx - q_len + first) // BLOCK * BLOCK)
     m, l_sum, acc = softmax_start(ROWS, D)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, lo, split,
-                                   scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, False, F32_DOT)
+                                   scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, False, F32_DOT, KV_FP8,
+                                   FP8_ASM)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, split, hi,
-                                   scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, True, F32_DOT)
+                                   scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, True, F32_DOT, KV_FP8,
+                                   FP8_ASM)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (q_begin + qi)[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -101,6 +103,8 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _, bs, kv, _ = k_cache.shape
     if d & (d - 1) or k_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError(f"paged_varlen needs a power-of-two head_dim and contiguous heads, got d={d}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_varlen needs K and V caches of one dtype, got {k_cache.dtype} and {v_cache.dtype}")
     if cu_q.shape[0] != context_lens.shape[0] + 1:
         raise ValueError(f"cu_q has {cu_q.shape[0]} entries for {context_lens.shape[0]} sequences, expected "
                          f"{context_lens.shape[0] + 1}")
@@ -110,13 +114,12 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     if t == 0 or seqs == 0:
         return out
-    f32 = type(_varlen_kernel).__name__ == "InterpretedFunction" or q.dtype == torch.float32
     blocks = triton.cdiv(t, block_q) + seqs
     _varlen_kernel[(kv, blocks)](
         q, k_cache, v_cache, block_table, context_lens, cu_q, out, seqs, scale, int(window or 0),
         float(softcap or 0.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
-        REP=rep, BLOCK_Q=block_q, ROWS=rows, D=d, BS=bs, BLOCK=BLOCK_N, STEPS=seqs.bit_length(), F32_DOT=f32,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        REP=rep, BLOCK_Q=block_q, ROWS=rows, D=d, BS=bs, BLOCK=BLOCK_N, STEPS=seqs.bit_length(),
+        **dot_flags(q, k_cache, _varlen_kernel), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
