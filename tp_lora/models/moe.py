@@ -17,6 +17,9 @@ parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
            sum plus a redundant copy of the hidden states, in one more collective.)
   EP x TP  ep over DP replicas and each expert's intermediate over the tp group (2D mesh): the EP collectives run over
            ep, the expert partial sums (and fully sharded LoRA collectives) over tp.
+The EP collectives take NVLink peer memory where parallel.allreduce gives the ep group it (tp_lora.distributed): the
+dispatch all-gather in one peer kernel, the combine as a peer all-reduce (lower latency than NCCL at decode sizes:
+BENCHMARKS.md, issue 37).
 
 Module paths mirror transformers so PEFT adapters land: per-expert `...block_sparse_moe.experts.N.w1` (Mixtral) /
 `...mlp.experts.N.gate_proj` (Qwen), PEFT target_parameters experts as `...mlp.experts.N.gate_up_proj` /
