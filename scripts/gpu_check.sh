@@ -5,6 +5,7 @@
 # (the lent host returns few files), re-packed after every step so a run cut short still returns what finished.
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
+#   gpu_suite (2-4 GPUs, one call): the whole multi-GPU test suite over NCCL with the Triton backend, its wall time.
 #   tp_scaling (2-4 GPUs, one call): issue 36's all-reduce microbenchmark at 2 and 4 ranks and the Llama-3-8B
 #   decode-step table at tp1 / tp2 / tp4 with the symm_mem and the NCCL all-reduce.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
@@ -70,6 +71,13 @@ for what in "${@:-all}"; do
           --batches 32 --contexts 128,2048 --prefix-caching off --allreduce $ar $only --out "$RES/step_tp${n}_$ar"
       done
       python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
+    gpu_suite)
+      step "issue 36: the multi-GPU suite over NCCL + triton ($NGPU GPUs): tests/distributed, tests/gpu, multi-rank parity"
+      start=$SECONDS
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_suite 540 45 python3 -m pytest -q -rs \
+        --durations=25 tests/distributed tests/gpu tests/parity/test_adapter_kinds_parity.py \
+        tests/parity/test_families_parity.py
+      echo "gpu_suite: $((SECONDS - start)) s wall on $NGPU GPUs" | tee -a "$OUT/summary.log" ;;
     moe_decode_2gpu)
       step "bench_moe_decode on 2 GPUs: Qwen3-30B-A3B (48 layers) and Mixtral (16 layers), mixed steps too"
       run moe_decode_qwen3 240 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --prefill 512 \
