@@ -173,9 +173,9 @@ def _run_sampler(tokenizer, ahead: bool):
             masks[(rs[i].index, drawn[i])] = got[1][j].clone()
         return got, waited
 
-    def fill_counted(matchers, pin):
+    def fill_counted(matchers, pin, complete):
         fills.append(threading.current_thread() is threading.main_thread())
-        return fill(matchers, pin)
+        return fill(matchers, pin, complete)
     g.masks, g._fill = masks_seen, fill_counted
 
     def read(batch, out):

@@ -308,8 +308,9 @@ class EngineCore:
         if self.ps.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        if sampled:  # grammar rows take their tokens and fill their next masks on a worker thread meanwhile
-            self.sampler.follow(host, None if done is None else lambda: comm.wait_event(done, self.ps.device))
+        if sampled:  # grammar rows take their tokens and fill their next masks on a worker thread meanwhile; it
+            # waits for them without the GIL (this thread's _read waits with a deadline, and raises for a dead peer)
+            self.sampler.follow(host, None if done is None else done.synchronize)
         for j, (seq, _) in enumerate(sampled):
             seq.tokens.append(pending(j))
         read_first = tops is not None

@@ -7,6 +7,9 @@ their next bitmask on a worker thread (follow(): once the step's tokens reach th
 runs the next step's forward, launched ahead); the next sample takes those masks (masks(): waiting only for what is
 left of that work, counted in StepStats.mask_wait_seconds), filling in line only rows the worker did not cover (a
 first token, a resumed sequence). The bitmask goes to the device in one copy and masks those rows only.
+The worker waits for the tokens without the GIL and runs few Python steps (one batched accept, one batched fill
+over several threads); the interpreter's switch interval is cut so that it gets the GIL within SWITCH_INTERVAL_S
+while the host thread runs Python (Python's default, 5 ms, held the fill back until the host blocked in masks()).
 Matchers are deterministic, so every TP rank, advanced with the same tokens, applies the same masks, wherever they
 were filled.
 
@@ -17,9 +20,12 @@ short (finish_reason "length")."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -30,6 +36,7 @@ from tp_lora.engine.response_format import SEPARATORS, field_of, library, messag
 from tp_lora.hostcopy import to_device
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
+SWITCH_INTERVAL_S = 5e-5  # the longest the grammar worker waits for the GIL (Python's default: 5 ms)
 
 
 def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
@@ -51,7 +58,7 @@ class Grammars:
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.matchers: dict[int, object] = {}
         self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens its matcher took, grammar complete)
-        self.worker: Optional[ThreadPoolExecutor] = None  # follow()'s thread, from the first follow()
+        self.worker: Optional[Worker] = None  # follow()'s thread, from the first follow()
         self.job: Optional[Ahead] = None  # the last follow()'s work, until joined
         self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
         self.batch = None
@@ -105,7 +112,8 @@ class Grammars:
         if not sel:
             return None
         self._join()  # the worker's matchers are the same objects
-        return sel, self._fill([self._matcher(reqs[i]) for i in sel], pin)
+        matchers = [self._matcher(reqs[i]) for i in sel]
+        return sel, self.finish(self._fill(matchers, pin, [m.is_terminated() for m in matchers]))
 
     def masks(self, reqs: list[Request], drawn: list[int], pin: bool
               ) -> tuple[Optional[tuple[list[int], torch.Tensor]], float]:
@@ -139,31 +147,37 @@ class Grammars:
         """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once wait()
         returns (None: there already): on the worker thread, the grammar rows' matchers take those tokens and fill
         their next bitmask (pinned for a CUDA device), for the next masks() and advance()."""
-        rows = [(j, r.index, self.matchers[r.index], drawn[j]) for j, r in enumerate(reqs)
-                if r.grammar is not None and r.index in self.matchers]
         self._join()
+        rows = [(j, r.index, self.matchers[r.index], drawn[j], self.matchers[r.index].is_terminated())
+                for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.matchers]
         if not rows:
             return
-        if self.worker is None:  # on this rank's device: its CUDA calls (event, pinned buffer) make no other context
-            self.worker = ThreadPoolExecutor(1, thread_name_prefix="tp_lora-grammar", initializer=bind_device,
-                                             initargs=(device,))
+        if self.worker is None:
+            self.worker = Worker(device)
+            # The worker needs the GIL for a few moments of each step's work while the host thread runs Python
+            # (the next step's scheduling and launch); by default it would get it only after 5 ms (or once the host
+            # blocks), which serialised the fill behind the host's work.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         cuda = device.type == "cuda"
-        self.job = Ahead({index: n for _, index, _, n in rows}, self.worker.submit(self._ahead, rows, host, wait, cuda))
+        self.job = Ahead({r[1]: r[3] for r in rows}, self.worker.submit(self._ahead, rows, host, wait, cuda))
 
     def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], pin: bool
                ) -> tuple[dict[int, tuple[int, bool]], torch.Tensor, float]:
         """follow()'s work on the worker: ({request index: (its token's number, grammar complete)}, the next
-        bitmask [rows, ceil(vocab / 32)], perf_counter() when the tokens were on the host)."""
+        bitmask [rows, ceil(vocab / 32)] as xgrammar fills it (Grammars.finish turns it into the mask), and
+        perf_counter() when the tokens were on the host). Few Python steps (one batched accept, one batched fill,
+        no per-row calls): each needs the GIL, which the host thread holds while it runs Python."""
         if wait is not None:
             wait()
         tokens_at = time.perf_counter()
         toks = host[0].tolist()
-        took = {}
-        for j, index, m, n in rows:
-            if not m.is_terminated():  # a finished row of a step launched ahead: its token is dropped
-                m.accept_token(int(toks[j]))
-            took[index] = (n, m.is_terminated())
-        return took, self._fill([m for _, _, m, _ in rows], pin), tokens_at
+        live = [r for r in rows if not r[4]]  # a finished row of a step launched ahead: its token is dropped
+        tokens = [int(toks[r[0]]) for r in live]
+        accepted = library().BatchGrammarMatcher.batch_accept_token([r[2] for r in live], tokens)
+        stops = set(self.stop_ids)  # a matcher that takes a stop token is complete (terminated)
+        ends = {r[1]: ok and t in stops for r, t, ok in zip(live, tokens, accepted)}
+        took = {r[1]: (r[3], ends.get(r[1], True)) for r in rows}  # in row order: row k of the bitmask
+        return took, self._fill([r[2] for r in rows], pin, [done for _, done in took.values()]), tokens_at
 
     def _join(self) -> Optional[Ahead]:
         """The last follow()'s work, done (the host waits for it here), its results kept for masks() and advance()
@@ -171,7 +185,8 @@ class Grammars:
         job, self.job = self.job, None
         if job is None:
             return self.joined
-        took, job.bits, job.tokens_at = job.future.result()
+        took, bits, job.tokens_at = job.future.result()
+        job.bits = self.finish(bits)
         job.rows = {}
         for k, (index, got) in enumerate(took.items()):
             if index in self.matchers:  # not forgotten (ended or cancelled) meanwhile
@@ -180,19 +195,24 @@ class Grammars:
         self.joined = job
         return job
 
-    def _fill(self, matchers: list, pin: bool) -> torch.Tensor:
-        """The int32 bitmask [len(matchers), ceil(vocab / 32)] of each matcher's next token (on the host, pinned
-        where `pin`); a row allowing nothing, or a complete matcher's, allows the stop tokens."""
+    def _fill(self, matchers: list, pin: bool, complete: list[bool]) -> torch.Tensor:
+        """xgrammar's int32 bitmask [len(matchers), ceil(vocab / 32)] of each matcher's next token (on the host,
+        pinned where `pin`), zeros for a complete matcher (complete[i]); finish() makes it the mask."""
         bits = torch.empty(len(matchers), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
-        live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+        live = [i for i, done in enumerate(complete) if not done]
         if len(live) == len(matchers):
             self.batch.batch_fill_next_token_bitmask(matchers, bits)
         else:
             bits.zero_()
             if live:
                 self.batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, indices=live)
+        return bits
+
+    def finish(self, bits: torch.Tensor) -> torch.Tensor:
+        """_fill()'s bitmask as the mask, in place: tokens JSON may hold only; a row allowing nothing (a complete
+        matcher's, or the tokenizer cannot go on: the output ends) allows the stop tokens."""
         bits &= self.printable
-        dead = ~bits.any(1)  # the tokenizer cannot go on: end the output
+        dead = ~bits.any(1)
         if bool(dead.any()):
             bits[dead] = pack(self.stop_ids, self.vocab)
         return bits
@@ -241,6 +261,30 @@ class Ahead:
     # number, its row in bits)
     bits: Optional[torch.Tensor] = None  # once joined: the next bitmask of each row
     tokens_at: float = 0.0  # once joined: perf_counter() when the step's tokens were on the host
+
+
+class Worker:
+    """One daemon thread running submitted calls in order, bound to `device` (its CUDA calls, the event wait and the
+    pinned bitmask, make no context on another GPU). A daemon: a call blocked on a device that never finishes (a
+    peer rank died; the host thread raises CollectiveTimeout) does not hold the process at exit."""
+
+    def __init__(self, device: torch.device):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, args=(device,), name="tp_lora-grammar", daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future = Future()
+        self.calls.put((future, fn, args))
+        return future
+
+    def _run(self, device: torch.device) -> None:
+        bind_device(device)
+        while True:
+            future, fn, args = self.calls.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's result()
+                future.set_exception(e)
 
 
 def fill_threads() -> int:
