@@ -125,6 +125,14 @@ class MoEStep:
     # A forward over rows padded to a graph's size: [1] integer on the device, how many of them are real tokens
     # (refreshed before each replay); None: every row is real.
     valid: torch.Tensor | None = None
+    padding: torch.Tensor | None = None  # padding_rows' mask of this forward (prepare_step clears it)
+
+    def padding_rows(self, device) -> torch.Tensor:
+        """[c1 - c0, 1] bool: the owned rows past `valid` (a graph's padding), made by the forward's first MoE block."""
+        if self.padding is None:
+            c0, c1 = self.owned
+            self.padding = (torch.arange(c0, c1, device=device) >= self.valid)[:, None]
+        return self.padding
 
 
 def capacity(tokens: int, buckets: tuple[int, ...]) -> int:
@@ -157,6 +165,7 @@ def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, 
         step.owned, step.rows = (0, num_tokens), num_tokens
     step.counts = None
     c0, c1 = step.owned
+    step.padding = None
     if rt is None:
         step.slots = step.batch = None
     elif rt.batch is None or rt.batch.num_tokens != num_tokens:
@@ -223,8 +232,7 @@ class SparseMoE(nn.Module):
         xs = x[c0:c1]
         ids, w = self.gate(xs)
         if step.valid is not None:  # a graph's padding rows route nowhere
-            rows = torch.arange(c0, c1, device=ids.device)[:, None]
-            ids = torch.where(rows < step.valid, ids, -1)
+            ids = ids.masked_fill(step.padding_rows(ids.device), -1)
         shared = self._shared(xs) if self.shared_gate_up is not None else None
         tags = step.slots
         if self.chunked:  # hidden states are replicated: gather the chunks' routing only

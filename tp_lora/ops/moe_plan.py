@@ -26,7 +26,7 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
     else:
         sort = sort_pairs_ref
     token, pos, sorted_key = sort(topk_ids, slots, expert_start, E, L)
-    bounds = (torch.arange(1, E + 1, device=topk_ids.device) * (L + 1)).to(torch.int32)
+    bounds = torch.arange(L + 1, (E + 1) * (L + 1), L + 1, dtype=torch.int32, device=topk_ids.device)  # one launch
     if not L:
         groups = torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device)
     elif use_kernels(sorted_key) and 0 < sorted_key.shape[0] <= SMALL_SORT:
