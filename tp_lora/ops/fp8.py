@@ -103,7 +103,9 @@ def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torc
     return (a @ dequantize(w, scale, block_k).t()).to(out_dtype)
 
 
-SMALL_ROWS = 64  # rows up to which the kernels run the weight-only fp8 GEMM
+SMALL_ROWS = 32  # rows up to which per-channel weights take the weight-only GEMM (past them W8A8 is faster)
+SMALL_ROWS_BLOCK = 64  # the same for block scales (every row of w8a16_mm's one row block)
+PREFILL_ROWS = 1024  # rows from which per-channel W8A8 takes w8a8_mm instead of torch._scaled_mm
 
 
 def kernels_take(x: torch.Tensor, block_k: int | None) -> bool:
@@ -127,13 +129,16 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
     rows = x.shape[0]
-    if rows and (rows <= SMALL_ROWS or block_k is not None) and kernels_take(x, block_k):
-        from tp_lora.ops.triton import fp8_gemm  # noqa: PLC0415 - CUDA / forced only
-        if rows <= SMALL_ROWS:
-            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(w.shape[0], w.shape[1]))
-        from tp_lora.ops.triton.fp8_quant import quantize_per_group as quantize  # noqa: PLC0415
-        xq, xs = quantize(x, block_k)
-        return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype, fp8_gemm.w8a8_config(rows))
+    if rows and kernels_take(x, block_k):
+        from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
+        if rows <= (SMALL_ROWS if block_k is None else SMALL_ROWS_BLOCK):
+            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))
+        if block_k is not None:
+            xq, xs = fp8_quant.quantize_per_group(x, block_k)
+            return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype, fp8_gemm.w8a8_config(block_k))
+        if rows >= PREFILL_ROWS:
+            xq, xs = fp8_quant.quantize_per_token(x)
+            return fp8_gemm.w8a8_mm(xq, xs, w, scale, None, x.dtype, fp8_gemm.w8a8_config(None))
     if rows and scaled_mm_ok(x, w, block_k):
         if use_kernels(x):
             from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415

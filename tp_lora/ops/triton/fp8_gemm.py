@@ -32,8 +32,9 @@ MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
 COUNTERS = 1 << 14  # column blocks a split-K launch may have (one ticket counter each)
 
 # Defaults when no tuned entry matches (tp_lora.ops.fp8 holds the per-shape table).
-W8A16_DEFAULT = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=4)
-W8A8_DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
+W8A8_CHANNEL = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 _counters: dict[int, torch.Tensor] = {}
 
@@ -137,7 +138,7 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int
 @triton.jit
 def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, M, N, K, s_am, s_asm, s_bn, s_bsn, s_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 SCALES: tl.constexpr, SCALE_K: tl.constexpr, DOT: tl.constexpr):
+                 SCALES: tl.constexpr, SCALE_K: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -156,11 +157,24 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, M, N, K, s_am, s_asm, s_
     as_row = as_ptr + offs_m.to(tl.int64) * s_asm
     bs_row = bs_ptr + offs_n.to(tl.int64) * s_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K * (2 if PAIR else 1)):
         k_mask = offs_k < K - k0
         a = tl.load(a_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if SCALES == 2:  # BLOCK_K divides SCALE_K: one scale per row of A and of B in this K tile
+        if PAIR:  # two K tiles' products in flight before their scales wait on them
+            k1 = k0 + BLOCK_K
+            k1_mask = offs_k < K - k1
+            a1 = tl.load(a_blk + k1, mask=m_mask[:, None] & k1_mask[None, :], other=0.0)
+            b1 = tl.load(b_blk + k1, mask=k1_mask[:, None] & n_mask[None, :], other=0.0)
+            g1 = tl.minimum(k1, K - 1) // SCALE_K  # past K: a real group's scales times a zero product
+            sa = tl.load(as_row + k0 // SCALE_K, mask=m_mask, other=0.0)
+            sb = tl.load(bs_row + k0 // SCALE_K, mask=n_mask, other=0.0)
+            sa1 = tl.load(as_row + g1, mask=m_mask, other=0.0)
+            sb1 = tl.load(bs_row + g1, mask=n_mask, other=0.0)
+            p0 = tl.dot(a.to(DOT), b.to(DOT))
+            p1 = tl.dot(a1.to(DOT), b1.to(DOT))
+            acc += p0 * sa[:, None] * sb[None, :] + p1 * sa1[:, None] * sb1[None, :]
+        elif SCALES == 2:  # BLOCK_K divides SCALE_K: one scale per row of A and of B in this K tile
             sa = tl.load(as_row + k0 // SCALE_K, mask=m_mask, other=0.0)
             sb = tl.load(bs_row + k0 // SCALE_K, mask=n_mask, other=0.0)
             acc += tl.dot(a.to(DOT), b.to(DOT)) * sa[:, None] * sb[None, :]
@@ -174,8 +188,9 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, M, N, K, s_am, s_asm, s_
 
 def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
             out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
-    """cfg: BLOCK_M, BLOCK_N, BLOCK_K (at most block_k), GROUP_M, num_warps, num_stages."""
-    cfg = {**W8A8_DEFAULT, **(cfg or {})}
+    """cfg: BLOCK_M, BLOCK_N, BLOCK_K (at most block_k), GROUP_M, num_warps, num_stages; PAIR (block scales):
+    two K tiles per step."""
+    cfg = {**(W8A8_CHANNEL if block_k is None else W8A8_BLOCK), **(cfg or {})}
     m, k = xq.shape
     n = w.shape[0]
     if xq.stride(-1) != 1 or w.stride(-1) != 1:
@@ -191,17 +206,25 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
         xq, xs, w, scale, out, m, n, k, xq.stride(0), xs.stride(0), w.stride(0), scale.stride(0), out.stride(0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         SCALES=SCALE_CHANNEL if block_k is None else SCALE_BLOCK, SCALE_K=block_k or 1,
-        DOT=tl.float32 if _interpreting() else tl.float8e4nv,
+        PAIR=block_k is not None and cfg.get("PAIR", False), DOT=tl.float32 if _interpreting() else tl.float8e4nv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
-def w8a16_config(n: int, k: int) -> dict:
-    """The launch configuration of w8a16_mm for a weight [n, k]: column blocks and K shares enough to put a few
-    programs on every SM of an H100 / H200 (132)."""
-    return dict(W8A16_DEFAULT, SPLIT_K=max(1, min(8, 512 // max(1, n // W8A16_DEFAULT["BLOCK_N"]))))
+def w8a16_config(m: int, n: int, k: int) -> dict:
+    """The launch configuration of w8a16_mm for m rows and a weight [n, k]: 64 columns x 128 K per tile, 4 warps, 3
+    stages, and the most K shares (up to 8, each at least 1024 wide) that keep the programs within 512 (256 past 32
+    rows, where each program's tile costs more). The winners of scripts/tune_fp8_gemm.py at the Llama-3-8B shapes
+    on an H100 (within 8% of the best of every configuration swept, at 1 to 64 rows; BENCHMARKS.md)."""
+    blocks = triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"])
+    budget = 512 if m <= 32 else 256
+    split = 1
+    while split < 8 and blocks * split * 2 <= budget and k // (split * 2) >= 1024:
+        split *= 2
+    return dict(W8A16_DEFAULT, SPLIT_K=split)
 
 
-def w8a8_config(m: int) -> dict:
-    """The launch configuration of w8a8_mm for m rows."""
-    return dict(W8A8_DEFAULT) if m > 256 else dict(W8A8_DEFAULT, BLOCK_M=64, num_warps=4)
+def w8a8_config(block_k: int | None) -> dict:
+    """The launch configuration of w8a8_mm: the winners of scripts/tune_fp8_gemm.py at 2048 rows of the
+    Llama-3-8B shapes on an H100, per-channel and [128, 128]-block scales (BENCHMARKS.md)."""
+    return dict(W8A8_CHANNEL if block_k is None else W8A8_BLOCK)
