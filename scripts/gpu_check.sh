@@ -16,6 +16,8 @@
 #   The open issues' unmeasured targets on one GPU, in calls of under 10 minutes: `pending_a` (GPU tests of the
 #   paths never run on a GPU, fp8, DoRA, n / grammar), `pending_b` (prefix caching at moderate load and saturated),
 #   `pending_c` (HTTP against offline at 1 / 100 / 1000 adapters).
+#   FP8 (issue 38), one GPU, two calls: `fp8_tune` (the kernels' configuration sweep), then `fp8` (per-layer GEMM
+#   table, greedy agreement, the 8B decode table).
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
 #   json_schema with its mask wait; `prefix_moderate`: TTFT at 5 conversations/s; `prefix_saturated`).
 set -uo pipefail
@@ -170,6 +172,19 @@ for what in "${@:-all}"; do
       run serving_http 300 12 python3 scripts/bench_serving.py --server --systems ours,server --clients 8 \
         --model llama-2048 --ranks 16 --rate 250 --requests 1024 --max-loras 64 --batch 64 \
         --adapters 1,100,1000 --out "$RES/serving_http" ;;
+    fp8_tune)
+      step "issue 38: the fp8 GEMM kernels' configuration sweep (w8a16_mm at 32 rows then 1 / 16 / 64, w8a8_mm at 2048)"
+      run fp8_tune 420 80 python3 scripts/tune_fp8_gemm.py --out "$RES/fp8_tune" ;;
+    fp8)
+      step "issue 38 (one GPU, one call): fp8 GEMM paths per layer vs bf16 and the fp8 floor, MoE experts; greedy"
+      step "  agreement; Llama-3-8B decode step b32, bf16 / fp8 weights / + fp8 KV at ctx 128 and 8192, adapters"
+      run fp8_gemm 150 75 python3 scripts/bench_fp8_gemm.py --out "$RES/fp8"
+      run fp8_check 90 8 python3 scripts/gpu_fp8_check.py
+      # ctx 8192 first: the random checkpoint is written for the longest context the first run asks for
+      run fp8_step 240 12 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 8192,128 \
+        --quantization none,fp8 --kv-cache-dtype auto,fp8 --no-adapters-only --reps 1 --out "$RES/fp8_step"
+      run fp8_step_lora 120 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 128 \
+        --quantization none,fp8 --reps 2 --out "$RES/fp8_step_lora" ;;
     *) ;;
   esac
 done
