@@ -20,11 +20,12 @@ short (finish_reason "length")."""
 from __future__ import annotations
 
 import os
-import sys
-import time
-from collections import OrderedDict
 import queue
+import sys
 import threading
+import time
+import weakref
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -270,21 +271,24 @@ class Worker:
 
     def __init__(self, device: torch.device):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, args=(device,), name="tp_lora-grammar", daemon=True).start()
+        threading.Thread(target=Worker._run, args=(self.calls, device), name="tp_lora-grammar", daemon=True).start()
+        weakref.finalize(self, self.calls.put, None)  # the thread ends with its Worker
 
     def submit(self, fn: Callable, *args) -> Future:
         future = Future()
         self.calls.put((future, fn, args))
         return future
 
-    def _run(self, device: torch.device) -> None:
+    @staticmethod
+    def _run(calls: queue.SimpleQueue, device: torch.device) -> None:
         bind_device(device)
-        while True:
-            future, fn, args = self.calls.get()
+        while (call := calls.get()) is not None:
+            future, fn, args = call
             try:
                 future.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the caller's result()
                 future.set_exception(e)
+            del call, future, fn, args  # no reference to the last call's objects while idle
 
 
 def fill_threads() -> int:
