@@ -5,6 +5,7 @@ For each tokenizer (a byte-complete tiny BPE of the default model's size, and a 
 of a valid document (compact JSON, the schema's own example) the time to fill the next-token bitmask, then advance.
 
     python scripts/bench_grammar.py [--vocab 320 32000] [--reps 3]
+    python scripts/bench_grammar.py --forced     # what jump-forward could skip (forced_tokens)
 """
 from __future__ import annotations
 
@@ -137,16 +138,74 @@ def bench_outlines(tok, vocab: int, reps: int) -> dict:
     return out
 
 
+def forced_tokens(tok, vocab: int, docs: int = 20, steps: int = 64) -> dict:
+    """What jump-forward could skip, per schema: random walks (each token drawn uniformly from what the mask allows,
+    as a random-weight model does; the JSON bytes the engine allows only) counting the steps, those whose mask allows
+    a single token (forced), the steps a token-level jump-forward saves in an engine that launches a step before
+    reading the last (each run of forced tokens but its first, which the step launched meanwhile draws); and as many
+    walks jumping xgrammar's jump-forward strings (forced text emitted as the tokenizer spells it, not the tokens the
+    model would draw): the tokens so emitted."""
+    import random
+    import xgrammar as xgr
+    from tp_lora.engine.grammar import tokenizer_info
+    info = tokenizer_info(tok, vocab, [2])
+    ok = torch.tensor([bool(b) and min(b) >= 0x20 for b in info.decoded_vocab] + [False] * (vocab - len(
+        info.decoded_vocab)))
+    ok[2] = True
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    out = {}
+    for name, (schema, _) in SCHEMAS.items():
+        compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        rng, mask = random.Random(0), xgr.allocate_token_bitmask(1, vocab)
+        n = single = saved = jump = 0
+        for doc in range(2 * docs):  # the first half token by token, the second with jump-forward strings
+            m, run = xgr.GrammarMatcher(compiled), 0
+            for _ in range(steps):
+                if m.is_terminated():
+                    break
+                text = m.find_jump_forward_string() if doc >= docs else ""
+                if text:  # emitted as the tokenizer spells it, no step
+                    jump += len(tok.encode(text).ids)
+                    assert m.accept_string(text)
+                    continue
+                if doc >= docs:
+                    m.fill_next_token_bitmask(mask)
+                    allowed = (((mask[0][:, None] >> torch.arange(32)) & 1).bool().flatten()[:vocab] & ok).nonzero()
+                    m.accept_token(rng.choice(allowed.flatten().tolist()))
+                    continue
+                m.fill_next_token_bitmask(mask)
+                allowed = (((mask[0][:, None] >> torch.arange(32)) & 1).bool().flatten()[:vocab] & ok).nonzero()
+                n += 1
+                single += len(allowed) == 1
+                if len(allowed) == 1:
+                    run += 1
+                else:
+                    saved, run = saved + max(0, run - 1), 0
+                m.accept_token(rng.choice(allowed.flatten().tolist()))
+            saved += max(0, run - 1)
+        out[name] = {"steps": n, "single_token_masks": single, "token_level_saves": saved,
+                     "jump_forward_string_tokens": jump}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, nargs="+", default=[320, 32000])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument("--forced", action="store_true", help="what jump-forward could skip (forced_tokens), only")
     args = ap.parse_args()
     texts = corpus()
     results = {}
     for vocab in args.vocab:
         tok = byte_level_tokenizer(vocab, texts)
+        if args.forced:
+            r = results[f"forced@{vocab}"] = forced_tokens(tok, tok.get_vocab_size())
+            for name, f in r.items():
+                print(f"vocab {vocab:6d} {name:10s} steps {f['steps']:5d}  single-token masks "
+                      f"{f['single_token_masks']:4d}  steps token-level jump-forward saves {f['token_level_saves']:3d}"
+                      f"  jump-forward string tokens {f['jump_forward_string_tokens']:5d}")
+            continue
         for lib, fn in (("xgrammar", bench_xgrammar), ("outlines-core", bench_outlines)):
             r = results[f"{lib}@{vocab}"] = fn(tok, tok.get_vocab_size(), args.reps)
             print(f"{lib:14s} vocab {vocab:6d}  tokenizer {r['tokenizer_s'] * 1e3:8.1f} ms")
