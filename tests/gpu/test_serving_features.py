@@ -93,3 +93,29 @@ def test_the_device_mask_equals_the_host_one(sel, dtype):
     got = apply_mask(dev, sel, bits.pin_memory() if DEVICE == "cuda" else bits)
     assert got.dtype == torch.float32 and torch.equal(got.cpu(), want)
     assert torch.equal(dev.cpu(), logits)
+
+
+def test_the_draw_launches_no_host_sync(model):
+    """After a request's first token, a step's draw (grammar rows with their worker-filled masks, seeded and unseeded
+    rows at temperature 1 with top-p, logit rules) queues its work without waiting for the device: torch's sync
+    debug mode raises on any blocking copy or stream sync in it."""
+    engine = _engine(model, True)
+    sample, calls = engine.sampler.sample, []
+
+    def strict(rows, reqs, stats=None):
+        calls.append(len(reqs))
+        if len(calls) == 1:  # the first tokens: logit-rule rows are written once per request
+            return sample(rows, reqs, stats)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return sample(rows, reqs, stats)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    engine.sampler.sample = strict
+    reqs = [Request(i, id=i, prompt_token_ids=[1, 40 + i, 7], max_new_tokens=24, temperature=1.0, top_p=0.9,
+                    seed=i if i % 2 else None, presence_penalty=0.5 if i % 4 == 3 else 0.0) for i in range(8)]
+    for r in reqs[:4]:
+        r.grammar = ("json_schema", json.dumps(SCHEMAS[r.index % len(SCHEMAS)]))
+    results = engine.generate(reqs)
+    assert all(r.error is None for r in results) and len(calls) > 5
+    engine.close()
