@@ -19,7 +19,8 @@
 #   FP8 (issue 38), one GPU, two calls: `fp8_tune` (the kernels' configuration sweep), then `fp8` (per-layer GEMM
 #   table, greedy agreement, the 8B decode table).
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
-#   json_schema with its mask wait; `prefix_moderate`: TTFT at 5 conversations/s; `prefix_saturated`).
+#   json_schema with its mask wait; tests/gpu/test_serving_features.py; `prefix_moderate`: TTFT at 5
+#   conversations/s; `prefix_saturated`).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 RES="$OUT/results"
@@ -157,15 +158,18 @@ for what in "${@:-all}"; do
       ;;&
     pending_a|serve39|sampling)
       step "n and structured output (#31, #39): tokens/s, documents parsed / cut / malformed, mask wait per step"
-      run sampling 150 10 python3 scripts/bench_sampling.py --shape llama-2048 --out "$RES/sampling" ;;&
+      run sampling 120 10 python3 scripts/bench_sampling.py --shape llama-2048 --out "$RES/sampling" ;;&
+    serve39)
+      step "#39 on CUDA: grammar rows ahead, n siblings' fork, the device mask, no host sync in the draw"
+      run pytest_serving_features 100 12 python3 -m pytest -q -rs -s tests/gpu/test_serving_features.py ;;&
     pending_b|serve39|prefix_moderate)
       step "prefix caching (#39) at moderate load: TTFT with and without caching, where it goes (chat trace only)"
-      run prefix_moderate 170 8 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
+      run prefix_moderate 150 8 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
         --conversations 60 --traces chat --orders cached --out "$RES/prefix_moderate" ;;&
     pending_b|serve39|prefix_saturated)
       step "prefix caching (#39) saturated: arrivals faster than the GPU (cached first against arrival order), and"
       step "  the random trace (what caching costs)"
-      run prefix_saturated 150 12 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 100 --think-s 0 \
+      run prefix_saturated 130 12 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 100 --think-s 0 \
         --conversations 50 --out "$RES/prefix_saturated" ;;
     pending_c)
       step "HTTP against offline (#31) at 1 / 100 / 1000 adapters"
