@@ -110,13 +110,20 @@ class LogitRules:
         for name in wants:
             if name in t:
                 t[name][row] = 0
+        ids = {}  # token ids to set per table, sent in one asynchronous copy (a tensor made on the device syncs)
         if wants["prompt"]:
-            t["prompt"][row, torch.tensor(req.prompt_token_ids, device=dev)] = True
+            ids["prompt"] = torch.tensor(req.prompt_token_ids)
         if wants["bias"]:
-            ids = torch.tensor(list(req.logit_bias), device=dev)
-            t["bias"][row, ids] = torch.tensor(list(req.logit_bias.values()), dtype=torch.float32, device=dev)
+            ids["bias"] = torch.tensor(list(req.logit_bias))
+            ids["values"] = torch.tensor(list(req.logit_bias.values()), dtype=torch.float32)
         if wants["held"] and (self.eos or req.stop_token_ids):
-            t["held"][row, torch.tensor(self.eos + list(req.stop_token_ids), device=dev)] = True
+            ids["held"] = torch.tensor(self.eos + list(req.stop_token_ids))
+        ids = dict(zip(ids, to_device(list(ids.values()), dev))) if ids else {}
+        for name in ("prompt", "held"):
+            if name in ids:
+                t[name][row, ids[name]] = True
+        if "bias" in ids:
+            t["bias"][row, ids["bias"]] = ids["values"]
         t["presence"][row] = req.presence_penalty
         t["frequency"][row] = req.frequency_penalty
         t["repetition"][row] = req.repetition_penalty

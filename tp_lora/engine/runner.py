@@ -204,7 +204,7 @@ class ModelRunner:
     def copy_blocks(self, cache: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy KV block src into block dst, for each (src, dst) of `pairs`, in every layer of `cache` (on the
         device, after the work queued so far: n / best_of siblings' copies of their prompt's partial last block)."""
-        src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs))
+        src, dst = to_device([torch.tensor(x) for x in zip(*pairs)], self.device)  # (not made there: a host sync)
         for t in cache.k + cache.v:
             t = t.view(torch.uint8) if t.element_size() == 1 else t  # fp8 KV: copied as bytes
             t[dst] = t[src]
