@@ -17,9 +17,8 @@ parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
            sum plus a redundant copy of the hidden states, in one more collective.)
   EP x TP  ep over DP replicas and each expert's intermediate over the tp group (2D mesh): the EP collectives run over
            ep, the expert partial sums (and fully sharded LoRA collectives) over tp.
-The EP collectives take NVLink peer memory where parallel.allreduce gives the ep group it (tp_lora.distributed): the
-dispatch all-gather in one peer kernel, the combine as a peer all-reduce (lower latency than NCCL at decode sizes:
-BENCHMARKS.md, issue 37).
+The EP dispatch / combine take NVLink peer memory where parallel.allreduce gives the ep group it (tp_lora.distributed:
+one peer all-gather kernel, a peer all-reduce; lower latency than NCCL at decode sizes, BENCHMARKS.md issue 37).
 
 Module paths mirror transformers so PEFT adapters land: per-expert `...block_sparse_moe.experts.N.w1` (Mixtral) /
 `...mlp.experts.N.gate_proj` (Qwen), PEFT target_parameters experts as `...mlp.experts.N.gate_up_proj` /
@@ -117,14 +116,11 @@ class MoEStep:
     batch: LoRABatch | None = None  # LoRA metadata of the owned tokens (shared expert; None without one)
     shared_expert: bool = False  # whether a block has a shared expert (set by SparseMoE; it reads `batch`)
     counts: list[int] | None = field(default=None)  # token counts of the EP group, stashed by lockstep()
-    # EP over DP replicas: whether any token of the EP group has an adapter (agreed with the counts, on the host).
-    lora: bool = False
+    lora: bool = False  # EP over DP replicas: whether any token of the group has an adapter (agreed with the counts)
     # EP over DP replicas: row counts a dispatch's rows are rounded up to (the runner's CUDA-graph sizes, decode and
     # mixed, while it replays graphs), so a rank replaying a graph and one stepping eagerly exchange equal buffers.
     buckets: tuple[int, ...] = ()
-    # A forward over rows padded to a graph's size: [1] integer on the device, how many of them are real tokens
-    # (refreshed before each replay); None: every row is real.
-    valid: torch.Tensor | None = None
+    valid: torch.Tensor | None = None  # [1] int on the device: the real rows of a graph's padded ones (None: all)
     padding: torch.Tensor | None = None  # padding_rows' mask of this forward (prepare_step clears it)
 
     def padding_rows(self, device) -> torch.Tensor:
@@ -406,11 +402,9 @@ class MoECausalLM(CausalLM):
         self.step.buckets = tuple(sizes) if self.needs_lockstep else ()
 
     def graph_batch(self, num_tokens: int, lora: bool) -> tuple[int, bool]:
-        """(rows, LoRA on) of the graph for this rank's step of num_tokens tokens (`lora`: any has an adapter), decode
-        or mixed. EP over DP replicas: the EP group's capacity (its largest count rounded up to a graph size, or that
-        count past the largest: then no graph fits and every rank steps eagerly) and whether any token of the group
-        has an adapter (agreed by lockstep): every rank of the group replays a graph of the same rows, whatever its
-        own mix of prefill and decode, and the experts run LoRA for the peers' tokens."""
+        """(rows, LoRA on) of the graph for this rank's step of num_tokens tokens (`lora`: any has an adapter). EP over
+        DP replicas: the group's capacity (past the largest graph size: no graph, every rank eager) and whether any
+        of its tokens has an adapter (lockstep's), so every rank replays the same graph, whatever its own mix."""
         if not self.needs_lockstep:
             return num_tokens, lora
         if self.step.counts is None:
