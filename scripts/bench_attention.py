@@ -1,6 +1,6 @@
 """Paged decode and varlen attention against their floors on one GPU, with sweeps of the kernels' launch constants.
 
-    python scripts/bench_attention.py --out DIR [--sweep] [--libs] [--kind decode|varlen|all]
+    python scripts/bench_attention.py --out DIR [--sweep] [--libs] [--kind decode|varlen|fp8_kv|all]
 
 Cases: (batch, context) at the Llama-3-8B head layout (32 query / 8 KV heads, head_dim 128) and the Llama 16x2048
 one (32 / 8, 64), bf16, block size 16, each sequence's blocks scattered over the cache. Each call is captured in a CUDA
@@ -19,6 +19,10 @@ VARLEN_SWEEP for the VARLEN_SWEPT cases.
 could do over a paged cache, which adds an indirection): torch's scaled_dot_product_attention (its flash /
 cuDNN / efficient backends, GQA) and torch.compile'd flex_attention, for every decode case and the prefill-only
 varlen cases (causal). FlashInfer and flash-attention do not fit the lent GPU image (see BENCHMARKS.md).
+fp8_kv rows (issue 38 item 3): the same kernels over a bf16 and an fp8 (float8_e4m3fn) cache at the 8B heads, batch 32,
+contexts --contexts (2048, 4096, 8192): decode, and a mixed step of 31 decodes at that context + one --chunk (512) token chunk
+(varlen); floor = bytes (K and V at the cache's width, q, out) / copy bandwidth; speedup = bf16 µs / fp8 µs. With
+--sweep the fp8 decode at the second context also times every setting of FP8_SWEEP (the partition target first).
 """
 from __future__ import annotations
 
@@ -50,8 +54,8 @@ BS, CALLS = 16, 20
 
 
 def copies(kv_bytes: int) -> int:
-    """Copies of a case's K and V (kv_bytes for one copy of both) to rotate over."""
-    return max(2, -(-ROTATE_BYTES // kv_bytes))
+    """Copies of a case's K and V (kv_bytes for one copy of both) to rotate over (2 on a CPU: no L2 to defeat)."""
+    return max(2, -(-ROTATE_BYTES // kv_bytes)) if torch.cuda.is_available() else 2
 VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0), h, kv, d)
     ("2048", 31, 128, 512, 32, 8, 64), ("8b", 31, 128, 512, 32, 8, 128),
     ("2048", 0, 0, 2048, 32, 8, 64), ("8b", 0, 0, 2048, 32, 8, 128),
@@ -59,22 +63,29 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
+FP8_SWEEP = dict(TARGET_PROGRAMS=(264, 528, 1056), BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def case_inputs(b, ctx, h, kv, d, dev, g):
+def random_cache(shape, g, dev, dtype) -> torch.Tensor:
+    """Normal values in the cache's dtype (an fp8 one rounds them as the cache write does)."""
+    return torch.randn(shape, generator=g).to(dev, dtype)
+
+
+def case_inputs(b, ctx, h, kv, d, dev, g, kv_dtype=torch.bfloat16):
     blocks = -(-ctx // BS)
     n_blocks = b * blocks
     perm = torch.randperm(n_blocks, generator=g)
     table = perm.view(b, blocks).to(dev, torch.int32)
-    caches = [(torch.randn(n_blocks, BS, kv, d, generator=g).to(dev, torch.bfloat16),
-               torch.randn(n_blocks, BS, kv, d, generator=g).to(dev, torch.bfloat16))
-              for _ in range(copies(2 * n_blocks * BS * kv * d * 2))]
+    shape = (n_blocks, BS, kv, d)
+    caches = [(random_cache(shape, g, dev, kv_dtype), random_cache(shape, g, dev, kv_dtype))
+              for _ in range(copies(2 * n_blocks * BS * kv * d * kv_dtype.itemsize))]
     q = torch.randn(b, h, d, generator=g).to(dev, torch.bfloat16)
     lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     return q, caches, table, lens
 
 
-def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g):
+def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g, kv_dtype=torch.bfloat16):
     """(q, caches, table, context_lens, cu_q) of the case padded to its graph bucket, (tokens, seqs) of the bucket, and
     (FLOPs, bytes) of its real work."""
     starts, lens = [ctx - 1] * decodes + [0], [1] * decodes + [chunk]
@@ -84,13 +95,14 @@ def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g):
     tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
     width = max(need)
     host = pad_mixed_step([0] * sum(lens), tables, starts, lens, tokens, seqs, width, BS, perm[-1])
-    caches = [(torch.randn(len(perm), BS, kv, d, generator=g).to(dev, torch.bfloat16),
-               torch.randn(len(perm), BS, kv, d, generator=g).to(dev, torch.bfloat16))
-              for _ in range(copies(2 * len(perm) * BS * kv * d * 2))]
+    shape = (len(perm), BS, kv, d)
+    caches = [(random_cache(shape, g, dev, kv_dtype), random_cache(shape, g, dev, kv_dtype))
+              for _ in range(copies(2 * len(perm) * BS * kv * d * kv_dtype.itemsize))]
     q = torch.randn(tokens, h, d, generator=g).to(dev, torch.bfloat16)
     keys = sum(st + i + 1 for st, n in zip(starts, lens) for i in range(n))  # keys each real query attends
     flops = 4 * h * d * keys
-    nbytes = 2 * sum(st + n for st, n in zip(starts, lens)) * kv * d * 2 + 2 * sum(lens) * h * d * 2
+    nbytes = (2 * sum(st + n for st, n in zip(starts, lens)) * kv * d * kv_dtype.itemsize
+              + 2 * sum(lens) * h * d * 2)
     return ((q, caches, host.block_table.to(dev), host.context_lens.to(dev), host.cu_q.to(dev)), (tokens, seqs),
             (flops, nbytes))
 
@@ -134,15 +146,74 @@ def graph_us(call) -> tuple[float, str]:
     return Bench("cuda", reps=10, warmup=2).time_us(call, CALLS)
 
 
+def fp8_kv_rows(contexts: list[int], batch: int, chunk: int, sweep: bool, bw: float, dev, g, rows: list,
+                save) -> None:
+    """issue 38 item 3's table: decode and a mixed step over a bf16 and an fp8 cache at the 8B heads (see the
+    module docstring); rows appended as they finish."""
+    h, kv, d = 32, 8, 128
+    print(f"fp8 KV against bf16 KV, 8B heads ({h} / {kv}, head_dim {d}), decode batch {batch}; varlen: "
+          f"{batch - 1} decodes + a {chunk}-token chunk; floor = bytes / copy bandwidth")
+    print("| kernel | context | bf16 µs | bf16 floor | fp8 µs | fp8 floor | fp8 of floor | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, ctx in itertools.product(("decode", "varlen"), contexts):
+        row = dict(kind=f"fp8_kv_{kind}", case="8b", batch=batch, context=ctx, chunk=chunk if kind == "varlen" else 0,
+                   sweep={})
+        for name, dtype in KV_DTYPES.items():
+            if kind == "decode":
+                q, caches, table, lens = case_inputs(batch, ctx, h, kv, d, dev, g, dtype)
+                cu_q, nbytes = None, 2 * batch * ctx * kv * d * dtype.itemsize + 2 * q.numel() * 2
+            else:
+                (q, caches, table, lens, cu_q), _, (_, nbytes) = varlen_inputs(batch - 1, ctx, chunk, h, kv, d,
+                                                                               dev, g, dtype)
+            row[f"{name}_us"] = time_case(q, caches, table, lens, d ** -0.5, cu_q)
+            row[f"{name}_floor_us"] = nbytes / bw * 1e6
+            if sweep and name == "fp8" and kind == "decode" and ctx == contexts[min(1, len(contexts) - 1)]:
+                row["sweep"] = sweep_settings(kernel, FP8_SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
+            del caches
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        row["speedup"] = row["bf16_us"] / row["fp8_us"]
+        row["fp8_of_floor"] = row["fp8_floor_us"] / row["fp8_us"]
+        print(f"| {kind} | {ctx} | {row['bf16_us']:.1f} | {row['bf16_floor_us']:.1f} | {row['fp8_us']:.1f} | "
+              f"{row['fp8_floor_us']:.1f} | {row['fp8_of_floor']:.0%} | {row['speedup']:.2f}x |", flush=True)
+        if row["sweep"]:
+            timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
+            for setting, us in sorted(timed.items(), key=lambda kv_: kv_[1])[:5]:
+                print(f"  fp8 decode, context {ctx}: {us:.1f} µs at {setting}")
+        rows.append(row)
+        save()
+
+
+def sweep_settings(module, grid: dict, timed) -> dict:
+    """{setting (JSON): µs, or "failed: ..."} of timed() at every setting of grid (names of the kernel module's
+    constants), the module's values restored after."""
+    old = {k: getattr(module, k) for k in grid}
+    out = {}
+    for values in itertools.product(*grid.values()):
+        for k, v in zip(grid, values):
+            setattr(module, k, v)
+        try:
+            out[json.dumps(dict(zip(grid, values)))] = timed()
+        except Exception as e:  # noqa: BLE001 - a setting the compiler refuses (shared memory) is skipped
+            out[json.dumps(dict(zip(grid, values)))] = f"failed: {type(e).__name__}"
+    for k, v in old.items():
+        setattr(module, k, v)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_results")
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--kind", choices=("decode", "varlen", "all"), default="all")
+    p.add_argument("--kind", choices=("decode", "varlen", "fp8_kv", "all"), default="all")
+    p.add_argument("--contexts", default="2048,4096,8192", help="contexts of the fp8_kv rows")
+    p.add_argument("--batch", type=int, default=32, help="batch of the fp8_kv rows")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk of the fp8_kv varlen rows")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the fp8_kv rows (TRITON_INTERPRET=1)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H200: 989)")
     p.add_argument("--libs", action="store_true", help="also time torch SDPA and flex_attention (contiguous K/V)")
     args = p.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     bw = copy_bandwidth(dev)
     g = torch.Generator().manual_seed(0)
     defaults = {k: getattr(kernel, k) for k in SWEEP}
@@ -152,13 +223,15 @@ def main() -> None:
     def save():  # after every case: a run cut short keeps what it measured
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), bandwidth_Bps=bw, defaults=defaults,
+            json.dump(dict(device=device_name, bandwidth_Bps=bw, defaults=defaults,
                            varlen_defaults=varlen_defaults, rows=rows), f, indent=1)
 
-    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, defaults {defaults}")
-    print("| case | batch | context | µs | floor µs | of floor | best µs (setting) |")
-    print("|---|---|---|---|---|---|---|")
-    for name, b, ctx, h, kv, d in CASES if args.kind != "varlen" else []:
+    device_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"device {device_name}, copy bandwidth {bw / 1e12:.2f} TB/s, defaults {defaults}")
+    if args.kind in ("decode", "all"):
+        print("| case | batch | context | µs | floor µs | of floor | best µs (setting) |")
+        print("|---|---|---|---|---|---|---|")
+    for name, b, ctx, h, kv, d in CASES if args.kind in ("decode", "all") else []:
         q, caches, table, lens = case_inputs(b, ctx, h, kv, d, dev, g)
         nbytes = 2 * b * ctx * kv * d * 2 + 2 * q.numel() * 2
         floor = nbytes / bw * 1e6  # the copy's bytes read + written per second: what HBM moves either way
@@ -171,15 +244,7 @@ def main() -> None:
             print(f"libraries, contiguous K/V: {row['libs']}", flush=True)
             del kc
         if args.sweep and (name, b, ctx) in SWEPT:
-            for values in itertools.product(*SWEEP.values()):
-                for k, v in zip(SWEEP, values):
-                    setattr(kernel, k, v)
-                try:
-                    row["sweep"][json.dumps(dict(zip(SWEEP, values)))] = time_case(q, caches, table, lens, d ** -0.5)
-                except Exception as e:  # noqa: BLE001 - a setting the compiler refuses (shared memory) is skipped
-                    row["sweep"][json.dumps(dict(zip(SWEEP, values)))] = f"failed: {type(e).__name__}"
-            for k, v in defaults.items():
-                setattr(kernel, k, v)
+            row["sweep"] = sweep_settings(kernel, SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
         timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
         best = min(timed.items(), key=lambda kv_: kv_[1]) if timed else ("-", float("nan"))
         print(f"| {name} | {b} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
@@ -188,13 +253,13 @@ def main() -> None:
         save()
         del caches
         torch.cuda.empty_cache()
-    if args.kind != "decode":
+    if args.kind in ("varlen", "all"):
         print(f"varlen defaults {varlen_defaults}, floor: max(FLOPs / {args.peak_tflops:.0f} TFLOP/s, bytes / copy "
               f"bandwidth)")
         print("| case | decodes | context | chunk | bucket | µs | flop floor µs | byte floor µs | of floor | "
               "best µs (setting) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, decodes, ctx, chunk, h, kv, d in VARLEN_CASES if args.kind != "decode" else []:
+    for name, decodes, ctx, chunk, h, kv, d in VARLEN_CASES if args.kind in ("varlen", "all") else []:
         inputs, (tokens, seqs), (flops, nbytes) = varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g)
         q, caches, table, lens, cu_q = inputs
         flop_floor, byte_floor = flops / (args.peak_tflops * 1e12) * 1e6, nbytes / bw * 1e6
@@ -210,16 +275,8 @@ def main() -> None:
             print(f"libraries, contiguous K/V: {row['libs']}", flush=True)
             del kc
         if args.sweep and (name, chunk) in VARLEN_SWEPT:
-            for values in itertools.product(*VARLEN_SWEEP.values()):
-                for k, v in zip(VARLEN_SWEEP, values):
-                    setattr(varlen, k, v)
-                setting = json.dumps(dict(zip(VARLEN_SWEEP, values)))
-                try:
-                    row["sweep"][setting] = time_case(q, caches, table, lens, d ** -0.5, cu_q)
-                except Exception as e:  # noqa: BLE001 - a setting the compiler refuses (shared memory) is skipped
-                    row["sweep"][setting] = f"failed: {type(e).__name__}"
-            for k, v in varlen_defaults.items():
-                setattr(varlen, k, v)
+            row["sweep"] = sweep_settings(varlen, VARLEN_SWEEP,
+                                          lambda: time_case(q, caches, table, lens, d ** -0.5, cu_q))
         timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
         best = min(timed.items(), key=lambda kv_: kv_[1]) if timed else ("-", float("nan"))
         print(f"| {name} d{d} | {decodes} | {ctx} | {chunk} | {tokens}/{seqs} | {us:.1f} | {flop_floor:.1f} | "
@@ -228,6 +285,9 @@ def main() -> None:
         save()
         del caches
         torch.cuda.empty_cache()
+    if args.kind in ("fp8_kv", "all"):
+        fp8_kv_rows([int(c) for c in args.contexts.split(",")], args.batch, args.chunk, args.sweep, bw, dev, g, rows,
+                    save)
     save()
 
 
