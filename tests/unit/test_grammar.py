@@ -257,3 +257,26 @@ def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_
     assert sum(reason == "stop" for _, reason, _ in want) >= 3
     assert st.ahead_steps > 0 and st.mask_steps > 0 and st.mask_wait_seconds >= 0
     assert not kv_blocks or st.preemptions > 0
+
+
+def test_the_worker_runs_calls_in_order_hands_back_errors_and_ends_with_its_owner():
+    """Grammars' worker thread: calls run one by one in submission order, an exception reaches result(), and the
+    thread ends once its Worker is dropped (an engine per test must not leave a thread behind)."""
+    import gc
+    import threading
+    import time
+    from tp_lora.engine.grammar import Worker
+    before = set(threading.enumerate())
+    w, seen = Worker(torch.device("cpu")), []
+    futures = [w.submit(seen.append, i) for i in range(5)]
+    failed = w.submit(lambda: 1 / 0)
+    assert [f.result() for f in futures] == [None] * 5 and seen == list(range(5))
+    with pytest.raises(ZeroDivisionError):
+        failed.result()
+    threads = [t for t in threading.enumerate() if t not in before and t.name == "tp_lora-grammar"]
+    del w, futures, failed
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threads and not any(t.is_alive() for t in threads)
