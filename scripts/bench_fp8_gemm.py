@@ -1,17 +1,16 @@
 """The fp8 GEMM paths against bf16 (F.linear) and against the FP8 weight-bytes floor, on one GPU, at Llama-3-8B
 layer shapes, per-channel and [128, 128]-block scales (each W8A8 path's time includes its activation quantization):
 
-    fp8_linear    what the layers run (tp_lora.ops.fp8.fp8_linear: w8a16_mm up to SMALL_ROWS / SMALL_ROWS_BLOCK
-                  rows; past them W8A8: block scales per-group quantization + w8a8_mm, per-channel torch._scaled_mm,
-                  from PREFILL_ROWS w8a8_mm)
+    fp8_linear    what the layers run (tp_lora.ops.fp8.fp8_linear, blocks of whole 128 rows: w8a16_mm up to
+                  SMALL_ROWS rows; past them W8A8: per-channel torch._scaled_mm with fast accumulation, block
+                  scales cuBLAS's block-scaled GEMM where torch has it, else w8a8_mm)
     w8a16         tp_lora.ops.triton.fp8_gemm.w8a16_mm (weight-only split-K), rows <= 64 (what the layers ran
                   before: scripts/tune_fp8_gemm.py's grouped_mm column)
-    w8a8          quantization kernel + w8a8_mm (Triton, fp8 tensor cores), its default configuration
-    w8a8_pair     block scales: w8a8_mm with two K tiles per step (PAIR), the best of a few tile shapes
+    w8a8          block scales: per-group quantization kernel + w8a8_mm (Triton, fp8 tensor cores)
     scaled_mm     per-channel: per-token quantization kernel + torch._scaled_mm (rowwise scales)
     scaled_fast   the same with use_fast_accum
-    blockwise     block scales: per-group quantization + F.scaled_mm BlockWise1x128 x BlockWise128x128 (cuBLAS,
-                  where this torch has it), rows a multiple of 4
+    blockwise     block scales: tp_lora.ops.fp8.blockwise_mm (per-group quantization + F.scaled_mm
+                  BlockWise1x128 x BlockWise128x128, cuBLAS), where this torch has it
 
     python scripts/bench_fp8_gemm.py [--rows 1,16,32,64,256,2048] [--out DIR] [--no-moe]
 
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_lora.ops import grouped_mm as moe_ops
-from tp_lora.ops.fp8 import dequantize, fp8_linear, quantize_fp8_per_channel
+from tp_lora.ops.fp8 import blockwise_mm, dequantize, fp8_linear, quantize_fp8_per_channel
 from tp_lora.ops.triton import fp8_gemm
 from tp_lora.ops.triton.fp8_quant import quantize_per_group, quantize_per_token
 
@@ -80,38 +79,25 @@ def graph_time(calls, repeat: int = 1) -> float:
     return sorted(times)[2]
 
 
-PAIR_CFGS = [dict(fp8_gemm.W8A8_BLOCK, PAIR=True), dict(fp8_gemm.W8A8_BLOCK, PAIR=True, num_stages=4),
-             dict(fp8_gemm.W8A8_BLOCK, PAIR=True, BLOCK_M=128, num_warps=8)]
-
-
 def paths(x: torch.Tensor, block_k):
-    """name -> a callable of (w, scale), or a list of them (configurations: the fastest counts), for each fp8 path
-    that takes these scales at x's rows."""
+    """name -> a callable of (w, scale) for each fp8 path that takes these scales at x's rows."""
     m = x.shape[0]
-    out = {"fp8_linear": lambda w, s: fp8_linear(x, w, s, block_k)}
+    out = {"fp8_linear": lambda w, s: fp8_linear(x, w, s, block_k, block_k)}  # blocks of 128 x 128
     if m <= fp8_gemm.MAX_ROWS:
         out["w8a16"] = lambda w, s: fp8_gemm.w8a16_mm(x, w, s, block_k, fp8_gemm.w8a16_config(m, *w.shape))
     if m < 16:
         return out
     if block_k is None:
-        def scaled(w, s, fast=False):
+        def scaled(w, s, fast):
             xq, xs = quantize_per_token(x)
             return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=x.dtype,
                                     use_fast_accum=fast)
-        out["scaled_mm"] = scaled
+        out["scaled_mm"] = lambda w, s: scaled(w, s, False)
         out["scaled_fast"] = lambda w, s: scaled(w, s, True)
-        out["w8a8"] = lambda w, s: fp8_gemm.w8a8_mm(*quantize_per_token(x), w, s, None, x.dtype)
         return out
     out["w8a8"] = lambda w, s: fp8_gemm.w8a8_mm(*quantize_per_group(x, block_k), w, s, block_k, x.dtype)
-    out["w8a8_pair"] = [lambda w, s, c=c: fp8_gemm.w8a8_mm(*quantize_per_group(x, block_k), w, s, block_k, x.dtype,
-                                                           c) for c in PAIR_CFGS]
-    if hasattr(F, "scaled_mm") and m % 4 == 0:
-        def blockwise(w, s):
-            xq, xs = quantize_per_group(x, block_k)
-            sb = s[::128].contiguous().t()  # the layers' per-row copies of the block scales: one row per block
-            return F.scaled_mm(xq, w.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, sb,
-                               F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
-        out["blockwise"] = blockwise
+    if hasattr(F, "scaled_mm"):
+        out["blockwise"] = lambda w, s: blockwise_mm(x, w, s)
     return out
 
 
@@ -179,27 +165,20 @@ def main() -> None:
                 row = dict(layer=name, n=n, k=k, rows=m, scales="channel" if block_k is None else "block128",
                            bf16_us=graph_time([lambda w=w_: F.linear(x, w) for w_ in w]) * 1e6)
                 row["bf16_of_floor"] = 2 * floor / (row["bf16_us"] / 1e6)
-                for path, calls in paths(x, block_k).items():
-                    best = None
-                    for i, call in enumerate(calls if isinstance(calls, list) else [calls]):
-                        try:
-                            err = float((call(*q[0]).float() - ref).norm() / ref.norm())
-                        except Exception as e:  # noqa: BLE001 - a library path this stack lacks: left out
-                            print(f"{name} {m} {path}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                            continue
-                        t = graph_time([lambda q=q_, call=call: call(*q) for q_ in q], repeat=2)
-                        if best is None or t < best[0]:
-                            best = (t, err, i)
-                    if best is not None:
-                        t, err, i = best
-                        row[path] = dict(us=t * 1e6, speedup=row["bf16_us"] / 1e6 / t, of_floor=floor / t,
-                                         rel_err=err, cfg=i)
+                for path, call in paths(x, block_k).items():
+                    try:
+                        err = float((call(*q[0]).float() - ref).norm() / ref.norm())
+                    except Exception as e:  # noqa: BLE001 - a library path this stack lacks: left out
+                        print(f"{name} {m} {path}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                        continue
+                    t = graph_time([lambda q=q_, call=call: call(*q) for q_ in q], repeat=2)
+                    row[path] = dict(us=t * 1e6, speedup=row["bf16_us"] / 1e6 / t, of_floor=floor / t, rel_err=err)
                 rows.append(row)
                 print("row", json.dumps(row), flush=True)
             del q
         del w
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    names = ("fp8_linear", "w8a16", "w8a8", "w8a8_pair", "scaled_mm", "scaled_fast", "blockwise")
+    names = ("fp8_linear", "w8a16", "w8a8", "scaled_mm", "scaled_fast", "blockwise")
     print("speed against bf16 (fp8 weight-bytes floor / time in brackets); rel err of fp8_linear / the largest")
     print("| layer | scales | rows | bf16 us | bf16 of floor | fp8_linear us | " + " | ".join(names) + " | rel err |")
     print("|---|---|---|---|---|---|" + "---|" * len(names) + "---|")

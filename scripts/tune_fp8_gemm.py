@@ -3,8 +3,8 @@ one GPU, beside bf16 F.linear, torch._scaled_mm (W8A8 per channel) and the FP8 w
 
     w8a16_mm  at --small-rows (decode): every (BLOCK_N, BLOCK_K, warps, stages) x SPLIT_K; the best few then at
               --check-rows; the weight-only grouped GEMM the layers ran before (grouped_mm, one expert) beside it
-    w8a8_mm   at --prefill-rows: every (BLOCK_M, BLOCK_N, warps, stages), per-channel and [128, 128]-block scales,
-              with the activations' quantization kernel in the time
+    w8a8_mm   at --prefill-rows: every (BLOCK_M, BLOCK_N, warps, stages), [128, 128]-block scales, with the
+              activations' quantization kernel in the time (per-channel prefill: scripts/bench_fp8_gemm.py)
 
     python scripts/tune_fp8_gemm.py [--small-rows 32] [--check-rows 1,16,64] [--prefill-rows 2048] [--out DIR]
     python scripts/tune_fp8_gemm.py --smoke   (CPU / interpreter: tiny shapes, two configs, no timing)
@@ -31,8 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fp8_gemm import L2_BYTES, SHAPES, block_scales, copy_bandwidth, graph_time  # noqa: E402
 
-from tp_lora.ops.fp8 import (quantize_fp8_per_channel, quantize_per_group, quantize_per_token,  # noqa: E402
-                             w8a8_mm_ref, w8a16_mm_ref)
+from tp_lora.ops.fp8 import quantize_fp8_per_channel, quantize_per_group, w8a8_mm_ref, w8a16_mm_ref  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16)
 SMALL = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
@@ -72,8 +71,7 @@ def compile_one(kind, m, block_k, cfg):
         if kind == "w8a16":
             fp8_gemm.w8a16_mm(x, w, s, block_k, dict(cfg, SPLIT_K=split))
     if kind == "w8a8":
-        xq, xs = quantize_per_token(x) if block_k is None else fp8_quant.quantize_per_group(x, block_k)
-        fp8_gemm.w8a8_mm(xq, xs, w, s, block_k, x.dtype, cfg)
+        fp8_gemm.w8a8_mm(*fp8_quant.quantize_per_group(x, block_k), w, s, block_k, x.dtype, cfg)
     torch.cuda.synchronize()
     return None
 
@@ -139,14 +137,11 @@ def prefill(n, k, block_k, m, q, wb, bw):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
     def quant():
-        return fp8_quant.quantize_per_token(x) if block_k is None else fp8_quant.quantize_per_group(x, block_k)
+        return fp8_quant.quantize_per_group(x, block_k)
     xq, xs = quant()
     want = w8a8_mm_ref(xq, xs, *q[0], block_k, x.dtype)
     row = dict(bf16_us=graph_time([lambda w=w: F.linear(x, w) for w in wb]) * 1e6,
                quant_us=graph_time([quant] * 4) * 1e6, sweep=[])
-    if block_k is None:
-        row["scaled_mm_us"] = graph_time([lambda q_=q_: torch._scaled_mm(
-            xq, q_[0].t(), scale_a=xs, scale_b=q_[1].view(1, -1), out_dtype=x.dtype) for q_ in q]) * 1e6
     for cfg in PREFILL:
         if not runs(lambda: fp8_gemm.w8a8_mm(xq, xs, *q[0], block_k, x.dtype, cfg)):
             continue
@@ -168,9 +163,10 @@ def smoke() -> None:
             for split in SPLITS[:2]:
                 got = fp8_gemm.w8a16_mm(x, w, s, block_k, dict(cfg, SPLIT_K=split))
                 assert rel_err(got, w8a16_mm_ref(x, w, s, block_k)) < 2e-2
-        xq, xs = quantize_per_token(x) if block_k is None else quantize_per_group(x, block_k)
-        got = fp8_gemm.w8a8_mm(xq, xs, w, s, block_k, x.dtype, dict(PREFILL[0], BLOCK_M=16, BLOCK_N=32))
-        assert rel_err(got, w8a8_mm_ref(xq, xs, w, s, block_k, x.dtype)) < 2e-2
+        if block_k is not None:
+            xq, xs = quantize_per_group(x, block_k)
+            got = fp8_gemm.w8a8_mm(xq, xs, w, s, block_k, x.dtype, dict(PREFILL[0], BLOCK_M=16, BLOCK_N=32))
+            assert rel_err(got, w8a8_mm_ref(xq, xs, w, s, block_k, x.dtype)) < 2e-2
     print("smoke ok")
 
 
@@ -219,7 +215,7 @@ def main() -> None:
     check_rows = [int(r) for r in args.check_rows.split(",") if r]
     shapes = args.shapes.split(",")
     tasks = [("w8a16", args.small_rows, b, c) for b in scales for c in SMALL if b is None or c["BLOCK_K"] <= b]
-    tasks += [("w8a8", args.prefill_rows, b, c) for b in scales for c in PREFILL]
+    tasks += [("w8a8", args.prefill_rows, 128, c) for c in PREFILL]
     precompile(tasks, args.workers)
     print(f"compiled {len(tasks)} configurations", flush=True)
     bw = copy_bandwidth()
@@ -240,12 +236,13 @@ def main() -> None:
                     run_small(result, top, key, n, k, block_k, args.small_rows, q, wb, bw)
                 else:
                     run_check(result, top, key, n, k, block_k, check_rows, q, wb, bw)
+                    if block_k is None:
+                        continue
                     pre = prefill(n, k, block_k, args.prefill_rows, q, wb, bw)
                     result["prefill"][key] = pre
                     b = pre["sweep"][0]
                     print(f"prefill {key} rows {args.prefill_rows}: bf16 {pre['bf16_us']:.0f} us, quant "
-                          f"{pre['quant_us']:.1f}, scaled_mm {pre.get('scaled_mm_us', 0):.0f}, best {fmt_cfg(b['cfg'])}"
-                          f" {b['us']:.0f} us ({pre['bf16_us'] / (b['us'] + pre['quant_us']):.2f}x bf16 with quant, "
+                          f"{pre['quant_us']:.1f}, best {fmt_cfg(b['cfg'])} {b['us']:.0f} us ({pre['bf16_us'] / (b['us'] + pre['quant_us']):.2f}x bf16 with quant, "
                           f"{pre['tflops_best']:.0f} TFLOP/s), err {b['rel_err']:.1e}", flush=True)
                 del q
             del wb
@@ -263,13 +260,12 @@ def main() -> None:
                   f"{c['bf16_us'] / c['grouped_mm_us']:.2f}x | {sm} | {b['us']:.1f} us "
                   f"{c['bf16_us'] / b['us']:.2f}x | {fmt_cfg(b['cfg'])} | {c['floor_us'] / b['us']:.0%} | "
                   f"{c['n'] * c['k'] / 3.35e12 * 1e6 / b['us']:.0%} | {max(e['rel_err'] for e in c['sweep']):.1e} |")
-    print("\n| layer / scales | rows | bf16 us | quant us | scaled_mm (+quant) | w8a8_mm best (+quant) | cfg "
-          "M/N/K/warps/stages | TFLOP/s | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| layer / scales | rows | bf16 us | quant us | w8a8_mm best (+quant) | cfg M/N/K/warps/stages | "
+          "TFLOP/s | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
     for key, r in result["prefill"].items():
         b = r["sweep"][0]
-        sm = (f"{r['bf16_us'] / (r['scaled_mm_us'] + r['quant_us']):.2f}x" if "scaled_mm_us" in r else "-")
-        print(f"| {key} | {args.prefill_rows} | {r['bf16_us']:.0f} | {r['quant_us']:.1f} | {sm} | "
+        print(f"| {key} | {args.prefill_rows} | {r['bf16_us']:.0f} | {r['quant_us']:.1f} | "
               f"{b['us']:.0f} us {r['bf16_us'] / (b['us'] + r['quant_us']):.2f}x | {fmt_cfg(b['cfg'])} | "
               f"{r['tflops_best']:.0f} | {max(e['rel_err'] for e in r['sweep']):.1e} |")
     os.makedirs(args.out, exist_ok=True)

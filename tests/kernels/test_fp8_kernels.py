@@ -6,20 +6,20 @@
   activations;
 - the base layers' fp8 GEMMs (tp_lora.ops.triton.fp8_gemm) against their references: the weight-only split-K
   w8a16_mm (splits that do not divide K's tiles, more splits than tiles, ragged N and K, block scales narrower than
-  the tile; the split counters back at 0 and a second call equal to the first), W8A8 w8a8_mm per channel and per
-  block (ragged M, N, K; two K tiles per step with an odd and an even tile count);
+  the tile; the split counters back at 0 and a second call equal to the first), W8A8 w8a8_mm with block scales
+  (ragged M, N, K; the activation scales token-major or row-major);
 - fp8_linear with the kernels on, at decode rows (w8a16_mm) and past them (block scales: per-group quantization +
-  w8a8_mm; per-channel: W8A8 through torch._scaled_mm on CUDA, from PREFILL_ROWS w8a8_mm; the dequantised GEMM on
-  the CPU below PREFILL_ROWS), against x @ dequantize(w)^T;
-- the per-token and per-group activation quantization kernels against quantize_per_token / quantize_per_group.
+  cuBLAS's block-scaled GEMM on an sm90 GPU when the rows lie in whole blocks, else w8a8_mm; per-channel: W8A8
+  through torch._scaled_mm on CUDA, the dequantised GEMM elsewhere), against x @ dequantize(w)^T;
+- the per-token and per-group activation quantization kernels against quantize_per_token / quantize_per_group (rows
+  padded to a multiple of 4, token-major scales).
 """
 import pytest
 import torch
 
 from tp_lora.ops import fused
-from tp_lora.ops.fp8 import (PREFILL_ROWS, SMALL_ROWS, SMALL_ROWS_BLOCK, dequantize, fp8_linear,
-                              quantize_fp8_per_channel, quantize_per_group, quantize_per_token, w8a8_mm_ref,
-                              w8a16_mm_ref)
+from tp_lora.ops.fp8 import (SMALL_ROWS, dequantize, fp8_linear, quantize_fp8_per_channel, quantize_per_group,
+                              quantize_per_token, w8a8_mm_ref, w8a16_mm_ref)
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref
 
 
@@ -82,41 +82,44 @@ def test_w8a16_mm_refuses_more_rows_than_one_block(device):
         fp8_gemm.w8a16_mm(torch.zeros(65, 32, device=device), w, torch.ones(16, device=device), None)
 
 
-@pytest.mark.parametrize("rows,n,k,block_k,pair", [(37, 40, 200, None, False), (70, 72, 320, 64, False),
-                                                   (20, 48, 300, 128, False), (20, 48, 300, 64, True),
-                                                   (9, 40, 256, 64, True)])
-def test_w8a8_mm_matches_its_reference(device, rows, n, k, block_k, pair):
+@pytest.mark.parametrize("rows,n,k,block_k", [(70, 72, 320, 64), (20, 48, 300, 128), (9, 40, 256, 32)])
+def test_w8a8_mm_matches_its_reference(device, rows, n, k, block_k):
     from tp_lora.ops.triton import fp8_gemm
     gen = torch.Generator().manual_seed(rows * n + k)
     w, scale = fp8_weights(gen, 1, n, k, block_k)
     w, scale = w[0].to(device), scale[0].to(device)
     x = torch.randn(rows, k, generator=gen).to(device)
-    xq, xs = quantize_per_token(x) if block_k is None else quantize_per_group(x, block_k)
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2, PAIR=pair)
+    xq, xs = quantize_per_group(x, block_k)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
     got = fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, torch.bfloat16, cfg)
     want = w8a8_mm_ref(xq, xs, w, scale, block_k, torch.float32)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     assert rel_err(got, want) < 1e-2
+    # scales in any layout (row-major here) give the same product
+    torch.testing.assert_close(fp8_gemm.w8a8_mm(xq, xs.contiguous(), w, scale, block_k, torch.bfloat16, cfg), got,
+                               rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 5, SMALL_ROWS, SMALL_ROWS_BLOCK, SMALL_ROWS_BLOCK + 31, PREFILL_ROWS + 3])
-@pytest.mark.parametrize("block_k", [None, 128])
-def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatch, rows, block_k):
+@pytest.mark.parametrize("rows", [1, 5, SMALL_ROWS, SMALL_ROWS + 1, 95])
+@pytest.mark.parametrize("block_k,block_n", [(None, None), (128, 128), (128, None)])
+def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatch, rows, block_k, block_n):
     monkeypatch.setattr(fused, "KERNELS", True)
     gen = torch.Generator().manual_seed(rows + (block_k or 1))
     n, k = 96, 320
     w, scale = fp8_weights(gen, 1, n, k, block_k)
     w, scale = w[0].to(device), scale[0].to(device)
-    # exact under the activations' quantization (per token, per group) on the CPU, whose interpreter rounds some
-    # values to fp8 wrongly
+    # exact under the activations' per-group quantization on the CPU, whose interpreter rounds some values to fp8
+    # wrongly (per-channel weights past SMALL_ROWS take the dequantised GEMM there)
     x = representable(gen, rows, k, block_k) if device == "cpu" else torch.randn(rows, k, generator=gen)
     x = x.to(torch.bfloat16).to(device)
-    got = fp8_linear(x, w, scale, block_k)
+    if block_n is not None:  # the layers' layout of [128, 128] blocks: a block's scale row on each of its rows
+        scale = scale[::block_n].repeat_interleave(block_n, 0)[:n]
+    got = fp8_linear(x, w, scale, block_k, block_n)
     want = x.float() @ dequantize(w, scale, block_k).t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     # Past the weight-only GEMM's rows on CUDA the activations are quantized too (W8A8): e4m3 rounding of x adds up
     # to 2^-4 relative per element, a few percent of the output's scale over K terms.
-    w8a8 = device == "cuda" and rows > (SMALL_ROWS if block_k is None else SMALL_ROWS_BLOCK)
+    w8a8 = device == "cuda" and rows > SMALL_ROWS
     assert rel_err(got, want) < (0.08 if w8a8 else 0.02)
 
 
@@ -151,18 +154,23 @@ def test_per_token_quantization_kernel_matches_the_reference(device, rows, k):
         assert torch.equal(q.float(), want_q.float())
 
 
-@pytest.mark.parametrize("rows,k,group", [(1, 256, 128), (5, 1000, 128), (3, 320, 64)])
-def test_per_group_quantization_kernel_matches_the_reference(device, rows, k, group):
+@pytest.mark.parametrize("rows,k,group,rows_to", [(1, 256, 128, 1), (5, 1000, 128, 4), (3, 320, 64, 1),
+                                                   (6, 256, 128, 4)])
+def test_per_group_quantization_kernel_matches_the_reference(device, rows, k, group, rows_to):
     from tp_lora.ops.triton.fp8_quant import quantize_per_group as kernel
     gen = torch.Generator().manual_seed(rows * k + group)
     inputs = [representable(gen, rows, k, group).to(torch.bfloat16)]
     if device == "cuda":
         inputs.append(torch.randn(rows, k, generator=gen).to(torch.bfloat16))
+    padded = -(-rows // rows_to) * rows_to
     for x in inputs:
         x[0, :group] = 0  # an all-zero group: scale 1e-12, zeros out
         x = x.to(device)
-        q, s = kernel(x, group)
-        want_q, want_s = quantize_per_group(x, group)
-        assert q.dtype == torch.float8_e4m3fn and s.shape == (rows, -(-k // group))
+        q, s = kernel(x, group, rows_to)
+        want_q, want_s = quantize_per_group(x, group, rows_to)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == (padded, k) and s.shape == (padded, -(-k // group))
+        if padded > 1:  # token-major, as cuBLAS's block-scaled GEMM takes them
+            assert s.stride(0) == 1 and want_s.stride(0) == 1
         torch.testing.assert_close(s, want_s, rtol=0, atol=0)
         assert torch.equal(q.float(), want_q.float())
+        assert not q[rows:].float().any() and (s[rows:] == 1).all()  # padding rows: zeros, scale 1

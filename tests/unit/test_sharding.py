@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tp_lora.layers.linear import column_spec, qkv_spec, row_spec
+from tp_lora.layers.linear import blocks_aligned, column_spec, qkv_spec, row_spec
 from tp_lora.sharding import even_range, shard_lora_a, shard_lora_b, shard_weight, unit_range
 
 
@@ -42,3 +42,17 @@ def test_lora_shards_follow_the_mode(fully):
     assert torch.equal(torch.cat([shard_lora_a(row, a, r, 2, fully) for r in range(2)], 1), a)
     b_parts = [shard_lora_b(row, 0, b, r, 2, fully) for r in range(2)]
     assert torch.equal(torch.cat(b_parts, 0), b) if fully else all(torch.equal(p, b) for p in b_parts)
+
+
+def test_blocks_aligned_knows_whether_rows_lie_in_whole_scale_blocks():
+    """fp8 [128, 128]-block layers hand cuBLAS one scale row per 128 weight rows only when every slice starts on a
+    block boundary of its checkpoint tensor and of the local weight."""
+    llama = qkv_spec(4096, 32, 8, 128)  # q 4096 | k 1024 | v 1024 rows
+    assert all(blocks_aligned(llama, r, p, 128) for p in (1, 2, 8) for r in range(p))
+    assert all(blocks_aligned(llama, r, 16, 128) for r in range(16))  # KV heads replicated: one head of 128 rows
+    assert blocks_aligned(row_spec(14336, 4096), 1, 2, 128)
+    assert blocks_aligned(column_spec(4096, 14336, 14336), 1, 8, 128)  # 1792 rows of each slice
+    assert blocks_aligned(column_spec(4096, 14336, 14336), 1, 16, 128)  # 896 = 7 x 128 rows of each slice
+    assert not blocks_aligned(column_spec(4096, 1000, 1000), 0, 1, 128)  # the second slice at row 1000
+    # head_dim 64, 2 KV heads replicated over 4 ranks: k and v of 64 rows, the second head at a block's middle
+    assert not any(blocks_aligned(qkv_spec(1024, 16, 2, 64), r, 4, 128) for r in range(4))

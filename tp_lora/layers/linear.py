@@ -38,6 +38,10 @@ class ParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, in1 - in0, dtype=FP8_DTYPE if quant else dtype, device=device),
                                    requires_grad=False)
         self.block_k = quant.block[1] if quant is not None and quant.block is not None else None
+        # rows per block when this rank's rows lie in whole blocks (the block-scaled GEMMs that take one scale row
+        # per block need it), else None
+        self.block_n = (quant.block[0] if self.block_k is not None and blocks_aligned(spec, tp.rank, tp.size,
+                                                                                       quant.block[0]) else None)
         scale_shape = (rows,) if self.block_k is None else (rows, -(-(in1 - in0) // self.block_k))
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device)
                              if quant is not None else None)
@@ -90,7 +94,8 @@ class ParallelLinear(nn.Module):
                    self.spec.in_range(self.tp.rank, self.tp.size), self.spec.in_features, self.quant, scale, what)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight.t() if self.quant is None else fp8_linear(x, self.weight, self.weight_scale, self.block_k)
+        y = (x @ self.weight.t() if self.quant is None
+             else fp8_linear(x, self.weight, self.weight_scale, self.block_k, self.block_n))
         if self.bias is not None and self.spec.kind != "row":
             y = y + self.bias
         return y
@@ -105,6 +110,17 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.partial(x))
+
+
+def blocks_aligned(spec: LinearSpec, rank: int, size: int, block_n: int) -> bool:
+    """Whether a rank's weight rows lie in whole blocks of block_n rows sharing one scale row: every slice starts
+    on a block boundary of its checkpoint tensor (one per slice, or the slices fused) and of the local weight."""
+    row0 = 0
+    for s, (a, b) in enumerate(spec.slice_ranges(rank, size)):
+        if a % block_n or spec.fused_rows(s, rank, size)[0] % block_n or row0 % block_n:
+            return False
+        row0 += b - a
+    return True
 
 
 def column_spec(in_features: int, *out_features: int) -> LinearSpec:

@@ -1,17 +1,17 @@
 """FP8 (e4m3): storage for LoRA weights (per-output-channel scales, dequantised inside the kernels) and the base
 layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation quantization and the GEMM.
 
-    fp8_linear(x [T, K], w [N, K] fp8, scale, block_k) -> [T, N] in x's dtype
+    fp8_linear(x [T, K], w [N, K] fp8, scale, block_k, block_n=None) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
-With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter), tp_lora.ops.triton.fp8_gemm:
-up to SMALL_ROWS rows (decode) the weight-only split-K GEMM (w8a16_mm: fp8 tiles widened in registers, scales on
-the partial sums; it reads only the fp8 bytes and quantizes nothing); more rows with block scales, W8A8 on the fp8
-tensor cores (w8a8_mm) after one kernel quantizes the activations per (token, block_k columns). More rows with
-per-channel scales on CUDA: activations quantized per token (one Triton kernel; torch ops with the kernels off) and
-torch._scaled_mm with both scale vectors. Elsewhere (the CPU): the weights dequantised in float32, cast to x's
-dtype, then one GEMM: the exact reference the tests compare layouts with. w8a16_mm_ref / w8a8_mm_ref are the
-kernels' references (same signatures)."""
+With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter): up to SMALL_ROWS rows (decode)
+the weight-only split-K GEMM (tp_lora.ops.triton.fp8_gemm.w8a16_mm: fp8 tiles widened in registers, scales on the
+partial sums; it reads only the fp8 bytes and quantizes nothing). More rows, W8A8 on the fp8 tensor cores with the
+activations quantized by one Triton kernel: per-channel weights through torch._scaled_mm (rowwise scales, fast
+accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where the layer's
+rows lie in whole blocks, else the Triton w8a8_mm (scales per K tile in its main loop). Elsewhere (the CPU): the
+weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare layouts with.
+w8a16_mm_ref / w8a8_mm_ref are the Triton kernels' references (same signatures)."""
 from __future__ import annotations
 
 import threading
@@ -77,15 +77,18 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
-def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (x_fp8 [T, K], scales [T, ceil(K / group)] float32), one scale per (row, group columns): the
-    activations of a block-scaled W8A8 GEMM. The reference of tp_lora.ops.triton.fp8_quant.quantize_per_group."""
+def quantize_per_group(x: torch.Tensor, group: int, rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (x_fp8 [T', K], scales [T', ceil(K / group)] float32), one scale per (row, group columns): the
+    activations of a block-scaled W8A8 GEMM. T' is T rounded up to a multiple of rows_to (the extra rows zeros with
+    scale 1); the scales token-major (stride 1 along T'). The reference of
+    tp_lora.ops.triton.fp8_quant.quantize_per_group."""
     t, k = x.shape
     g = -(-k // group)
-    xp = torch.nn.functional.pad(x.float(), (0, g * group - k)).view(t, g, group)
+    xp = torch.nn.functional.pad(x.float(), (0, g * group - k, 0, -t % rows_to)).view(-1, g, group)
     scales = (xp.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)
-    q = (xp / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(t, g * group)[:, :k]
-    return q.contiguous(), scales
+    scales[t:] = 1.0
+    q = (xp / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(-1, g * group)[:, :k]
+    return q.contiguous(), scales.t().contiguous().t()
 
 
 def w8a16_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
@@ -95,17 +98,15 @@ def w8a16_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k:
     return (x.float() @ dequantize(w, scale, block_k).t()).to(x.dtype)
 
 
-def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int,
                 out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
-    """Quantized activations xq [M, K] fp8 with xs [M, 1] (per token) or [M, ceil(K / block_k)] (per group) times
-    the dequantised w [N, K]^T, in float32, rounded once to out_dtype."""
-    a = xq.float() * (xs if xs.shape[1] == 1 else xs.repeat_interleave(block_k, -1)[:, :xq.shape[1]])
+    """Activations quantized per group, xq [M, K] fp8 with xs [M, ceil(K / block_k)], times the dequantised
+    block-scaled w [N, K]^T, in float32, rounded once to out_dtype."""
+    a = xq.float() * xs.repeat_interleave(block_k, -1)[:, :xq.shape[1]]
     return (a @ dequantize(w, scale, block_k).t()).to(out_dtype)
 
 
-SMALL_ROWS = 32  # rows up to which per-channel weights take the weight-only GEMM (past them W8A8 is faster)
-SMALL_ROWS_BLOCK = 64  # the same for block scales (every row of w8a16_mm's one row block)
-PREFILL_ROWS = 1024  # rows from which per-channel W8A8 takes w8a8_mm instead of torch._scaled_mm
+SMALL_ROWS = 32  # rows up to which the kernels run the weight-only GEMM (past them W8A8 is faster)
 
 
 def kernels_take(x: torch.Tensor, block_k: int | None) -> bool:
@@ -127,23 +128,51 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None) -> torch.Tensor:
+def blockwise_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None, block_n: int | None) -> bool:
+    """Whether fp8_linear runs cuBLAS's block-scaled GEMM (blockwise_mm): [128, 128] blocks whose rows share their
+    scale row (block_n 128: the layer's slices start on block boundaries), an sm90 GPU (the only one torch runs it
+    on) and a torch with F.scaled_mm, 16-aligned K, 16-bit output, the Triton quantization kernel on."""
+    return (block_k == 128 and block_n == 128 and x.is_cuda and hasattr(torch.nn.functional, "scaled_mm")
+            and _sm90(x.device.index) and x.dtype in (torch.bfloat16, torch.float16) and w.shape[1] % 16 == 0
+            and use_kernels(x))
+
+
+@lru_cache(maxsize=None)
+def _sm90(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def blockwise_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T with [128, 128]-block scales in the layers' layout (scale [N, K / 128], each block's
+    row repeated on its 128 rows) through F.scaled_mm: activations quantized per (token, 128 columns), rows padded
+    to a multiple of 4 as cuBLAS asks."""
+    from tp_lora.ops.triton.fp8_quant import quantize_per_group as quantize  # noqa: PLC0415 - CUDA only
+    f = torch.nn.functional
+    xq, xs = quantize(x, 128, rows_to=4)
+    out = f.scaled_mm(xq, w.t(), xs, f.ScalingType.BlockWise1x128, scale[::128].contiguous().t(),
+                      f.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    return out[:x.shape[0]]
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+               block_n: int | None = None) -> torch.Tensor:
+    """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
+    None where they may not."""
     rows = x.shape[0]
-    if rows and kernels_take(x, block_k):
+    if rows and (rows <= SMALL_ROWS or block_k is not None) and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
-        if rows <= (SMALL_ROWS if block_k is None else SMALL_ROWS_BLOCK):
+        if rows <= SMALL_ROWS:
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))
-        if block_k is not None:
-            xq, xs = fp8_quant.quantize_per_group(x, block_k)
-            return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype, fp8_gemm.w8a8_config(block_k))
-        if rows >= PREFILL_ROWS:
-            xq, xs = fp8_quant.quantize_per_token(x)
-            return fp8_gemm.w8a8_mm(xq, xs, w, scale, None, x.dtype, fp8_gemm.w8a8_config(None))
+        if blockwise_ok(x, w, block_k, block_n):
+            return blockwise_mm(x, w, scale)
+        xq, xs = fp8_quant.quantize_per_group(x, block_k)
+        return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype)
     if rows and scaled_mm_ok(x, w, block_k):
         if use_kernels(x):
             from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415
         else:
             quantize = quantize_per_token
         xq, xs = quantize(x)
-        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype,
+                                use_fast_accum=True)
     return x @ dequantize(w, scale, block_k).to(x.dtype).t()

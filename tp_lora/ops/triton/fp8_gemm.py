@@ -2,10 +2,10 @@
 references in tp_lora.ops.fp8:
 
     w8a16_mm(x [M, K], w [N, K] fp8, scale, block_k, cfg=None) -> [M, N] in x's dtype       (decode: M <= 64)
-    w8a8_mm(xq [M, K] fp8, xs, w [N, K] fp8, scale, block_k, out_dtype, cfg=None) -> [M, N]  (prefill)
+    w8a8_mm(xq [M, K] fp8, xs, w [N, K] fp8, scale, block_k, out_dtype, cfg=None) -> [M, N]  (block scales, prefill)
 
-scale: [N] per output channel (block_k None) or [N, ceil(K / block_k)] per block of block_k columns; xs: [M, 1] per
-token, or [M, ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant).
+scale: [N] per output channel (block_k None) or [N, ceil(K / block_k)] per block of block_k columns; xs: [M,
+ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant.quantize_per_group).
 
 w8a16_mm: weight-only. Few rows make the GEMM a stream of the weights, so programs own BLOCK_N output columns and a
 1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight; the fp8 tile is widened to x's dtype in
@@ -15,9 +15,10 @@ one to arrive sums the SPLIT_K partials in split order (the output does not depe
 channel scales, writes the output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA
 graph (the counters live in one int32 buffer per device; kernels on one stream take turns on it).
 
-w8a8_mm: both operands fp8 on the fp8 tensor cores, float32 accumulation; block scales (activations per token and
-block_k columns, weights per row and block) multiply each K tile's product, channel scales the end. Tiles are
-ordered in groups of GROUP_M row blocks so a wave of programs shares its weight tiles in L2.
+w8a8_mm: both operands fp8 on the fp8 tensor cores, float32 accumulation, the block scales (activations per token
+and block_k columns, weights per row and block) multiplying each K tile's product in the main loop. Tiles are
+ordered in groups of GROUP_M row blocks so a wave of programs shares its weight tiles in L2. cuBLAS's block-scaled
+GEMM beats it where torch has one (tp_lora.ops.fp8.blockwise_mm); this is the path elsewhere.
 """
 from __future__ import annotations
 
@@ -27,13 +28,12 @@ import triton.language as tl
 
 from tp_lora.ops.triton.dot import compute_types, mm
 
-SCALE_CHANNEL, SCALE_BLOCK = 1, 2
+SCALE_CHANNEL, SCALE_BLOCK = 1, 2  # w8a16_mm's scale layouts
 MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
 COUNTERS = 1 << 14  # column blocks a split-K launch may have (one ticket counter each)
 
-# Defaults when no tuned entry matches (tp_lora.ops.fp8 holds the per-shape table).
 W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
-W8A8_CHANNEL = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+# the winner of scripts/tune_fp8_gemm.py at 2048 rows of every Llama-3-8B shape on an H100 (BENCHMARKS.md)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 _counters: dict[int, torch.Tensor] = {}
@@ -136,9 +136,9 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int
 
 
 @triton.jit
-def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, M, N, K, s_am, s_asm, s_bn, s_bsn, s_om,
+def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, M, N, K, s_am, s_ask, s_bn, s_bsn, s_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 SCALES: tl.constexpr, SCALE_K: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr):
+                 SCALE_K: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -154,43 +154,26 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, M, N, K, s_am, s_asm, s_
     n_mask = offs_n < N
     a_blk = a_ptr + offs_m[:, None].to(tl.int64) * s_am + offs_k[None, :]
     b_blk = b_ptr + offs_n[None, :].to(tl.int64) * s_bn + offs_k[:, None]
-    as_row = as_ptr + offs_m.to(tl.int64) * s_asm
+    as_row = as_ptr + offs_m  # token-major activation scales: the K groups s_ask apart
     bs_row = bs_ptr + offs_n.to(tl.int64) * s_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K * (2 if PAIR else 1)):
+    for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if PAIR:  # two K tiles' products in flight before their scales wait on them
-            k1 = k0 + BLOCK_K
-            k1_mask = offs_k < K - k1
-            a1 = tl.load(a_blk + k1, mask=m_mask[:, None] & k1_mask[None, :], other=0.0)
-            b1 = tl.load(b_blk + k1, mask=k1_mask[:, None] & n_mask[None, :], other=0.0)
-            g1 = tl.minimum(k1, K - 1) // SCALE_K  # past K: a real group's scales times a zero product
-            sa = tl.load(as_row + k0 // SCALE_K, mask=m_mask, other=0.0)
-            sb = tl.load(bs_row + k0 // SCALE_K, mask=n_mask, other=0.0)
-            sa1 = tl.load(as_row + g1, mask=m_mask, other=0.0)
-            sb1 = tl.load(bs_row + g1, mask=n_mask, other=0.0)
-            p0 = tl.dot(a.to(DOT), b.to(DOT))
-            p1 = tl.dot(a1.to(DOT), b1.to(DOT))
-            acc += p0 * sa[:, None] * sb[None, :] + p1 * sa1[:, None] * sb1[None, :]
-        elif SCALES == 2:  # BLOCK_K divides SCALE_K: one scale per row of A and of B in this K tile
-            sa = tl.load(as_row + k0 // SCALE_K, mask=m_mask, other=0.0)
-            sb = tl.load(bs_row + k0 // SCALE_K, mask=n_mask, other=0.0)
-            acc += tl.dot(a.to(DOT), b.to(DOT)) * sa[:, None] * sb[None, :]
-        else:
-            acc = tl.dot(a.to(DOT), b.to(DOT), acc)
-    if SCALES == 1:
-        acc *= tl.load(as_row, mask=m_mask, other=0.0)[:, None] * tl.load(bs_row, mask=n_mask, other=0.0)[None, :]
+        # BLOCK_K divides SCALE_K: one scale per row of A and of B in this K tile
+        sa = tl.load(as_row + (k0 // SCALE_K) * s_ask, mask=m_mask, other=0.0)
+        sb = tl.load(bs_row + k0 // SCALE_K, mask=n_mask, other=0.0)
+        acc += tl.dot(a.to(DOT), b.to(DOT)) * sa[:, None] * sb[None, :]
     o = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int,
             out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
-    """cfg: BLOCK_M, BLOCK_N, BLOCK_K (at most block_k), GROUP_M, num_warps, num_stages; PAIR (block scales):
-    two K tiles per step."""
-    cfg = {**(W8A8_CHANNEL if block_k is None else W8A8_BLOCK), **(cfg or {})}
+    """cfg: BLOCK_M, BLOCK_N, BLOCK_K (at most block_k), GROUP_M, num_warps, num_stages. xs token-major (stride 1
+    along M, as quantize_per_group makes it) or any other strides."""
+    cfg = {**W8A8_BLOCK, **(cfg or {})}
     m, k = xq.shape
     n = w.shape[0]
     if xq.stride(-1) != 1 or w.stride(-1) != 1:
@@ -199,14 +182,14 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    xs, scale = xs.contiguous(), scale.contiguous()
-    bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
+    if xs.stride(0) != 1:
+        xs = xs.t().contiguous().t()
+    scale = scale.contiguous()
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _w8a8_kernel[grid](
-        xq, xs, w, scale, out, m, n, k, xq.stride(0), xs.stride(0), w.stride(0), scale.stride(0), out.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        SCALES=SCALE_CHANNEL if block_k is None else SCALE_BLOCK, SCALE_K=block_k or 1,
-        PAIR=block_k is not None and cfg.get("PAIR", False), DOT=tl.float32 if _interpreting() else tl.float8e4nv,
+        xq, xs, w, scale, out, m, n, k, xq.stride(0), xs.stride(1), w.stride(0), scale.stride(0), out.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], block_k),
+        GROUP_M=cfg["GROUP_M"], SCALE_K=block_k, DOT=tl.float32 if _interpreting() else tl.float8e4nv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -222,9 +205,3 @@ def w8a16_config(m: int, n: int, k: int) -> dict:
     while split < 8 and blocks * split * 2 <= budget and k // (split * 2) >= 1024:
         split *= 2
     return dict(W8A16_DEFAULT, SPLIT_K=split)
-
-
-def w8a8_config(block_k: int | None) -> dict:
-    """The launch configuration of w8a8_mm: the winners of scripts/tune_fp8_gemm.py at 2048 rows of the
-    Llama-3-8B shapes on an H100, per-channel and [128, 128]-block scales (BENCHMARKS.md)."""
-    return dict(W8A8_CHANNEL if block_k is None else W8A8_BLOCK)

@@ -1,11 +1,13 @@
 """Dynamic fp8 activation quantization in one launch, with the signatures of the references in tp_lora.ops.fp8:
 
     quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)
-    quantize_per_group(x [T, K], group) -> (x_fp8 [T, K], scales [T, ceil(K / group)] float32)
+    quantize_per_group(x [T, K], group, rows_to=1) -> (x_fp8 [T', K], scales [T', ceil(K / group)] float32)
 
 Each row (per token) or each group of `group` columns of a row (per group, the activations of block-scaled GEMMs) is
 divided by max(amax / 448, 1e-12), clamped and rounded to e4m3, as the references compute it. Per token: one program
-per row; per group: a program per GROUPS groups of a row.
+per row; per group: a program per GROUPS groups of a row. Per group, T' is T rounded up to a multiple of rows_to
+(the extra rows zeros with scale 1) and the scales are token-major (stride 1 along T'), the layout cuBLAS's
+block-scaled GEMM takes.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ GROUPS = 8  # groups of one row per program of the per-group kernel
 
 
 @triton.jit
-def _per_group_kernel(x_ptr, q_ptr, s_ptr, K, G, s_xm, s_qm, s_sm, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+def _per_group_kernel(x_ptr, q_ptr, s_ptr, K, G, s_xm, s_qm, s_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                       FMAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -58,21 +60,25 @@ def _per_group_kernel(x_ptr, q_ptr, s_ptr, K, G, s_xm, s_qm, s_sm, GROUP: tl.con
     mask = (g[:, None] < G) & (cols < K)
     v = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FMAX, 1e-12)
-    tl.store(s_ptr + row * s_sm + g, scale, mask=g < G)
+    tl.store(s_ptr + row + g * s_sg, scale, mask=g < G)
     q = tl.minimum(tl.maximum(v / scale[:, None], -FMAX), FMAX)
     tl.store(q_ptr + row * s_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_group(x: torch.Tensor, group: int, rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     if group < 16 or group & (group - 1):
         raise ValueError(f"quantize_per_group: group={group}: expected a power of two of at least 16")
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, k = x.shape
     g = -(-k // group)
-    q = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(t, g, dtype=torch.float32, device=x.device)
+    padded = -(-t // rows_to) * rows_to
+    q = torch.empty(padded, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(g, padded, dtype=torch.float32, device=x.device).t()  # token-major [padded, g]
+    if padded > t:  # rows past x: zeros (scale 1), exact in any GEMM
+        q[t:].zero_()
+        scales[t:].fill_(1.0)
     if t:
         _per_group_kernel[(t, triton.cdiv(g, GROUPS))](x, q, scales, k, g, x.stride(0), q.stride(0),
-                                                       scales.stride(0), GROUP=group, GROUPS=GROUPS, FMAX=FP8_MAX)
+                                                       scales.stride(1), GROUP=group, GROUPS=GROUPS, FMAX=FP8_MAX)
     return q, scales
