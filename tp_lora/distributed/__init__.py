@@ -8,8 +8,9 @@ parallel groups). With one process nothing is initialised and every collective i
 
 All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES PyTorch's symmetric-memory
 kernels, which read the peers' staging buffers over NVLink directly (one-shot up to one_shot_max_bytes, two-shot
-above): lower latency than NCCL for a decode step's messages (BENCHMARKS.md). Never NVLink multicast (multimem): only
-peer loads and stores.
+above): lower latency than NCCL for a decode step's messages (BENCHMARKS.md). The same path gives the group's
+all-gathers a peer kernel and fused_peer a buffer for kernels that fuse the reduce with what follows
+(tp_lora.distributed.peer). Never NVLink multicast (multimem): only peer loads and stores.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from tp_lora.distributed.peer import (GATHER_MAX_BYTES, PEER_MAX_BYTES, PeerAllReduce, PeerBuffer,  # noqa: F401
+                                     one_shot_max_bytes)
 
 
 @dataclass
@@ -74,12 +78,25 @@ def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
+def fused_peer(t: torch.Tensor, group: Group) -> PeerBuffer | None:
+    """The group's staging buffer for t's dtype where t's all-reduce is fused into the kernel that consumes it
+    (tp_lora.ops.fused.reduce_add_rms_norm: up to fused_max_bytes), counted as the all_reduce it is. None:
+    all_reduce(t) instead (the same choice on every rank)."""
+    if group.size == 1 or group.peer is None or not group.peer.takes_fused(t):
+        return None
+    STATS.record("all_reduce", group, t)
+    return group.peer.buffer(t.dtype)
+
+
 def all_gather(t: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's t along dim (rank order)."""
+    """Concatenate every rank's t along dim (rank order). Through peer memory where the group has it (dim 0 of a
+    2-dim t or the last dim, output up to GATHER_MAX_BYTES), else NCCL / gloo."""
     if group.size == 1:
         return t
     STATS.record("all_gather", group, t)
     dim = dim % t.dim()
+    if group.peer is not None and group.peer.takes_gather(t, group.size) and (dim == t.dim() - 1 or t.dim() == 2):
+        return group.peer.all_gather(t, dim)
     out = torch.empty((group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     _all_gather_tensor(out, t.contiguous(), group=group.pg)
     if dim == 0:
@@ -98,49 +115,6 @@ def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem")
-# Messages the symmetric-memory path takes (bytes), NCCL above; one-shot up to one_shot_max_bytes(ranks), two-shot
-# above: the crossovers of BENCHMARKS.md (issue 36), inside CUDA graphs at 2 and 4 ranks.
-PEER_MAX_BYTES = 8 << 20
-PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
-
-
-def one_shot_max_bytes(ranks: int) -> int:
-    """Where two-shot (each rank reduces 1/ranks, then gathers) overtakes one-shot (each reads all of every peer's)."""
-    return 512 << 10 if ranks <= 2 else 256 << 10
-
-
-class PeerAllReduce:
-    """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): each rank
-    stages its tensor in a buffer every peer maps, then reads the peers' buffers over NVLink and reduces (one-shot),
-    or reduces its 1/n share and writes it to every peer (two-shot). One buffer of max_bytes per dtype, allocated
-    and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs."""
-
-    def __init__(self, pg, device: torch.device, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None):
-        import torch.distributed._symmetric_memory as symm_mem
-        if symm_mem.get_backend(device) is None:
-            symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
-        self.name, self.max_bytes = pg.group_name, max_bytes
-        self.one_shot_max = one_shot_max_bytes(pg.size()) if one_shot_max is None else one_shot_max
-        self.bufs = {dt: symm_mem.empty(max_bytes // dt.itemsize, dtype=dt, device=device) for dt in PEER_DTYPES}
-        for buf in self.bufs.values():
-            symm_mem.rendezvous(buf, self.name)
-
-    def takes(self, t: torch.Tensor) -> bool:
-        return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.nbytes <= self.max_bytes
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over the group, in place. A message of whole 16-byte vectors at a 16-byte offset takes one kernel
-        (one-shot, which stages t itself) up to one_shot_max; any other is copied into the buffer padded to whole
-        vectors, reduced there two-shot and copied back."""
-        n, size, ops = t.numel(), t.element_size(), torch.ops.symm_mem
-        flat, buf = t.view(-1), self.bufs[t.dtype]
-        if t.nbytes <= self.one_shot_max and t.nbytes % 16 == 0 and (t.storage_offset() * size) % 16 == 0:
-            ops.one_shot_all_reduce_copy_out(buf[:n], flat, "sum", self.name, flat)
-            return t
-        buf[:n].copy_(flat)
-        ops.two_shot_all_reduce_(buf[:-(-n * size // 16) * 16 // size], "sum", self.name)
-        flat.copy_(buf[:n])
-        return t
 
 
 _PEER_GROUPS: list[Group] = []  # groups holding peer buffers, released by shutdown()
@@ -179,7 +153,8 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
         group.peer = PeerAllReduce(group.pg, device)
         _PEER_GROUPS.append(group)
         path = (f"symm_mem (one-shot up to {group.peer.one_shot_max >> 10} KiB, two-shot up to "
-                f"{PEER_MAX_BYTES >> 10} KiB, NCCL above)")
+                f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
+                f"{group.peer.fused_max >> 10} KiB; all-gathers up to {GATHER_MAX_BYTES >> 10} KiB)")
     if group.rank == 0 and group.ranks[0] == 0:
         print(f"parallel.allreduce={choice}: tp all-reduce over {group.size} ranks by {path}", flush=True)
     return "symm_mem" if group.peer is not None else "nccl"

@@ -1,0 +1,122 @@
+"""Collectives over NVLink peer memory (PyTorch symmetric memory): the tp group's all-reduce by PyTorch's one-shot /
+two-shot kernels, and our Triton kernels over a buffer of the same kind (tp_lora.distributed.peer_kernels): an
+all-gather, and the exchange a kernel fusing the all-reduce with what follows it (tp_lora.ops.triton.peer_norm)
+is built on.
+
+Our kernels push: program p of rank i writes its share of the message into slot i of every rank's buffer (posted
+NVLink stores), then sets its flag in every rank's signal pad to the call's number (a release store), waits until
+every rank's flag for it has reached that number (acquire loads of its own pad), and reads the slots locally. One
+one-way trip over NVLink, no barrier after the reads: calls alternate between the two halves of the buffer, so a
+rank writes into a half only after every rank has started the next call, hence finished reading that half. The
+call numbers live in device memory (`epochs`, one per program), so CUDA graphs replay the exchange; every kernel
+over the buffer launches the same fixed number of programs, so program p on every rank counts the same calls and
+stages exactly what program p of a peer reads. Never NVLink multicast (multimem): only peer loads and stores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Messages the symmetric-memory all-reduce takes (bytes), NCCL above; one-shot up to one_shot_max_bytes(ranks),
+# two-shot above: the crossovers of BENCHMARKS.md (issue 36), inside CUDA graphs at 2 and 4 ranks.
+PEER_MAX_BYTES = 8 << 20
+PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
+# The largest all-gather output (bytes) the peer kernel takes, NCCL above (BENCHMARKS.md, issue 36).
+GATHER_MAX_BYTES = 8 << 20
+
+
+def one_shot_max_bytes(ranks: int) -> int:
+    """Where two-shot (each rank reduces 1/ranks, then gathers) overtakes one-shot (each reads all of every peer's)."""
+    return 512 << 10 if ranks <= 2 else 256 << 10
+
+
+def fused_max_bytes(ranks: int) -> int:
+    """The largest message our fused all-reduce + norm kernel takes: at 2 ranks it beats the all-reduce + norm up to
+    1 MiB at least (BENCHMARKS.md, issue 36); at more ranks, unmeasured, one-shot's limit."""
+    return 1 << 20 if ranks <= 2 else one_shot_max_bytes(ranks)
+
+
+PEER_PROGRAMS = 32  # programs of every kernel over a staging buffer (decode rows: one each)
+
+
+@dataclass
+class PeerBuffer:
+    """One symmetric staging buffer as a Triton kernel sees it: ptrs / pads are int64 tensors on the device holding
+    every rank's buffer / signal pad address (rank order); epochs: int32 [programs], each program's calls so far;
+    the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot."""
+    ptrs: torch.Tensor
+    pads: torch.Tensor
+    epochs: torch.Tensor
+    rank: int
+    world: int
+    programs: int
+    slot: int
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return t.numel() <= self.slot
+
+
+class PeerAllReduce:
+    """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): each rank
+    stages its tensor in a buffer every peer maps, then reads the peers' buffers over NVLink and reduces (one-shot),
+    or reduces its 1/n share and writes it to every peer (two-shot). One buffer of max_bytes per dtype, allocated
+    and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs; `staging`: a second
+    buffer per dtype (signal pads of its own) for our kernels (all_gather, the fused reduce + norm)."""
+
+    def __init__(self, pg, device: torch.device, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None):
+        import torch.distributed._symmetric_memory as symm_mem
+        if symm_mem.get_backend(device) is None:
+            symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
+        self.name, self.max_bytes = pg.group_name, max_bytes
+        self.one_shot_max = one_shot_max_bytes(pg.size()) if one_shot_max is None else one_shot_max
+        self.bufs = {dt: symm_mem.empty(max_bytes // dt.itemsize, dtype=dt, device=device) for dt in PEER_DTYPES}
+        for buf in self.bufs.values():
+            symm_mem.rendezvous(buf, self.name)
+        self.staging = {}
+        world = pg.size()
+        self.fused_max = fused_max_bytes(world)
+        slot_bytes = max(self.fused_max, GATHER_MAX_BYTES // world)
+        for dt in PEER_DTYPES:
+            buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
+            hdl = symm_mem.rendezvous(buf, self.name)
+            if PEER_PROGRAMS * world > hdl.signal_pad_size // 4:
+                raise ValueError(f"a signal pad of {hdl.signal_pad_size} bytes holds no {PEER_PROGRAMS} x {world} flags")
+            off = getattr(hdl, "offset", 0)  # the tensor's place in its allocation (0 from symm_mem.empty)
+            ptrs = torch.tensor([p + off for p in hdl.buffer_ptrs], dtype=torch.int64, device=device)
+            pads = torch.tensor(hdl.signal_pad_ptrs, dtype=torch.int64, device=device)
+            epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
+            self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
+                                                slot_bytes // dt.itemsize))
+
+    def takes(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.nbytes <= self.max_bytes
+
+    def takes_fused(self, t: torch.Tensor) -> bool:
+        """Whether t's reduce is fused into the kernel that consumes it (tp_lora.ops.triton.peer_norm)."""
+        return t.is_cuda and t.dtype in self.staging and 0 < t.nbytes <= self.fused_max
+
+    def buffer(self, dtype: torch.dtype) -> PeerBuffer:
+        return self.staging[dtype][1]
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the group, in place. A message of whole 16-byte vectors at a 16-byte offset takes one kernel
+        (one-shot, which stages t itself) up to one_shot_max; any other is copied into the buffer padded to whole
+        vectors, reduced there two-shot and copied back."""
+        n, size, ops = t.numel(), t.element_size(), torch.ops.symm_mem
+        flat, buf = t.view(-1), self.bufs[t.dtype]
+        if t.nbytes <= self.one_shot_max and t.nbytes % 16 == 0 and (t.storage_offset() * size) % 16 == 0:
+            ops.one_shot_all_reduce_copy_out(buf[:n], flat, "sum", self.name, flat)
+            return t
+        buf[:n].copy_(flat)
+        ops.two_shot_all_reduce_(buf[:-(-n * size // 16) * 16 // size], "sum", self.name)
+        flat.copy_(buf[:n])
+        return t
+
+    def takes_gather(self, t: torch.Tensor, world: int) -> bool:
+        return t.is_cuda and t.dtype in self.staging and 0 < t.nbytes * world <= GATHER_MAX_BYTES
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's t concatenated along dim 0 or the last dim (rank order), by one kernel."""
+        from tp_lora.distributed.peer_kernels import all_gather  # noqa: PLC0415 - Triton only where the path is
+        return all_gather(t, dim, self.buffer(t.dtype))

@@ -1,0 +1,121 @@
+"""The Triton side of the peer-memory collectives (tp_lora.distributed.peer, whose docstring gives the protocol):
+next_call / push_row / publish / wait_peers / slot_row, which a peer kernel is built from, and the all-gather.
+Imported only where the peer path runs (CUDA, or a test under TRITON_INTERPRET=1 with a group of one)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+GATHER_BLOCK = 2048  # elements per program and step of the all-gather kernel
+# PTX release stores / acquire loads for the flags; the interpreter (no PTX) takes atomics of the same semantics.
+ASM = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
+    """t [.., rows, cols] viewed as rows of its last dim; dim 0 (of a 2-dim t) or the last: the output's layout;
+    buf: the group's staging buffer of t's dtype (tp_lora.distributed.peer.PeerBuffer)."""
+    x = t.reshape(-1, t.shape[-1]) if t.dim() != 1 else t.view(1, -1)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    last = dim % t.dim() == t.dim() - 1
+    if not last and (t.dim() != 2 or dim % 2 != 0):
+        raise ValueError(f"peer all_gather: dim {dim} of a {t.dim()}-dim tensor (expected the first of 2 or the last)")
+    if not buf.fits(x):
+        raise ValueError(f"peer all_gather: {rows} x {cols} elements exceed a slot of {buf.slot}")
+    shape = list(t.shape)
+    shape[dim % t.dim()] *= buf.world
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    # out[row, rank * cols + c] (last dim) or out[rank * rows + row, c] (dim 0)
+    s_row, s_rank = (buf.world * cols, cols) if last else (cols, rows * cols)
+    _all_gather_kernel[(buf.programs,)](
+        x, out, buf.ptrs, buf.pads, buf.epochs, rows, cols, x.stride(0), s_row, s_rank, buf.slot, RANK=buf.rank,
+        WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM)
+    return out
+
+
+@triton.jit
+def next_call(epochs, program, slot, WORLD: tl.constexpr):
+    """This program's call number e (counted in epochs[program]) and the offset (elements) of the half it uses."""
+    e = tl.load(epochs + program) + 1
+    tl.debug_barrier()  # every thread has read the count before one stores it
+    tl.store(epochs + program, e)
+    return e, (e % 2).to(tl.int64) * WORLD * slot
+
+
+@triton.jit
+def push_row(ptrs, half, slot, offset, i, values, ok, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """values (at columns i, masked by ok) into slot RANK of the half of every rank's buffer, at `offset`."""
+    for r in tl.static_range(WORLD):
+        base = tl.multiple_of(tl.load(ptrs + r).to(tl.pointer_type(values.dtype)), 16)  # symm_mem: page aligned
+        tl.store(base + half + RANK * slot + offset + i, values, mask=ok)
+
+
+@triton.jit
+def publish(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr):
+    """Tell every rank that this program's pushes of call e are done: after a block barrier (every thread's stores
+    before it), flag [program * WORLD + RANK] of every rank's pad set to e by a release store at system scope."""
+    tl.debug_barrier()
+    for r in tl.static_range(WORLD):
+        flag = tl.load(pads + r) + 4 * (program * WORLD + RANK)
+        if ASM:
+            tl.inline_asm_elementwise("st.release.sys.global.u32 [$1], $2;\n mov.u32 $0, 0;", "=r,l,r", [flag, e],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.atomic_xchg(flag.to(tl.pointer_type(tl.int32)), e, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_peers(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr):
+    """Spin (every thread, acquire loads at system scope) until every rank's flag for this program in this rank's
+    pad has reached call e (a rank may already be one call ahead: compared as a wrapping difference)."""
+    mine = tl.load(pads + RANK) + 4 * program * WORLD
+    for r in tl.static_range(WORLD):
+        if not ASM:
+            while tl.atomic_add((mine + 4 * r).to(tl.pointer_type(tl.int32)), 0, sem="acquire", scope="sys") - e < 0:
+                pass
+        else:
+            tl.inline_asm_elementwise(
+                """{
+                .reg .u32 %t;
+                .reg .s32 %d;
+                .reg .pred %p;
+                wait_flag:
+                ld.acquire.sys.global.u32 %t, [$1];
+                sub.s32 %d, %t, $2;
+                setp.lt.s32 %p, %d, 0;
+                @%p bra wait_flag;
+                mov.u32 $0, %t;
+                }""", "=r,l,r", [mine + 4 * r, e], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def slot_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.constexpr):
+    """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere)."""
+    base = tl.multiple_of(tl.load(ptrs + RANK).to(tl.pointer_type(DT)), 16)
+    return tl.load(base + half + r * slot + offset + i, mask=ok, other=0.0)
+
+
+@triton.jit
+def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, rows, cols, s_x, s_row, s_rank, slot,
+                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    p = tl.program_id(0)
+    step = tl.num_programs(0)
+    dt = out_ptr.dtype.element_ty
+    e, half = next_call(epochs, p, slot, WORLD)
+    chunks = tl.cdiv(cols, BLOCK)
+    for u in range(p, rows * chunks, step):
+        row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < cols
+        push_row(ptrs, half, slot, row * cols, c, tl.load(x_ptr + row * s_x + c, mask=ok), ok, RANK, WORLD)
+    publish(pads, p, e, RANK, WORLD, ASM)
+    wait_peers(pads, p, e, RANK, WORLD, ASM)
+    for u in range(p, rows * chunks, step):
+        row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < cols
+        for r in tl.static_range(WORLD):
+            tl.store(out_ptr + row * s_row + r * s_rank + c, slot_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt),
+                     mask=ok)
