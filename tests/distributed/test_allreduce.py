@@ -1,7 +1,9 @@
 """parallel.allreduce: the dispatch (auto falls back to NCCL / gloo where the ranks lack peer memory, a bad value is
 refused naming it) on CPU; with TP_LORA_TEST_DEVICE=cuda, the symmetric-memory all-reduce against NCCL's result at 2
 and 4 GPUs (1 element to 2 MiB, odd sizes, bf16 and fp32, eager and inside CUDA graphs) and greedy decoding at tp2
-through it against NCCL, CUDA graphs on."""
+through it against NCCL, CUDA graphs on; the all-reduce fused with the residual add + RMSNorm after it and the peer
+all-gather against NCCL + the add_rms_norm kernel / NCCL's all-gather at 2 GPUs (odd sizes, bf16 and fp32, eager and
+in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm."""
 import pytest
 import torch
 
@@ -123,3 +125,93 @@ def test_engine_tp2_symm_mem_matches_nccl(tmp_path):
     assert graphed > 0, "no step replayed a CUDA graph"
     assert tokens == ref_tokens
     assert max(abs(a - b) for x, y in zip(lp, ref_lp) for a, b in zip(x, y)) < 5e-2
+
+
+def _reduce_norm_dispatch(ps: comm.ParallelState):
+    """reduce_add_rms_norm on gloo ranks (the unfused path: all_reduce, then add_rms_norm) against the torch
+    reference of the summed x every rank computes from all ranks' seeds; all_reduce calls counted."""
+    from tp_lora.ops.fused import add_rms_norm_ref, reduce_add_rms_norm
+    xs = [torch.randn(3, 16, generator=torch.Generator().manual_seed(r)) for r in range(ps.tp.size)]
+    res, w = torch.randn(3, 16, generator=torch.Generator().manual_seed(99)), torch.rand(16) + 0.5
+    comm.STATS.reset()
+    got = reduce_add_rms_norm(xs[ps.tp.rank].clone(), res, w, 1e-6, False, None, ps.tp)
+    want = add_rms_norm_ref(sum(xs), res, w, 1e-6)
+    return [(g - h).abs().max().item() for g, h in zip(got, want)], comm.STATS.total("all_reduce")
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU dispatch (gloo ranks)")
+def test_reduce_norm_on_gloo_reduces_then_norms():
+    diffs, calls = run_ranks(_reduce_norm_dispatch, 2)
+    assert calls == 1 and max(diffs) < 1e-5
+
+
+def _fused_against_nccl(ps: comm.ParallelState):
+    """Per (dtype, rows x hidden, case): whether the fused peer kernel ran, and the largest difference of its
+    (normed, stream) from NCCL's all-reduce + the add_rms_norm kernel, eager and replayed from a CUDA graph on fresh
+    data; the same for the peer all-gather against NCCL's (dim 0 and the last)."""
+    from tp_lora.ops.fused import reduce_add_rms_norm
+    from tp_lora.ops.triton.fused import add_rms_norm
+    assert comm.use_allreduce(ps.tp, ps.device, "symm_mem") == "symm_mem"
+    nccl = comm.Group("tp", ps.tp.rank, ps.tp.size, ps.tp.ranks, ps.tp.pg)
+    gen = torch.Generator(device=ps.device).manual_seed(200 + ps.rank)
+    same = torch.Generator(device=ps.device).manual_seed(7)  # the residual and weights: one stream on every rank
+    out = {}
+
+    def rand(*shape, dtype, g=gen):
+        return torch.randn(*shape, generator=g, device=ps.device).to(dtype)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for t, n in ((1, 8), (3, 100), (7, 4096), (33, 1000), (32, 4096)):
+            for case in ("residual", "no_residual", "x_weight"):
+                res = rand(t, n, dtype=dtype, g=same) if case != "no_residual" else None
+                w, xw = rand(n, dtype=dtype, g=same), rand(n, dtype=dtype, g=same) if case == "x_weight" else None
+
+                def fused(x):
+                    return reduce_add_rms_norm(x, res, w, 1e-5, False, xw, ps.tp)
+
+                def unfused(x):
+                    return add_rms_norm(comm.all_reduce(x.clone(), nccl), res, w, 1e-5, False, xw)
+
+                x = rand(t, n, dtype=dtype)
+                diffs = [max((a.float() - b.float()).abs().max().item() for a, b in zip(fused(x), unfused(x)))]
+                static = x.clone()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    outs = fused(static)
+                for _ in range(2):
+                    y = rand(t, n, dtype=dtype)
+                    static.copy_(y)
+                    g.replay()
+                    diffs.append(max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, unfused(y))))
+                del g
+                out[("fused", str(dtype), t, n, case)] = (ps.tp.peer.takes_fused(x), max(diffs))
+        for shape, dim in (((5,), 0), ((3, 7), -1), ((32, 8), -1), ((9, 33), 0), ((32, 16000), -1)):
+            x = rand(*shape, dtype=dtype)
+            diffs = [(comm.all_gather(x, ps.tp, dim) != comm.all_gather(x, nccl, dim)).sum().item()]
+            static = x.clone()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = comm.all_gather(static, ps.tp, dim)
+            y = rand(*shape, dtype=dtype)
+            static.copy_(y)
+            g.replay()
+            diffs.append((got != comm.all_gather(y, nccl, dim)).sum().item())
+            del g
+            out[("gather", str(dtype), shape, dim)] = (ps.tp.peer.takes_gather(x, ps.tp.size), max(diffs))
+    torch.cuda.synchronize()
+    return out
+
+
+def test_fused_reduce_norm_and_gather_match_nccl():
+    if not CUDA:
+        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    got = run_ranks(_fused_against_nccl, 2, timeout_s=240)
+    assert all(peer for k, (peer, _) in got.items() if k[0] == "gather")
+    assert all(peer for k, (peer, _) in got.items() if k[0] == "fused" and k[2] * k[3] * 4 <= 256 << 10)
+    # Two ranks: the fused kernel's float32 sum rounded once is NCCL's sum; the norm is the same kernel code.
+    bad = {k: d for k, (_, d) in got.items() if d != 0}
+    assert not bad, f"differs from NCCL: {bad}"

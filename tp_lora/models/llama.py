@@ -20,7 +20,7 @@ from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.models.attention import AttnMeta, KVCache, attend
 from tp_lora.ops.fp8 import FP8_DTYPE
-from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, rope_write_kv
+from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, reduce_add_rms_norm, rope_write_kv
 from tp_lora.sharding import unit_range
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -41,11 +41,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return add_rms_norm(x, None, self.weight, self.eps, self.offset)[0]
 
-    def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, first: RMSNorm | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, first: RMSNorm | None = None,
+                      reduce: comm.Group | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; residual None: (norm(x), x). first: a norm of the same
-        eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass."""
-        return add_rms_norm(x, residual, self.weight, self.eps, self.offset, None if first is None else first.weight)
+        eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass. reduce: x is a
+        row-parallel layer's partial output, summed over this group first (fused with the rest where it can be)."""
+        xw = None if first is None else first.weight
+        if reduce is not None and reduce.size > 1:
+            return reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, reduce)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw)
 
 
 def rope_params(hf: dict, layer_type: str | None = None) -> dict:
@@ -188,7 +192,8 @@ class Attention(nn.Module):
         # the scores take k_scale with the softmax scale, the output v_scale.
         self.kv_scales = (1.0, 1.0)
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta):
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta, partial: bool = False):
+        """partial: o_proj's output before its all-reduce (the caller reduces it, see DecoderLayer)."""
         qkv = self.qkv_proj(x)
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
@@ -199,7 +204,8 @@ class Attention(nn.Module):
                           self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                           self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs))
         out = attend(q, cache, self.layer_idx, meta, self.scale * ks, self.window, self.softcap)
-        return self.o_proj(out if vs == 1.0 else out * vs)
+        out = out if vs == 1.0 else out * vs
+        return self.o_proj.partial(out) if partial else self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -220,8 +226,10 @@ class MLP(nn.Module):
                                                    quant=scheme(quant, [prefix + "down_proj"])), rt,
                                      [prefix + "down_proj"], targets)
 
-    def forward(self, x):
-        return self.down_proj(act_mul(self.gate_up_proj(x), self.act))
+    def forward(self, x, partial: bool = False):
+        """partial: down_proj's output before its all-reduce (the caller reduces it, see DecoderLayer)."""
+        h = act_mul(self.gate_up_proj(x), self.act)
+        return self.down_proj.partial(h) if partial else self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -229,7 +237,11 @@ class DecoderLayer(nn.Module):
     the MLP (pre_ / post_feedforward_layernorm); elsewhere post_attention_layernorm is the MLP's input norm.
 
     The residual stream is carried beside the block's output, as vLLM does: layer(x, residual) -> (x, residual)
-    with the stream = x + residual, so each residual add is fused into the norm that follows it."""
+    with the stream = x + residual, so each residual add is fused into the norm that follows it. Under tensor
+    parallelism the all-reduce that ends o_proj / down_proj joins that norm too (reduce_add_rms_norm): the layer
+    returns down_proj's partial output when `defers_reduce`, and the next norm (the next layer's, or the model's
+    final one) sums it. Row layers with a bias, MoE blocks (their own collectives) and Gemma's post-feedforward
+    norm keep the all-reduce in the layer."""
 
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None,
                  quant: QuantConfig | None = None):
@@ -243,16 +255,28 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
             self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
         self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets, quant)
+        self.tp = tp
+        self.fuse_attn = tp.size > 1 and bias_free(self.self_attn.o_proj)
+        self.defers_reduce = (tp.size > 1 and not self.gemma and isinstance(self.mlp, MLP)
+                              and bias_free(self.mlp.down_proj))
 
-    def forward(self, x, residual, cos, sin, cache, meta):
-        """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual)."""
-        h, residual = self.input_layernorm.with_residual(x, residual)
-        h = self.self_attn(h, cos, sin, cache, meta)
+    def forward(self, x, residual, cos, sin, cache, meta, x_partial: bool = False):
+        """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual); x_partial: x is
+        the previous layer's partial output (its defers_reduce); the returned x is partial when defers_reduce."""
+        h, residual = self.input_layernorm.with_residual(x, residual, reduce=self.tp if x_partial else None)
+        h = self.self_attn(h, cos, sin, cache, meta, partial=self.fuse_attn)
+        attn_tp = self.tp if self.fuse_attn else None
         if self.gemma:
-            h, residual = self.pre_feedforward_layernorm.with_residual(h, residual, self.post_attention_layernorm)
+            h, residual = self.pre_feedforward_layernorm.with_residual(h, residual, self.post_attention_layernorm,
+                                                                       reduce=attn_tp)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self.post_attention_layernorm.with_residual(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm.with_residual(h, residual, reduce=attn_tp)
+        return (self.mlp(h, partial=True) if self.defers_reduce else self.mlp(h)), residual
+
+
+def bias_free(layer: nn.Module) -> bool:
+    """Whether a (LoRA-wrapped) row-parallel layer has no bias, so its all-reduce can move past the layer."""
+    return getattr(layer, "base", layer).bias is None
 
 
 class CausalLM(nn.Module):
@@ -302,10 +326,11 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        residual = None
+        residual, partial = None, False
         for layer, t in zip(self.layers, self.layer_types):
-            x, residual = layer(x, residual, *tables[t], cache, meta)
-        return self.norm.with_residual(x, residual)[0]
+            x, residual = layer(x, residual, *tables[t], cache, meta, partial)
+            partial = layer.defers_reduce
+        return self.norm.with_residual(x, residual, reduce=self.tp if partial else None)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] (gathered over the TP group), float32; Gemma's final soft-cap applied."""

@@ -3,6 +3,8 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 
 - add_rms_norm: (x + residual) then RMSNorm, returning both; residual None: RMSNorm of x alone; x_weight: x is
   RMS-normed first (Gemma's post-attention norm, then the add and the pre-feedforward norm).
+- reduce_add_rms_norm: add_rms_norm of x summed over a tp group (a row-parallel layer's partial output): one kernel
+  over peer memory where the group has it (tp_lora/ops/triton/peer_norm.py), else all_reduce then add_rms_norm.
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
@@ -16,6 +18,8 @@ the references to the last bit but for summation order and fast math.
 from __future__ import annotations
 
 import torch
+
+from tp_lora import distributed as comm
 
 # None: the Triton kernels for CUDA tensors, else the references; True / False forces (tests, benchmarks). The MoE
 # routing plan, grouped GEMM and sampling dispatchers (tp_lora.ops.moe_plan, .grouped_mm, .sampling) follow it too.
@@ -47,6 +51,13 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         x = rms_norm_ref(x, x_weight, eps, offset)
     h = x if residual is None else x + residual
     return rms_norm_ref(h, weight, eps, offset), h
+
+
+def reduce_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                            offset: bool, x_weight: torch.Tensor | None, group: comm.Group
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] this rank's partial sums -> add_rms_norm_ref of x summed over the group (x is reduced in place)."""
+    return add_rms_norm_ref(comm.all_reduce(x, group), residual, weight, eps, offset, x_weight)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -126,6 +137,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         from tp_lora.ops.triton.fused import add_rms_norm as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, residual, weight, eps, offset, x_weight)
     return add_rms_norm_ref(x, residual, weight, eps, offset, x_weight)
+
+
+def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        offset: bool, x_weight: torch.Tensor | None, group: comm.Group
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None and x_weight is not None:
+        raise ValueError("reduce_add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
+    buf = comm.fused_peer(x, group)
+    if buf is not None:
+        from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm as kernel  # noqa: PLC0415 - peer path only
+        return kernel(x, residual, weight, eps, offset, x_weight, buf)
+    return add_rms_norm(comm.all_reduce(x, group), residual, weight, eps, offset, x_weight)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -25,23 +25,32 @@ def _weighted(h, w, OFFSET: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, i, ok, n, eps, HAS_RES: tl.constexpr,
+                 NORM_X: tl.constexpr, OFFSET: tl.constexpr):
+    """One row of add_rms_norm from h [BLOCK] float32 (x, masked by ok): the optional norm of x, the residual add
+    (stored at res_out_row), the norm (stored at out_row); row pointers, columns i."""
+    dt = out_row.dtype.element_ty
+    if NORM_X:
+        xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        h = _weighted(h * tl.rsqrt(tl.sum(h * h, 0) / n + eps), xw, OFFSET, dt).to(tl.float32)
+    if HAS_RES:
+        h = (h + tl.load(res_row + i, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(res_out_row + i, h, mask=ok)
+        h = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
+    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_row + i, _weighted(h * rstd, w, OFFSET, dt), mask=ok)
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, s_x, s_r, s_o, s_ro, n, eps,
                          BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr, OFFSET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < n
-    dt = out_ptr.dtype.element_ty
     h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
-    if NORM_X:
-        xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        h = _weighted(h * tl.rsqrt(tl.sum(h * h, 0) / n + eps), xw, OFFSET, dt).to(tl.float32)
-    if HAS_RES:
-        h = (h + tl.load(res_ptr + t * s_r + i, mask=ok, other=0.0).to(tl.float32)).to(dt)
-        tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
-        h = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
-    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * s_o + i, _weighted(h * rstd, w, OFFSET, dt), mask=ok)
+    add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, i, ok, n, eps,
+                 HAS_RES, NORM_X, OFFSET)
 
 
 @triton.jit

@@ -1,0 +1,66 @@
+"""The peer-memory kernels in a group of one (the interpreter on CPU, natively on CUDA): the all-reduce fused with
+the residual add + RMSNorm against the add_rms_norm kernel (one rank: the sum is x itself) and the torch reference,
+and the all-gather against x, with a buffer, signal pad and call counters made here: every program counts each
+call and leaves its flag at the call's number; calls alternate halves of the buffer. Across ranks they run against
+NCCL in tests/distributed/test_allreduce.py (CUDA)."""
+import pytest
+import torch
+
+from tp_lora.distributed.peer import PeerBuffer
+from tp_lora.distributed.peer_kernels import all_gather
+from tp_lora.ops.fused import add_rms_norm_ref
+from tp_lora.ops.triton.fused import add_rms_norm
+from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm
+
+
+def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs: int = 3):
+    """(buffer, pads, PeerBuffer) of a group of one: its own buffer (2 halves of one slot) and signal pad."""
+    buf = torch.full((2 * slot,), float("nan"), dtype=dtype, device=device)
+    pads = torch.zeros(programs, dtype=torch.int32, device=device)
+    ptr = PeerBuffer(torch.tensor([buf.data_ptr()], device=device), torch.tensor([pads.data_ptr()], device=device),
+                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot)
+    return buf, pads, ptr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 8), (5, 100), (7, 256)])  # rows over the programs: a program takes several
+@pytest.mark.parametrize("case", ["residual", "no_residual", "x_weight", "offset"])
+def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case):
+    gen = torch.Generator().manual_seed(rows * n)
+    x, res = (torch.randn(rows, n, generator=gen).to(dtype).to(device) for _ in range(2))
+    w, xw = (torch.randn(n, generator=gen).to(dtype).to(device) for _ in range(2))
+    res = None if case == "no_residual" else res
+    xw = xw if case == "x_weight" else None
+    offset = case == "offset"
+    staging, pads, buf = group_of_one(dtype, device)
+    kernel = add_rms_norm(x, res, w, 1e-6, offset, xw)
+    ref = add_rms_norm_ref(x, res, w, 1e-6, offset, xw)
+    for call in (1, 2, 3):  # halves 1, 0, 1
+        got = reduce_add_rms_norm(x, res, w, 1e-6, offset, xw, buf)
+        for g, k, r in zip(got, kernel, ref):
+            assert torch.equal(g, k)
+            tol = 1e-5 if dtype == torch.float32 else 8e-2
+            torch.testing.assert_close(g.float(), r.float(), atol=tol, rtol=tol)
+        assert pads.tolist() == [call] * 3 and buf.epochs.tolist() == [call] * 3
+        half = staging[(call % 2) * buf.slot:][:rows * n].view(rows, n)
+        assert torch.equal(half, x), "the call's half holds x"
+
+
+def test_fused_reduce_norm_refuses_a_message_over_the_buffer(device):
+    _, _, buf = group_of_one(torch.float32, device, slot=256)
+    x = torch.ones(3, 128, device=device)
+    with pytest.raises(ValueError, match="3 x 128 elements exceed the peer buffer's slot of 256"):
+        reduce_add_rms_norm(x, None, torch.ones(128, device=device), 1e-6, False, None, buf)
+
+
+@pytest.mark.parametrize("shape,dim", [((7,), 0), ((3, 5), -1), ((3, 5), 0), ((2, 3, 2100), -1)])
+def test_all_gather_of_one_is_x(device, shape, dim):
+    x = torch.randn(shape).to(device)
+    _, pads, buf = group_of_one(torch.float32, device, slot=1 << 14)
+    for call in (1, 2):
+        assert torch.equal(all_gather(x, dim, buf), x)
+        assert pads.tolist() == [call] * 3
+    with pytest.raises(ValueError, match="dim 1 of a 3-dim tensor"):
+        all_gather(torch.ones(2, 3, 4, device=device), 1, buf)
+    with pytest.raises(ValueError, match=r"3 x 6000 elements exceed a slot of 16384"):
+        all_gather(torch.ones(3, 6000, device=device), -1, buf)
