@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tp_lora.ops import fused
-from tp_lora.ops.fp8 import (SMALL_ROWS, dequantize, fp8_linear, quantize_fp8_per_channel, quantize_per_group,
-                              quantize_per_token, w8a8_mm_ref, w8a16_mm_ref)
+from tp_lora.ops.fp8 import (SMALL_ROWS, SMALL_ROWS_WIDE, dequantize, fp8_linear, quantize_fp8_per_channel,
+                              quantize_per_group, quantize_per_token, small_rows, w8a8_mm_ref, w8a16_mm_ref)
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref
 
 
@@ -100,12 +100,12 @@ def test_w8a8_mm_matches_its_reference(device, rows, n, k, block_k):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 5, SMALL_ROWS, SMALL_ROWS + 1, 95])
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 320), (5, 96, 320), (SMALL_ROWS, 96, 320), (SMALL_ROWS + 1, 96, 320),
+                                      (95, 96, 320), (SMALL_ROWS_WIDE + 1, 512, 128)])  # a wide layer's W8A8 rows
 @pytest.mark.parametrize("block_k,block_n", [(None, None), (128, 128), (128, None)])
-def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatch, rows, block_k, block_n):
+def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatch, rows, n, k, block_k, block_n):
     monkeypatch.setattr(fused, "KERNELS", True)
     gen = torch.Generator().manual_seed(rows + (block_k or 1))
-    n, k = 96, 320
     w, scale = fp8_weights(gen, 1, n, k, block_k)
     w, scale = w[0].to(device), scale[0].to(device)
     # exact under the activations' per-group quantization on the CPU, whose interpreter rounds some values to fp8
@@ -119,7 +119,7 @@ def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatc
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     # Past the weight-only GEMM's rows on CUDA the activations are quantized too (W8A8): e4m3 rounding of x adds up
     # to 2^-4 relative per element, a few percent of the output's scale over K terms.
-    w8a8 = device == "cuda" and rows > SMALL_ROWS
+    w8a8 = device == "cuda" and rows > small_rows(w)
     assert rel_err(got, want) < (0.08 if w8a8 else 0.02)
 
 

@@ -4,8 +4,8 @@ layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation qua
     fp8_linear(x [T, K], w [N, K] fp8, scale, block_k, block_n=None) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
-With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter): up to SMALL_ROWS rows (decode)
-the weight-only split-K GEMM (tp_lora.ops.triton.fp8_gemm.w8a16_mm: fp8 tiles widened in registers, scales on the
+With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter): up to small_rows(w) rows
+(decode) the weight-only split-K GEMM (tp_lora.ops.triton.fp8_gemm.w8a16_mm: fp8 tiles widened in registers, scales on the
 partial sums; it reads only the fp8 bytes and quantizes nothing). More rows, W8A8 on the fp8 tensor cores with the
 activations quantized by one Triton kernel: per-channel weights through torch._scaled_mm (rowwise scales, fast
 accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where the layer's
@@ -107,6 +107,12 @@ def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torc
 
 
 SMALL_ROWS = 32  # rows up to which the kernels run the weight-only GEMM (past them W8A8 is faster)
+SMALL_ROWS_WIDE = 16  # the same for wide layers (out >= 4 x in, gate_up): W8A8 wins from fewer rows there
+
+
+def small_rows(w: torch.Tensor) -> int:
+    """Rows up to which fp8_linear runs the weight-only GEMM for weights w [N, K]."""
+    return SMALL_ROWS_WIDE if w.shape[0] >= 4 * w.shape[1] else SMALL_ROWS
 
 
 def kernels_take(x: torch.Tensor, block_k: int | None) -> bool:
@@ -159,9 +165,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
     None where they may not."""
     rows = x.shape[0]
-    if rows and (rows <= SMALL_ROWS or block_k is not None) and kernels_take(x, block_k):
+    if rows and (rows <= small_rows(w) or block_k is not None) and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
-        if rows <= SMALL_ROWS:
+        if rows <= small_rows(w):
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))
         if blockwise_ok(x, w, block_k, block_n):
             return blockwise_mm(x, w, scale)
