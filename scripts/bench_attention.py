@@ -63,7 +63,7 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
-FP8_SWEEP = dict(TARGET_PROGRAMS=(264, 528, 1056), BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
+FP8_SWEEP = dict(TARGET_PROGRAMS=(264, 528, 1056), BLOCK_N_FP8=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -216,7 +216,7 @@ def main() -> None:
     dev = torch.device(args.device)
     bw = copy_bandwidth(dev)
     g = torch.Generator().manual_seed(0)
-    defaults = {k: getattr(kernel, k) for k in SWEEP}
+    defaults = {k: getattr(kernel, k) for k in {**SWEEP, **FP8_SWEEP}}
     rows = []
     varlen_defaults = {k: getattr(varlen, k) for k in VARLEN_SWEEP}
 

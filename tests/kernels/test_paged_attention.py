@@ -120,13 +120,13 @@ def test_kernel_fp8_cache_matches_reference(device, lens, bs, rep, window, softc
 
 
 def test_kernel_fp8_partitions_merge(device, monkeypatch):
-    """An fp8 cache splits the context as a bf16 one twice its width would (the same bytes per partition)."""
+    """Context split into partitions of whole fp8 tiles (small batch, long table), some empty for short sequences."""
     from tp_lora.ops.triton import paged_attention as pa
     monkeypatch.setattr(pa, "MIN_PART", 64)
-    assert pa.partitions(2, 4, 16 * 16, 16, 1) == pa.partitions(2, 4, 16 * 16, 32, 2)
     gen = torch.Generator().manual_seed(8)
-    args = _fp8_case(gen, [200, 3, 77], 8, 4, 16, 16, device, width=16)  # rep 2, some partitions empty
-    assert pa.partitions(3, 4, 16 * 16, 16, 1)[0] > 1
+    args = _fp8_case(gen, [200, 3, 77], 8, 4, 16, 16, device, width=16)  # rep 2
+    parts, part_len = pa.partitions(3, 4, 16 * 16, 16, 1)
+    assert parts > 2 and part_len % pa.BLOCK_N_FP8 == 0
     fp8_close(pa.paged_decode(*args, 0.5, 0), *args, 0.5)
 
 
@@ -144,10 +144,10 @@ def test_kernel_fp8_queries_past_float16_range(device):
 
 def test_fp8_partitions_double():
     """At the 8B decode shape (32 sequences x 8 KV heads, head_dim 128) a bf16 cache runs one partition, an fp8 one
-    (half the bytes per position) two."""
+    (half the bytes per position) two, as a bf16 cache of head_dim 64 does."""
     from tp_lora.ops.triton import paged_attention as pa
     assert pa.partitions(32, 8, 4096, 128, 2)[0] == 1
-    assert pa.partitions(32, 8, 4096, 128, 1)[0] == 2
+    assert pa.partitions(32, 8, 4096, 128, 1)[0] == 2 == pa.partitions(32, 8, 4096, 64, 2)[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")

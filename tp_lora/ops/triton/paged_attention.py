@@ -19,6 +19,10 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 128  # positions per inner iteration
+# ... over an fp8 cache: its widened K and V pass through shared memory as f16 too, so a 128-position tile holds
+# ~100 KB of it and two programs fit an SM; 64 positions let four in, each with as many bytes in flight as one bf16
+# program of 128 (sm_90 builds; scripts/bench_attention.py --kind fp8_kv --sweep)
+BLOCK_N_FP8 = 64
 # Programs the decode grid aims for where a position holds >= 256 bytes per KV head (bf16 at head_dim 128; two waves of
 # SMs); 256 / bytes times that below (head_dim 64, an fp8 cache), where a program streams fewer bytes per position
 # (scripts/bench_attention.py --sweep).
@@ -171,13 +175,19 @@ def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
                 FP8_ASM=fp8 and not interpreted)
 
 
+def tile_positions(elem_bytes: int) -> int:
+    """Positions per inner iteration of the decode kernel over a cache of elem_bytes bytes per element."""
+    return BLOCK_N_FP8 if elem_bytes == 1 else BLOCK_N
+
+
 def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int, elem_bytes: int = 2) -> tuple[int, int]:
     """(partition count, positions per partition) for a grid of batch x kv_heads programs over contexts of at most
     max_context positions of head_dim x elem_bytes bytes each (K or V of one KV head): split only while the grid is
-    short of its target (TARGET_PROGRAMS at >= 256 bytes per position)."""
+    short of its target (TARGET_PROGRAMS at >= 256 bytes per position); whole tiles per partition."""
     target = TARGET_PROGRAMS * max(1, 256 // (head_dim * elem_bytes))
     parts = max(1, min(target // max(1, batch * kv_heads), triton.cdiv(max_context, MIN_PART)))
-    part_len = triton.cdiv(triton.cdiv(max_context, parts), BLOCK_N) * BLOCK_N
+    block = tile_positions(elem_bytes)
+    part_len = triton.cdiv(triton.cdiv(max_context, parts), block) * block
     return triton.cdiv(max_context, part_len), part_len
 
 
@@ -202,7 +212,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         float(softcap or 0.0), part_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
-        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=BLOCK_N, PARTS=parts,
+        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
+        BLOCK=tile_positions(k_cache.element_size()), PARTS=parts,
         **dot_flags(q, k_cache, _decode_kernel), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if parts > 1:
         _merge_kernel[(b, heads)](part_acc, part_ml, out, out.stride(0), out.stride(1), H=heads, D=d, PARTS=parts,
