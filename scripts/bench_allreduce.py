@@ -1,11 +1,16 @@
 """The tp all-reduce inside a CUDA graph: NCCL against the symmetric-memory path (one-shot, two-shot, and the
-dispatch parallel.allreduce=symm_mem makes by size), bf16, one rank per GPU.
+dispatch parallel.allreduce=symm_mem makes by size), bf16, one rank per GPU; then the all-reduce fused with the
+residual add + RMSNorm that follow it, and the all-gather.
 
     torchrun --nproc_per_node=2 scripts/bench_allreduce.py --out DIR [--sizes 4096,...] [--iters 50]
 
 Per size and path: a graph of --iters back-to-back all-reduces of one tensor, replayed --reps times, the median replay
 over --iters (microseconds, CUDA events on rank 0). Each path's result is checked against NCCL's on the same data
-first (small integers: every order of summation is exact). Prints a table; writes bench_allreduce.json into --out.
+first (small integers: every order of summation is exact).
+Fused (rows x hidden bf16, 4 KB to 1 MB): the peer kernel (tp_lora/ops/triton/peer_norm.py) against symm_mem one-shot
++ the add_rms_norm kernel and NCCL + add_rms_norm (each result compared with NCCL + add_rms_norm's), and the
+add_rms_norm kernel alone. All-gather (32 rows, output bytes): the peer kernel against NCCL, checked equal.
+Prints the tables; writes bench_allreduce.json into --out.
 """
 from __future__ import annotations
 
@@ -20,8 +25,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tp_lora import distributed as comm  # noqa: E402
+from tp_lora.ops import fused  # noqa: E402
+from tp_lora.ops.triton.fused import add_rms_norm as norm_kernel  # noqa: E402
+from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm as fused_kernel  # noqa: E402
 
 SIZES = "4096,16384,65536,131072,262144,524288,1048576,2097152,4194304,8388608"
+# (rows, hidden) of the fused all-reduce + add + RMSNorm: 4 KB to 1 MB of bf16
+FUSED = "1x2048,1x4096,4x4096,8x4096,16x4096,32x4096,64x4096,128x4096,32x8192,64x8192"
+GATHER = "1024,8192,65536,262144,1048576,4194304,8388608"  # all-gather output bytes (32 rows of bf16)
 
 
 def reducer(path: str, ps: comm.ParallelState, peers: dict):
@@ -55,10 +66,63 @@ def graph_us(fn, t: torch.Tensor, iters: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
+def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str], iters: int, reps: int) -> list:
+    """Per rows x hidden: microseconds of the fused kernel, one-shot + norm, NCCL + norm, the norm alone; each
+    result's largest difference from NCCL + the add_rms_norm kernel (_diff) and + the torch reference (_ref_diff),
+    bf16 random normal data."""
+    nccl = comm.Group("tp", ps.tp.rank, ps.tp.size, ps.tp.ranks, ps.tp.pg)
+    gen = torch.Generator(device=ps.device).manual_seed(10 + ps.rank)
+    buf = peer.buffer(torch.bfloat16)
+    out = []
+    for spec in specs:
+        t, h = (int(v) for v in spec.split("x"))
+        x = torch.randn(t, h, generator=gen, device=ps.device).to(torch.bfloat16)
+        res = torch.randn(t, h, device=ps.device).to(torch.bfloat16)
+        comm.all_reduce(res, nccl)  # the residual stream is the same on every rank
+        w = torch.randn(h, device=ps.device).to(torch.bfloat16)
+        paths = {"fused": lambda x: fused_kernel(x, res, w, 1e-5, False, None, buf),
+                 "one_shot_norm": lambda x: norm_kernel(peer.all_reduce(x), res, w, 1e-5),
+                 "nccl_norm": lambda x: norm_kernel(comm.all_reduce(x, nccl), res, w, 1e-5),
+                 "norm_only": lambda x: norm_kernel(x, res, w, 1e-5)}
+        want = norm_kernel(comm.all_reduce(x.clone(), nccl), res, w, 1e-5)
+        ref = fused.add_rms_norm_ref(comm.all_reduce(x.clone(), nccl), res, w, 1e-5)
+        row = {"rows": t, "hidden": h, "bytes": x.nbytes}
+        for name, fn in paths.items():
+            if name != "norm_only":
+                got = fn(x.clone())
+                row[name + "_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+                row[name + "_ref_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+            row[name] = graph_us(fn, x.clone(), iters, reps)  # the all-reduces sum in place: timing only
+        out.append(row)
+        if ps.is_driver:
+            print("fused", json.dumps(row), flush=True)
+    return out
+
+
+def gather_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, sizes: list[int], iters: int, reps: int) -> list:
+    """Per output size: microseconds of the peer all-gather kernel and NCCL's (32 rows, last dim), checked equal."""
+    nccl = comm.Group("tp", ps.tp.rank, ps.tp.size, ps.tp.ranks, ps.tp.pg)
+    out = []
+    for nbytes in sizes:
+        cols = max(1, nbytes // 2 // 32 // ps.tp.size)
+        x = torch.randn(32, cols, device=ps.device).to(torch.bfloat16)
+        want = comm.all_gather(x, nccl, -1)
+        if not torch.equal(peer.all_gather(x, -1), want):
+            raise RuntimeError(f"peer all-gather of 32 x {cols} differs from NCCL's")
+        row = {"bytes": want.nbytes, "peer": graph_us(lambda x: peer.all_gather(x, -1), x, iters, reps),
+               "nccl": graph_us(lambda x: comm.all_gather(x, nccl, -1), x, iters, reps)}
+        out.append(row)
+        if ps.is_driver:
+            print("gather", json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--sizes", default=SIZES, help="message sizes in bytes (bf16)")
+    p.add_argument("--fused", default=FUSED, help="rows x hidden of the fused all-reduce + norm ('' skips)")
+    p.add_argument("--gather", default=GATHER, help="all-gather output bytes ('' skips)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
@@ -87,7 +151,10 @@ def main() -> None:
         rows.append(row)
         if ps.is_driver:
             print("row", json.dumps(row), flush=True)
-    del peers
+    big_fused = comm.PeerAllReduce(ps.tp.pg, ps.device, 2 << 20, one_shot_max=2 << 20)
+    fused_out = fused_rows(ps, big_fused, [f for f in args.fused.split(",") if f], args.iters, args.reps)
+    gather_out = gather_rows(ps, big_fused, [int(b) for b in args.gather.split(",") if b], args.iters, args.reps)
+    del peers, big_fused
     torch.cuda.synchronize()
     comm.shutdown()
     if not ps.is_driver:
@@ -99,11 +166,24 @@ def main() -> None:
     for r in rows:
         print(f"| {r['bytes']} | {r['nccl']:.1f} | {r['one_shot']:.1f} | {r['two_shot']:.1f} | {r['dispatch']:.1f} | "
               f"{r['nccl'] / r['dispatch']:.2f} |")
+    print(f"all-reduce + residual add + RMSNorm of bf16 rows inside a CUDA graph, {world} ranks, {name}: "
+          "microseconds per call (largest difference from NCCL + the add_rms_norm kernel)")
+    print("| rows x hidden | bytes | fused kernel | one-shot + norm | NCCL + norm | norm alone | NCCL + norm / fused |")
+    print("|---|---|---|---|---|---|---|")
+    for r in fused_out:
+        print(f"| {r['rows']} x {r['hidden']} | {r['bytes']} | {r['fused']:.1f} ({r['fused_diff']:.3g}) | "
+              f"{r['one_shot_norm']:.1f} ({r['one_shot_norm_diff']:.3g}) | {r['nccl_norm']:.1f} | "
+              f"{r['norm_only']:.1f} | "
+              f"{r['nccl_norm'] / r['fused']:.2f} |")
+    print(f"all-gather of bf16 (32 rows, last dim) inside a CUDA graph, {world} ranks, {name}: microseconds per call")
+    print("| output bytes | peer kernel | NCCL | NCCL / peer |\n|---|---|---|---|")
+    for r in gather_out:
+        print(f"| {r['bytes']} | {r['peer']:.1f} | {r['nccl']:.1f} | {r['nccl'] / r['peer']:.2f} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_allreduce.json"), "w") as f:
         json.dump(dict(device=name, ranks=world, dtype="bfloat16", iters=args.iters, reps=args.reps,
                        peer_max_bytes=comm.PEER_MAX_BYTES, one_shot_max_bytes=comm.one_shot_max_bytes(world),
-                       rows=rows),
+                       rows=rows, fused=fused_out, gather=gather_out),
                   f, indent=2)
 
 

@@ -4,7 +4,9 @@
     torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-8b --out DIR
 
 Shapes (random bf16 weights, written once under --cache): llama-2048 (16 layers, hidden 2048, GQA 32/8, vocab 32000)
-and llama3-8b (32 layers, hidden 4096, intermediate 14336, GQA 32/8, vocab 128256). For each batch x context, without
+and llama3-8b (32 layers, hidden 4096, intermediate 14336, GQA 32/8, vocab 128256); llama3-70b-8l (8 layers of the
+70B shape: hidden 8192, intermediate 28672, GQA 64/8, vocab 128256) has random weights drawn in memory at load (no
+checkpoint on disk; --in-memory: every shape). For each batch x context, without
 adapters and with 32 distinct rank-16 adapters on all seven projections (one per sequence, round-robin):
 - decode step: the mean wall time of the decode-only steps of all `batch` sequences (one new token each) of the last
   of --reps runs generating N tokens, each run one engine.generate() with every prompt `context` tokens long, per
@@ -28,6 +30,10 @@ step's GPU idles).
 --kv-cache-dtype auto,fp8 once per KV cache dtype; the floor counts the weights' and the cache's bytes as stored.
 --torch-ops runs the decoder layers' norms, RoPE + cache write and activations as torch ops instead of the fused
 Triton kernels (tp_lora/ops/fused.py). --allreduce sets parallel.allreduce (auto | nccl | symm_mem).
+--kernels: the device time per kernel of one graphed decode step of 32 sequences at each --contexts (torch.profiler
+over replays, this rank; no adapters), by kernel and by kind (GEMM, attention, all-reduce, norm, ...), into the
+JSON; `--kernel-compare A.json B.json` prints two runs' tables side by side (e.g. tp1 against tp2: what does not
+halve).
 Prints a table; writes bench_step.json into --out.
 """
 from __future__ import annotations
@@ -48,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.assets import write_random_adapter, write_tiny_llama  # noqa: E402
 from tp_lora.config import RunConfig  # noqa: E402
+from tp_lora.engine import engine as engine_module  # noqa: E402
 from tp_lora.engine.engine import Engine  # noqa: E402
 from tp_lora.engine.requests import Request  # noqa: E402
 from tp_lora.ops import fused  # noqa: E402
@@ -57,9 +64,12 @@ SHAPES = {
                        num_attention_heads=32, num_key_value_heads=8),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+    "llama3-70b-8l": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=8,
+                          num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0),
     "smoke": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
 }
+IN_MEMORY = {"llama3-70b-8l"}  # shapes whose random weights are drawn at load (every shape with --in-memory)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS, RANK = 32, 16
 
@@ -101,11 +111,31 @@ def write_random_llama(path: str, shape: dict, max_pos: int, dev: str = "cuda") 
         json.dump(cfg, f)
 
 
-def assets(cache: str, shape: str, max_pos: int) -> tuple[str, str]:
+def fill_random(model, reader=None) -> None:
+    """Random weights in place of a checkpoint (IN_MEMORY shapes): 1-dim parameters (norms) 1, matrices
+    N(0, 1 / in_features), the embedding N(0, 0.02); LoRA slots untouched. Replaces engine's load_weights."""
+    gen = torch.Generator(device=model.device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        if p.dim() == 1:
+            p.data.fill_(1.0)
+        elif p.dtype.is_floating_point:
+            std = 0.02 if "embed" in name else p.shape[-1] ** -0.5
+            p.data.normal_(0.0, std, generator=gen)
+
+
+def assets(cache: str, shape: str, max_pos: int, adapters_too: bool = True) -> tuple[str, str | None]:
     model, adapters = os.path.join(cache, shape), os.path.join(cache, f"{shape}-adapters-{ADAPTERS}x{RANK}")
     config = os.path.join(model, "config.json")
     if not os.path.exists(config):
-        if torch.cuda.is_available():
+        if shape in IN_MEMORY:
+            from tp_lora.assets import tiny_llama_config
+            os.makedirs(model, exist_ok=True)
+            with open(config, "w") as f:
+                json.dump(tiny_llama_config(dtype=torch.bfloat16, max_position_embeddings=max_pos,
+                                            **SHAPES[shape]), f)
+        elif torch.cuda.is_available():
             write_random_llama(model, SHAPES[shape], max_pos)
         else:
             write_tiny_llama(model, dtype=torch.bfloat16, max_position_embeddings=max_pos, **SHAPES[shape])
@@ -115,6 +145,8 @@ def assets(cache: str, shape: str, max_pos: int) -> tuple[str, str]:
         hf["max_position_embeddings"] = max_pos
         with open(config, "w") as f:
             json.dump(hf, f)
+    if not adapters_too:
+        return model, None
     for i in range(ADAPTERS):
         path = os.path.join(adapters, f"a{i:03d}")
         if not os.path.exists(os.path.join(path, "adapter_model.safetensors")):
@@ -203,12 +235,22 @@ def _ms(fn) -> float:
     return s.elapsed_time(e)
 
 
+def runner_batch(vocab: int, tables: list[list[int]], slot, gen, mixed: bool, context: int):
+    """A runner step of 32 sequences at `context` (block tables `tables`, adapter slot(i)): one new token each, or
+    (mixed) 31 decodes and a 512-token prefill chunk."""
+    from tp_lora.engine.runner import StepBatch
+    step = StepBatch()
+    for i in range(32):
+        n = 512 if mixed and i == 31 else 1
+        step.add(torch.randint(3, vocab, (n,), generator=gen).tolist(), tables[i], 0 if n > 1 else context, slot(i))
+    return step
+
+
 def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
     """Runner-level: one step of 31 decodes (context 128) + one 512-token prefill chunk, replayed from a graph and run
     eagerly (mixed graphs off), against a decode step of 32 sequences (a graph replay) at context 128 and 2048,
     CUDA-event medians, each with whether its last run replayed a graph. profile: the kernels of the decode step at
     context 2048 and of the graphed mixed step (torch.profiler over replays), printed."""
-    from tp_lora.engine.runner import StepBatch
     bs = engine.cfg.scheduler.kv_block_size
     per_seq = -(-(2048 + 2) // bs)
     cache = engine.runner.kv_cache(32 * per_seq, bs, 2048 + 2)
@@ -219,13 +261,8 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
             engine.registry.cache.load_slot(engine.registry.slots, i, engine.registry.cache.fetch(f"a{i:03d}"))
     gen = torch.Generator().manual_seed(1)
 
-    def batch(mixed: bool, context: int = 128) -> StepBatch:
-        step = StepBatch()
-        for i in range(32):
-            n = 512 if mixed and i == 31 else 1
-            step.add(torch.randint(3, vocab, (n,), generator=gen).tolist(), tables[i], 0 if n > 1 else context,
-                     slot(i))
-        return step
+    def batch(mixed: bool, context: int = 128):
+        return runner_batch(vocab, tables, slot, gen, mixed, context)
 
     out = {}
     runner = engine.runner
@@ -256,6 +293,88 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
             print_kernels(lambda: runner.execute(batch(mixed, context), cache),
                           f"{what} ({'with' if adapters else 'no'} adapters)", rows=14)
     return out
+
+
+KINDS = (("all-reduce + norm (fused)", ("reduce_add_rms_norm",)),
+         ("all-gather", ("all_gather", "allgather")),
+         ("all-reduce", ("nccl", "allreduce", "all_reduce", "one_shot", "two_shot")),
+         ("add + RMSNorm", ("rms_norm",)),
+         ("attention", ("attention", "attn", "paged", "flash", "_decode_kernel", "_merge_kernel", "varlen")),
+         ("RoPE + KV write", ("rope",)),
+         ("act * mul", ("act_mul",)),
+         ("LoRA", ("shrink", "expand", "lora", "sgmv")),
+         ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90", "matmul", "splitk", "ampere")),
+         ("copy / fill", ("copy", "fill", "memcpy", "memset", "elementwise")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_table(engine, vocab: int, contexts: list[int], steps: int = 20) -> dict:
+    """Device microseconds per kernel (and per kind) of one graphed decode step of 32 sequences (no adapters) at
+    each context: torch.profiler over `steps` replays on this rank, against the step's CUDA-event time."""
+    from torch.profiler import ProfilerActivity, profile
+    runner, bs = engine.runner, engine.cfg.scheduler.kv_block_size
+    per_seq = -(-(max(contexts) + 2) // bs)
+    cache = runner.kv_cache(32 * per_seq, bs, max(contexts) + 2)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(32)]
+    gen = torch.Generator().manual_seed(2)
+    out = {}
+    for ctx in contexts:
+        batches = [runner_batch(vocab, tables, lambda i: -1, gen, False, ctx) for _ in range(steps + 4)]
+        for b in batches[:4]:
+            runner.execute(b, cache)
+        step_ms = statistics.median(_ms(lambda b=b: runner.execute(b, cache)) for b in batches[4:])
+        activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            for b in batches[4:]:
+                runner.execute(b, cache)
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            if us and e.count:
+                kernels[e.key] = dict(us=us / steps, calls=e.count / steps, kind=kernel_kind(e.key))
+        kinds = {}
+        for k in kernels.values():
+            kind = kinds.setdefault(k["kind"], dict(us=0.0, calls=0.0))
+            kind["us"] += k["us"]
+            kind["calls"] += k["calls"]
+        out[str(ctx)] = dict(step_us=step_ms * 1e3, replayed=runner.replayed, kernels=kernels, kinds=kinds)
+    return out
+
+
+def kernel_compare(paths: list[str], top: int = 14) -> None:
+    """Two runs' kernel tables (bench_step.json of runs with --kernels) side by side, per kind and the top kernels:
+    microseconds per decode step, and B's time over A's (0.5: halved)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    a, b = runs
+    label = [f"tp{r['tp']} {r.get('allreduce', '')}" for r in runs]
+    for shape, ka in a.get("kernels", {}).items():
+        kb = b.get("kernels", {}).get(shape, {})
+        for ctx, ta in ka.items():
+            tb = kb.get(ctx)
+            if tb is None:
+                continue
+            print(f"{shape} decode step, batch 32, ctx {ctx}, {a['device']}: {label[0]} {ta['step_us']:.0f} us, "
+                  f"{label[1]} {tb['step_us']:.0f} us ({tb['step_us'] / ta['step_us']:.2f}); per step, us (calls):")
+            print(f"| kind | {label[0]} | {label[1]} | ratio |\n|---|---|---|---|")
+            for kind in sorted(set(ta["kinds"]) | set(tb["kinds"]), key=lambda k: -ta["kinds"].get(k, {"us": 0})["us"]):
+                x, y = ta["kinds"].get(kind, dict(us=0, calls=0)), tb["kinds"].get(kind, dict(us=0, calls=0))
+                ratio = f"{y['us'] / x['us']:.2f}" if x["us"] else "-"
+                print(f"| {kind} | {x['us']:.0f} ({x['calls']:.0f}) | {y['us']:.0f} ({y['calls']:.0f}) | {ratio} |")
+            print(f"| kernels' sum | {sum(k['us'] for k in ta['kinds'].values()):.0f} | "
+                  f"{sum(k['us'] for k in tb['kinds'].values()):.0f} | |")
+            for name, t in (("A", ta), ("B", tb)):
+                print(f"top kernels of {name} ({label[0 if name == 'A' else 1]}): us per step, calls, us per call")
+                for k, v in sorted(t["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]:
+                    per_call = v["us"] / max(v["calls"], 1)
+                    print(f"  {v['us']:8.1f} {v['calls']:5.0f} {per_call:7.2f}  [{v['kind']}] {k[:90]}")
 
 
 def scaling_table(paths: list[str]) -> None:
@@ -289,6 +408,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scaling", nargs="+", metavar="JSON",
                    help="print the tp scaling table of these earlier runs' bench_step.json files and exit")
+    p.add_argument("--kernel-compare", nargs=2, metavar="JSON",
+                   help="print two earlier --kernels runs' kernel tables side by side and exit")
+    p.add_argument("--kernels", action="store_true", help="the kernel table of a graphed decode step (see above)")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/tp_lora/bench_step"))
     p.add_argument("--shapes", default="llama-2048,llama3-8b")
@@ -306,27 +428,40 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto | fp8")
     p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "symm_mem"],
                    help="parallel.allreduce: the tp group's all-reduce")
+    p.add_argument("--in-memory", action="store_true",
+                   help="every shape's random weights drawn at load, none written to --cache (adapters still are)")
+    p.add_argument("--no-peer-kernels", action="store_true",
+                   help="A/B: with symm_mem, the all-reduce apart from the norm after it and NCCL all-gathers")
     p.add_argument("--torch-ops", action="store_true",
                    help="norms, RoPE + cache write and activations in torch, not the fused Triton kernels (A/B)")
     args = p.parse_args()
     if args.scaling:
         scaling_table(args.scaling)
         return
+    if args.kernel_compare:
+        kernel_compare(args.kernel_compare)
+        return
     fused.KERNELS = False if args.torch_ops else None
+    if args.in_memory:
+        IN_MEMORY.update(SHAPES)
+    if args.no_peer_kernels:
+        comm.fused_peer = lambda t, group: None
+        comm.PeerAllReduce.takes_gather = lambda self, t, world: False
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ps = comm.init_parallel(args.tp, device, allreduce=args.allreduce)
     allreduce = "symm_mem" if ps.tp.peer is not None else "nccl" if ps.tp.size > 1 else "none"
+    allreduce += " unfused" if args.no_peer_kernels and ps.tp.peer is not None else ""
     bw = copy_bandwidth(ps.device)
     seeds = itertools.count()  # a seed per generate(): prompts never repeat, so no run hits another's prefix cache
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    rows, extra = [], {}
+    rows, extra, kernels = [], {}, {}
     variants = [(q, kv) for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
     for shape, (quant, kv_dtype) in ((s, v) for s in args.shapes.split(",") for v in variants):
         if ps.is_driver:  # one writer; the other ranks read what it wrote
-            assets(args.cache, shape, max(contexts) + args.new + 8)
+            assets(args.cache, shape, max(contexts) + args.new + 8, not args.no_adapters_only)
         comm.all_gather_object(None, ps.world)  # a barrier
-        model_dir, adapter_dir = assets(args.cache, shape, max(contexts) + args.new + 8)
+        model_dir, adapter_dir = assets(args.cache, shape, max(contexts) + args.new + 8, not args.no_adapters_only)
         cfg = RunConfig()
         cfg.parallel.tp_size = ps.tp.size
         cfg.device = device
@@ -337,7 +472,13 @@ def main() -> None:
         cfg.quantization = None if quant == "none" else quant
         cfg.scheduler.kv_cache_dtype = kv_dtype
         cfg.scheduler.prefix_caching = args.prefix_caching == "on"
-        engine = Engine(cfg, ps, model_dir, adapter_dir)
+        load = engine_module.load_weights, engine_module.CheckpointReader
+        if shape in IN_MEMORY:
+            engine_module.load_weights, engine_module.CheckpointReader = fill_random, lambda path: None
+        try:
+            engine = Engine(cfg, ps, model_dir, adapter_dir)
+        finally:
+            engine_module.load_weights, engine_module.CheckpointReader = load
         vocab = engine.hf["vocab_size"]
         wb, ab = weight_bytes(engine.model), adapter_bytes(engine.model)
         for with_ad in ([False] if args.no_adapters_only else [False, True]):
@@ -370,6 +511,8 @@ def main() -> None:
                                      one_token_runs_s=ones, long_runs_s=longs))
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
+        if args.kernels and device == "cuda":
+            kernels[shape] = kernel_table(engine, vocab, contexts)
         if args.mixed:
             extra[f"{shape} {quant} kv={kv_dtype}"] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
                             "adapters": mixed_step(engine, vocab, True, args.profile)}
@@ -412,7 +555,8 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_step.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", tp=ps.tp.size,
                        allreduce=allreduce, prefix_caching=args.prefix_caching,
-                       copy_bandwidth=bw, fused_ops=not args.torch_ops, rows=rows, mixed=extra), f, indent=2)
+                       copy_bandwidth=bw, fused_ops=not args.torch_ops, rows=rows, mixed=extra, kernels=kernels), f,
+                  indent=2)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
 #   gpu_suite (2-4 GPUs, one call): the whole multi-GPU test suite over NCCL with the Triton backend, its wall time.
-#   tp_scaling (2-4 GPUs, one call): issue 36's all-reduce microbenchmark at 2 and 4 ranks and the Llama-3-8B
-#   decode-step table at tp1 / tp2 / tp4 with the symm_mem and the NCCL all-reduce.
+#   tp_scaling (2-4 GPUs, one call): issue 36's collective microbenchmarks at 2 and 4 ranks (all-reduce, the fused
+#   all-reduce + add + RMSNorm, all-gather), the Llama-3-8B decode-step table at tp1 / tp2 / tp4 with the symm_mem
+#   and the NCCL all-reduce, and the 70B-shaped 8-layer stack at tp1 / tp2 / tp4. tp_collectives: the
+#   microbenchmarks alone. tp_fused (2 GPUs, one call with tp_collectives): the fused collectives' GPU tests, 8B tp1
+#   / tp2 fused with kernel tables (tp1 against tp2), the 70B-shaped stack at tp2, 8B tp2 unfused.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
 #   MoE across GPUs (issue 37), on a 4-GPU host in two calls of under 10 minutes: `moe4` (the 4-GPU table: tp1
@@ -59,21 +62,50 @@ for what in "${@:-all}"; do
       step "bench_step tp=2: Llama-3-8B shape, batch 32, context 2048"
       run bench_step_tp2 240 8 torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-8b \
         --batches 32 --contexts 2048 --out "$RES/step_tp2" ;;
-    tp_scaling)
-      step "issue 36: tp all-reduce in a CUDA graph (NCCL vs symmetric memory) at 2 and 4 ranks"
+    tp_scaling|tp_collectives)
+      step "issue 36: all-reduce, all-reduce + add + RMSNorm (fused) and all-gather in a CUDA graph, 2 and 4 ranks"
       for n in 2 4; do
-        [ "$NGPU" -ge $n ] && run allreduce_$n 120 14 torchrun --nproc_per_node=$n scripts/bench_allreduce.py \
+        [ "$NGPU" -ge $n ] && run allreduce_$n 120 40 torchrun --nproc_per_node=$n scripts/bench_allreduce.py \
           --out "$RES/allreduce_$n"
+      done ;;&
+    tp_fused)
+      step "issue 36: the fused all-reduce + norm and the peer all-gather against NCCL (2 GPUs)"
+      TP_LORA_TEST_DEVICE=cuda run pytest_allreduce 90 6 python3 -m pytest -q -rs tests/distributed/test_allreduce.py \
+        -k "fused"
+      step "issue 36: Llama-3-8B decode step, tp1 / tp2 fused with a kernel table each; 70B-shaped 8 layers at tp2"
+      for spec in 1:auto 2:symm_mem 2:unfused; do
+        n=${spec%%:*} ar=${spec#*:}
+        extra=$([ "$ar" = unfused ] && echo "--allreduce symm_mem --no-peer-kernels" || echo "--allreduce $ar --kernels")
+        run step_tp${n}_$ar 110 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
+          --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --no-adapters-only --reps 1 $extra \
+          --out "$RES/step_tp${n}_$ar"
+        if [ "$spec" = 2:symm_mem ]; then
+          python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log"
+          python3 scripts/bench_step.py --kernel-compare "$RES"/step_tp1_auto/bench_step.json \
+            "$RES"/step_tp2_symm_mem/bench_step.json | tee -a "$OUT/summary.log"
+          run step70_tp2 110 4 torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-70b-8l \
+            --batches 32 --contexts 128,2048 --prefix-caching off --no-adapters-only --reps 1 --out "$RES/step70_tp2"
+        fi
       done
+      python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
+    tp_scaling)
       step "issue 36: Llama-3-8B decode step at tp1 / tp2 / tp4, symm_mem and NCCL all-reduce, batch 32"
       for spec in 1:auto 2:symm_mem 4:symm_mem 2:nccl 4:nccl; do
         n=${spec%%:*} ar=${spec#*:}
         [ "$NGPU" -ge $n ] || continue
         only=$([ "$ar" = nccl ] && echo --no-adapters-only)
         run step_tp${n}_$ar 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
-          --batches 32 --contexts 128,2048 --prefix-caching off --allreduce $ar $only --out "$RES/step_tp${n}_$ar"
+          --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce $ar $only \
+          --out "$RES/step_tp${n}_$ar"
       done
-      python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
+      python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log"
+      step "issue 36: 8 layers of the Llama-3-70B shape (random weights in memory), batch 32, tp1 / tp2 / tp4"
+      for n in 1 2 4; do
+        [ "$NGPU" -ge $n ] || continue
+        run step70_tp$n 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-70b-8l \
+          --batches 32 --contexts 128,2048 --prefix-caching off --no-adapters-only --out "$RES/step70_tp$n"
+      done
+      python3 scripts/bench_step.py --scaling "$RES"/step70_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
     gpu_suite)
       step "issue 36: the multi-GPU suite over NCCL + triton ($NGPU GPUs): tests/distributed, tests/gpu, multi-rank parity"
       start=$SECONDS

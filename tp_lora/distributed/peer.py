@@ -81,7 +81,8 @@ class PeerAllReduce:
             buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
             hdl = symm_mem.rendezvous(buf, self.name)
             if PEER_PROGRAMS * world > hdl.signal_pad_size // 4:
-                raise ValueError(f"a signal pad of {hdl.signal_pad_size} bytes holds no {PEER_PROGRAMS} x {world} flags")
+                raise ValueError(f"a signal pad of {hdl.signal_pad_size} bytes holds no {PEER_PROGRAMS} x {world} "
+                                 "flags")
             off = getattr(hdl, "offset", 0)  # the tensor's place in its allocation (0 from symm_mem.empty)
             ptrs = torch.tensor([p + off for p in hdl.buffer_ptrs], dtype=torch.int64, device=device)
             pads = torch.tensor(hdl.signal_pad_ptrs, dtype=torch.int64, device=device)
