@@ -20,8 +20,9 @@ import triton.language as tl
 
 BLOCK_N = 128  # positions per inner iteration
 # ... over an fp8 cache: its widened K and V pass through shared memory as f16 too, so a 128-position tile holds
-# ~100 KB of it and two programs fit an SM; 64 positions let four in, each with as many bytes in flight as one bf16
-# program of 128 (sm_90 builds; scripts/bench_attention.py --kind fp8_kv --sweep)
+# ~100 KB of it and two programs fit an SM; 64 positions let four in (more warps to hide the conversions behind; a
+# tile of 16 KB in flight per program is still several times what a share of HBM needs; sm_90 builds,
+# scripts/bench_attention.py --kind fp8_kv --sweep)
 BLOCK_N_FP8 = 64
 # Programs the decode grid aims for where a position holds >= 256 bytes per KV head (bf16 at head_dim 128; two waves of
 # SMs); 256 / bytes times that below (head_dim 64, an fp8 cache), where a program streams fewer bytes per position
