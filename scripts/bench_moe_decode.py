@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_step import copy_bandwidth, kv_bytes, print_kernels  # noqa: E402
+from bench_step import copy_bandwidth, kv_bytes  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from tp_lora.layers.moe import Router  # noqa: E402
@@ -127,9 +127,28 @@ def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, 
     return total
 
 
-def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwidth: float) -> dict:
+def kernel_times(run, steps: int = 3) -> dict[str, list[float]]:
+    """{kernel name: [µs per step, launches per step]} of `steps` calls of run() on this rank's device
+    (torch.profiler; every rank profiles, so the collectives inside run() meet their peers)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = e.cuda_time_total if us is None else us
+        if us > 0 and e.count:
+            out[e.key] = [round(us / steps, 2), round(e.count / steps, 2)]
+    return out
+
+
+def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwidth: float,
+             allreduce: str = "auto") -> dict:
     tp, ep, attn = LAYOUTS[layout]
-    ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device)), ep, attn)
+    ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device), allreduce=allreduce), ep, attn,
+                                   allreduce=allreduce)
     rt = LoRARuntime(n_adapters, args.rank, False, ops) if n_adapters else None
     model = MoECausalLM(hf, ps, dtype, device, rt, None)
     randomize(model, device)
@@ -177,15 +196,15 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
         graph_ms, graph_replayed = timed(runner, m)
         eager_ms, _ = timed(eager, m)
         mixed = dict(mixed_ms=round(graph_ms, 3), mixed_graphs=graph_replayed, mixed_eager_ms=round(eager_ms, 3))
-    if args.profile and cuda:
-        print_kernels(lambda: execute(runner, model, step, cache), f"steps: {layout}, {n_adapters} adapters", rows=32,
-                      show=ps.is_driver)
+    kernels = kernel_times(lambda: execute(runner, model, step, cache)) if args.profile and cuda else {}
     runner.release_graphs()
     tokens = args.batch * ps.dp.size
-    return dict(layout=layout, adapters=n_adapters, rank=args.rank if n_adapters else 0, batch_per_replica=args.batch,
+    return dict(layout=layout, collectives=allreduce, adapters=n_adapters, rank=args.rank if n_adapters else 0,
+                batch_per_replica=args.batch,
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
                 floor_mb=round(nbytes / 2**20, 1), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
-                peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed)
+                peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed,
+                **(dict(kernels=kernels) if kernels else {}))
 
 
 CONFIG_CLASSES = {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
@@ -250,7 +269,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graphs", dest="graphs", action="store_false")
-    ap.add_argument("--profile", action="store_true", help="print each case's kernels (torch.profiler, GPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="each case's kernels per graphed decode step (torch.profiler, GPU): a table side by side")
+    ap.add_argument("--nccl-layouts", default="",
+                    help="also run these layouts (no adapters) with parallel.allreduce=nccl: every collective on "
+                         "NCCL, beside the default rows' peer-memory path")
     ap.add_argument("--prefill", type=int, default=0,
                     help="also time a mixed step: batch - 1 decodes + one chunk of this many prompt tokens")
     ap.add_argument("--hf", action="store_true",
@@ -281,30 +304,81 @@ def main() -> None:
         hf["num_hidden_layers"] = args.layers
     ops = get_backend("triton" if cuda else "torch", str(device))
     bandwidth = copy_bandwidth(device) if cuda else 0.0
+    meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=ps0.world.size,
+                copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), context=args.context)
     rows = []
-    for layout in args.layouts.split(","):
-        for n in (0, args.adapters):
-            rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
-                             **run_case(hf, layout, n, args, device, dtype, ops, bandwidth)))
-            if ps0.is_driver:
-                print(json.dumps(rows[-1]), flush=True)
-            gc.collect()  # the LoRA runtime and its layers reference each other: free the model before the next
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+    cases = [(layout, n, "auto") for layout in args.layouts.split(",") for n in (0, args.adapters)]
+    cases += [(layout, 0, "nccl") for layout in args.nccl_layouts.split(",") if layout]
+    for layout, n, allreduce in cases:
+        rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
+                         **run_case(hf, layout, n, args, device, dtype, ops, bandwidth, allreduce)))
+        if ps0.is_driver:
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}), flush=True)
+            write(args.out, meta, rows, [])  # a run cut short keeps the cases done
+        gc.collect()  # the LoRA runtime and its layers reference each other: free the model before the next
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     hf_rows = run_hf(hf, args, device, dtype) if args.hf and ps0.world.size == 1 else []
     if ps0.is_driver:
-        os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=ps0.world.size,
-                    copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), context=args.context)
-        with open(os.path.join(args.out, "bench_moe_decode.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows, transformers=hf_rows), f, indent=1)
+        write(args.out, meta, rows, hf_rows)
         print(f"{meta['device']}, copy bandwidth {meta['copy_bandwidth_gb_s']} GB/s (read + write)")
         print(table(rows))
+        if any("kernels" in r for r in rows):
+            print(kernel_table(rows))
         for r in hf_rows:
             print(f"{r['system']}: {r['adapters']} adapters (LoRA on {r['lora_on']}), batch {r['batch']}: "
                   f"{r['ms']:.3f} ms/step, {r['tokens_per_s']:.0f} tokens/s")
     comm.shutdown()
+
+
+def write(out: str, meta: dict, rows: list[dict], hf_rows: list[dict]) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_moe_decode.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, transformers=hf_rows), f, indent=1)
+
+
+def row_name(r: dict) -> str:
+    return f"{r['layout']}{'' if r['collectives'] == 'auto' else ' ' + r['collectives']} {r['adapters']}a"
+
+
+# (kind, name substrings) in match order: the kernel table's rows
+KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")), ("expert grouped GEMM", ("_grouped_mm",)),
+         ("MoE LoRA shrink + expand", ("moe_shrink", "moe_expand")),
+         ("dense LoRA shrink + expand", ("shrink_rows", "expand_rows")),
+         ("EP dispatch: peer all-gather", ("_all_gather_kernel",)),
+         ("NCCL all-gather (EP counts / dispatch, tp logits)", ("AllGather",)),
+         ("combine / MoE all-reduce: peer one-shot, NCCL", ("one_shot", "two_shot", "ReduceScatter", "AllReduce")),
+         ("fused all-reduce + add + RMSNorm", ("_reduce_add_rms",)),
+         ("attention (+ split merge)", ("_decode_kernel", "_merge_kernel", "_varlen")),
+         ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass")),
+         ("routing (top-k, sort, searchsorted, LoRA blocks)", ("_moe_topk", "_sort_pairs", "searchsorted",
+                                                             "_lora_blocks")),
+         ("pack, combine, act, norms, rope (Triton)", ("_pack_kernel", "_moe_combine", "_act_mul", "_add_rms_norm",
+                                                       "_rope_write")))
+OTHER = "torch elementwise / copies / fills / gathers"
+
+
+def kernel_table(rows: list[dict]) -> str:
+    """Rank 0's µs per graphed decode step by kind of kernel (launches in brackets), one column per profiled case,
+    then the sum beside the step's wall time (the rest: the host's part of the step, gaps between kernels)."""
+    cases = [r for r in rows if "kernels" in r]
+    sums = []
+    for r in cases:
+        kinds = {}
+        for name, (us, n) in r["kernels"].items():
+            kind = next((k for k, subs in KINDS if any(x in name for x in subs)), OTHER)
+            got = kinds.setdefault(kind, [0.0, 0.0])
+            got[0], got[1] = got[0] + us, got[1] + n
+        sums.append(kinds)
+    lines = ["| kernels | " + " | ".join(row_name(r) for r in cases) + " |", "|---" * (len(cases) + 1) + "|"]
+    for kind in [k for k, _ in KINDS] + [OTHER]:
+        if any(kind in k for k in sums):
+            lines.append(f"| {kind} | " + " | ".join("-" if kind not in k else f"{k[kind][0]:.0f} ({k[kind][1]:g})"
+                                                     for k in sums) + " |")
+    lines.append("| sum of kernels | " + " | ".join(f"{sum(v[0] for v in k.values()):.0f}" for k in sums) + " |")
+    lines.append("| step (wall, slowest rank) | " + " | ".join(f"{1e3 * r['ms']:.0f}" for r in cases) + " |")
+    return "\n".join(lines)
 
 
 def mixed_cell(r: dict) -> str:
@@ -320,7 +394,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         pct = "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.1f}%"
-        lines.append(f"| {r['model']} | {r['layers']} | {r['layout']} | {r['adapters']} x r{r['rank']} | "
+        layout = r["layout"] + ("" if r["collectives"] == "auto" else f" ({r['collectives']})")
+        lines.append(f"| {r['model']} | {r['layers']} | {layout} | {r['adapters']} x r{r['rank']} | "
                      f"{'yes' if r['graphs'] else 'no'} | {r['batch_per_replica']} | {r['ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | {r['peak_mb']} | "
                      f"{mixed_cell(r)} |")

@@ -96,3 +96,60 @@ def test_moe_graph_steps_match_eager_every_layout(tmp_path, monkeypatch, world):
     adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral", HEAD_DIM), seed=15)
     steps = run_ranks(_layouts, world, world, str(model), str(adapters), tp_size=world, timeout_s=400)
     assert all(s > 0 and m > 0 for s, m in steps.values()), f"(graph steps, mixed ones) per layout: {steps}"
+
+
+def _ep_collectives(ps, hidden: int):
+    """EP over 2 DP replicas on the peer path (parallel.allreduce=auto): the dispatch all-gather of packed rows
+    (ids of padding rows are -1: a NaN's bits as float32) and the combine reduce-scatter, eagerly and replayed from a
+    CUDA graph with new inputs, against the same collectives on NCCL (the group without its peer buffers)."""
+    import dataclasses
+
+    from tp_lora import distributed as comm
+    from tp_lora.layers.moe import pack_tokens
+    ps = comm.init_expert_parallel(comm.init_parallel(1, "cuda"), 2, "dp")
+    ep, dev = ps.ep, ps.device
+    assert ep.peer is not None, "no peer memory between the 2 GPUs: the EP collectives stayed on NCCL"
+    nccl = dataclasses.replace(ep, peer=None)
+    gen = torch.Generator(device=dev).manual_seed(ep.rank)
+    checked = []
+    for n, rows in ((3, 4), (32, 32), (543, 640)):
+        def inputs():
+            x = torch.randn(n, hidden, generator=gen, device=dev).to(torch.bfloat16)
+            ids = torch.randint(-1, 64, (n, 8), generator=gen, device=dev)
+            w = torch.rand(n, 8, generator=gen, device=dev)
+            tags = torch.randint(-1, 4, (n,), generator=gen, device=dev, dtype=torch.int32)
+            y = torch.randn(2 * rows, hidden, generator=gen, device=dev).to(torch.bfloat16)
+            return pack_tokens(x, ids, w, tags, rows), y
+
+        def peer(packed, y):
+            return comm.all_gather(packed, ep, dim=0), comm.reduce_scatter(y.clone(), ep)
+
+        def check(packed, y, got, what):
+            want = comm.all_gather(packed, nccl, dim=0), comm.reduce_scatter(y.clone(), nccl)
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), f"{what}: dispatch bytes differ"
+            torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=1e-2, msg=f"{what}: combine differs")
+            checked.append(what)
+
+        packed, y = inputs()
+        check(packed, y, peer(packed, y), f"eager {n}/{rows}")
+        static = inputs()
+        peer(*static)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = peer(*static)
+        for _ in range(2):
+            new = inputs()
+            for s, t in zip(static, new):
+                s.copy_(t)
+            graph.replay()
+            check(*static, [o.clone() for o in out], f"graph {n}/{rows}")
+    return checked
+
+
+def test_ep_peer_collectives_match_nccl(monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")
+    checked = run_ranks(_ep_collectives, 2, 2048, tp_size=1, timeout_s=200)
+    assert len(checked) == 9, checked

@@ -105,10 +105,14 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
 
 
 def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum over the group, then rank i keeps the i-th equal chunk of dim 0."""
+    """Sum over the group, then rank i keeps the i-th equal chunk of dim 0. Where the group has peer memory and t
+    fits, t is all-reduced there in place (one kernel up to one-shot sizes: faster than NCCL's reduce-scatter at
+    small messages) and the chunk is a view of it."""
     if group.size == 1:
         return t
     STATS.record("reduce_scatter", group, t)
+    if group.peer is not None and group.peer.takes(t):
+        return group.peer.all_reduce(t).chunk(group.size, 0)[group.rank]
     out = torch.empty((t.shape[0] // group.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     _reduce_scatter_tensor(out, t.contiguous(), group=group.pg)
     return out
@@ -156,7 +160,7 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
                 f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
                 f"{group.peer.fused_max >> 10} KiB; all-gathers up to {GATHER_MAX_BYTES >> 10} KiB)")
     if group.rank == 0 and group.ranks[0] == 0:
-        print(f"parallel.allreduce={choice}: tp all-reduce over {group.size} ranks by {path}", flush=True)
+        print(f"parallel.allreduce={choice}: {group.name} all-reduce over {group.size} ranks by {path}", flush=True)
     return "symm_mem" if group.peer is not None else "nccl"
 
 
@@ -382,9 +386,10 @@ _GROUP_CACHE: dict[tuple, object] = {}
 
 
 def init_expert_parallel(ps: ParallelState, ep_size: int = 1, ep_attention: str = "dp",
-                         timeout_s: float = 300.0) -> ParallelState:
+                         timeout_s: float = 300.0, allreduce: str = "auto") -> ParallelState:
     """Give ps its ep / moe_tp groups. Every rank must call this with the same arguments (group creation is
-    collective). Returns ps, also registered for `expert_layout(ps.tp)`."""
+    collective). The ep group's dispatch / combine take peer memory as parallel.allreduce says (use_allreduce; over
+    the attention tp group's ranks, its buffers). Returns ps, also registered for `expert_layout(ps.tp)`."""
     world = ps.world.size
     ep_groups = expert_mesh_groups(world, ps.tp.size, ep_size, ep_attention)
     if ep_size == 1:
@@ -399,6 +404,10 @@ def init_expert_parallel(ps: ParallelState, ep_size: int = 1, ep_attention: str 
                 mine = Group("ep", ranks.index(ps.rank), len(ranks), ranks, _GROUP_CACHE[key])
         ps.ep = mine
         ps.moe_tp = Group("moe_tp") if ep_attention == "tp" else ps.tp
+        if ep_attention == "tp":
+            mine.peer = ps.tp.peer if allreduce != "nccl" else None
+        else:
+            use_allreduce(mine, ps.device, allreduce)
     ps.ep_attention = ep_attention
     _EXPERT_LAYOUT[id(ps.tp)] = ps
     return ps

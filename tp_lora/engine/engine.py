@@ -66,7 +66,7 @@ class Engine(EngineCore):
         targets = set().union(*(i.targets for i in cache.infos.values()))
         if not lo.lora_embeddings:
             targets -= {"embed_tokens", "lm_head"}
-        comm.init_expert_parallel(ps, p.ep_size, p.ep_attention, p.timeout_s)  # before the MoE blocks are built
+        comm.init_expert_parallel(ps, p.ep_size, p.ep_attention, p.timeout_s, p.allreduce)  # before the MoE blocks
         self.model = models.build(self.hf, ps.tp, self.dtype, ps.device, rt, targets, cfg.quantization,
                                   cfg.scheduler.kv_cache_dtype)
         load_weights(self.model, CheckpointReader(model_dir))
