@@ -16,7 +16,9 @@ in arrival order (max_prefix_overtakes=0, column "order"); --rate high and --thi
 --traces / --orders pick the runs (default all; the caching-off chat run always runs, as the baseline).
 Reports generated tokens/s over the trace, TTFT (arrival to first token) p50 / p99 and where it goes (p50 of the
 wait to be admitted, and of admission to the first token read), TTFT p50 of the later turns alone (those the
-cache can serve), the prefix hit rate, the mean decode step and the engine steps; writes bench_prefix.json into --out.
+cache can serve) and in steps ("later 1st@": steps launched from arrival to the first token read, p50), the prefix
+hit rate, the mean decode step and the engine steps; writes bench_prefix.json into --out. --run-ahead launches
+steps ahead of reading on the CPU too (the steps to a first token as on a GPU).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import os
 import random
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -57,6 +60,9 @@ class Chat:
         self.history: dict[int, list[int]] = {}  # conversation -> its tokens so far
         self.turn: dict[int, int] = {}
         self.results: list[Result] = []
+        self.stats: Optional[StepStats] = None  # the engine's, to count steps (set by run_trace)
+        self.handed: dict[int, int] = {}  # request index -> engine steps launched when it was handed over
+        self.first_steps: dict[int, int] = {}  # request index -> steps launched from its handover to its first token
         self.index = 0
         start = 0.0
         for c in range(args.conversations):
@@ -92,6 +98,7 @@ class Chat:
     def merge(self, views: list) -> list:
         n = min(views)
         ops, self.due = [("add", req, at, None) for at, req in self.due[:n]], self.due[n:]
+        self.handed.update((req.index, self.stats.steps) for _, req, _, _ in ops)
         return ops
 
     def close(self) -> list[Request]:
@@ -115,6 +122,9 @@ class Chat:
             self._send(c, time.perf_counter() + self.args.think_s, res.request.adapter)
 
     def stepped(self, out) -> None:
+        for res in out.advanced:
+            if len(res.output_token_ids) == 1:  # its first token: the steps launched since it came
+                self.first_steps[res.request.index] = self.stats.steps - self.handed[res.request.index]
         for res in out.finished:
             self.ended(res)
 
@@ -140,7 +150,7 @@ def run_trace(engine: Engine, args, adapters: list[str], shared: bool, seed: int
     longest = args.system_tokens + args.turns * (args.user_tokens + args.reply_tokens)
     need = [longest] * engine.cfg.scheduler.max_batch_size
     blocks, fit = engine.plan_kv(need)
-    engine.stats = StepStats()
+    engine.stats = chat.stats = StepStats()
     engine.open(blocks, min(fit, longest))
     t0 = time.perf_counter()
     try:
@@ -161,6 +171,9 @@ def run_trace(engine: Engine, args, adapters: list[str], shared: bool, seed: int
                 queue_s=_stats([r.metrics["admitted"] - r.metrics["arrival"] for r in rs]),
                 admitted_to_first_s=_stats([r.metrics["first_token"] - r.metrics["admitted"] for r in rs]),
                 later_turns_ttft_s=_stats([r.metrics["first_token"] - r.metrics["arrival"] for r in later]),
+                # steps launched from a later turn's arrival to its first token read: the step in flight when it
+                # came, the one launched ahead before it could join (if any), its prefill, ...
+                later_turns_steps=_stats([chat.first_steps[r.request.index] for r in later]),
                 prefix_hit_rate=s.prefix_hit_rate, prompt_tokens=s.prompt_tokens,
                 prefix_hit_tokens=s.prefix_hit_tokens, steps=s.steps,
                 decode_step_ms=1e3 * s.decode_seconds / s.decode_steps if s.decode_steps else None,
@@ -177,7 +190,9 @@ def engine_for(model: str, adapter_dir: str, caching: bool, args, arrival_order:
     if arrival_order:
         cfg.scheduler.max_prefix_overtakes = 0
     cfg.scheduler.kv_memory_fraction = args.kv_fraction
-    return Engine(cfg, comm.single_process(dev), model, adapter_dir)
+    engine = Engine(cfg, comm.single_process(dev), model, adapter_dir)
+    engine.run_ahead = engine.run_ahead or args.run_ahead
+    return engine
 
 
 def named_adapters(src: str, n: int) -> str:
@@ -211,6 +226,8 @@ def main() -> None:
     p.add_argument("--kv-fraction", type=float, default=0.8)
     p.add_argument("--traces", default="chat,random", help="random: what caching costs where nothing hits")
     p.add_argument("--orders", default="cached,arrival", help="the admission orders of the caching-on chat runs")
+    p.add_argument("--run-ahead", action="store_true", help="on the CPU too (the CUDA default): steps to the first "
+                   "token as on a GPU")
     args = p.parse_args()
     traces, orders = args.traces.split(","), args.orders.split(",")
     os.makedirs(args.out, exist_ok=True)
@@ -219,7 +236,7 @@ def main() -> None:
     longest = args.system_tokens + args.turns * (args.user_tokens + args.reply_tokens)
     print(f"{'shape':<11} {'trace':<7} {'caching':<8} {'order':<7} {'tok/s':>8} {'TTFT p50 ms':>12} "
           f"{'TTFT p99 ms':>12} {'queue p50':>10} {'adm->1st p50':>13} {'later p50':>10} {'hit rate':>9} "
-          f"{'decode ms':>10} {'steps':>6}", flush=True)
+          f"{'decode ms':>10} {'steps':>6} {'later 1st@':>11}", flush=True)
     for shape in args.shapes.split(","):
         model, adapter_src = assets(args.cache, shape, longest + 16)
         adapter_dir = named_adapters(adapter_src, args.conversations)
@@ -233,12 +250,13 @@ def main() -> None:
                 row = dict(shape=shape, trace=trace, caching=caching, order=order,
                            **run_trace(engine, args, names, shared, 0))
                 report["rows"].append(row)
-                t, later = row["ttft_s"], row["later_turns_ttft_s"]["p50"]
+                t, later, steps = row["ttft_s"], row["later_turns_ttft_s"]["p50"], row["later_turns_steps"]["p50"]
                 print(f"{shape:<11} {trace:<7} {str(caching):<8} {order:<7} {row['tokens_per_s']:>8.0f} "
                       f"{1e3 * t['p50']:>12.1f} {1e3 * t['p99']:>12.1f} {1e3 * row['queue_s']['p50']:>10.1f} "
                       f"{1e3 * row['admitted_to_first_s']['p50']:>13.1f} "
                       f"{1e3 * later if later is not None else float('nan'):>10.1f} {row['prefix_hit_rate']:>9.1%} "
-                      f"{row['decode_step_ms'] or float('nan'):>10.3f} {row['steps']:>6}", flush=True)
+                      f"{row['decode_step_ms'] or float('nan'):>10.3f} {row['steps']:>6} "
+                      f"{steps if steps is not None else float('nan'):>11}", flush=True)
             engine.close()
             del engine
             gc.collect()  # the engine's reference cycles hold its KV cache until collected
