@@ -100,12 +100,13 @@ def test_moe_graph_steps_match_eager_every_layout(tmp_path, monkeypatch, world):
 
 def _ep_collectives(ps, hidden: int):
     """EP over 2 DP replicas on the peer path (parallel.allreduce=auto): the dispatch all-gather of packed rows
-    (ids of padding rows are -1: a NaN's bits as float32) and the combine reduce-scatter, eagerly and replayed from a
-    CUDA graph with new inputs, against the same collectives on NCCL (the group without its peer buffers)."""
+    (ids of padding rows are -1: a NaN's bits as float32; packed by the Triton kernel, checked against the reference)
+    and the combine reduce-scatter, eagerly and replayed from a CUDA graph with new inputs, against the same
+    collectives on NCCL (the group without its peer buffers)."""
     import dataclasses
 
     from tp_lora import distributed as comm
-    from tp_lora.layers.moe import pack_tokens
+    from tp_lora.ops.moe_pack import pack_tokens, pack_tokens_ref
     ps = comm.init_expert_parallel(comm.init_parallel(1, "cuda"), 2, "dp")
     ep, dev = ps.ep, ps.device
     assert ep.peer is not None, "no peer memory between the 2 GPUs: the EP collectives stayed on NCCL"
@@ -119,7 +120,10 @@ def _ep_collectives(ps, hidden: int):
             w = torch.rand(n, 8, generator=gen, device=dev)
             tags = torch.randint(-1, 4, (n,), generator=gen, device=dev, dtype=torch.int32)
             y = torch.randn(2 * rows, hidden, generator=gen, device=dev).to(torch.bfloat16)
-            return pack_tokens(x, ids, w, tags, rows), y
+            packed = pack_tokens(x, ids, w, tags, rows)  # the Triton kernel on CUDA
+            want = pack_tokens_ref(*(t.cpu() for t in (x, ids, w, tags)), rows)
+            assert torch.equal(packed.cpu().view(torch.int32), want.view(torch.int32)), "pack kernel != reference"
+            return packed, y
 
         def peer(packed, y):
             return comm.all_gather(packed, ep, dim=0), comm.reduce_scatter(y.clone(), ep)
