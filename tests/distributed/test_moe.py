@@ -7,7 +7,7 @@ whole ranks without tokens), then a tiny Mixtral (per-expert checkpoint) and Qwe
 expert, a dense layer) through the Engine with adapters in PEFT's per-expert and target_parameters formats: prompt
 logits within 1e-4 relative, greedy tokens identical, and the exact collectives of one forward.
 
-Few spawns (one per world size), every case looped inside, tiny dims: the file runs in well under 3 minutes on 2 cores.
+Few runs on the ranks (one per world size), every case looped inside, tiny dims: the file runs in well under 3 minutes on 2 cores.
 """
 import json
 import os

@@ -8,7 +8,8 @@ without, ranks with different token counts and mixes, one rank idle: the graphed
 eager engine's, and every step replays a graph (mixed ones included). The overflow rule: a step whose largest rank
 has more tokens than the largest graph runs eagerly on every rank of the group, and gives the eager logits. And the
 dispatch's bookkeeping (prepare_step: rows, owned tokens, the agreed LoRA flag, count exchanges) on the same ranks.
-One spawn for both (~50 s on 2 cores).
+One run on the ranks for both (~50 s on 2 cores). Gloo only: with TP_LORA_TEST_DEVICE=cuda tests/gpu/test_moe_graphs.py
+runs the real graphs.
 """
 import os
 import sys
@@ -28,7 +29,7 @@ from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoEStep, prepare_step  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
 from tp_lora.ops.batch import build_lora_batch  # noqa: E402
-from tp_lora.testing import run_ranks  # noqa: E402
+from tp_lora.testing import device_under_test, run_ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "kernels")]
@@ -51,6 +52,9 @@ class Once(Rerun):
         assert self.baked() == self.host, f"a graph captured with {self.host} replayed with {self.baked()}"
         super().replay()
 
+
+pytestmark = pytest.mark.skipif(device_under_test() == "cuda", reason="gloo ranks and CPU tensors: the stand-in of "
+                                "tests/gpu/test_moe_graphs.py")
 
 HEAD_DIM = 16  # the smallest the varlen attention kernel (and so the mixed-step graphs) takes
 MAX_SEQS, MAX_TOKENS = 3, 16
@@ -162,7 +166,7 @@ def _all(ps, model: str, adapters: str) -> tuple[list[str], list[str]]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Both tests' cases in one spawn of 2 ranks (a rank's failed assertion fails both)."""
+    """Both tests' cases in one run on 2 ranks (a rank's failed assertion fails both)."""
     root = tmp_path_factory.mktemp("moe_graphs")
     model = write_moe(root / "mixtral", "mixtral", seed=3, head_dim=HEAD_DIM)
     adapters = write_adapters(root / "adapters", moe_config("mixtral", HEAD_DIM), seed=13)

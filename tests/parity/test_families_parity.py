@@ -2,7 +2,7 @@
 checkpoint saved by transformers (windows shorter than the prompts, RoPE scaling on where the family has it) and
 random PEFT adapters (init_lora_weights=False, every projection; Phi-3's fused qkv_proj / gate_up_proj; embed_tokens
 and lm_head, tied or not, in the second adapter) give the greedy tokens and logprobs of transformers + PEFT running
-each request alone, at tp=1 and over real ranks at tp=2 and tp=4 (one spawned group per size for both LoRA modes).
+each request alone, at tp=1 and over real ranks at tp=2 and tp=4 (one run on the ranks per size for both LoRA modes).
 TP_LORA_TEST_DEVICE=cuda / TP_LORA_TEST_BACKEND=triton run the same on GPUs (tp=4 where 4 are visible)."""
 import pytest
 import torch
