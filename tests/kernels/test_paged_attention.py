@@ -142,6 +142,19 @@ def test_kernel_fp8_queries_past_float16_range(device):
     fp8_close(got, q, k, v, table, ctx, 1e-5)
 
 
+def test_kernel_fp8_subnormals(device):
+    """A cache of e4m3 subnormals only (m x 2^-9) and queries large enough that they decide the scores: a widening
+    that flushed or misread them would miss by far more than the tolerance (2^-10 of values below 2^-6)."""
+    from tp_lora.ops.triton.paged_attention import paged_decode
+    gen = torch.Generator().manual_seed(10)
+    q, k, v, table, ctx = _case(gen, [37, 16, 5], 8, 2, 16, 16, torch.float32, "cpu")
+    k, v = ((torch.randint(-7, 8, x.shape, generator=gen) * 2.0 ** -9).where(~x.isnan(), x).to(torch.float8_e4m3fn)
+            for x in (k, v))
+    assert k.float().nan_to_num(0).abs().max() < 2 ** -6
+    args = tuple(t.to(device) for t in (q * 300, k, v, table, ctx))
+    fp8_close(paged_decode(*args, 0.25), *args, 0.25)
+
+
 def test_fp8_partitions_double():
     """At the 8B decode shape (32 sequences x 8 KV heads, head_dim 128) a bf16 cache runs one partition, an fp8 one
     (half the bytes per position) two, as a bf16 cache of head_dim 64 does."""
