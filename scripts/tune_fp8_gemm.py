@@ -7,7 +7,7 @@ one GPU, beside bf16 F.linear, torch._scaled_mm (W8A8 per channel) and the FP8 w
               activations' quantization kernel in the time (per-channel prefill: scripts/bench_fp8_gemm.py)
 
     python scripts/tune_fp8_gemm.py [--small-rows 32] [--check-rows 1,16,64] [--prefill-rows 2048] [--out DIR]
-    python scripts/tune_fp8_gemm.py --smoke   (CPU / interpreter: tiny shapes, two configs, no timing)
+    python scripts/tune_fp8_gemm.py --smoke [--out DIR]   (CPU / interpreter: tiny shapes, a few configs, no timing)
 
 Kernels compile in a pool of processes first (Triton's on-disk cache then serves this one). Times: CUDA graph
 replays over weight copies spanning more than L2 (scripts/bench_fp8_gemm.graph_time). Prints the tables and writes
@@ -153,21 +153,27 @@ def prefill(n, k, block_k, m, q, wb, bw):
     return row
 
 
-def smoke() -> None:
-    """The sweep's calls on tiny shapes on the CPU (interpreter): catches typos before a GPU call."""
-    fp8_gemm, fp8_quant = kernels()
+def smoke(out_dir: str) -> None:
+    """The sweep's calls on tiny shapes on the CPU (interpreter): catches typos before a GPU call. Writes each
+    call's relative error against its reference into tune_fp8_gemm.json."""
+    fp8_gemm, _ = kernels()
+    errs = {}
     for block_k in (None, 128):
         (w, s), _ = weights(128, 256, block_k, "cpu")
         x = torch.randn(5, 256, dtype=torch.bfloat16)
         for cfg in SMALL[:1] + SMALL[-1:]:
             for split in SPLITS[:2]:
                 got = fp8_gemm.w8a16_mm(x, w, s, block_k, dict(cfg, SPLIT_K=split))
-                assert rel_err(got, w8a16_mm_ref(x, w, s, block_k)) < 2e-2
+                errs[f"w8a16/{block_k}/{fmt_cfg(cfg)}/{split}"] = rel_err(got, w8a16_mm_ref(x, w, s, block_k))
         if block_k is not None:
             xq, xs = quantize_per_group(x, block_k)
             got = fp8_gemm.w8a8_mm(xq, xs, w, s, block_k, x.dtype, dict(PREFILL[0], BLOCK_M=16, BLOCK_N=32))
-            assert rel_err(got, w8a8_mm_ref(xq, xs, w, s, block_k, x.dtype)) < 2e-2
-    print("smoke ok")
+            errs[f"w8a8/{block_k}"] = rel_err(got, w8a8_mm_ref(xq, xs, w, s, block_k, x.dtype))
+    assert max(errs.values()) < 2e-2, errs
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tune_fp8_gemm.json"), "w") as f:
+        json.dump(dict(device="cpu", smoke=errs), f, indent=1)
+    print("smoke ok", max(errs.values()))
 
 
 def run_small(result, top, key, n, k, block_k, m, q, wb, bw, keep=4):
@@ -210,7 +216,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
-        return smoke()
+        return smoke(args.out)
     scales = (None, 128)
     check_rows = [int(r) for r in args.check_rows.split(",") if r]
     shapes = args.shapes.split(",")

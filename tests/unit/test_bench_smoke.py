@@ -83,3 +83,9 @@ def test_bench_moe_decode_smoke(tmp_path, ranks, layouts):
     assert report["meta"]["ranks"] == ranks
     assert [(r["layout"], r["adapters"]) for r in rows] == [(name, n) for name in layouts.split(",") for n in (0, 2)]
     assert all(r["ms"] > 0 and r["floor_mb"] > 0 and r["mixed_eager_ms"] > 0 for r in rows), rows
+
+
+def test_tune_fp8_gemm_smoke(tmp_path):
+    _run(tmp_path, "tune_fp8_gemm.py", "--smoke", "--out", str(tmp_path / "out"))
+    errs = _report(tmp_path / "out" / "tune_fp8_gemm.json")["smoke"]
+    assert len(errs) == 9 and max(errs.values()) < 2e-2
