@@ -137,10 +137,11 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
 def blockwise_ok(x: torch.Tensor, w: torch.Tensor, block_k: int | None, block_n: int | None) -> bool:
     """Whether fp8_linear runs cuBLAS's block-scaled GEMM (blockwise_mm): [128, 128] blocks whose rows share their
     scale row (block_n 128: the layer's slices start on block boundaries), an sm90 GPU (the only one torch runs it
-    on) and a torch with F.scaled_mm, 16-aligned N and K, 16-bit output, the Triton quantization kernel on."""
+    on) and a torch with F.scaled_mm, 16-aligned N and K, K blocks a multiple of 4 (cuBLAS wants the weight scales'
+    rows 16-byte aligned), 16-bit output, the Triton quantization kernel on."""
     return (block_k == 128 and block_n == 128 and x.is_cuda and hasattr(torch.nn.functional, "scaled_mm")
             and _sm90(x.device.index) and x.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 16 == 0
-            and w.shape[1] % 16 == 0 and use_kernels(x))
+            and w.shape[1] % 16 == 0 and -(-w.shape[1] // 128) % 4 == 0 and use_kernels(x))
 
 
 @lru_cache(maxsize=None)
