@@ -240,8 +240,8 @@ class DecoderLayer(nn.Module):
     with the stream = x + residual, so each residual add is fused into the norm that follows it. Under tensor
     parallelism the all-reduce that ends o_proj / down_proj joins that norm too (reduce_add_rms_norm): the layer
     returns down_proj's partial output when `defers_reduce`, and the next norm (the next layer's, or the model's
-    final one) sums it. Row layers with a bias, MoE blocks (their own collectives) and Gemma's post-feedforward
-    norm keep the all-reduce in the layer."""
+    final one) sums it; so does an MoE block whose last collective is a sum over tp (its defer_group). Row layers
+    with a bias, other MoE layouts (EP's reduce-scatter) and Gemma's post-feedforward norm keep it in the layer."""
 
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None,
                  quant: QuantConfig | None = None):
@@ -257,8 +257,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets, quant)
         self.tp = tp
         self.fuse_attn = tp.size > 1 and bias_free(self.self_attn.o_proj)
-        self.defers_reduce = (tp.size > 1 and not self.gemma and isinstance(self.mlp, MLP)
-                              and bias_free(self.mlp.down_proj))
+        self.defers_reduce = tp.size > 1 and not self.gemma and (
+            isinstance(self.mlp, MLP) and bias_free(self.mlp.down_proj)
+            or getattr(self.mlp, "defer_group", None) is tp)  # an MoE block whose sum ends over tp
 
     def forward(self, x, residual, cos, sin, cache, meta, x_partial: bool = False):
         """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual); x_partial: x is

@@ -132,10 +132,9 @@ class MoEStep:
 
 
 def capacity(tokens: int, buckets: tuple[int, ...]) -> int:
-    """Rows per rank of an EP-over-DP dispatch whose largest rank has `tokens`: the smallest bucket holding them,
-    or `tokens` beyond the largest bucket (or without buckets). Every rank of the group computes it from the same
-    counts, so all pad to one size; past the largest bucket no graph has that size and the whole group steps
-    eagerly, every token dispatched (none is ever dropped)."""
+    """Rows per rank of an EP-over-DP dispatch whose largest rank has `tokens`: the smallest bucket holding them, else
+    `tokens` (every rank computes it from the same counts; past the largest bucket no graph has that size and the
+    whole group steps eagerly, every token dispatched: none is ever dropped)."""
     return next((b for b in buckets if b >= tokens), tokens)
 
 
@@ -187,6 +186,8 @@ class SparseMoE(nn.Module):
         self.shape, self.hidden, self.step, self.rt = shape, hidden, step, rt
         self.ep, self.moe_tp = ps.ep, ps.moe_tp
         self.chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
+        # the tp group whose sum ends the block (EP/TP: over ep, the same ranks), for DecoderLayer.defers_reduce
+        self.defer_group = ps.tp if ps.tp.size > 1 and (self.chunked or ps.moe_tp is ps.tp) else None
         self.gate = Router(hidden, shape.num_experts, shape.top_k, shape.renormalize,
                            weights_in_model_dtype=shape.model_type != "mixtral", dtype=dtype, device=device)
         names = EXPERT_NAMES[shape.model_type]
@@ -222,7 +223,8 @@ class SparseMoE(nn.Module):
         return getattr(self.experts, "base", self.experts)
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """partial (only with a defer_group): the sum before its final all-reduce, which the caller does."""
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
@@ -247,12 +249,12 @@ class SparseMoE(nn.Module):
         if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention
             if shared is not None:
                 y[c0:c1] += shared
-            return comm.all_reduce(y, self.ep)
+            return y if partial else comm.all_reduce(y, self.ep)
         if self.ep.size > 1:
             y = comm.reduce_scatter(y, self.ep)[:c1 - c0]
         if shared is not None:
             y = y + shared
-        if self.moe_tp.size > 1 and c1 > c0:  # the moe-tp ranks own the same tokens: all skip or none
+        if self.moe_tp.size > 1 and c1 > c0 and not partial:  # the moe-tp ranks own the same tokens: all or none
             y = comm.all_reduce(y, self.moe_tp)
         return y
 
@@ -359,11 +361,9 @@ class MoECausalLM(CausalLM):
 
     @property
     def cuda_graph_safe(self) -> bool:
-        """Whether a decode step runs with no host sync, so the runner may capture it in a CUDA graph: expert GEMMs
-        with more rows per expert than the Triton kernel takes run torch's grouped GEMM (the loop fallback reads
-        offsets on the host), and the layout is not a chunked shared expert with LoRA (its batch is built on the
-        host). EP over DP replicas agrees on its counts once per step before the forward (lockstep) and pads to a
-        fixed capacity: capturable (graph_batch)."""
+        """Whether a step runs with no host sync, so the runner may capture it in a CUDA graph: expert GEMMs past the
+        Triton kernel's rows run torch's grouped GEMM (the loop fallback reads offsets on the host), and no chunked
+        shared expert with LoRA (its batch is built on the host). EP over DP replicas: capturable (graph_batch)."""
         if self.step_chunked and self.moe_shape.shared_inter and self.rt is not None:
             return False
         ex = next((layer.mlp.base_experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)), None)
