@@ -63,7 +63,7 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
-FP8_SWEEP = dict(TARGET_PROGRAMS=(264, 528, 1056), BLOCK_N_FP8=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
+FP8_SWEEP = dict(TARGET_PROGRAMS=(264, 528, 1056), BLOCK_N_FP8=(32, 64, 128), NUM_STAGES=(2, 3))
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -156,8 +156,7 @@ def fp8_kv_rows(contexts: list[int], batch: int, chunk: int, sweep: bool, bw: fl
     print("| kernel | context | bf16 µs | bf16 floor | fp8 µs | fp8 floor | fp8 of floor | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for kind, ctx in itertools.product(("decode", "varlen"), contexts):
-        row = dict(kind=f"fp8_kv_{kind}", case="8b", batch=batch, context=ctx, chunk=chunk if kind == "varlen" else 0,
-                   sweep={})
+        row = dict(kind=f"fp8_kv_{kind}", case="8b", batch=batch, context=ctx, chunk=chunk if kind == "varlen" else 0)
         for name, dtype in KV_DTYPES.items():
             if kind == "decode":
                 q, caches, table, lens = case_inputs(batch, ctx, h, kv, d, dev, g, dtype)
@@ -167,8 +166,6 @@ def fp8_kv_rows(contexts: list[int], batch: int, chunk: int, sweep: bool, bw: fl
                                                                                dev, g, dtype)
             row[f"{name}_us"] = time_case(q, caches, table, lens, d ** -0.5, cu_q)
             row[f"{name}_floor_us"] = nbytes / bw * 1e6
-            if sweep and name == "fp8" and kind == "decode" and ctx == contexts[min(1, len(contexts) - 1)]:
-                row["sweep"] = sweep_settings(kernel, FP8_SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
             del caches
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -176,12 +173,17 @@ def fp8_kv_rows(contexts: list[int], batch: int, chunk: int, sweep: bool, bw: fl
         row["fp8_of_floor"] = row["fp8_floor_us"] / row["fp8_us"]
         print(f"| {kind} | {ctx} | {row['bf16_us']:.1f} | {row['bf16_floor_us']:.1f} | {row['fp8_us']:.1f} | "
               f"{row['fp8_floor_us']:.1f} | {row['fp8_of_floor']:.0%} | {row['speedup']:.2f}x |", flush=True)
-        if row["sweep"]:
-            timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
-            for setting, us in sorted(timed.items(), key=lambda kv_: kv_[1])[:5]:
-                print(f"  fp8 decode, context {ctx}: {us:.1f} µs at {setting}")
         rows.append(row)
         save()
+    if sweep:  # after the table, so a run cut short keeps it
+        ctx = contexts[min(1, len(contexts) - 1)]
+        q, caches, table, lens = case_inputs(batch, ctx, h, kv, d, dev, g, KV_DTYPES["fp8"])
+        timings = sweep_settings(kernel, FP8_SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
+        rows.append(dict(kind="fp8_kv_decode_sweep", case="8b", batch=batch, context=ctx, sweep=timings))
+        save()
+        timed = {k: v for k, v in timings.items() if isinstance(v, float)}
+        for setting, us in sorted(timed.items(), key=lambda kv_: kv_[1])[:6]:
+            print(f"  fp8 decode, context {ctx}: {us:.1f} µs at {setting}", flush=True)
 
 
 def sweep_settings(module, grid: dict, timed) -> dict:
