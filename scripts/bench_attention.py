@@ -13,16 +13,17 @@ Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's 
 bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
 512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger of FLOPs (4 h d
 per query and key it attends, causal) / --peak-tflops (dense bf16 peak, as bench_moe's) and (K and V of every
-sequence's context once + q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of
-VARLEN_SWEEP for the VARLEN_SWEPT cases.
+sequence's context once + q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS,
+NUM_STAGES) of VARLEN_SWEEP for the VARLEN_SWEPT cases.
 --libs also times libraries on the same work with each sequence's K/V contiguous (no paging: a bound on what they
 could do over a paged cache, which adds an indirection): torch's scaled_dot_product_attention (its flash /
 cuDNN / efficient backends, GQA) and torch.compile'd flex_attention, for every decode case and the prefill-only
 varlen cases (causal). FlashInfer and flash-attention do not fit the lent GPU image (see BENCHMARKS.md).
-fp8_kv rows (issue 38 item 3): the same kernels over a bf16 and an fp8 (float8_e4m3fn) cache at the 8B heads, batch 32,
-contexts --contexts (2048, 4096, 8192): decode, and a mixed step of 31 decodes at that context + one --chunk (512) token chunk
-(varlen); floor = bytes (K and V at the cache's width, q, out) / copy bandwidth; speedup = bf16 µs / fp8 µs. With
---sweep the fp8 decode at the second context also times every setting of FP8_SWEEP (the partition target first).
+fp8_kv rows (issue 38 item 3): the same kernels over a bf16 and an fp8 (float8_e4m3fn) cache at the 8B heads,
+batch --batch (32), contexts --contexts (2048, 4096, 8192): decode, and a mixed step of batch - 1 decodes at that
+context + one --chunk (512) token chunk (varlen); floor = bytes (K and V at the cache's width, q, out) / copy
+bandwidth; speedup = bf16 µs / fp8 µs. With --sweep, after the table, the fp8 decode at the second context at every
+setting of FP8_SWEEP.
 """
 from __future__ import annotations
 

@@ -8,9 +8,10 @@ the shapes (batch, KV heads, block-table width), so a captured CUDA graph replay
 
 An fp8 (float8_e4m3fn) cache is read as stored, one byte per element, and widened in registers to float16, not
 bfloat16: e4m3 -> f16 is one packed conversion per two elements, -> bf16 adds one per element (Triton goes through
-f16), conversion work that costs what the halved bytes save. Every e4m3 value is exact in f16; the queries are multiplied by the softmax scale first (in float32) so they stay far inside f16's range,
-and the probabilities (in [0, 1]) are f16 too. Half the bytes per position also means twice the partitions for the
-same bytes in flight (partitions: the grid's target scales with the bytes a position holds).
+f16), conversion work that costs what the halved bytes save. Every e4m3 value is exact in f16; the queries are
+multiplied by the softmax scale first (in float32) so they stay far inside f16's range, and the probabilities (in
+[0, 1]) are f16 too. Half the bytes per position also means twice the partitions (the grid's target scales with the
+bytes a position holds) and tiles of BLOCK_N_FP8 positions.
 """
 from __future__ import annotations
 
