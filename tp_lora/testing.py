@@ -63,10 +63,10 @@ class RankPool:
     run(fn, *args) runs fn(parallel_state, *args) on every rank and returns rank 0's result. parallel_state has
     tp_size-rank tp groups (created on a rank's first task of that (tp_size, timeout_s), then reused) in Group
     objects of the task's own, so a task may change them (use_allreduce, init_expert_parallel) without the next
-    seeing it. Between tasks each rank reseeds torch's generator as at its start, restores its environment and
-    frees memory, and the ranks check they ran the same task (a world all-gather). torch's generators are seeded
-    afresh for each task, as in a new process. A rank's host waits on the device
-    (distributed.wait_device) keep the timeout of the groups it set up last."""
+    seeing it. Each task starts with torch's generators seeded afresh (as in a new process) and the caller's TP_LORA_*
+    environment; after it each rank restores its environment and frees memory, and the ranks check they ran the
+    same task (a world all-gather). A rank's host waits on the device (distributed.wait_device) keep the timeout of
+    the groups it set up last."""
 
     def __init__(self, world_size: int, device: str):
         self.world_size, self.device = world_size, device
@@ -144,8 +144,10 @@ class RankPool:
         time.sleep(1.0)
         out = ""
         for r in ranks:
-            with open(os.path.join(self.stacks, f"rank{r}.txt")) as f:
-                out += f"\nrank {r} stack:\n{f.read()[-4000:]}"
+            path = os.path.join(self.stacks, f"rank{r}.txt")
+            if os.path.exists(path):  # made as the rank starts
+                with open(path) as f:
+                    out += f"\nrank {r} stack:\n{f.read()[-4000:]}"
         return out
 
     def close(self, kill: bool = False) -> None:
