@@ -13,14 +13,18 @@
 #   / tp2 fused with kernel tables (tp1 against tp2), the 70B-shaped stack at tp2, 8B tp2 unfused.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
-#   MoE across GPUs (issue 37), on a 4-GPU host in two calls of under 10 minutes: `moe4` (the 4-GPU table: tp1
-#   baseline, tp4, ep4, ep2_tp2, tp4_ep4), then `moe2` (the 2-GPU table: tp1, tp2, ep2, tp2_ep2), then
-#   `moe_tests` (graphed MoE steps against eager ones at 1, 2 and 4 GPUs, MoE parity over NCCL at 2 and 4 ranks).
+#   MoE across GPUs (issue 37): on 2 GPUs one call `moe2 moe_tests` (~7 minutes: the 2-GPU table tp1, tp2, ep2,
+#   tp2_ep2 with NCCL rows and kernel tables, then the GPU tests: EP peer collectives, graphed = eager in every layout,
+#   MoE parity against one process); on a 4-GPU host `moe4` (tp1 baseline, tp4, ep4, ep2_tp2, tp4_ep4) in a call of
+#   its own, then `moe_tests` (adds the 4-GPU layouts).
 #   The open issues' unmeasured targets on one GPU, in calls of under 10 minutes: `pending_a` (GPU tests of the
 #   paths never run on a GPU, fp8, DoRA, n / grammar), `pending_b` (prefix caching at moderate load and saturated),
 #   `pending_c` (HTTP against offline at 1 / 100 / 1000 adapters).
 #   FP8 (issue 38), one GPU, two calls: `fp8_tune` (the kernels' configuration sweep), then `fp8` (per-layer GEMM
 #   table, greedy agreement, the 8B decode table).
+#   `fp8_kv` (issue 38 item 3, one GPU, ~9 minutes at most): the paged attention tests natively (fp8 caches), the bf16
+#   against fp8 KV attention rows (batch 32, contexts 2048 / 4096 / 8192, floors, an fp8 launch sweep), the 8B decode
+#   step at context 4096 with a bf16 and an fp8 KV cache.
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
 #   json_schema with its mask wait; tests/gpu/test_serving_features.py; `prefix_moderate`: TTFT at 5
 #   conversations/s; `prefix_saturated`).
@@ -124,11 +128,14 @@ for what in "${@:-all}"; do
       [ "$NGPU" -ge 4 ] && run moe_decode_4gpu 560 16 torchrun --nproc_per_node=4 scripts/bench_moe_decode.py \
         --layouts tp1,tp4,ep4,ep2_tp2,tp4_ep4 --layers 24 --prefill 512 --out "$RES/moe_decode_4gpu" ;;
     moe2)
-      step "issue 37: bench_moe_decode on 2 GPUs, the same shape and flags as moe4"
-      [ "$NGPU" -ge 2 ] && run moe_decode_2gpu24 560 12 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py \
-        --layouts tp1,tp2,ep2,tp2_ep2 --layers 24 --prefill 512 --out "$RES/moe_decode_2gpu24" ;;
+      step "issue 37: bench_moe_decode on 2 GPUs (Qwen3 shape, 24 layers: tp1 fits one H100), ep2 / tp2_ep2 with every"
+      step "  collective on NCCL beside the peer-memory rows, each case's kernels per graphed decode step (--profile)"
+      [ "$NGPU" -ge 2 ] && run moe_decode_2gpu24 560 40 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py \
+        --layouts ep2,tp1,tp2,tp2_ep2 --nccl-layouts ep2,tp2_ep2 --layers 24 --prefill 512 --profile \
+        --out "$RES/moe_decode_2gpu24" ;;
     moe_tests)
-      step "issue 37: graphed MoE steps vs eager (1 / 2 / 4 GPUs: decode and mixed, every layout), MoE parity over NCCL"
+      step "issue 37: EP collectives on peer memory vs NCCL; graphed MoE steps vs eager (decode and mixed, every"
+      step "  layout of the GPUs present); MoE parity over NCCL + peer memory against one process"
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_moe 560 8 python3 -m pytest -q -rs \
         tests/gpu/test_moe_graphs.py tests/distributed/test_moe.py ;;
     moe_decode_hf)
@@ -222,6 +229,14 @@ for what in "${@:-all}"; do
         --quantization none,fp8 --kv-cache-dtype auto,fp8 --no-adapters-only --reps 1 --new 97 --out "$RES/fp8_step"
       run fp8_step_lora 120 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 128 \
         --quantization none,fp8 --reps 2 --out "$RES/fp8_step_lora" ;;
+    fp8_kv)
+      step "fp8 KV (#38 item 3): the attention kernels over fp8 caches natively (inline-PTX widening), bf16 vs fp8 KV"
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_fp8_kv 150 6 python3 -m pytest -q -rs \
+        tests/kernels/test_paged_attention.py tests/kernels/test_paged_varlen.py tests/unit/test_fp8_kv.py \
+        tests/unit/test_attention.py
+      run bench_fp8_kv 230 18 python3 scripts/bench_attention.py --kind fp8_kv --sweep --out "$RES/attention_fp8_kv"
+      run step_fp8_kv 170 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 4096 --reps 1 \
+        --kv-cache-dtype auto,fp8 --prefix-caching off --in-memory --no-adapters-only --out "$RES/step_fp8_kv" ;;
     *) ;;
   esac
 done
