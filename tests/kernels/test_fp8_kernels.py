@@ -123,6 +123,20 @@ def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatc
     assert rel_err(got, want) < (0.08 if w8a8 else 0.02)
 
 
+@pytest.mark.parametrize("block_k", [None, 128])
+def test_fp8_linear_keeps_float32_activations_exact(device, monkeypatch, block_k):
+    """Float32 layers past the weight-only GEMM's rows are never quantized to fp8 (no W8A8): the dequantized
+    weights' product to float32 rounding."""
+    monkeypatch.setattr(fused, "KERNELS", True)
+    gen = torch.Generator().manual_seed(7)
+    w, scale = fp8_weights(gen, 1, 96, 256, block_k)
+    w, scale = w[0].to(device), scale[0].to(device)
+    x = torch.randn(SMALL_ROWS_WIDE + 40, 256, generator=gen).to(device)
+    got = fp8_linear(x, w, scale, block_k)
+    want = x.double() @ dequantize(w, scale, block_k).double().t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def representable(gen, rows, k, group=None):
     """Rows whose per-token (group None) or per-group quantization is exact: e4m3 values times a power of two per
     row or group, each row's or group's |max| at 448 times it (the scale is then that power of two). The interpreter

@@ -92,11 +92,11 @@ def _fp8_case(gen, lens, heads, kv, d, bs, device, width=None):
 def fp8_close(got, q, k, v, table, ctx, scale, window=0, softcap=0.0):
     """got equals the reference over the fp8 cache read as float32, given the queries as the kernel multiplies them
     (q x scale rounded to float16, then scale 1: a 448 key would turn q's rounding into whole units of score), within
-    float16 probabilities' rounding of the values (2^-11 of the largest)."""
+    float16 probabilities' rounding of the values (2^-11 of the largest each, up to 2^-8 over a long context)."""
     qh = (q.float() * scale).half().float()
     k, v = k.float(), v.float()  # exact, and indexed on any device
     want = paged_decode_ref(qh, k, v, table, ctx, 1.0, window, softcap)
-    tol = 2.0 ** -10 * v.nan_to_num(0.0).abs().max().item()
+    tol = 2.0 ** -8 * v.nan_to_num(0.0).abs().max().item()
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=tol)
 
 

@@ -72,7 +72,7 @@ def test_kernel_fp8_cache_matches_reference(device, monkeypatch, seqs, bs, rep, 
     n = sum(qn for qn, _ in seqs)
     want = paged_varlen_ref((q * 0.25).half().float(), k, v, table, ctx, cu_q, 1.0, window, softcap)
     assert torch.isfinite(got[:n]).all()
-    tol = 2.0 ** -10 * v.float().nan_to_num(0.0).abs().max().item()
+    tol = 2.0 ** -8 * v.float().nan_to_num(0.0).abs().max().item()
     torch.testing.assert_close(got[:n], want[:n], rtol=2e-3, atol=tol)
 
 
@@ -115,7 +115,7 @@ def test_kernel_fp8_bf16_queries_on_gpu():
     got = paged_varlen(q, k8, v8, table, ctx, cu_q, 128 ** -0.5)[:n].float()
     want = paged_varlen_ref((q.float() * 128 ** -0.5).half().float(), k8.float(), v8.float(), table, ctx, cu_q,
                             1.0)[:n]
-    tol = 2.0 ** -10 * v8.float().nan_to_num(0.0).abs().max().item()
+    tol = 2.0 ** -8 * v8.float().nan_to_num(0.0).abs().max().item()
     torch.testing.assert_close(got, want, rtol=2e-3, atol=tol)
     bf16 = paged_varlen(q, k8.bfloat16(), v8.bfloat16(), table, ctx, cu_q, 128 ** -0.5)[:n].float()
     torch.testing.assert_close(got, bf16, rtol=2e-2, atol=2e-2 * v8.float().nan_to_num(0).abs().max().item())

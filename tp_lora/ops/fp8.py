@@ -166,7 +166,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
     None where they may not."""
     rows = x.shape[0]
-    if rows and (rows <= small_rows(w) or block_k is not None) and kernels_take(x, block_k):
+    # Past the weight-only GEMM's rows the activations are quantized to fp8 (W8A8): 16-bit activations only, float32
+    # layers ask for the dequantized weights' exact product.
+    w8a8 = block_k is not None and x.dtype in (torch.bfloat16, torch.float16)
+    if rows and (rows <= small_rows(w) or w8a8) and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
         if rows <= small_rows(w):
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))
