@@ -165,8 +165,8 @@ def test_fp8_partitions_double():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")
 def test_kernel_fp8_bf16_queries_on_gpu():
-    """The 8B decode shape over an fp8 cache with bf16 queries, against the reference and against the kernel over the
-    same values in a bf16 cache."""
+    """The 8B decode shape over an fp8 cache with bf16 queries, against the reference. (Not against the bf16 kernel:
+    with e4m3's 448 keys, bf16 against f16 rounding of the queries moves scores by whole units.)"""
     from tp_lora.ops.triton.paged_attention import paged_decode
     gen = torch.Generator().manual_seed(4)
     q, k, v, table, ctx = _case(gen, [2048, 1, 777, 64, 4096] * 6, 32, 8, 128, 16, torch.float32, "cpu")
@@ -174,5 +174,3 @@ def test_kernel_fp8_bf16_queries_on_gpu():
     q, k8, v8, table, ctx = (t.cuda() for t in (q.bfloat16(), k8, v8, table, ctx))
     got = paged_decode(q, k8, v8, table, ctx, 128 ** -0.5)
     fp8_close(got, q, k8, v8, table, ctx, 128 ** -0.5)
-    bf16 = paged_decode(q, k8.bfloat16(), v8.bfloat16(), table, ctx, 128 ** -0.5)
-    torch.testing.assert_close(got.float(), bf16.float(), rtol=2e-2, atol=2e-2 * v8.float().nan_to_num(0).abs().max())

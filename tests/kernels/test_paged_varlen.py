@@ -103,8 +103,8 @@ def test_kernel_bf16_on_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")
 def test_kernel_fp8_bf16_queries_on_gpu():
-    """A mixed step at the 8B shape over an fp8 cache with bf16 queries: against the reference, and against the kernel
-    over the same values in a bf16 cache."""
+    """A mixed step at the 8B shape over an fp8 cache with bf16 queries, against the reference. (Not against the bf16
+    kernel: with e4m3's 448 keys, bf16 against f16 rounding of the queries moves scores by whole units.)"""
     from tp_lora.ops.triton.paged_varlen import paged_varlen
     gen = torch.Generator().manual_seed(6)
     seqs = [(1, 2048)] * 6 + [(1, 300)] * 6 + [(64, 64), (40, 700)]  # the reference holds [T, 2048, 8, 128] floats
@@ -117,8 +117,6 @@ def test_kernel_fp8_bf16_queries_on_gpu():
                             1.0)[:n]
     tol = 2.0 ** -8 * v8.float().nan_to_num(0.0).abs().max().item()
     torch.testing.assert_close(got, want, rtol=2e-3, atol=tol)
-    bf16 = paged_varlen(q, k8.bfloat16(), v8.bfloat16(), table, ctx, cu_q, 128 ** -0.5)[:n].float()
-    torch.testing.assert_close(got, bf16, rtol=2e-2, atol=2e-2 * v8.float().nan_to_num(0).abs().max().item())
 
 
 def test_reference_matches_decode_reference():
