@@ -113,15 +113,19 @@ def write_random_llama(path: str, shape: dict, max_pos: int, dev: str = "cuda") 
 
 def fill_random(model, reader=None) -> None:
     """Random weights in place of a checkpoint (IN_MEMORY shapes): 1-dim parameters (norms) 1, matrices
-    N(0, 1 / in_features), the embedding N(0, 0.02); LoRA slots untouched. Replaces engine's load_weights."""
+    N(0, 1 / in_features), the embedding N(0, 0.02); fp8 matrices N(0, 1) with that std as their scale; LoRA slots
+    untouched. Replaces engine's load_weights."""
     gen = torch.Generator(device=model.device).manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_" in name:
             continue
+        std = 0.02 if "embed" in name else p.shape[-1] ** -0.5
         if p.dim() == 1:
             p.data.fill_(1.0)
+        elif p.dtype == torch.float8_e4m3fn:
+            p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device))
+            model.get_submodule(name.rpartition(".")[0]).weight_scale.fill_(std)
         elif p.dtype.is_floating_point:
-            std = 0.02 if "embed" in name else p.shape[-1] ** -0.5
             p.data.normal_(0.0, std, generator=gen)
 
 

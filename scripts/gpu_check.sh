@@ -223,12 +223,13 @@ for what in "${@:-all}"; do
       step "  agreement; Llama-3-8B decode step b32, bf16 / fp8 weights / + fp8 KV at ctx 128 and 8192, adapters"
       run fp8_gemm 150 75 python3 scripts/bench_fp8_gemm.py --out "$RES/fp8"
       run fp8_check 90 8 python3 scripts/gpu_fp8_check.py
-      # ctx 8192 first: the random checkpoint is written for the longest context the first run asks for; 97 new
-      # tokens: the 32 prompts of 8192 take 64 steps of 4096 tokens, so the whole batch decodes together only after
+      # 97 new tokens: the 32 prompts of 8192 take 64 steps of 4096 tokens, so the whole batch decodes together
+      # only after; weights drawn in memory (no 16 GB checkpoint written)
       run fp8_step 300 12 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 8192,128 \
-        --quantization none,fp8 --kv-cache-dtype auto,fp8 --no-adapters-only --reps 1 --new 97 --out "$RES/fp8_step"
+        --quantization none,fp8 --kv-cache-dtype auto,fp8 --no-adapters-only --reps 1 --new 97 --in-memory \
+        --out "$RES/fp8_step"
       run fp8_step_lora 120 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 128 \
-        --quantization none,fp8 --reps 2 --out "$RES/fp8_step_lora" ;;
+        --quantization none,fp8 --reps 2 --in-memory --out "$RES/fp8_step_lora" ;;
     fp8_kv)
       step "fp8 KV (#38 item 3): the attention kernels over fp8 caches natively (inline-PTX widening), bf16 vs fp8 KV"
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_fp8_kv 150 6 python3 -m pytest -q -rs \
