@@ -3,10 +3,11 @@
   n        --prompts prompts, each asking n=--n sampled sequences (one prefill: the siblings join the batch in the
            step that ends it, sharing its KV blocks and drawing from its logits) against the same prompts sent --n times as separate requests (each one
            prefilled): seconds and generated tokens/s of each; target n at least 1.5x separate.
-  grammar  --batch requests with response_format json_schema (bench_grammar.py's "nested" schema) against the same
-           requests without one: generated tokens/s; target: the grammar costs at most 10%. Its documents: parsed,
-           cut by max_tokens (finish_reason "length") and malformed, apart; and the host's wait for masks per step
-           (StepStats.mask_wait_seconds over the grammar runs).
+  grammar  --batch requests with response_format json_schema (each of --schemas, bench_grammar.py's) against the
+           same requests without one: generated tokens/s; target: the grammar costs at most 10%. Its documents:
+           parsed, cut by max_tokens (finish_reason "length") and malformed, apart; and the host's wait for masks per
+           step (StepStats.mask_wait_seconds over the grammar runs). "nested" bounds its strings (maxLength), where
+           xgrammar's fill takes milliseconds per row; "free_text" has unbounded strings.
 
 Model: bench_step.py's random-weight shape (written once under --cache, rank-16 adapters beside it) with a
 byte-level BPE tokenizer trained here on Python's standard library (bench_grammar.py's), so grammars find tokens
@@ -81,6 +82,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32, help="requests of the grammar comparison")
+    p.add_argument("--schemas", default="nested,free_text", help="bench_grammar.py's schemas, one grammar row each")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each side (medians)")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU, few tokens")
     args = p.parse_args()
@@ -115,38 +117,39 @@ def main() -> None:
     rows["n"] = median(lambda: timed(llm, salted(), adapters, n=args.n, seed=1, **sample))
     rows["separate"] = median(lambda: timed(llm, [q for q in salted() for _ in range(args.n)],
                                             [a for a in adapters for _ in range(args.n)], seed=1, **sample))
-    schema = {"type": "json_schema", "json_schema": {"name": "nested", "schema": SCHEMAS["nested"][0]}}
     batch_prompts = [salted()[i % args.prompts][:64] for i in range(args.batch)]
     batch_adapters = [names[i % len(names)] for i in range(args.batch)]
     free = dict(max_new_tokens=args.new_tokens, temperature=1.0)
     rows["no_grammar"] = median(lambda: timed(llm, batch_prompts, batch_adapters, **free))
-    st = llm.engine.stats
-    steps0, wait0 = st.mask_steps, st.mask_wait_seconds
-    rows["grammar"] = median(lambda: timed(llm, batch_prompts, batch_adapters, response_format=schema, **free))
-    mask_steps = st.mask_steps - steps0
-    mask_wait_ms = 1e3 * (st.mask_wait_seconds - wait0) / max(1, mask_steps)
-    docs = [o.get("text", "") for o in rows["grammar"]["out"]]
-    parsed = sum(1 for t in docs if _parses(t))
-    truncated = sum(1 for t, o in zip(docs, rows["grammar"]["out"]) if not _parses(t)
-                    and o["finish_reason"] == "length")  # cut by max_tokens, not malformed
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "shape": args.shape,
-              "args": vars(args), "rows": {k: {x: v for x, v in r.items() if x != "out"} for k, r in rows.items()},
-              "n_speedup": rows["n"]["tokens_per_s"] / rows["separate"]["tokens_per_s"],
-              "grammar_cost": 1 - rows["grammar"]["tokens_per_s"] / rows["no_grammar"]["tokens_per_s"],
-              "grammar_documents_parsed": f"{parsed}/{args.batch}",
-              "grammar_documents_truncated": f"{truncated}/{args.batch}",
-              "grammar_documents_malformed": f"{args.batch - parsed - truncated}/{args.batch}",
-              "mask_wait_ms_per_step": mask_wait_ms, "mask_steps": mask_steps}
+              "args": vars(args), "n_speedup": rows["n"]["tokens_per_s"] / rows["separate"]["tokens_per_s"],
+              "grammars": {}}
+    st = llm.engine.stats
+    for name in args.schemas.split(","):
+        schema = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name][0]}}
+        steps0, wait0 = st.mask_steps, st.mask_wait_seconds
+        run = rows[f"grammar_{name}"] = median(
+            lambda: timed(llm, batch_prompts, batch_adapters, response_format=schema, **free))
+        mask_steps = st.mask_steps - steps0
+        docs = [(o.get("text", ""), o["finish_reason"]) for o in run["out"]]
+        parsed = sum(1 for t, _ in docs if _parses(t))
+        truncated = sum(1 for t, why in docs if not _parses(t) and why == "length")  # cut, not malformed
+        report["grammars"][name] = {
+            "cost": 1 - run["tokens_per_s"] / rows["no_grammar"]["tokens_per_s"], "parsed": parsed,
+            "truncated": truncated, "malformed": args.batch - parsed - truncated, "mask_steps": mask_steps,
+            "mask_wait_ms_per_step": 1e3 * (st.mask_wait_seconds - wait0) / max(1, mask_steps)}
+    report["rows"] = {k: {x: v for x, v in r.items() if x != "out"} for k, r in rows.items()}
     print(f"device {report['device']}, shape {args.shape}, {args.prompts} prompts of {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens")
     print("| run | requests | seconds | generated tokens | tokens/s | steps |\n|---|---|---|---|---|---|")
     for name, r in rows.items():
         count = {"n": f"{args.prompts} x n={args.n}", "separate": f"{args.prompts * args.n}"}.get(name, args.batch)
         print(f"| {name} | {count} | {r['seconds']:.3f} | {r['tokens']} | {r['tokens_per_s']:.0f} | {r['steps']} |")
-    print(f"n={args.n} against separate requests: {report['n_speedup']:.2f}x tokens/s (target >= 1.5x); "
-          f"grammar cost {report['grammar_cost']:.1%} of tokens/s (target <= 10%); "
-          f"grammar documents: {parsed} parse, {truncated} cut by max_tokens, {args.batch - parsed - truncated} "
-          f"malformed; the host waited {mask_wait_ms:.3f} ms per step for masks ({mask_steps} steps)")
+    print(f"n={args.n} against separate requests: {report['n_speedup']:.2f}x tokens/s (target >= 1.5x)")
+    for name, g in report["grammars"].items():
+        print(f"grammar {name}: costs {g['cost']:.1%} of tokens/s (target <= 10%); documents: {g['parsed']} parse, "
+              f"{g['truncated']} cut by max_tokens, {g['malformed']} malformed; the host waited "
+              f"{g['mask_wait_ms_per_step']:.3f} ms per step for masks ({g['mask_steps']} steps)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_sampling.json"), "w") as f:
         json.dump(report, f, indent=2)

@@ -62,7 +62,7 @@ def test_bench_sampling_smoke(tmp_path):
     pytest.importorskip("xgrammar")
     _run(tmp_path, "bench_sampling.py", "--smoke", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"))
     rows = _report(tmp_path / "out" / "bench_sampling.json")["rows"]
-    assert set(rows) == {"n", "separate", "no_grammar", "grammar"} and all(r["tokens"] > 0 for r in rows.values())
+    assert set(rows) == {"n", "separate", "no_grammar", "grammar_nested", "grammar_free_text"} and all(r["tokens"] > 0 for r in rows.values())
 
 
 def test_bench_serving_smoke(tmp_path):
