@@ -23,8 +23,8 @@ torch's grouped GEMM), torch, triton (each of those alone) and loop (the per-exp
 routing plan, what the layer ran before grouped GEMMs). The EP-over-DP token-count exchange
 happens once per model step, not per layer: it is excluded here. --graphs times replays of the layer captured in a
 CUDA graph (not the loop: it reads offsets on the host), as a graphed decode step runs it; --profile
-prints each case's kernels. Writes bench_moe.json and bench_moe.png into
---out and prints a markdown table.
+prints each case's kernels; --side-stream off runs the LoRA shrinks in line instead of beside the base GEMMs.
+Writes bench_moe.json and bench_moe.png into --out and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from bench_step import copy_bandwidth, print_kernels  # noqa: E402
 
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.layers import moe as moe_layers  # noqa: E402
+from tp_lora.lora import layers as lora_layers  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
@@ -216,9 +217,13 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays of the layer (GPU)")
     ap.add_argument("--profile", action="store_true", help="print each case's kernels (torch.profiler, GPU)")
     ap.add_argument("--layouts", default=None, help="comma list of layout names (default: all for the world size)")
+    ap.add_argument("--side-stream", choices=("on", "off"), default="on",
+                    help="off: the LoRA shrinks run in line, never beside the base GEMM (LoRARuntime.beside)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H200: 989)")
     args = ap.parse_args()
 
+    if args.side_stream == "off":
+        lora_layers.SIDE_STREAM_MAX_ROWS = -1  # beside() reads it per call
     cuda = torch.cuda.is_available() and not args.smoke
     ps0 = comm.init_parallel(1, "cuda" if cuda else "cpu")
     world, device = ps0.world.size, ps0.device
@@ -279,7 +284,8 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(world=world, device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
                     backend=ops.__name__, smoke=args.smoke, iters=iters, warmup=warmup,
-                    copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), peak_tflops=args.peak_tflops)
+                    copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), peak_tflops=args.peak_tflops,
+                    side_stream=args.side_stream)
         with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), bf16 peak {args.peak_tflops} TFLOP/s")

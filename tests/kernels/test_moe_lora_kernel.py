@@ -22,12 +22,23 @@ def _pairs(n: int, e0: int, e_local: int, gen: torch.Generator, device, skew: bo
     return build_plan(ids.to(device), w.to(device), slots.to(torch.int32).to(device), e0, e_local, L, lora=True)
 
 
+# Launch settings besides the defaults: the reduction split over programs (3 runs of K = 48, one each; 2 splits of
+# 32-wide runs whose second is cut at 48), narrow expand tiles with a ragged last one (widths 20 and 48).
+LAUNCHES = {"default": ({}, {}), "split_k": (dict(BLOCK_K=16, SPLIT_K=3, num_warps=1, num_stages=2),
+                                             dict(BLOCK_N=16, num_warps=1, num_stages=1)),
+            "split_k_ragged": (dict(BLOCK_K=32, SPLIT_K=2), dict(BLOCK_N=32))}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["local_half", "all_experts", "skewed_elsewhere", "no_lora"])
-def test_moe_lora_matches_reference(device, dtype, case):
+def test_moe_lora_matches_reference(device, dtype, case, launch, monkeypatch):
     from tp_lora.ops.triton import moe_lora
 
-    gen = torch.Generator().manual_seed(hash((case, str(dtype))) % 2**31)
+    shrink, expand = LAUNCHES[launch]
+    monkeypatch.setattr(moe_lora, "SHRINK", dict(moe_lora.SHRINK, **shrink))
+    monkeypatch.setattr(moe_lora, "EXPAND", dict(moe_lora.EXPAND, **expand))
+    gen = torch.Generator().manual_seed(hash((case, str(dtype), launch)) % 2**31)
     n, hidden, inter, rank = 37, 48, 20, 12
     e0, e_local = {"local_half": (4, 4), "all_experts": (0, 8), "skewed_elsewhere": (4, 4),
                    "no_lora": (0, 8)}[case]

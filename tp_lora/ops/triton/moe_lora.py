@@ -2,10 +2,10 @@
 tp_lora.ops.moe_ref (read its docstring for the pair order and shapes).
 
 One launch per call covers every (local expert, adapter slot) group and every slice (w1 and w3 together). The grid is
-(LoRA blocks of the routing plan, token blocks of the largest block, slices x output blocks); a program reads its
-block's row of the plan's [B, 4] (expert, slot, start, count) table and walks rows start .. start + count of the
-pair-ordered input, so it reads one expert's weights of one adapter only. Pairs of tokens without an adapter belong
-to no block: shrink leaves their rows 0 and expand never touches them.
+(LoRA blocks of the routing plan, token blocks of the largest block, slices x output blocks [x K splits: shrink]); a
+program reads its block's row of the plan's [B, 4] (expert, slot, start, count) table and walks rows start .. start +
+count of the pair-ordered input, so it reads one expert's weights of one adapter only, once for the block's pairs.
+Pairs of tokens without an adapter belong to no block: shrink leaves their rows 0 and expand never touches them.
 
 FP8 B (lora.dtype=fp8): float8_e4m3fn with per-output-channel float32 scales b_scales S x [L, E, out_s]
 (tp_lora.ops.fp8), dequantised in the expand kernel: B is widened to the output's type for the dot and the
@@ -28,8 +28,13 @@ from tp_lora.ops.triton.dot import FP8, compute_types, mm
 __all__ = ["moe_lora_shrink", "moe_lora_expand"]
 
 MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
-SHRINK_MAX_K, EXPAND_MAX_N = 128, 256  # the largest input tile of shrink / output tile of expand
-SHRINK_LAUNCH, EXPAND_LAUNCH = dict(num_warps=2, num_stages=4), dict(num_warps=4, num_stages=2)
+BLOCK_M = LORA_BLOCK  # pairs per program: one LoRA block of the plan, so A / B are read once per block
+# Launch settings. Both ops are bound by the A / B bytes of the (expert, adapter) groups a step touches: at decode a
+# group is one or two pairs, so a program reads r x in of A for a few rows of x. The shrink splits the reduction
+# (SPLIT_K programs per block, partial sums added atomically into the zeroed output) so that enough A tiles are in
+# flight; the expand cuts a slice's outputs into BLOCK_N columns, one B tile each (K = r is one tile).
+SHRINK = dict(BLOCK_K=128, SPLIT_K=1, num_warps=2, num_stages=4)
+EXPAND = dict(BLOCK_N=256, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -41,15 +46,17 @@ def moe_shrink_kernel(
     stride_ss, stride_sl, stride_se,
     stride_os, stride_op, stride_or,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    SPLIT_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """out[s, p, :] = scale[s, slot, e] * x[p] @ A_s[slot, e]^T for the pairs p of one (expert e, slot) group.
+    """out[s, p, :] (+)= scale[s, slot, e] * x[p] @ A_s[slot, e]^T for the pairs p of one (expert e, slot) group, over
+    every SPLIT_K-th BLOCK_K run of K from the program's split (SPLIT_K > 1: added atomically into a zeroed out).
     x [P, K], A_s [L, E, R, K], scale [S, L, E] f32, out [S, P, R] f32."""
     pid_g = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_x = tl.program_id(2)
-    s = pid_x // n_blocks_r
-    pid_n = pid_x % n_blocks_r
+    pid_k = pid_x % SPLIT_K
+    s = pid_x // SPLIT_K // n_blocks_r
+    pid_n = pid_x // SPLIT_K % n_blocks_r
     e = tl.load(groups_ptr + pid_g * 4).to(tl.int64)
     slot = tl.load(groups_ptr + pid_g * 4 + 1).to(tl.int64)
     start = tl.load(groups_ptr + pid_g * 4 + 2)
@@ -66,18 +73,23 @@ def moe_shrink_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < R
         offs_k = tl.arange(0, BLOCK_K)
-        x_blk = x_ptr + rows[:, None] * stride_xp + offs_k[None, :] * stride_xk
-        a_blk = a_ptr + slot * stride_al + e * stride_ae + offs_n[None, :] * stride_ar + offs_k[:, None] * stride_ak
+        k0 = pid_k * BLOCK_K
+        x_blk = x_ptr + rows[:, None] * stride_xp + (k0 + offs_k[None, :]) * stride_xk
+        a_blk = (a_ptr + slot * stride_al + e * stride_ae + offs_n[None, :] * stride_ar
+                 + (k0 + offs_k[:, None]) * stride_ak)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        for kb in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
             k_left = K - kb * BLOCK_K
             xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
             acc += mm(xv, av, CDT, DOT, PREC)
-            x_blk += BLOCK_K * stride_xk
-            a_blk += BLOCK_K * stride_ak
+            x_blk += BLOCK_K * SPLIT_K * stride_xk
+            a_blk += BLOCK_K * SPLIT_K * stride_ak
         o_ptr = out_ptr + s * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_or
-        tl.store(o_ptr, acc * scale, mask=m_mask[:, None] & n_mask[None, :])
+        if SPLIT_K == 1:
+            tl.store(o_ptr, acc * scale, mask=m_mask[:, None] & n_mask[None, :])
+        else:
+            tl.atomic_add(o_ptr, acc * scale, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -141,6 +153,19 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
 
+def shrink_config(k: int, rank: int) -> dict:
+    """The shrink's launch for x [*, k] x A^T [k, rank]: SHRINK with its tile cut to the shape."""
+    cfg = dict(SHRINK, BLOCK_N=_pow2(rank, 16, 64))
+    cfg["BLOCK_K"] = _pow2(k, 16, cfg["BLOCK_K"])
+    cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, cfg["BLOCK_K"])))
+    return cfg
+
+
+def expand_config(width: int, rank: int) -> dict:
+    """The expand's launch for buf [*, rank] x B^T [rank, width]: EXPAND with its tile cut to the shape."""
+    return dict(EXPAND, BLOCK_N=_pow2(width, 16, EXPAND["BLOCK_N"]), BLOCK_R=_pow2(rank, 16, 64))
+
+
 def _launches(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None = None):
     """Consecutive slices that share a shape and strides (and their fp8 scales' strides) go in one launch (at most
     MAX_SLICES)."""
@@ -166,14 +191,15 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
     groups = pairs.groups.shape[0]
     if groups == 0 or x.shape[0] == 0:
         return out
-    block_m, block_n, block_k = 16, _pow2(rank, 16, 64), _pow2(k, 16, SHRINK_MAX_K)
+    cfg = shrink_config(k, rank)
+    block_n, split = cfg.pop("BLOCK_N"), cfg["SPLIT_K"]
     n_blocks_r = triton.cdiv(rank, block_n)
     cdt, dot, prec = compute_types(lora_a[0].dtype, lora_a[0].dtype)
     for idx in _launches(lora_a):
         a = [lora_a[i] for i in idx]
         a1 = a[1] if len(a) > 1 else a[0]
         sc, o = scales[idx[0]:idx[-1] + 1], out[idx[0]:idx[-1] + 1]
-        grid = (groups, triton.cdiv(LORA_BLOCK, block_m), len(idx) * n_blocks_r)
+        grid = (groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx) * n_blocks_r * split)
         moe_shrink_kernel[grid](
             x, a[0], a1, sc, o, pairs.groups,
             k, rank, n_blocks_r,
@@ -181,8 +207,7 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
             a[0].stride(0), a[0].stride(1), a[0].stride(2), a[0].stride(3),
             sc.stride(0), sc.stride(1), sc.stride(2),
             o.stride(0), o.stride(1), o.stride(2),
-            NUM_SLICES=len(idx), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, CDT=cdt, DOT=dot, PREC=prec,
-            **SHRINK_LAUNCH,
+            NUM_SLICES=len(idx), BLOCK_M=BLOCK_M, BLOCK_N=block_n, CDT=cdt, DOT=dot, PREC=prec, **cfg,
         )
     return out
 
@@ -197,7 +222,6 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
     if groups == 0 or out.shape[0] == 0:
         return
     rank = buf.shape[2]
-    block_m, block_r = 16, _pow2(rank, 16, 64)
     # buf (f32) is rounded to B's type for the dot; fp8 B is widened to the output's type instead.
     b_dtype = lora_b[0].dtype
     cdt, dot, prec = compute_types(out.dtype if b_dtype in FP8 else b_dtype, b_dtype)
@@ -209,10 +233,10 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
         bs = [b_scales[i] for i in idx] if has_bs else [buf]  # buf: an unused placeholder
         bs1 = bs[1] if len(bs) > 1 else bs[0]
         width = b[0].shape[2]
-        block_n = _pow2(width, 16, EXPAND_MAX_N)
-        n_blocks_n = triton.cdiv(width, block_n)
+        cfg = expand_config(width, rank)
+        n_blocks_n = triton.cdiv(width, cfg["BLOCK_N"])
         u = buf[idx[0]:idx[-1] + 1]
-        grid = (groups, triton.cdiv(LORA_BLOCK, block_m), len(idx) * n_blocks_n)
+        grid = (groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx) * n_blocks_n)
         moe_expand_kernel[grid](
             u, b[0], b1, bs[0], bs1, out, pairs.groups,
             rank, width, col, n_blocks_n,
@@ -220,7 +244,7 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
             b[0].stride(0), b[0].stride(1), b[0].stride(2), b[0].stride(3),
             *(bs[0].stride() if has_bs else (0, 0, 0)),
             out.stride(0), out.stride(1),
-            NUM_SLICES=len(idx), ADD=bool(add), HAS_B_SCALES=has_bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-            CDT=cdt, DOT=dot, PREC=prec, **EXPAND_LAUNCH,
+            NUM_SLICES=len(idx), ADD=bool(add), HAS_B_SCALES=has_bs, BLOCK_M=BLOCK_M, CDT=cdt, DOT=dot, PREC=prec,
+            **cfg,
         )
         col += width * len(idx)
