@@ -6,6 +6,7 @@ of a valid document (compact JSON, the schema's own example) the time to fill th
 
     python scripts/bench_grammar.py [--vocab 320 32000] [--reps 3]
     python scripts/bench_grammar.py --forced     # what jump-forward could skip (forced_tokens)
+    python scripts/bench_grammar.py --batch-fill --vocab 32000 --threads 1 2 4 8 15   # the engine's batched calls
 """
 from __future__ import annotations
 
@@ -188,17 +189,66 @@ def forced_tokens(tok, vocab: int, docs: int = 20, steps: int = 64) -> dict:
     return out
 
 
+def batch_fill(tok, vocab: int, threads: list[int], rows: int = 32, steps: int = 64) -> dict:
+    """The engine's per-step grammar work at `rows` rows (Grammars._ahead): one batched accept of the step's tokens
+    and one batched fill of the next bitmasks, on each thread count; the same random walks (tokens drawn uniformly
+    from what the mask allows) for every count. Per schema and count: ms per step (p50, mean, max) of the fill and
+    of the accept."""
+    import random
+    import xgrammar as xgr
+    from tp_lora.engine.grammar import tokenizer_info
+    info = tokenizer_info(tok, vocab, [2])
+    ok = torch.tensor([bool(b) and min(b) >= 0x20 for b in info.decoded_vocab] + [False] * (vocab - len(
+        info.decoded_vocab)))
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    out = {}
+    for name in ("nested", "free_text"):
+        compiled = compiler.compile_json_schema(json.dumps(SCHEMAS[name][0]), any_whitespace=False,
+                                                separators=(",", ":"))
+        for n in threads:
+            batch, rng = xgr.BatchGrammarMatcher(n), random.Random(0)
+            matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+            mask = xgr.allocate_token_bitmask(rows, vocab)
+            fills, accepts = [], []
+            for _ in range(steps):
+                live = [i for i, m in enumerate(matchers) if not m.is_terminated()]  # as Grammars._fill
+                if not live:
+                    break
+                mask.zero_()
+                t0 = time.perf_counter()
+                batch.batch_fill_next_token_bitmask([matchers[i] for i in live], mask, indices=live)
+                fills.append(time.perf_counter() - t0)
+                allowed = ((mask[:, :, None] >> torch.arange(32)) & 1).bool().flatten(1)[:, :vocab] & ok
+                toks = [rng.choice(allowed[i].nonzero().flatten().tolist() or [2]) for i in live]
+                t0 = time.perf_counter()
+                xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in live], toks)
+                accepts.append(time.perf_counter() - t0)
+            ms = lambda xs: {"p50": 1e3 * statistics.median(xs), "mean": 1e3 * statistics.mean(xs),
+                             "max": 1e3 * max(xs)}
+            out[f"{name}@{n}"] = {"fill_ms": ms(fills), "accept_ms": ms(accepts), "steps": len(fills)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, nargs="+", default=[320, 32000])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", help="write the numbers here")
     ap.add_argument("--forced", action="store_true", help="what jump-forward could skip (forced_tokens), only")
+    ap.add_argument("--batch-fill", action="store_true", help="the engine's batched accept + fill (batch_fill), only")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="fill threads of --batch-fill")
     args = ap.parse_args()
     texts = corpus()
     results = {}
     for vocab in args.vocab:
         tok = byte_level_tokenizer(vocab, texts)
+        if args.batch_fill:
+            r = results[f"batch_fill@{vocab}"] = batch_fill(tok, tok.get_vocab_size(), args.threads)
+            for key, f in r.items():
+                print(f"vocab {vocab:6d} {key:14s} fill ms/step p50 {f['fill_ms']['p50']:.3f} mean "
+                      f"{f['fill_ms']['mean']:.3f} max {f['fill_ms']['max']:.3f}  accept ms/step p50 "
+                      f"{f['accept_ms']['p50']:.3f} mean {f['accept_ms']['mean']:.3f}  ({f['steps']} steps)")
+            continue
         if args.forced:
             r = results[f"forced@{vocab}"] = forced_tokens(tok, tok.get_vocab_size())
             for name, f in r.items():

@@ -16,6 +16,7 @@ a grammar's document ends when the mask leaves only EOS, so the rows compare tok
 
     python scripts/bench_sampling.py --shape llama-2048 --out DIR
     python scripts/bench_sampling.py --smoke --out DIR          # CPU, tiny shape, seconds
+    python scripts/bench_sampling.py --timeline --reps 1 --out DIR  # + where each run's host time goes, per step
 """
 from __future__ import annotations
 
@@ -72,6 +73,42 @@ def timed(llm, prompts, adapters, **kw) -> dict:
             "out": out}
 
 
+class Timeline:
+    """Host time per step by phase (--timeline): the engine's step phases on the host thread and the grammar
+    worker's, wrapped by name (wall seconds, each call's thread). Diagnosis only: the wrappers add microseconds."""
+    PHASES = {"engine.core.EngineCore": ["_launch", "_read", "_schedule"], "engine.runner.ModelRunner": ["execute"],
+              "engine.sampler.Sampler": ["sample"],
+              "engine.grammar.Grammars": ["masks", "follow", "_ahead", "_fill", "finish", "advance"]}
+
+    def __init__(self):
+        import importlib
+        import threading
+        self.calls: list[tuple[str, bool, float, float]] = []  # (name, on the main thread, start, end)
+        main = threading.main_thread()
+        for path, names in self.PHASES.items():
+            mod, cls = path.rsplit(".", 1)
+            owner = getattr(importlib.import_module(f"tp_lora.{mod}"), cls)
+            for name in names:
+                fn = getattr(owner, name)
+
+                def wrapped(*a, _fn=fn, _name=f"{cls}.{name}", **k):
+                    t0 = time.perf_counter()
+                    try:
+                        return _fn(*a, **k)
+                    finally:
+                        self.calls.append((_name, threading.current_thread() is main, t0, time.perf_counter()))
+                setattr(owner, name, wrapped)
+
+    def summary(self, steps: int) -> dict:
+        """{phase (worker phases prefixed 'worker:'): ms per step} over the calls since the last summary."""
+        out: dict[str, float] = {}
+        for name, on_main, t0, t1 in self.calls:
+            key = name if on_main else f"worker:{name}"
+            out[key] = out.get(key, 0.0) + 1e3 * (t1 - t0) / max(1, steps)
+        self.calls.clear()
+        return dict(sorted(out.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_sampling_results")
@@ -85,6 +122,7 @@ def main() -> None:
     p.add_argument("--schemas", default="nested,free_text", help="bench_grammar.py's schemas, one grammar row each")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each side (medians)")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU, few tokens")
+    p.add_argument("--timeline", action="store_true", help="print each run's host ms per step by phase")
     args = p.parse_args()
     if args.smoke:
         args.shape, args.prompts, args.n, args.prompt_tokens, args.new_tokens, args.batch, args.reps = \
@@ -104,8 +142,14 @@ def main() -> None:
     sample = dict(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
     rows = {}
 
+    timeline = Timeline() if args.timeline else None
+
     def median(fn) -> dict:
+        if timeline is not None:
+            timeline.calls.clear()
         runs = sorted((fn() for _ in range(args.reps)), key=lambda r: r["seconds"])
+        if timeline is not None:
+            runs[len(runs) // 2]["timeline_ms_per_step"] = timeline.summary(sum(r["steps"] for r in runs))
         return runs[len(runs) // 2]
     # n: distinct prompts each run (a prompt seen before would be served from the prefix cache)
     fresh = iter(range(1, 1 << 30))
@@ -146,6 +190,10 @@ def main() -> None:
         count = {"n": f"{args.prompts} x n={args.n}", "separate": f"{args.prompts * args.n}"}.get(name, args.batch)
         print(f"| {name} | {count} | {r['seconds']:.3f} | {r['tokens']} | {r['tokens_per_s']:.0f} | {r['steps']} |")
     print(f"n={args.n} against separate requests: {report['n_speedup']:.2f}x tokens/s (target >= 1.5x)")
+    for name, r in rows.items():
+        if "timeline_ms_per_step" in r:
+            print(f"{name}: host ms per step by phase: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in r["timeline_ms_per_step"].items()))
     for name, g in report["grammars"].items():
         print(f"grammar {name}: costs {g['cost']:.1%} of tokens/s (target <= 10%); documents: {g['parsed']} parse, "
               f"{g['truncated']} cut by max_tokens, {g['malformed']} malformed; the host waited "
