@@ -125,7 +125,7 @@ def test_a_dead_end_allows_only_the_stop_tokens(tokenizer):
     class Nothing:  # a matcher state whose next character no token spells
         def batch_fill_next_token_bitmask(self, matchers, bits):
             bits.zero_()
-    g.batch = Nothing()
+    g.batches = {1: Nothing()}  # the one-row fill's batch matcher
     sel, bits = g.fill([req(1), r], pin=False)
     assert sel == [1] and torch.equal(bits[0], pack([EOS], VOCAB))
 

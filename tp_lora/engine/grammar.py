@@ -38,6 +38,7 @@ from tp_lora.hostcopy import to_device
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
 SWITCH_INTERVAL_S = 5e-5  # the longest the grammar worker waits for the GIL (Python's default: 5 ms)
+ROWS_PER_THREAD = 64  # rows of a batched fill per thread: xgrammar's threads cost more than they save on fewer
 
 
 def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
@@ -62,7 +63,7 @@ class Grammars:
         self.worker: Optional[Worker] = None  # follow()'s thread, from the first follow()
         self.job: Optional[Ahead] = None  # the last follow()'s work, until joined
         self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
-        self.batch = None
+        self.batches: dict[int, object] = {}  # xgrammar's batch matchers, by fill threads
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
@@ -87,7 +88,6 @@ class Grammars:
             printable = [i for i, b in enumerate(info.decoded_vocab) if b and min(b) >= 0x20]
             self.printable = pack(printable + self.stop_ids, vocab)
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            self.batch = xgr.BatchGrammarMatcher(fill_threads())
         if req.grammar in self.compiled:
             self.compiled.move_to_end(req.grammar)
             return None
@@ -201,12 +201,16 @@ class Grammars:
         pinned where `pin`), zeros for a complete matcher (complete[i]); finish() makes it the mask."""
         bits = torch.empty(len(matchers), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
         live = [i for i, done in enumerate(complete) if not done]
+        threads = fill_threads(len(live))
+        batch = self.batches.get(threads)
+        if batch is None:
+            batch = self.batches[threads] = library().BatchGrammarMatcher(threads)
         if len(live) == len(matchers):
-            self.batch.batch_fill_next_token_bitmask(matchers, bits)
+            batch.batch_fill_next_token_bitmask(matchers, bits)
         else:
             bits.zero_()
             if live:
-                self.batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, indices=live)
+                batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, indices=live)
         return bits
 
     def finish(self, bits: torch.Tensor) -> torch.Tensor:
@@ -291,11 +295,12 @@ class Worker:
             del call, future, fn, args  # no reference to the last call's objects while idle
 
 
-def fill_threads() -> int:
-    """Threads of the batched bitmask fill: this process's CPUs over the ranks on its host, less one for the host's
-    own loop (the fill of a step's rows is on the critical path: the draw waits for it; at most 16)."""
+def fill_threads(rows: int) -> int:
+    """Threads of a batched bitmask fill of `rows` rows: one per ROWS_PER_THREAD rows, at most this process's CPUs
+    over the ranks on its host less one for the host's own loop (and 16)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return max(1, min(16, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 1))
+    most = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 1
+    return max(1, min(16, most, rows // ROWS_PER_THREAD))
 
 
 def bind_device(device: torch.device) -> None:
