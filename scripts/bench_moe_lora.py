@@ -1,9 +1,9 @@
-"""The fused MoE LoRA kernels (tp_lora.ops.triton.moe_lora) alone, at one rank's shapes of a decode step in each
-2-GPU layout, against their bytes floor; --sweep times their launch settings.
+"""The fused MoE LoRA kernels (tp_lora.ops.triton.moe_lora: shrink, expand, and shrink + expand fused) alone, at one
+rank's shapes of a decode step in each 2-GPU layout, against their bytes floor; --sweep times their launch settings.
 
-    python3 scripts/bench_moe_lora.py --out bench_results/moe_lora                  # the current settings
-    python3 scripts/bench_moe_lora.py --sweep --jobs 8 --out bench_results/moe_lora  # + the sweep grids
-    TRITON_INTERPRET=1 python3 scripts/bench_moe_lora.py --smoke                    # tiny, CPU (a check of the script)
+    python3 scripts/bench_moe_lora.py --out bench_results/moe_lora                          # the current settings
+    python3 scripts/bench_moe_lora.py --sweep fused --jobs 12 --out bench_results/moe_lora  # + a sweep grid
+    TRITON_INTERPRET=1 python3 scripts/bench_moe_lora.py --smoke --sweep shrink             # tiny, CPU (a check)
 
 Shapes (Qwen3-30B-A3B's MoE layer: hidden 2048, 128 experts, top-8, expert intermediate 768; --adapters adapters of
 rank --rank on w1, w3 and w2 of every expert, tokens round-robin over them), per rank of a 2-GPU layout: tp1 (32 rows,
@@ -13,15 +13,16 @@ Routing is random (softmax top-8 of normal logits); each op is timed over --plan
 CUDA graph (so the weights touched do not sit in L2 from the previous call), median of replays / calls, as the graphed
 decode step runs them. The shrink's time includes the zero fill of its output.
 
-Floor: the bytes an op must move (A or B of each distinct (expert, adapter) group the routing touches, the input rows
-of pairs with an adapter, the output: the shrink writes every row, the expand reads and writes the rows of pairs with
-an adapter) over the device copy bandwidth measured in the same run (read + written bytes / s). "node" is the time of
-one graph node that does nothing (a 4-byte memset): what a call costs beyond its bytes at the least.
+Floor: the bytes an op must move (A and / or B of each distinct (expert, adapter) group the routing touches, the input
+rows of pairs with an adapter, the output: the shrink writes every row, the expand and fused ops read and write the
+rows of pairs with an adapter) over the device copy bandwidth measured in the same run (read + written bytes / s).
+"node" is the time of one graph node that does nothing (a 4-byte memset): what a call costs beyond its bytes at the
+least.
 
---sweep times every launch setting of SHRINK_GRID / EXPAND_GRID (compiled first by --jobs processes in parallel,
-which fill Triton's cache) and prints per layout and op the best, and the settings with the least summed time over
-the layouts; --check compares those settings' outputs with the torch reference (tp_lora.ops.moe_ref). Writes
-bench_moe_lora.json into --out.
+--sweep shrink,expand,fused times every launch setting of those GRIDS (compiled first by --jobs processes in
+parallel, which fill Triton's cache) and prints per layout and op the best, and per settings dict the setting with the
+least time summed over its two ops (w13, w2) and the layouts ("best summed"); --check compares the current and best
+summed settings' outputs with the torch reference (tp_lora.ops.moe_ref). Writes bench_moe_lora.json into --out.
 """
 from __future__ import annotations
 
@@ -47,13 +48,21 @@ LAYOUTS = {"tp1": dict(rows=32, local=128, inter=INTER), "tp2": dict(rows=32, lo
            "ep2": dict(rows=64, local=64, inter=INTER), "tp2_ep2": dict(rows=32, local=64, inter=INTER)}
 SMOKE = dict(hidden=64, experts=8, top_k=2, layouts={"tp1": dict(rows=6, local=8, inter=24),
                                                      "ep2": dict(rows=8, local=4, inter=24)})
-OPS = ("w13 shrink", "w13 expand", "w2 shrink", "w2 expand")
-SHRINK_GRID = [dict(BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
-               for bk, sk in ((64, 1), (64, 4), (128, 1), (128, 2), (128, 4), (128, 8), (256, 1), (256, 2),
-                              (256, 4), (256, 8), (512, 1), (512, 2), (512, 4))
-               for w in (2, 4, 8) for st in (2, 3, 4)]
-EXPAND_GRID = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-               for bn in (64, 128, 256, 512) for w in (1, 2, 4, 8) for st in (1, 2)]
+OPS = ("w13 shrink", "w13 expand", "w2 shrink", "w2 expand", "w13 fused", "w2 fused")
+# The launch settings dict of tp_lora.ops.triton.moe_lora each op reads, and the sweep's grid of it.
+SETTINGS = {"shrink": "SHRINK", "expand": "EXPAND", "fused": "FUSED"}
+GRIDS = {
+    "shrink": [dict(BLOCK_K=bk, num_warps=w, num_stages=st) for bk in (64, 128, 256, 512) for w in (2, 4, 8)
+               for st in (2, 3, 4)],
+    "expand": [dict(BLOCK_N=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256, 512) for w in (1, 2, 4, 8)
+               for st in (1, 2)],
+    "fused": [dict(BLOCK_K=bk, BLOCK_N=bn, N_PER_PROGRAM=npp, num_warps=w, num_stages=st) for bk in (128, 256)
+              for bn in (64, 128, 256) for npp in (256, 512, 1024, 2048) for w in (2, 4) for st in (2, 3)],
+}
+
+
+def kind(op: str) -> str:
+    return op.split()[-1]
 
 
 class Case:
@@ -95,7 +104,11 @@ class Case:
             return moe_lora.moe_lora_expand(d["u13"], self.b13, d["plan"], d["z"])
         if op == "w2 shrink":
             return moe_lora.moe_lora_shrink(d["h"], self.a2, self.scales[2:], d["plan"])
-        return moe_lora.moe_lora_expand(d["u2"], self.b2, d["plan"], d["y"])
+        if op == "w2 expand":
+            return moe_lora.moe_lora_expand(d["u2"], self.b2, d["plan"], d["y"])
+        if op == "w13 fused":
+            return moe_lora.moe_lora_fused(d["x"], self.a13, self.scales[:2], self.b13, d["plan"], d["z"])
+        return moe_lora.moe_lora_fused(d["h"], self.a2, self.scales[2:], self.b2, d["plan"], d["y"])
 
     def reference(self, op: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(Triton's, the torch reference's) result of the op on routing i, from the same inputs."""
@@ -104,10 +117,18 @@ class Case:
             return self.call(op, i), moe_ref.moe_lora_shrink(d["x"], self.a13, self.scales[:2], d["plan"])
         if op == "w2 shrink":
             return self.call(op, i), moe_ref.moe_lora_shrink(d["h"], self.a2, self.scales[2:], d["plan"])
-        u, b, out = (d["u13"], self.b13, d["z"]) if op == "w13 expand" else (d["u2"], self.b2, d["y"])
+        w13 = op.startswith("w13")
+        out = d["z"] if w13 else d["y"]
         got, ref = out.clone(), out.clone()
-        moe_lora.moe_lora_expand(u, b, d["plan"], got)
-        moe_ref.moe_lora_expand(u, b, d["plan"], ref)
+        if kind(op) == "expand":
+            u, b = (d["u13"], self.b13) if w13 else (d["u2"], self.b2)
+            moe_lora.moe_lora_expand(u, b, d["plan"], got)
+            moe_ref.moe_lora_expand(u, b, d["plan"], ref)
+        else:
+            x, a, b, sc = (d["x"], self.a13, self.b13, self.scales[:2]) if w13 else (d["h"], self.a2, self.b2,
+                                                                                   self.scales[2:])
+            moe_lora.moe_lora_fused(x, a, sc, b, d["plan"], got)
+            moe_ref.moe_lora_fused(x, a, sc, b, d["plan"], ref)
         return got, ref
 
 
@@ -120,13 +141,15 @@ def op_bytes(plan, H: int, I: int, R: int, size: int) -> dict[str, float]:
             "w13 expand": groups * 2 * I * R * size + pairs * 2 * R * 4 + 2 * pairs * 2 * I * size,
             "w2 shrink": groups * R * I * size + pairs * I * size + cap * R * 4,
             "w2 expand": groups * H * R * size + pairs * R * 4 + 2 * pairs * H * size,
+            "w13 fused": groups * 2 * R * (H + I) * size + pairs * H * size + 2 * pairs * 2 * I * size,
+            "w2 fused": groups * R * (I + H) * size + pairs * I * size + 2 * pairs * H * size,
             "groups": groups, "pairs": pairs}
 
 
 @contextmanager
 def launch(op: str, cfg: dict | None):
     """The op's kernel with launch settings cfg (None: the module's own)."""
-    name = "SHRINK" if op.endswith("shrink") else "EXPAND"
+    name = SETTINGS[kind(op)]
     saved = getattr(moe_lora, name)
     if cfg is not None:
         setattr(moe_lora, name, dict(cfg))
@@ -172,9 +195,9 @@ def measure(case: Case, op: str, cfg: dict | None, reps: int, cuda: bool) -> flo
         return time_graph(fns, reps)
 
 
-def compile_shard(cases: dict, shard: int, of: int) -> None:
-    """Compile (one call each) every setting of the grids with index = shard mod of, for every layout and op."""
-    work = [(op, cfg) for op in OPS for cfg in (SHRINK_GRID if op.endswith("shrink") else EXPAND_GRID)]
+def compile_shard(cases: dict, sweep: list[str], shard: int, of: int) -> None:
+    """Compile (one call each) every setting of the swept grids with index = shard mod of, for every layout and op."""
+    work = [(op, cfg) for op in OPS if kind(op) in sweep for cfg in GRIDS[kind(op)]]
     for j, (op, cfg) in enumerate(work):
         if j % of == shard:
             for case in cases.values():
@@ -189,7 +212,7 @@ def compile_shard(cases: dict, shard: int, of: int) -> None:
 def precompile(args) -> None:
     """--jobs processes compile shards of the grids into Triton's cache, then this one loads them."""
     cmd = [sys.executable, os.path.abspath(__file__), "--compile-shard", "{}", "--jobs", str(args.jobs),
-           "--adapters", str(args.adapters), "--rank", str(args.rank), "--plans", "1"]
+           "--adapters", str(args.adapters), "--rank", str(args.rank), "--plans", "1", "--sweep", args.sweep]
     procs = [subprocess.Popen([c.replace("{}", str(i)) for c in cmd]) for i in range(args.jobs)]
     bad = [p.args for p in procs if p.wait() != 0]
     if bad:
@@ -208,7 +231,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--plans", type=int, default=16, help="routings per timed graph (one call each)")
     ap.add_argument("--reps", type=int, default=20, help="timed graph replays")
-    ap.add_argument("--sweep", action="store_true", help="time every setting of SHRINK_GRID / EXPAND_GRID")
+    ap.add_argument("--sweep", default="", help=f"time every setting of these grids, comma list of {list(GRIDS)}")
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling the sweep's kernels first")
     ap.add_argument("--check", action="store_true", help="compare the chosen settings with the torch reference")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, two settings of each grid (CPU works)")
@@ -220,14 +243,18 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     hidden, experts, top_k, layouts = ((SMOKE["hidden"], SMOKE["experts"], SMOKE["top_k"], SMOKE["layouts"])
                                        if args.smoke else (HIDDEN, EXPERTS, TOP_K, LAYOUTS))
+    sweep = [g for g in args.sweep.split(",") if g]
+    if any(g not in GRIDS for g in sweep):
+        raise SystemExit(f"--sweep {args.sweep!r}: expected names from {list(GRIDS)}")
     if args.smoke:
         args.plans, args.reps, args.adapters, args.rank = 2, 1, 3, 4
-        del SHRINK_GRID[2:], EXPAND_GRID[2:]
+        for grid in GRIDS.values():
+            del grid[2:]
     names = [n for n in args.layouts.split(",") if n in layouts]
     cases = {n: Case(layouts[n], hidden, experts, top_k, args.adapters, args.rank, args.plans, device, dtype,
                      seed=i) for i, n in enumerate(names)}
     if args.compile_shard is not None:
-        compile_shard(cases, args.compile_shard, args.jobs)
+        compile_shard(cases, sweep, args.compile_shard, args.jobs)
         return
     from bench_step import copy_bandwidth  # noqa: PLC0415 - imports the engine: not in the compile workers
     bw = copy_bandwidth(device) if cuda else float("nan")
@@ -246,30 +273,32 @@ def main() -> None:
             us, error = None, f"{type(err).__name__}: {str(err)[:200]}"
         floor_b = statistics.mean(b[op] for b in case.floor_bytes)
         floor_us = 1e6 * floor_b / bw if cuda else None
-        rows.append(dict(layout=name, op=op, setting=setting, config=cfg or dict(
-            moe_lora.SHRINK if op.endswith("shrink") else moe_lora.EXPAND), us=us, floor_us=floor_us,
+        rows.append(dict(layout=name, op=op, setting=setting, config=cfg or dict(getattr(moe_lora, SETTINGS[kind(op)])),
+                         us=us, floor_us=floor_us,
             floor_bytes=floor_b, groups=statistics.mean(b["groups"] for b in case.floor_bytes),
             pct_of_floor=100 * floor_us / us if cuda and us else None, error=error))
 
     for name in names:
         for op in OPS:
             run(name, op, None, "current")
-    if args.sweep:
+    if sweep:
         if cuda and args.jobs > 1:
             precompile(args)
         for name in names:
             for op in OPS:
-                for cfg in (SHRINK_GRID if op.endswith("shrink") else EXPAND_GRID):
-                    run(name, op, cfg, "sweep")
-    best = best_settings(rows, names) if args.sweep and cuda else {}
-    for op, cfg in best.items():
-        for name in names:
-            run(name, op, cfg, "best summed")
+                if kind(op) in sweep:
+                    for cfg in GRIDS[kind(op)]:
+                        run(name, op, cfg, "sweep")
+    best = best_settings(rows, names) if sweep and cuda else {}
+    for op in OPS:
+        if kind(op) in best:
+            for name in names:
+                run(name, op, best[kind(op)], "best summed")
     checks = []
     if args.check:
         for name in names:
             for op in OPS:
-                for setting, cfg in (("current", None), ("best summed", best.get(op))):
+                for setting, cfg in (("current", None), ("best summed", best.get(kind(op)))):
                     if setting == "current" or cfg is not None:
                         with launch(op, cfg):
                             got, ref = cases[name].reference(op, 0)
@@ -293,18 +322,19 @@ def main() -> None:
 
 
 def best_settings(rows: list[dict], names: list[str]) -> dict[str, dict]:
-    """Per op, the swept setting with the least time summed over the layouts."""
+    """Per settings dict (shrink, expand, fused: each serves its w13 and w2 op), the swept setting with the least time
+    summed over both ops and the layouts."""
     out = {}
-    for op in OPS:
+    for k in GRIDS:
         sums = {}
         for r in rows:
-            if r["op"] == op and r["setting"] == "sweep" and r["us"] is not None:
+            if kind(r["op"]) == k and r["setting"] == "sweep" and r["us"] is not None:
                 sums.setdefault(key(r["config"]), [r["config"], 0.0, 0])
                 sums[key(r["config"])][1] += r["us"]
                 sums[key(r["config"])][2] += 1
-        full = [v for v in sums.values() if v[2] == len(names)]
+        full = [v for v in sums.values() if v[2] == 2 * len(names)]
         if full:
-            out[op] = min(full, key=lambda v: v[1])[0]
+            out[k] = min(full, key=lambda v: v[1])[0]
     return out
 
 
@@ -329,10 +359,10 @@ def table(rows: list[dict], names: list[str]) -> str:
             floor = "-" if cur["floor_us"] is None else f"{cur['floor_us']:.1f}"
             lines.append(f"| {name} | {op} | {cur['groups']:.0f} | {floor} | {cell(cur)} | "
                          f"{cell(here)}{', ' + key(here['config']) if here else ''} | {cell(summed)} |")
-    for op in OPS:
-        r = next((r for r in rows if r["op"] == op and r["setting"] == "best summed"), None)
+    for k in GRIDS:
+        r = next((r for r in rows if kind(r["op"]) == k and r["setting"] == "best summed"), None)
         if r:
-            lines.append(f"best summed {op}: {key(r['config'])}")
+            lines.append(f"best summed {k}: {key(r['config'])}")
     return "\n".join(lines)
 
 

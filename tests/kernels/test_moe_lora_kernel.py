@@ -22,22 +22,26 @@ def _pairs(n: int, e0: int, e_local: int, gen: torch.Generator, device, skew: bo
     return build_plan(ids.to(device), w.to(device), slots.to(torch.int32).to(device), e0, e_local, L, lora=True)
 
 
-# Launch settings besides the defaults: the reduction split over programs (3 runs of K = 48, one each; 2 splits of
-# 32-wide runs whose second is cut at 48), narrow expand tiles with a ragged last one (widths 20 and 48).
-LAUNCHES = {"default": ({}, {}), "split_k": (dict(BLOCK_K=16, SPLIT_K=3, num_warps=1, num_stages=2),
-                                             dict(BLOCK_N=16, num_warps=1, num_stages=1)),
-            "split_k_ragged": (dict(BLOCK_K=32, SPLIT_K=2), dict(BLOCK_N=32))}
+# Launch settings besides the defaults: narrow tiles with ragged last ones (K = 48 / 20 in 16- or 32-wide runs; widths
+# 20 and 48 in 16- or 32-column tiles), the fused op's columns over several programs (one 20-column slice in 2 or 3).
+LAUNCHES = {"default": ({}, {}, {}),
+            "narrow": (dict(BLOCK_K=16, num_warps=1, num_stages=2), dict(BLOCK_N=16, num_warps=1, num_stages=1),
+                       dict(BLOCK_K=16, BLOCK_N=16, N_PER_PROGRAM=16, num_warps=1, num_stages=2)),
+            "ragged": (dict(BLOCK_K=32), dict(BLOCK_N=32), dict(BLOCK_K=32, BLOCK_N=16, N_PER_PROGRAM=8))}
 
 
-@pytest.mark.parametrize("launch", sorted(LAUNCHES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["local_half", "all_experts", "skewed_elsewhere", "no_lora"])
+CASES = [(case, dtype, "default") for case in ("local_half", "all_experts", "skewed_elsewhere", "no_lora")
+         for dtype in (torch.float32, torch.bfloat16)]
+CASES += [("all_experts", torch.float32, launch) for launch in LAUNCHES if launch != "default"]
+CASES += [("local_half", torch.bfloat16, launch) for launch in LAUNCHES if launch != "default"]
+
+
+@pytest.mark.parametrize("case,dtype,launch", CASES)
 def test_moe_lora_matches_reference(device, dtype, case, launch, monkeypatch):
     from tp_lora.ops.triton import moe_lora
 
-    shrink, expand = LAUNCHES[launch]
-    monkeypatch.setattr(moe_lora, "SHRINK", dict(moe_lora.SHRINK, **shrink))
-    monkeypatch.setattr(moe_lora, "EXPAND", dict(moe_lora.EXPAND, **expand))
+    for name, cfg in zip(("SHRINK", "EXPAND", "FUSED"), LAUNCHES[launch]):
+        monkeypatch.setattr(moe_lora, name, dict(getattr(moe_lora, name), **cfg))
     gen = torch.Generator().manual_seed(hash((case, str(dtype), launch)) % 2**31)
     n, hidden, inter, rank = 37, 48, 20, 12
     e0, e_local = {"local_half": (4, 4), "all_experts": (0, 8), "skewed_elsewhere": (4, 4),
@@ -74,17 +78,27 @@ def test_moe_lora_matches_reference(device, dtype, case, launch, monkeypatch):
         torch.testing.assert_close(z, z_ref, equal_nan=True, **tol)
         assert torch.isnan(z[~lora_rows]).all(), "rows of pairs without an adapter were written"
 
+    # The fused op: the same sum in one launch (u in registers), untouched rows untouched.
+    z_ref, z = poison.clone(), poison.clone()
+    moe_ref.moe_lora_fused(x, a13, scales[:2], b13, pairs, z_ref)
+    moe_lora.moe_lora_fused(x, a13, scales[:2], b13, pairs, z)
+    torch.testing.assert_close(z, z_ref, equal_nan=True, **tol)
+    assert torch.isnan(z[~lora_rows]).all(), "rows of pairs without an adapter were written"
+
     # w2: one slice, expanded at an offset into a wider output (a fully sharded rank's columns of the sum).
     h = rnd(p, inter)
     u2_ref = moe_ref.moe_lora_shrink(h, a2, scales[2:], pairs)
     u2 = moe_lora.moe_lora_shrink(h, a2, scales[2:], pairs)
     torch.testing.assert_close(u2, u2_ref, **tol)
     y = rnd(p, hidden + 16)
-    y_ref = y.clone()
+    y_ref, y_fused = y.clone(), y.clone()
     moe_ref.moe_lora_expand(u2_ref, b2, pairs, y_ref, offset=16)
     moe_lora.moe_lora_expand(u2_ref, b2, pairs, y, offset=16)
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(y[:, :16], y_ref[:, :16], rtol=0, atol=0)
+    moe_lora.moe_lora_fused(h, a2, scales[2:], b2, pairs, y_fused, offset=16)
+    torch.testing.assert_close(y_fused, y_ref, **tol)
+    torch.testing.assert_close(y_fused[:, :16], y_ref[:, :16], rtol=0, atol=0)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -127,6 +141,15 @@ def test_moe_lora_fp8_b(device, dtype):
     has = lora_rows
     assert _rel(got[has] - out0[has], hi[has] - out0[has]) < 0.08  # fp8 rounding of B
     assert _rel(ref[has] - out0[has], hi[has] - out0[has]) < 0.08
+    # The fused op on the same fp8 B: shrink (A from u's source) and expand in one launch.
+    x = torch.randn(p, 16, generator=gen).to(dtype).to(device)
+    a = [torch.randn(L, e_local, rank, 16, generator=gen).to(dtype).to(device) * 0.25 for _ in range(2)]
+    scales = (torch.rand(2, L, e_local, generator=gen) + 0.5).to(device)
+    fused, fused_ref = out0.clone(), out0.clone()
+    moe_lora.moe_lora_fused(x, a, scales, b8, pairs, fused, b_scales=b_sc)
+    moe_ref.moe_lora_fused(x, a, scales, b8, pairs, fused_ref, b_scales=b_sc)
+    torch.testing.assert_close(fused, fused_ref, equal_nan=True, **tol)
+    assert torch.isnan(fused[~lora_rows]).all(), "rows of pairs without an adapter were written"
     # One slice alone (w2) at an offset, with the scales of a wider stack: the same dequantisation.
     y0 = torch.randn(p, inter + 8, generator=gen).to(dtype).to(device)
     y, y_ref = y0.clone(), y0.clone()
@@ -141,6 +164,7 @@ def test_backends_expose_the_moe_ops():
     for name in ("torch", "triton"):
         ops = get_backend(name)
         assert callable(ops.moe_lora_shrink) and callable(ops.moe_lora_expand), name
+        assert callable(ops.moe_lora_fused), name
 
 
 def test_empty_pairs():
@@ -152,3 +176,15 @@ def test_empty_pairs():
     u = moe_lora.moe_lora_shrink(torch.zeros(0, 16), a, torch.ones(1, L, 4), pairs)
     assert u.shape == (1, 0, 8)
     moe_lora.moe_lora_expand(u, [torch.zeros(L, 4, 16, 8)], pairs, torch.zeros(0, 16))
+    moe_lora.moe_lora_fused(torch.zeros(0, 16), a, torch.ones(1, L, 4), [torch.zeros(L, 4, 16, 8)], pairs,
+                            torch.zeros(0, 16))
+
+
+def test_fused_needs_one_b_per_a():
+    from tp_lora.ops.triton import moe_lora
+
+    pairs = _pairs(5, 0, 4, torch.Generator().manual_seed(0), "cpu")
+    a, b = [torch.zeros(L, 4, 8, 16)] * 2, [torch.zeros(L, 4, 16, 8)]
+    with pytest.raises(ValueError, match="2 A stacks for 1 B stacks"):
+        moe_lora.moe_lora_fused(torch.zeros(pairs.num_pairs, 16), a, torch.ones(2, L, 4), b, pairs,
+                                torch.zeros(pairs.num_pairs, 32))

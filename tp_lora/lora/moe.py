@@ -5,10 +5,12 @@ For a pair (token t, expert e) of adapter a:
     gate_up += s (x A13_{a,e}^T) B13_{a,e}^T,   down += s (h A2_{a,e}^T) B2_{a,e}^T.
 Where the LoRA math sits relative to the moe-tp group's final all-reduce (see ARCHITECTURE.md; experts partitioned
 over the EP group need no LoRA collective of their own):
-  w1/w3 default         A whole, B split on I                shrink -> expand                      none
+  w1/w3 default         A whole, B split on I                shrink + expand (one fused launch)    none
   w1/w3 fully sharded   A split on rank, B split on I        shrink -> all_gather(u) -> expand     1 all-gather (w1+w3)
-  w2 default            A split on I, B whole                shrink -> expand into the partial sum none
+  w2 default            A split on I, B whole                fused, into the partial sum           none
   w2 fully sharded      A split on I, B split on H           shrink -> all_reduce(u) -> expand     1 all-reduce
+The fused launch runs after its base GEMM (it adds into the GEMM's output); the fully sharded shrinks run beside the
+base GEMMs on a side stream (LoRARuntime.beside).
 """
 from __future__ import annotations
 
@@ -118,16 +120,23 @@ class LoRAExperts(SlotBuffers, nn.Module):
         base, rt, ops = self.base, self.rt, self.rt.ops
         if not plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
             return base(xp, plan)
+        if not self.fully_sharded:  # no collective between shrink and expand: one fused launch after each GEMM
+            z = base.up(xp, plan)
+            ops.moe_lora_fused(xp, list(self.lora_a13), self.scales[:base.slices], list(self.lora_b13), plan, z,
+                               b_scales=self.b13_scales)
+            h = base.act(z)
+            y = base.down(h, plan)
+            ops.moe_lora_fused(h, [self.lora_a2], self.scales[base.slices:], [self.lora_b2], plan, y,
+                               b_scales=None if self.b2_scales is None else [self.b2_scales])
+            return y
         u, z = rt.beside(lambda: ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan),
                          lambda: base.up(xp, plan), xp.device, xp.shape[0] // base.num_local)
-        if self.fully_sharded:
-            u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
+        u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
         ops.moe_lora_expand(u, list(self.lora_b13), plan, z, b_scales=self.b13_scales)
         h = base.act(z)
         u, y = rt.beside(lambda: ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], plan),
                          lambda: base.down(h, plan), h.device, h.shape[0] // base.num_local)
-        if self.fully_sharded:
-            u = comm.all_reduce(u, self.tp)
+        u = comm.all_reduce(u, self.tp)
         ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset,
                             b_scales=None if self.b2_scales is None else [self.b2_scales])
         return y

@@ -7,7 +7,8 @@ slots, S slices in one launch (2 for w1/w3, 1 for w2), r the (local) LoRA rank.
     moe_lora_expand: out[p, offset + s*out_s : ...] (+)= u[s, p] @ B_s[slot_p, e_p]^T
 
 One launch per call covers every slice, expert and slot. The math fixes the number of calls per MoE layer at 4:
-shrink(w1, w3) -> [all-gather] -> expand(w1, w3) -> activation -> shrink(w2) -> [all-reduce] -> expand(w2).
+shrink(w1, w3) -> [all-gather] -> expand(w1, w3) -> activation -> shrink(w2) -> [all-reduce] -> expand(w2); without
+the collectives (the default LoRA mode) moe_lora_fused does each shrink + expand in one call.
 """
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], plan: MoE
                 delta = delta + out[start:start + count, col:col + width].float()
             out[start:start + count, col:col + width] = delta.to(out.dtype)
             col += width
+
+
+def moe_lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,
+                   lora_b: Sequence[torch.Tensor], plan: MoEPlan, out: torch.Tensor, offset: int = 0, *,
+                   b_scales: Sequence[torch.Tensor] | None = None) -> None:
+    """shrink then expand (add=True) where no collective sits between them (the default LoRA mode): one launch on
+    Triton. x [P, in], lora_a S x [L, E, r, in], scales [S, L, E], lora_b S x [L, E, out_s, r], out [P, O]."""
+    moe_lora_expand(moe_lora_shrink(x, lora_a, scales, plan), lora_b, plan, out, offset, b_scales=b_scales)
 
 
 def _blocks(plan: MoEPlan) -> list[list[int]]:

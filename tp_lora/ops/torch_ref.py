@@ -65,7 +65,8 @@ def embedding_shrink(ids: torch.Tensor, lora_a_t: torch.Tensor, scales: torch.Te
         rows = lora_a_t[slot][local.clamp(0, vocab_local - 1)].float() * scales[0, slot]
         out[0, idx] = rows * inside.unsqueeze(-1)
     return out
-from tp_lora.ops.moe_ref import moe_lora_expand, moe_lora_shrink  # noqa: E402,F401  (MoE LoRA ops, pair order)
+# MoE LoRA ops, pair order
+from tp_lora.ops.moe_ref import moe_lora_expand, moe_lora_fused, moe_lora_shrink  # noqa: E402,F401
 
 
 def lora_epilogue(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, batch: LoRABatch,

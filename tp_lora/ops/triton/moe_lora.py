@@ -25,71 +25,96 @@ import triton.language as tl
 from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan
 from tp_lora.ops.triton.dot import FP8, compute_types, mm
 
-__all__ = ["moe_lora_shrink", "moe_lora_expand"]
+__all__ = ["moe_lora_shrink", "moe_lora_expand", "moe_lora_fused"]
 
 MAX_SLICES = 2  # w1 | w3 in one launch; more slices are split into several launches
 BLOCK_M = LORA_BLOCK  # pairs per program: one LoRA block of the plan, so A / B are read once per block
-# Launch settings. Both ops are bound by the A / B bytes of the (expert, adapter) groups a step touches: at decode a
-# group is one or two pairs, so a program reads r x in of A for a few rows of x. The shrink splits the reduction
-# (SPLIT_K programs per block, partial sums added atomically into the zeroed output) so that enough A tiles are in
-# flight; the expand cuts a slice's outputs into BLOCK_N columns, one B tile each (K = r is one tile).
-SHRINK = dict(BLOCK_K=128, SPLIT_K=1, num_warps=2, num_stages=4)
-EXPAND = dict(BLOCK_N=256, num_warps=4, num_stages=2)
+# Launch settings. All three ops are bound by the A / B bytes of the (expert, adapter) groups a step touches; at
+# decode a group is one or two pairs, so a program streams r x in of A (or out x r of B) for a few rows. The expand
+# and the fused op cut a slice's outputs into runs of columns, one B tile of BLOCK_N columns at a time; the fused op
+# gives each program N_PER_PROGRAM columns of a slice (each program of a block recomputes the block's shrink, its A
+# read again from L2).
+SHRINK = dict(BLOCK_K=128, num_warps=2, num_stages=4)
+EXPAND = dict(BLOCK_N=128, num_warps=2, num_stages=2)
+FUSED = dict(BLOCK_K=128, BLOCK_N=128, N_PER_PROGRAM=1024, num_warps=2, num_stages=3)
+
+
+@triton.jit
+def _group(groups_ptr, pid_g):
+    """(expert, slot, first row, pairs) of LoRA block pid_g."""
+    e = tl.load(groups_ptr + pid_g * 4).to(tl.int64)
+    slot = tl.load(groups_ptr + pid_g * 4 + 1).to(tl.int64)
+    return e, slot, tl.load(groups_ptr + pid_g * 4 + 2), tl.load(groups_ptr + pid_g * 4 + 3)
+
+
+@triton.jit
+def _shrink_tile(x_ptr, a_ptr, rows, m_mask, offs_r, r_mask, K, stride_xp, stride_xk, stride_ar, stride_ak,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CDT: tl.constexpr,
+                 DOT: tl.constexpr, PREC: tl.constexpr):
+    """x[rows] @ A^T over all of K -> [BLOCK_M, BLOCK_R] float32; a_ptr: this (slot, expert)'s A [R, K]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_blk = x_ptr + rows[:, None] * stride_xp + offs_k[None, :] * stride_xk
+    a_blk = a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & r_mask[None, :], other=0.0)
+        acc += mm(xv, av, CDT, DOT, PREC)
+        x_blk += BLOCK_K * stride_xk
+        a_blk += BLOCK_K * stride_ak
+    return acc
+
+
+@triton.jit
+def _expand_tile(u, b_ptr, bs_ptr, out_ptr, rows, m_mask, offs_r, r_mask, offs_n, n_mask, col, stride_bn, stride_br,
+                 stride_bsn, stride_op, stride_oc, ADD: tl.constexpr, HAS_B_SCALES: tl.constexpr,
+                 CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """out[rows, col + offs_n] (+)= u @ B[offs_n]^T (times B's channel scales): u [BLOCK_M, BLOCK_R] float32 (the
+    whole rank), b_ptr / bs_ptr: this (slot, expert)'s B [N, R] / scales [N]."""
+    bv = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    acc = mm(u, bv, CDT, DOT, PREC)
+    if HAS_B_SCALES:
+        acc = acc * tl.load(bs_ptr + offs_n * stride_bsn, mask=n_mask, other=0.0)[None, :]
+    o_ptr = out_ptr + rows[:, None] * stride_op + (col + offs_n[None, :]) * stride_oc
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    if ADD:
+        acc += tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
 def moe_shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, scale_ptr, out_ptr, groups_ptr,
-    K, R, n_blocks_r,
+    K, R,
     stride_xp, stride_xk,
     stride_al, stride_ae, stride_ar, stride_ak,
     stride_ss, stride_sl, stride_se,
     stride_os, stride_op, stride_or,
-    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """out[s, p, :] (+)= scale[s, slot, e] * x[p] @ A_s[slot, e]^T for the pairs p of one (expert e, slot) group, over
-    every SPLIT_K-th BLOCK_K run of K from the program's split (SPLIT_K > 1: added atomically into a zeroed out).
-    x [P, K], A_s [L, E, R, K], scale [S, L, E] f32, out [S, P, R] f32."""
-    pid_g = tl.program_id(0)
+    """out[s, p, :] = scale[s, slot, e] * x[p] @ A_s[slot, e]^T for the pairs p of one (expert e, slot) group.
+    x [P, K], A_s [L, E, R, K], scale [S, L, E] f32, out [S, P, R] f32. Grid: (blocks, token blocks, slices)."""
     pid_m = tl.program_id(1)
-    pid_x = tl.program_id(2)
-    pid_k = pid_x % SPLIT_K
-    s = pid_x // SPLIT_K // n_blocks_r
-    pid_n = pid_x // SPLIT_K % n_blocks_r
-    e = tl.load(groups_ptr + pid_g * 4).to(tl.int64)
-    slot = tl.load(groups_ptr + pid_g * 4 + 1).to(tl.int64)
-    start = tl.load(groups_ptr + pid_g * 4 + 2)
-    count = tl.load(groups_ptr + pid_g * 4 + 3)
+    s = tl.program_id(2)
+    e, slot, start, count = _group(groups_ptr, tl.program_id(0))
     if pid_m * BLOCK_M < count:
         a_ptr = a0_ptr
         if NUM_SLICES > 1:
             if s == 1:
                 a_ptr = a1_ptr
-        scale = tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         rows = (start + offs_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < R
-        offs_k = tl.arange(0, BLOCK_K)
-        k0 = pid_k * BLOCK_K
-        x_blk = x_ptr + rows[:, None] * stride_xp + (k0 + offs_k[None, :]) * stride_xk
-        a_blk = (a_ptr + slot * stride_al + e * stride_ae + offs_n[None, :] * stride_ar
-                 + (k0 + offs_k[:, None]) * stride_ak)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
-            k_left = K - kb * BLOCK_K
-            xv = tl.load(x_blk, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            av = tl.load(a_blk, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
-            acc += mm(xv, av, CDT, DOT, PREC)
-            x_blk += BLOCK_K * SPLIT_K * stride_xk
-            a_blk += BLOCK_K * SPLIT_K * stride_ak
-        o_ptr = out_ptr + s * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_or
-        if SPLIT_K == 1:
-            tl.store(o_ptr, acc * scale, mask=m_mask[:, None] & n_mask[None, :])
-        else:
-            tl.atomic_add(o_ptr, acc * scale, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        acc = _shrink_tile(x_ptr, a_ptr + slot * stride_al + e * stride_ae, rows, m_mask, offs_r, r_mask, K,
+                           stride_xp, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, CDT, DOT, PREC)
+        acc *= tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
+        o_ptr = out_ptr + s * stride_os + rows[:, None] * stride_op + offs_r[None, :] * stride_or
+        tl.store(o_ptr, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
@@ -105,16 +130,12 @@ def moe_expand_kernel(
 ):
     """out[p, col0 + s*N + n] (+)= buf[s, p] @ B_s[slot, e, n]^T for the pairs p of one (expert e, slot) group.
     buf [S, P, R] f32, B_s [L, E, N, R] (fp8 with bs_s [L, E, N] per output channel, or 16/32-bit), out [P, O]
-    (any float dtype; accumulated in float32)."""
-    pid_g = tl.program_id(0)
+    (any float dtype; accumulated in float32). Grid: (blocks, token blocks, slices x column blocks)."""
     pid_m = tl.program_id(1)
     pid_x = tl.program_id(2)
     s = pid_x // n_blocks_n
     pid_n = pid_x % n_blocks_n
-    e = tl.load(groups_ptr + pid_g * 4).to(tl.int64)
-    slot = tl.load(groups_ptr + pid_g * 4 + 1).to(tl.int64)
-    start = tl.load(groups_ptr + pid_g * 4 + 2)
-    count = tl.load(groups_ptr + pid_g * 4 + 3)
+    e, slot, start, count = _group(groups_ptr, tl.program_id(0))
     if pid_m * BLOCK_M < count:
         b_ptr = b0_ptr
         bs_ptr = bs0_ptr
@@ -125,28 +146,64 @@ def moe_expand_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         rows = (start + offs_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
         offs_r = tl.arange(0, BLOCK_R)
-        u_blk = buf_ptr + s * stride_us + rows[:, None] * stride_up + offs_r[None, :] * stride_ur
-        b_blk = b_ptr + slot * stride_bl + e * stride_be + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for rb in range(0, tl.cdiv(R, BLOCK_R)):
-            r_left = R - rb * BLOCK_R
-            uv = tl.load(u_blk, mask=m_mask[:, None] & (offs_r[None, :] < r_left), other=0.0)
-            bv = tl.load(b_blk, mask=(offs_r[:, None] < r_left) & n_mask[None, :], other=0.0)
-            acc += mm(uv, bv, CDT, DOT, PREC)
-            u_blk += BLOCK_R * stride_ur
-            b_blk += BLOCK_R * stride_br
-        if HAS_B_SCALES:
-            ch_scale = tl.load(bs_ptr + slot * stride_bsl + e * stride_bse + offs_n * stride_bsn, mask=n_mask,
-                               other=0.0)
-            acc = acc * ch_scale[None, :]
-        o_ptr = out_ptr + rows[:, None] * stride_op + (col0 + s * N + offs_n[None, :]) * stride_oc
-        o_mask = m_mask[:, None] & n_mask[None, :]
-        if ADD:
-            acc += tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
-        tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        r_mask = offs_r < R
+        u = tl.load(buf_ptr + s * stride_us + rows[:, None] * stride_up + offs_r[None, :] * stride_ur,
+                    mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _expand_tile(u, b_ptr + slot * stride_bl + e * stride_be, bs_ptr + slot * stride_bsl + e * stride_bse,
+                     out_ptr, rows, m_mask, offs_r, r_mask, offs_n, offs_n < N, col0 + s * N, stride_bn, stride_br,
+                     stride_bsn, stride_op, stride_oc, ADD, HAS_B_SCALES, CDT, DOT, PREC)
+
+
+@triton.jit
+def moe_fused_kernel(
+    x_ptr, a0_ptr, a1_ptr, scale_ptr, b0_ptr, b1_ptr, bs0_ptr, bs1_ptr, out_ptr, groups_ptr,
+    K, R, N, col0, n_per_program, n_programs,
+    stride_xp, stride_xk,
+    stride_al, stride_ae, stride_ar, stride_ak,
+    stride_ss, stride_sl, stride_se,
+    stride_bl, stride_be, stride_bn, stride_br,
+    stride_bsl, stride_bse, stride_bsn,
+    stride_op, stride_oc,
+    NUM_SLICES: tl.constexpr, HAS_B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, CDT_A: tl.constexpr, DOT_A: tl.constexpr, PREC_A: tl.constexpr,
+    CDT_B: tl.constexpr, DOT_B: tl.constexpr, PREC_B: tl.constexpr,
+):
+    """The shrink's u = scale * x[p] @ A_s^T kept in registers, then out[p, col0 + s*N + n] += u @ B_s[n]^T over the
+    program's n_per_program columns, for the pairs p of one (expert, slot) group. Shapes as the two kernels above.
+    Grid: (blocks, token blocks, slices x n_programs)."""
+    pid_m = tl.program_id(1)
+    pid_x = tl.program_id(2)
+    s = pid_x // n_programs
+    pid_n = pid_x % n_programs
+    e, slot, start, count = _group(groups_ptr, tl.program_id(0))
+    if pid_m * BLOCK_M < count:
+        a_ptr = a0_ptr
+        b_ptr = b0_ptr
+        bs_ptr = bs0_ptr
+        if NUM_SLICES > 1:
+            if s == 1:
+                a_ptr = a1_ptr
+                b_ptr = b1_ptr
+                bs_ptr = bs1_ptr
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = (start + offs_m).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        u = _shrink_tile(x_ptr, a_ptr + slot * stride_al + e * stride_ae, rows, m_mask, offs_r, r_mask, K,
+                         stride_xp, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, CDT_A, DOT_A, PREC_A)
+        u *= tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
+        n_lo = pid_n * n_per_program
+        n_hi = tl.minimum(N, n_lo + n_per_program)
+        b_ptr += slot * stride_bl + e * stride_be
+        bs_ptr += slot * stride_bsl + e * stride_bse
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            _expand_tile(u, b_ptr, bs_ptr, out_ptr, rows, m_mask, offs_r, r_mask, offs_n, offs_n < n_hi,
+                         col0 + s * N, stride_bn, stride_br, stride_bsn, stride_op, stride_oc, True, HAS_B_SCALES,
+                         CDT_B, DOT_B, PREC_B)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -155,30 +212,42 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 def shrink_config(k: int, rank: int) -> dict:
     """The shrink's launch for x [*, k] x A^T [k, rank]: SHRINK with its tile cut to the shape."""
-    cfg = dict(SHRINK, BLOCK_N=_pow2(rank, 16, 64))
-    cfg["BLOCK_K"] = _pow2(k, 16, cfg["BLOCK_K"])
-    cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, cfg["BLOCK_K"])))
-    return cfg
+    return dict(SHRINK, BLOCK_K=_pow2(k, 16, SHRINK["BLOCK_K"]), BLOCK_R=_pow2(rank, 16, 1 << 30))
 
 
 def expand_config(width: int, rank: int) -> dict:
     """The expand's launch for buf [*, rank] x B^T [rank, width]: EXPAND with its tile cut to the shape."""
-    return dict(EXPAND, BLOCK_N=_pow2(width, 16, EXPAND["BLOCK_N"]), BLOCK_R=_pow2(rank, 16, 64))
+    return dict(EXPAND, BLOCK_N=_pow2(width, 16, EXPAND["BLOCK_N"]), BLOCK_R=_pow2(rank, 16, 1 << 30))
 
 
-def _launches(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None = None):
-    """Consecutive slices that share a shape and strides (and their fp8 scales' strides) go in one launch (at most
-    MAX_SLICES)."""
+def fused_config(k: int, rank: int, width: int) -> dict:
+    """The fused op's launch for x [*, k] x A^T [k, rank] x B^T [rank, width] (one slice)."""
+    cfg = dict(FUSED, BLOCK_K=_pow2(k, 16, FUSED["BLOCK_K"]), BLOCK_N=_pow2(width, 16, FUSED["BLOCK_N"]),
+               BLOCK_R=_pow2(rank, 16, 1 << 30))
+    per = triton.cdiv(min(cfg.pop("N_PER_PROGRAM"), width), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    cfg["n_per_program"], cfg["n_programs"] = per, triton.cdiv(width, per)
+    return cfg
+
+
+def _launches(*stacks: Sequence[torch.Tensor] | None):
+    """Consecutive slices whose stacks share shapes and strides go in one launch (at most MAX_SLICES)."""
+    stacks = [st for st in stacks if st is not None]
+
     def key(i):
-        return (weights[i].shape, weights[i].stride()) + ((scales[i].stride(),) if scales is not None else ())
+        return tuple((st[i].shape, st[i].stride()) for st in stacks)
 
-    i = 0
-    while i < len(weights):
+    i, n = 0, len(stacks[0])
+    while i < n:
         j = i + 1
-        while j < len(weights) and j - i < MAX_SLICES and key(j) == key(i):
+        while j < n and j - i < MAX_SLICES and key(j) == key(i):
             j += 1
         yield list(range(i, j))
         i = j
+
+
+def _pair(stack: Sequence[torch.Tensor], idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch's slice 0 and 1 tensors (slice 0 twice for a one-slice launch)."""
+    return stack[idx[0]], stack[idx[-1]]
 
 
 def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,
@@ -192,24 +261,26 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: tor
     if groups == 0 or x.shape[0] == 0:
         return out
     cfg = shrink_config(k, rank)
-    block_n, split = cfg.pop("BLOCK_N"), cfg["SPLIT_K"]
-    n_blocks_r = triton.cdiv(rank, block_n)
     cdt, dot, prec = compute_types(lora_a[0].dtype, lora_a[0].dtype)
     for idx in _launches(lora_a):
-        a = [lora_a[i] for i in idx]
-        a1 = a[1] if len(a) > 1 else a[0]
+        a0, a1 = _pair(lora_a, idx)
         sc, o = scales[idx[0]:idx[-1] + 1], out[idx[0]:idx[-1] + 1]
-        grid = (groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx) * n_blocks_r * split)
-        moe_shrink_kernel[grid](
-            x, a[0], a1, sc, o, pairs.groups,
-            k, rank, n_blocks_r,
+        moe_shrink_kernel[(groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx))](
+            x, a0, a1, sc, o, pairs.groups,
+            k, rank,
             x.stride(0), x.stride(1),
-            a[0].stride(0), a[0].stride(1), a[0].stride(2), a[0].stride(3),
-            sc.stride(0), sc.stride(1), sc.stride(2),
-            o.stride(0), o.stride(1), o.stride(2),
-            NUM_SLICES=len(idx), BLOCK_M=BLOCK_M, BLOCK_N=block_n, CDT=cdt, DOT=dot, PREC=prec, **cfg,
+            *a0.stride(),
+            *sc.stride(),
+            *o.stride(),
+            NUM_SLICES=len(idx), BLOCK_M=BLOCK_M, CDT=cdt, DOT=dot, PREC=prec, **cfg,
         )
     return out
+
+
+def _b_types(out: torch.Tensor, lora_b: Sequence[torch.Tensor]):
+    # u (f32) is rounded to B's type for the dot; fp8 B is widened to the output's type instead.
+    b_dtype = lora_b[0].dtype
+    return compute_types(out.dtype if b_dtype in FP8 else b_dtype, b_dtype)
 
 
 def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: MoEPlan, out: torch.Tensor,
@@ -222,29 +293,63 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
     if groups == 0 or out.shape[0] == 0:
         return
     rank = buf.shape[2]
-    # buf (f32) is rounded to B's type for the dot; fp8 B is widened to the output's type instead.
-    b_dtype = lora_b[0].dtype
-    cdt, dot, prec = compute_types(out.dtype if b_dtype in FP8 else b_dtype, b_dtype)
+    cdt, dot, prec = _b_types(out, lora_b)
     has_bs = b_scales is not None
     col = offset
     for idx in _launches(lora_b, b_scales):
-        b = [lora_b[i] for i in idx]
-        b1 = b[1] if len(b) > 1 else b[0]
-        bs = [b_scales[i] for i in idx] if has_bs else [buf]  # buf: an unused placeholder
-        bs1 = bs[1] if len(bs) > 1 else bs[0]
-        width = b[0].shape[2]
+        b0, b1 = _pair(lora_b, idx)
+        bs0, bs1 = _pair(b_scales, idx) if has_bs else (buf, buf)  # buf: an unused placeholder
+        width = b0.shape[2]
         cfg = expand_config(width, rank)
         n_blocks_n = triton.cdiv(width, cfg["BLOCK_N"])
         u = buf[idx[0]:idx[-1] + 1]
-        grid = (groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx) * n_blocks_n)
-        moe_expand_kernel[grid](
-            u, b[0], b1, bs[0], bs1, out, pairs.groups,
+        moe_expand_kernel[(groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx) * n_blocks_n)](
+            u, b0, b1, bs0, bs1, out, pairs.groups,
             rank, width, col, n_blocks_n,
-            u.stride(0), u.stride(1), u.stride(2),
-            b[0].stride(0), b[0].stride(1), b[0].stride(2), b[0].stride(3),
-            *(bs[0].stride() if has_bs else (0, 0, 0)),
-            out.stride(0), out.stride(1),
+            *u.stride(),
+            *b0.stride(),
+            *(bs0.stride() if has_bs else (0, 0, 0)),
+            *out.stride(),
             NUM_SLICES=len(idx), ADD=bool(add), HAS_B_SCALES=has_bs, BLOCK_M=BLOCK_M, CDT=cdt, DOT=dot, PREC=prec,
             **cfg,
+        )
+        col += width * len(idx)
+
+
+def moe_lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,
+                   lora_b: Sequence[torch.Tensor], pairs: MoEPlan, out: torch.Tensor, offset: int = 0, *,
+                   b_scales: Sequence[torch.Tensor] | None = None) -> None:
+    """moe_lora_expand(moe_lora_shrink(x, lora_a, scales, pairs), lora_b, pairs, out, offset, add=True, b_scales=...)
+    in one launch per slice pair, u never leaving registers (no collective between the two: the default LoRA mode).
+    x [P, in], lora_a S x [L, E, r, in], scales [S, L, E] float32, lora_b S x [L, E, out_s, r], out [P, O]."""
+    groups = pairs.groups.shape[0]
+    if groups == 0 or out.shape[0] == 0:
+        return
+    if len(lora_a) != len(lora_b):
+        raise ValueError(f"moe_lora_fused: {len(lora_a)} A stacks for {len(lora_b)} B stacks: expected one per slice")
+    rank, k = lora_a[0].shape[2], x.shape[1]
+    cdt_a, dot_a, prec_a = compute_types(lora_a[0].dtype, lora_a[0].dtype)
+    cdt_b, dot_b, prec_b = _b_types(out, lora_b)
+    has_bs = b_scales is not None
+    col = offset
+    for idx in _launches(lora_a, lora_b, b_scales):
+        a0, a1 = _pair(lora_a, idx)
+        b0, b1 = _pair(lora_b, idx)
+        bs0, bs1 = _pair(b_scales, idx) if has_bs else (x, x)  # x: an unused placeholder
+        width = b0.shape[2]
+        cfg = fused_config(k, rank, width)
+        per, n_programs = cfg.pop("n_per_program"), cfg.pop("n_programs")
+        sc = scales[idx[0]:idx[-1] + 1]
+        moe_fused_kernel[(groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx) * n_programs)](
+            x, a0, a1, sc, b0, b1, bs0, bs1, out, pairs.groups,
+            k, rank, width, col, per, n_programs,
+            *x.stride(),
+            *a0.stride(),
+            *sc.stride(),
+            *b0.stride(),
+            *(bs0.stride() if has_bs else (0, 0, 0)),
+            *out.stride(),
+            NUM_SLICES=len(idx), HAS_B_SCALES=has_bs, BLOCK_M=BLOCK_M, CDT_A=cdt_a, DOT_A=dot_a, PREC_A=prec_a,
+            CDT_B=cdt_b, DOT_B=dot_b, PREC_B=prec_b, **cfg,
         )
         col += width * len(idx)
