@@ -1,6 +1,6 @@
 """Paged decode and varlen attention against their floors on one GPU, with sweeps of the kernels' launch constants.
 
-    python scripts/bench_attention.py --out DIR [--sweep] [--libs] [--kind decode|varlen|fp8_kv|all]
+    python scripts/bench_attention.py --out DIR [--sweep] [--libs] [--kind decode|varlen|fp8_kv|tp|all]
 
 Cases: (batch, context) at the Llama-3-8B head layout (32 query / 8 KV heads, head_dim 128) and the Llama 16x2048
 one (32 / 8, 64), bf16, block size 16, each sequence's blocks scattered over the cache. Each call is captured in a CUDA
@@ -24,6 +24,10 @@ batch --batch (32), contexts --contexts (2048, 4096, 8192): decode, and a mixed 
 context + one --chunk (512) token chunk (varlen); floor = bytes (K and V at the cache's width, q, out) / copy
 bandwidth; speedup = bf16 µs / fp8 µs. With --sweep, after the table, the fp8 decode at the second context at every
 setting of FP8_SWEEP.
+tp rows (issue 36): the decode kernel at the per-rank head counts of tensor parallelism (--heads: 32 / 8 at tp1,
+16 / 4 at tp2, 8 / 2 at tp4; head_dim 128, bf16), batch --batch, short contexts (--short-contexts), block tables as
+wide as --max-len positions (the engine's graphs: the partition count follows the width, not the context); floor as
+the decode rows'. --sweep adds every setting of TP_SWEEP.
 """
 from __future__ import annotations
 
@@ -64,20 +68,28 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
-FP8_SWEEP = dict(TARGET_PROGRAMS=(264, 528, 1056), BLOCK_N_FP8=(32, 64, 128), NUM_STAGES=(2, 3))
+FP8_SWEEP = dict(FP8_WIDEN=("cvt", "bits"), BLOCK_N_FP8=(64, 128), NUM_STAGES=(2, 3))
+TP_SWEEP = dict(MIN_PART=(64, 128, 256), TARGET_PROGRAMS=(264, 528))
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def random_cache(shape, g, dev, dtype) -> torch.Tensor:
-    """Normal values in the cache's dtype (an fp8 one rounds them as the cache write does)."""
-    return torch.randn(shape, generator=g).to(dev, dtype)
+    """Normal values in the cache's dtype (an fp8 one rounds them as the cache write does), drawn on the device from
+    a generator seeded by g."""
+    gen = torch.Generator(dev).manual_seed(int(torch.randint(1 << 62, (), generator=g)))
+    return torch.randn(shape, generator=gen, device=dev).to(dtype)
 
 
-def case_inputs(b, ctx, h, kv, d, dev, g, kv_dtype=torch.bfloat16):
+def case_inputs(b, ctx, h, kv, d, dev, g, kv_dtype=torch.bfloat16, width=0):
+    """(q, rotated caches, block table, context lens): each sequence's blocks scattered over the cache; a table
+    `width` entries wide (past the context: the last block) where width > the context's blocks."""
     blocks = -(-ctx // BS)
     n_blocks = b * blocks
     perm = torch.randperm(n_blocks, generator=g)
-    table = perm.view(b, blocks).to(dev, torch.int32)
+    table = perm.view(b, blocks)
+    if width > blocks:
+        table = torch.cat([table, table[:, -1:].expand(b, width - blocks)], 1)
+    table = table.to(dev, torch.int32)
     shape = (n_blocks, BS, kv, d)
     caches = [(random_cache(shape, g, dev, kv_dtype), random_cache(shape, g, dev, kv_dtype))
               for _ in range(copies(2 * n_blocks * BS * kv * d * kv_dtype.itemsize))]
@@ -187,6 +199,33 @@ def fp8_kv_rows(contexts: list[int], batch: int, chunk: int, sweep: bool, bw: fl
             print(f"  fp8 decode, context {ctx}: {us:.1f} µs at {setting}", flush=True)
 
 
+def tp_rows(heads: list[tuple[int, int]], contexts: list[int], batch: int, max_len: int, sweep: bool, bw: float, dev,
+            g, rows: list, save) -> None:
+    """issue 36's rows: the decode kernel at per-rank head counts and short contexts over wide block tables (see the
+    module docstring); rows appended as they finish."""
+    d = 128
+    print(f"decode at tp head counts, batch {batch}, head_dim {d}, bf16, tables of {max_len} positions")
+    print("| heads (q / kv) | context | µs | floor µs | of floor | best µs (setting) |")
+    print("|---|---|---|---|---|---|")
+    for (h, kv), ctx in itertools.product(heads, contexts):
+        q, caches, table, lens = case_inputs(batch, ctx, h, kv, d, dev, g, width=-(-max_len // BS))
+        floor = (2 * batch * ctx * kv * d * 2 + 2 * q.numel() * 2) / bw * 1e6
+        us = time_case(q, caches, table, lens, d ** -0.5)
+        row = dict(kind="tp", heads=h, kv_heads=kv, batch=batch, context=ctx, max_len=max_len, us=us,
+                   floor_us=floor, sweep={})
+        if sweep:
+            row["sweep"] = sweep_settings(kernel, TP_SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
+        timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
+        best = min(timed.items(), key=lambda kv_: kv_[1]) if timed else ("-", float("nan"))
+        print(f"| {h} / {kv} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
+              flush=True)
+        rows.append(row)
+        save()
+        del caches
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def sweep_settings(module, grid: dict, timed) -> dict:
     """{setting (JSON): µs, or "failed: ..."} of timed() at every setting of grid (names of the kernel module's
     constants), the module's values restored after."""
@@ -208,10 +247,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_results")
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--kind", choices=("decode", "varlen", "fp8_kv", "all"), default="all")
+    p.add_argument("--kind", choices=("decode", "varlen", "fp8_kv", "tp", "all"), default="all")
     p.add_argument("--contexts", default="2048,4096,8192", help="contexts of the fp8_kv rows")
     p.add_argument("--batch", type=int, default=32, help="batch of the fp8_kv rows")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk of the fp8_kv varlen rows")
+    p.add_argument("--heads", default="32/8,16/4,8/2", help="query / KV heads per rank of the tp rows")
+    p.add_argument("--short-contexts", default="128,512,2048", help="contexts of the tp rows")
+    p.add_argument("--max-len", type=int, default=8192, help="block-table width of the tp rows, in positions")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the fp8_kv rows (TRITON_INTERPRET=1)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H200: 989)")
     p.add_argument("--libs", action="store_true", help="also time torch SDPA and flex_attention (contiguous K/V)")
@@ -219,7 +261,7 @@ def main() -> None:
     dev = torch.device(args.device)
     bw = copy_bandwidth(dev)
     g = torch.Generator().manual_seed(0)
-    defaults = {k: getattr(kernel, k) for k in {**SWEEP, **FP8_SWEEP}}
+    defaults = {k: getattr(kernel, k) for k in {**SWEEP, **FP8_SWEEP, **TP_SWEEP}}
     rows = []
     varlen_defaults = {k: getattr(varlen, k) for k in VARLEN_SWEEP}
 
@@ -291,6 +333,10 @@ def main() -> None:
     if args.kind in ("fp8_kv", "all"):
         fp8_kv_rows([int(c) for c in args.contexts.split(",")], args.batch, args.chunk, args.sweep, bw, dev, g, rows,
                     save)
+    if args.kind in ("tp", "all"):
+        heads = [tuple(int(x) for x in hk.split("/")) for hk in args.heads.split(",")]
+        tp_rows(heads, [int(c) for c in args.short_contexts.split(",")], args.batch, args.max_len, args.sweep, bw, dev,
+                g, rows, save)
     save()
 
 

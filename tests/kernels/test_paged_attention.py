@@ -57,7 +57,7 @@ def test_kernel_partitions_merge(device, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     heads, kv, d, bs = 4, 4, 16, 16  # rep 1 (multi-head)
     args = _case(gen, [200, 3], heads, kv, d, bs, torch.float32, device, width=16)
-    assert pa.partitions(2, kv, 16 * bs, d)[0] > 1
+    assert pa.partitions(2, kv, 16 * bs, d) > 1
     got = pa.paged_decode(*args, 0.5, 0)
     want = paged_decode_ref(*args, 0.5, 0)
     tol = 1e-5 if device == "cpu" else 1e-4
@@ -66,11 +66,36 @@ def test_kernel_partitions_merge(device, monkeypatch):
 
 def test_partitions_grow_as_heads_shrink():
     """A head half as wide streams half the bytes per program: its grid aims at twice the programs (32 sequences x
-    8 KV heads: one partition at head_dim 128, two at 64), and every partition holds whole BLOCK_N tiles."""
+    8 KV heads: one partition at head_dim 128, two at 64)."""
     from tp_lora.ops.triton import paged_attention as pa
-    assert pa.partitions(32, 8, 2048, 128) == (1, 2048)
-    parts, part_len = pa.partitions(32, 8, 2048, 64)
-    assert parts == 2 and part_len % pa.BLOCK_N == 0 and parts * part_len >= 2048
+    assert pa.partitions(32, 8, 2048, 128) == 1
+    assert pa.partitions(32, 8, 2048, 64) == 2
+
+
+def test_kernel_splits_each_sequence(device, monkeypatch):
+    """A grid of several partitions splits each sequence's own context: a short one runs whole in its first
+    partition, which writes its output (the merge passes over it: its partials are never written), a long one over
+    every partition; a windowed one splits its window."""
+    from tp_lora.ops.triton import paged_attention as pa
+    monkeypatch.setattr(pa, "MIN_PART", 16)
+    monkeypatch.setattr(pa, "BLOCK_N", 16)
+    gen = torch.Generator().manual_seed(12)
+    args = _case(gen, [5, 300, 40, 1], 8, 2, 16, 16, torch.float32, device, width=20)
+    assert pa.partitions(4, 2, 20 * 16, 16) > 4
+    for window in (0, 37):
+        torch.testing.assert_close(pa.paged_decode(*args, 0.4, window), paged_decode_ref(*args, 0.4, window),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_fp8_bits_widening(device, monkeypatch):
+    """V widened by bit operations (2^-8 of each e4m3 value, made up in the output) against the reference over the
+    same bytes: e4m3's edges (+-448, subnormals) and a partitioned grid."""
+    from tp_lora.ops.triton import paged_attention as pa
+    monkeypatch.setattr(pa, "FP8_WIDEN", "bits")
+    monkeypatch.setattr(pa, "MIN_PART", 32)
+    gen = torch.Generator().manual_seed(13)
+    args = _fp8_case(gen, [130, 17, 3, 64], 16, 4, 16, 16, device, width=10)
+    fp8_close(pa.paged_decode(*args, 0.25), *args, 0.25)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")
@@ -125,8 +150,7 @@ def test_kernel_fp8_partitions_merge(device, monkeypatch):
     monkeypatch.setattr(pa, "MIN_PART", 64)
     gen = torch.Generator().manual_seed(8)
     args = _fp8_case(gen, [200, 3, 77], 8, 4, 16, 16, device, width=16)  # rep 2
-    parts, part_len = pa.partitions(3, 4, 16 * 16, 16, 1)
-    assert parts > 2 and part_len % pa.BLOCK_N_FP8 == 0
+    assert pa.partitions(3, 4, 16 * 16, 16, 1) > 2
     fp8_close(pa.paged_decode(*args, 0.5, 0), *args, 0.5)
 
 
@@ -159,8 +183,8 @@ def test_fp8_partitions_double():
     """At the 8B decode shape (32 sequences x 8 KV heads, head_dim 128) a bf16 cache runs one partition, an fp8 one
     (half the bytes per position) two, as a bf16 cache of head_dim 64 does."""
     from tp_lora.ops.triton import paged_attention as pa
-    assert pa.partitions(32, 8, 4096, 128, 2)[0] == 1
-    assert pa.partitions(32, 8, 4096, 128, 1)[0] == 2 == pa.partitions(32, 8, 4096, 64, 2)[0]
+    assert pa.partitions(32, 8, 4096, 128, 2) == 1
+    assert pa.partitions(32, 8, 4096, 128, 1) == 2 == pa.partitions(32, 8, 4096, 64, 2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")

@@ -76,6 +76,27 @@ def test_kernel_fp8_cache_matches_reference(device, monkeypatch, seqs, bs, rep, 
     torch.testing.assert_close(got[:n], want[:n], rtol=2e-3, atol=tol)
 
 
+@pytest.mark.parametrize("apart", [True, False])
+def test_fp8_decodes_apart(device, monkeypatch, apart):
+    """Over an fp8 cache, sequences of one query run in the decode kernel (split over its partitions, their rows
+    written there) and the rest in the varlen kernel, or all in the varlen kernel: either way the reference's rows
+    over the same bytes, window or none."""
+    from tp_lora.ops.triton import paged_attention as pa
+    from tp_lora.ops.triton import paged_varlen as pv
+    monkeypatch.setattr(pv, "DECODES_APART_FP8", apart)
+    monkeypatch.setattr(pa, "MIN_PART", 32)
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, table, ctx, cu_q = _case(gen, [(1, 150), (7, 30), (1, 3), (1, 64), (12, 80)], 8, 2, 16, 16,
+                                      torch.float32, "cpu", 2, 3, width=12)
+    k, v = fp8_edges(k, gen), fp8_edges(v, gen)
+    n = int(cu_q[-1])
+    tol = 2.0 ** -8 * v.float().nan_to_num(0.0).abs().max().item()
+    for window in (0, 40):
+        got = pv.paged_varlen(*(t.to(device) for t in (q, k, v, table, ctx, cu_q)), 0.3, window)[:n].cpu()
+        want = paged_varlen_ref((q * 0.3).half().float(), k, v, table, ctx, cu_q, 1.0, window)[:n]
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=tol)
+
+
 def test_padding_sequences_write_nothing(device, monkeypatch):
     """Query rows past the real sequences keep what the output buffer held: padding sequences own no rows."""
     from tp_lora.ops.triton.paged_varlen import paged_varlen

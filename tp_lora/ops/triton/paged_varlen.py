@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.triton import paged_attention
 from tp_lora.ops.triton.paged_attention import dot_flags, dot_queries, online_softmax, softmax_start
 
 BLOCK_N = 64  # key positions per inner iteration
@@ -20,6 +21,9 @@ MIN_ROWS = 16  # tile rows (query tokens x query heads of a KV head) at least: w
 CHUNK_ROWS = 64  # tile rows when the step's shapes leave room for chunks (16+ query tokens per sequence on average)
 CHUNK_MAX_D = 128  # ... and the head is small enough for [CHUNK_ROWS, d] float32 accumulators in registers
 NUM_WARPS, NUM_STAGES = 4, 3  # of the kernel (Triton's defaults; scripts/bench_attention.py --sweep --kind varlen)
+# Over an fp8 cache, sequences of one query run in the decode kernel (tiles of one token's heads, context partitions)
+# instead of this one's rows; a 16-bit cache keeps them here (its chunk programs then fill the decode programs' tail).
+DECODES_APART_FP8 = True
 
 
 @triton.jit
@@ -43,8 +47,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
                    scale, window, softcap,
                    s_qt, s_qh, s_kb, s_ks, s_kh, s_btb, s_ot, s_oh,
                    REP: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                   BLOCK: tl.constexpr, STEPS: tl.constexpr, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-                   FP8_ASM: tl.constexpr):
+                   BLOCK: tl.constexpr, STEPS: tl.constexpr, SKIP_DECODES: tl.constexpr, F32_DOT: tl.constexpr,
+                   KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr, FP8_BITS: tl.constexpr):
     # Grid (KV heads, query blocks), blocks taken last to first: a chunk's late blocks attend the most keys (causal),
     # so they start first instead of forming the grid's tail.
     g = tl.program_id(0)
@@ -54,6 +58,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
     q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
     first = (prog - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # the block's first query, counted in the sequence
     if first >= q_len:  # past the sequence's queries (padding sequences have none)
+        return
+    if SKIP_DECODES and q_len == 1:  # the decode kernel's
         return
     ctx = tl.load(ctx_ptr + seq).to(tl.int32)
     r = tl.arange(0, ROWS)
@@ -77,10 +83,12 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
     m, l_sum, acc = softmax_start(ROWS, D)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, lo, split,
                                    scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, False, F32_DOT, KV_FP8,
-                                   FP8_ASM)
+                                   FP8_ASM, FP8_BITS)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, split, hi,
                                    scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, True, F32_DOT, KV_FP8,
-                                   FP8_ASM)
+                                   FP8_ASM, FP8_BITS)
+    if FP8_BITS:
+        acc = acc * 256.0
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (q_begin + qi)[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -114,6 +122,9 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     if t == 0 or seqs == 0:
         return out
+    apart = DECODES_APART_FP8 and k_cache.element_size() == 1
+    if apart:
+        paged_attention.paged_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap, cu_q, out)
     blocks = triton.cdiv(t, block_q) + seqs
     _varlen_kernel[(kv, blocks)](
         q, k_cache, v_cache, block_table, context_lens, cu_q, out, seqs, scale, int(window or 0),
@@ -121,5 +132,6 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         REP=rep, BLOCK_Q=block_q, ROWS=rows, D=d, BS=bs, BLOCK=BLOCK_N, STEPS=seqs.bit_length(),
-        **dot_flags(q, k_cache, _varlen_kernel), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        SKIP_DECODES=apart, **dot_flags(q, k_cache, _varlen_kernel), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return out
