@@ -24,3 +24,24 @@ def test_to_device_keeps_values_shapes_and_order_without_host_sync():
     for h, d in zip(host, dev):
         assert d.is_cuda and d.dtype == h.dtype and d.shape == h.shape
         assert torch.equal(d.cpu(), h)
+
+
+def test_a_stream_waits_for_the_host_flag_then_reads_what_the_host_wrote():
+    import time
+    from tp_lora.streamwait import host_flag
+    flag = host_flag(torch.device("cuda"))
+    assert flag is not None, "the driver cannot make a stream wait on host memory here"
+    src = torch.zeros(4096, dtype=torch.int32, pin_memory=True)
+    dst = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        number = flag.take()
+        flag.wait(torch.cuda.current_stream(), number)
+        dst.copy_(src, non_blocking=True)  # queued before the host writes src: it must read it after the flag
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.05)
+        assert not done.query(), "the copy ran before the host raised the flag"
+        src.fill_(number)
+        flag.raise_to(number)
+        done.synchronize()
+        assert torch.equal(dst.cpu(), torch.full((4096,), number, dtype=torch.int32))

@@ -127,7 +127,7 @@ def test_a_dead_end_allows_only_the_stop_tokens(tokenizer):
             bits.zero_()
     g.batches = {1: Nothing()}  # the one-row fill's batch matcher
     sel, bits = g.fill([req(1), r], pin=False)
-    assert sel == [1] and torch.equal(bits[0], pack([EOS], VOCAB))
+    assert sel == [1] and torch.equal(g.finish(bits)[0], pack([EOS], VOCAB))
 
 
 def test_without_the_library_the_error_names_the_extra(monkeypatch, tokenizer):

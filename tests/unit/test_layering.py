@@ -13,7 +13,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "tp_lora")
 MAX_LINES = 450
 # What each part may import: a part imports parts of a lower level, and its own. Root modules not named are front
 # ends (app, api, lifecycle, request_files, assets, testing).
-LEVELS = {"distributed": 0, "config": 0, "sharding": 0, "hostcopy": 0, "threadlocal": 0,
+LEVELS = {"distributed": 0, "config": 0, "sharding": 0, "hostcopy": 0, "streamwait": 0, "threadlocal": 0,
           "ops": 1, "layers": 2, "lora": 3, "models": 4, "engine": 5, "server": 6}
 FRONT = 6
 # Front ends that one another must not import (each stands on the shared lifecycle, not on the offline job).

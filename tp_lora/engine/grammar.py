@@ -4,9 +4,13 @@ masks the logits of the request's rows, through xgrammar (the optional `structur
 A grammar is compiled once per schema text (an LRU cache) when its request is checked, on every rank alike. Each
 request then holds a matcher from its first sample to its end. A step's grammar rows take their tokens and fill
 their next bitmask on a worker thread (follow(): once the step's tokens reach the host, while the device already
-runs the next step's forward, launched ahead); the next sample takes those masks (masks(): waiting only for what is
-left of that work, counted in StepStats.mask_wait_seconds), filling in line only rows the worker did not cover (a
-first token, a resumed sequence). The bitmask goes to the device in one copy and masks those rows only.
+runs the next step's forward, launched ahead); the next sample takes those masks (masks()). On a CUDA device whose
+driver lets a stream wait on host memory (tp_lora.streamwait) the host does not wait for them: the masks' copy and
+the draw are queued behind a device-side wait for the job's number, which the worker raises once its pinned bitmask
+is written, and the host waits for the job only at the next follow(), once the draw is queued. Elsewhere masks()
+waits for what is left of the job (StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a
+resumed sequence) are filled in line. The bitmask goes to the device in one copy, is finished there (apply(): JSON
+bytes only, a dead row's stop tokens) and masks those rows only.
 The worker waits for the tokens without the GIL and runs few Python steps (one batched accept, one batched fill
 over several threads); the interpreter's switch interval is cut so that it gets the GIL within SWITCH_INTERVAL_S
 while the host thread runs Python (Python's default, 5 ms, held the fill back until the host blocked in masks()).
@@ -35,6 +39,7 @@ import torch
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import SEPARATORS, field_of, library, message, schema_error
 from tp_lora.hostcopy import to_device
+from tp_lora.streamwait import HostFlag, host_flag
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
 SWITCH_INTERVAL_S = 5e-5  # the longest the grammar worker waits for the GIL (Python's default: 5 ms)
@@ -61,10 +66,12 @@ class Grammars:
         self.matchers: dict[int, object] = {}
         self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens its matcher took, grammar complete)
         self.worker: Optional[Worker] = None  # follow()'s thread, from the first follow()
+        self.flag: Optional[HostFlag] = None  # what the device waits on for the worker's masks, where it can
         self.job: Optional[Ahead] = None  # the last follow()'s work, until joined
         self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
         self.batches: dict[int, object] = {}  # xgrammar's batch matchers, by fill threads
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
+        self.finishing: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # printable, stops' bitmask
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why `req`'s grammar cannot run on a model of `vocab` logits, or None; compiles it into the cache."""
@@ -107,23 +114,30 @@ class Grammars:
         return None
 
     def fill(self, reqs: list[Request], pin: bool) -> Optional[tuple[list[int], torch.Tensor]]:
-        """(the rows of reqs with a grammar, their int32 bitmask [rows, ceil(vocab / 32)] on the host, pinned where
-        `pin`) for the next token, filled in line, or None when no row has one."""
+        """(the rows of reqs with a grammar, xgrammar's int32 bitmask [rows, ceil(vocab / 32)] of their next token on
+        the host, pinned where `pin`; finish() makes it the mask), filled in line, or None when no row has one."""
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not sel:
             return None
         self._join()  # the worker's matchers are the same objects
         matchers = [self._matcher(reqs[i]) for i in sel]
-        return sel, self.finish(self._fill(matchers, pin, [m.is_terminated() for m in matchers]))
+        bits = torch.empty(len(sel), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
+        return sel, self._fill(matchers, bits, [m.is_terminated() for m in matchers])
 
     def masks(self, reqs: list[Request], drawn: list[int], pin: bool
-              ) -> tuple[Optional[tuple[list[int], torch.Tensor]], float]:
-        """fill()'s (rows, bitmask) for reqs whose requests drew drawn[i] tokens so far, taking the rows the last
-        follow() filled ahead and filling the others in line; and the seconds the host waited for masks (for the
-        worker's filling and for in-line fills, not for the device's tokens)."""
+              ) -> tuple[Optional[tuple[list[int], torch.Tensor, Optional[tuple[HostFlag, int]]]], float]:
+        """For apply(): (fill()'s rows and bitmask for reqs whose requests drew drawn[i] tokens so far, what the
+        device waits for first: (flag, number) or None), or None without grammar rows; and the seconds the host
+        waited for masks (for the worker's filling and for in-line fills, not for the device's tokens). The last
+        follow()'s job, not waited for where the device can wait for it and it holds every row in order; else
+        waited for, its rows taken and the others filled in line."""
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not sel:
             return None, 0.0
+        job = self.job
+        if job is not None and job.number and job.order == [reqs[i].index for i in sel] and all(
+                job.numbers[reqs[i].index] == drawn[i] for i in sel):
+            return (sel, job.bits, (self.flag, job.number)), 0.0
         t0 = time.perf_counter()
         job = self._join()
         t1 = time.perf_counter()
@@ -141,13 +155,21 @@ class Grammars:
             rest = sorted(set(range(len(sel))) - set(took))
             if rest:
                 bits[rest] = self.fill([reqs[sel[j]] for j in rest], False)[1]
-        return (sel, bits), time.perf_counter() - t0 - device_wait
+        return (sel, bits, None), time.perf_counter() - t0 - device_wait
+
+    def apply(self, logits: torch.Tensor, masks: tuple) -> torch.Tensor:
+        """apply_mask() of masks()'s rows and bitmask, finished on the logits' device (behind the wait it names)."""
+        sel, bits, after = masks
+        if after is not None:
+            after[0].wait(torch.cuda.current_stream(logits.device), after[1])
+        return apply_mask(logits, sel, self.finish(bits.to(logits.device, non_blocking=True)))
 
     def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
                device: torch.device) -> None:
         """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once wait()
         returns (None: there already): on the worker thread, the grammar rows' matchers take those tokens and fill
-        their next bitmask (pinned for a CUDA device), for the next masks() and advance()."""
+        their next bitmask (pinned for a CUDA device), for the next masks() and advance(). Waits for the job before
+        (the worker holds one job's matchers at a time)."""
         self._join()
         rows = [(j, r.index, self.matchers[r.index], drawn[j], self.matchers[r.index].is_terminated())
                 for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.matchers]
@@ -159,26 +181,38 @@ class Grammars:
             # (the next step's scheduling and launch); by default it would get it only after 5 ms (or once the host
             # blocks), which serialised the fill behind the host's work.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        cuda = device.type == "cuda"
-        self.job = Ahead({r[1]: r[3] for r in rows}, self.worker.submit(self._ahead, rows, host, wait, cuda))
+            self.flag = host_flag(device)
+        bits = torch.empty(len(rows), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
+        number = self.flag.take() if self.flag is not None else 0
+        self.job = Ahead({r[1]: r[3] for r in rows}, [r[1] for r in rows], bits, number,
+                         self.worker.submit(self._ahead, rows, host, wait, bits, number))
 
-    def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], pin: bool
-               ) -> tuple[dict[int, tuple[int, bool]], torch.Tensor, float]:
-        """follow()'s work on the worker: ({request index: (its token's number, grammar complete)}, the next
-        bitmask [rows, ceil(vocab / 32)] as xgrammar fills it (Grammars.finish turns it into the mask), and
-        perf_counter() when the tokens were on the host). Few Python steps (one batched accept, one batched fill,
-        no per-row calls): each needs the GIL, which the host thread holds while it runs Python."""
-        if wait is not None:
-            wait()
-        tokens_at = time.perf_counter()
-        toks = host[0].tolist()
-        live = [r for r in rows if not r[4]]  # a finished row of a step launched ahead: its token is dropped
-        tokens = [int(toks[r[0]]) for r in live]
-        accepted = library().BatchGrammarMatcher.batch_accept_token([r[2] for r in live], tokens)
-        stops = set(self.stop_ids)  # a matcher that takes a stop token is complete (terminated)
-        ends = {r[1]: ok and t in stops for r, t, ok in zip(live, tokens, accepted)}
-        took = {r[1]: (r[3], ends.get(r[1], True)) for r in rows}  # in row order: row k of the bitmask
-        return took, self._fill([r[2] for r in rows], pin, [done for _, done in took.values()]), tokens_at
+    def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], bits: torch.Tensor,
+               number: int) -> tuple[dict[int, tuple[int, bool]], float]:
+        """follow()'s work on the worker: ({request index: (its token's number, grammar complete)}, perf_counter()
+        when the tokens were on the host), the next bitmask written into `bits` [rows, ceil(vocab / 32)] (every
+        token, if this fails) and then the flag raised to `number` (0: none), whatever happens. Few Python steps
+        (one batched accept, one batched fill, no per-row calls): each needs the GIL, which the host thread holds
+        while it runs Python."""
+        try:
+            if wait is not None:
+                wait()
+            tokens_at = time.perf_counter()
+            toks = host[0].tolist()
+            live = [r for r in rows if not r[4]]  # a finished row of a step launched ahead: its token is dropped
+            tokens = [int(toks[r[0]]) for r in live]
+            accepted = library().BatchGrammarMatcher.batch_accept_token([r[2] for r in live], tokens)
+            stops = set(self.stop_ids)  # a matcher that takes a stop token is complete (terminated)
+            ends = {r[1]: ok and t in stops for r, t, ok in zip(live, tokens, accepted)}
+            took = {r[1]: (r[3], ends.get(r[1], True)) for r in rows}  # in row order: row k of the bitmask
+            self._fill([r[2] for r in rows], bits, [done for _, done in took.values()])
+            return took, tokens_at
+        except BaseException:
+            bits.fill_(-1)
+            raise
+        finally:
+            if number:
+                self.flag.raise_to(number)
 
     def _join(self) -> Optional[Ahead]:
         """The last follow()'s work, done (the host waits for it here), its results kept for masks() and advance()
@@ -186,8 +220,7 @@ class Grammars:
         job, self.job = self.job, None
         if job is None:
             return self.joined
-        took, bits, job.tokens_at = job.future.result()
-        job.bits = self.finish(bits)
+        took, job.tokens_at = job.future.result()
         job.rows = {}
         for k, (index, got) in enumerate(took.items()):
             if index in self.matchers:  # not forgotten (ended or cancelled) meanwhile
@@ -196,10 +229,9 @@ class Grammars:
         self.joined = job
         return job
 
-    def _fill(self, matchers: list, pin: bool, complete: list[bool]) -> torch.Tensor:
-        """xgrammar's int32 bitmask [len(matchers), ceil(vocab / 32)] of each matcher's next token (on the host,
-        pinned where `pin`), zeros for a complete matcher (complete[i]); finish() makes it the mask."""
-        bits = torch.empty(len(matchers), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
+    def _fill(self, matchers: list, bits: torch.Tensor, complete: list[bool]) -> torch.Tensor:
+        """`bits` [len(matchers), ceil(vocab / 32)] (int32, on the host) as xgrammar's bitmask of each matcher's next
+        token, zeros for a complete matcher (complete[i]); finish() makes it the mask."""
         live = [i for i, done in enumerate(complete) if not done]
         threads = fill_threads(len(live))
         batch = self.batches.get(threads)
@@ -214,13 +246,15 @@ class Grammars:
         return bits
 
     def finish(self, bits: torch.Tensor) -> torch.Tensor:
-        """_fill()'s bitmask as the mask, in place: tokens JSON may hold only; a row allowing nothing (a complete
-        matcher's, or the tokenizer cannot go on: the output ends) allows the stop tokens."""
-        bits &= self.printable
-        dead = ~bits.any(1)
-        if bool(dead.any()):
-            bits[dead] = pack(self.stop_ids, self.vocab)
-        return bits
+        """xgrammar's bitmask (any device) as the mask, a new tensor: tokens JSON may hold only; a row allowing
+        nothing (a complete matcher's, or the tokenizer cannot go on: the output ends) allows the stop tokens. No
+        host sync."""
+        if bits.device not in self.finishing:
+            self.finishing[bits.device] = (self.printable.to(bits.device),
+                                           pack(self.stop_ids, self.vocab).to(bits.device))
+        printable, stops = self.finishing[bits.device]
+        words = bits & printable
+        return torch.where(words.any(1, keepdim=True), words, stops)
 
     def _matcher(self, req: Request):
         m = self.matchers.get(req.index)
@@ -261,10 +295,12 @@ class Grammars:
 class Ahead:
     """One step's grammar rows handed to the worker (Grammars.follow)."""
     numbers: dict[int, int]  # request index -> the number of the token it drew in that step
+    order: list[int]  # the request index of each row of bits
+    bits: torch.Tensor  # the rows' next bitmask as xgrammar fills it, written by the worker (pinned on CUDA)
+    number: int  # the flag number the worker raises once bits is written (0: no flag)
     future: Future  # -> Grammars._ahead's results
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # once joined: request index -> (its token's
     # number, its row in bits)
-    bits: Optional[torch.Tensor] = None  # once joined: the next bitmask of each row
     tokens_at: float = 0.0  # once joined: perf_counter() when the step's tokens were on the host
 
 

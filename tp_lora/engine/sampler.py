@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from tp_lora.config import GenerationConfig
-from tp_lora.engine.grammar import Grammars, apply_mask
+from tp_lora.engine.grammar import Grammars
 from tp_lora.engine.logit_rules import LogitRules
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
@@ -115,7 +115,7 @@ class Sampler:
         # the grammar rows' bitmask last: filled ahead on the worker (follow()) while the device runs the step
         masks, waited = self.grammars.masks(reqs, steps, pin=rows.device.type == "cuda")
         if masks is not None:
-            chosen = apply_mask(chosen, *masks)
+            chosen = self.grammars.apply(chosen, masks)
             if stats is not None:
                 stats.mask_steps += 1
                 stats.mask_wait_seconds += waited
