@@ -36,7 +36,7 @@ BLOCK_M = LORA_BLOCK  # pairs per program: one LoRA block of the plan, so A / B 
 # read again from L2).
 SHRINK = dict(BLOCK_K=128, num_warps=2, num_stages=4)
 EXPAND = dict(BLOCK_N=128, num_warps=2, num_stages=2)
-FUSED = dict(BLOCK_K=128, BLOCK_N=128, N_PER_PROGRAM=1024, num_warps=2, num_stages=3)
+FUSED = dict(BLOCK_K=256, BLOCK_N=256, N_PER_PROGRAM=1024, num_warps=2, num_stages=3)
 
 
 @triton.jit
