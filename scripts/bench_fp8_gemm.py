@@ -20,7 +20,8 @@ layer calls it), bf16 experts against fp8 experts per channel and per [128, 128]
 weight-bytes floor.
 
 Each (layer, rows) is captured in a CUDA graph of many calls over enough weight copies to leave L2 (every call reads
-its weights from HBM); the median replay's mean time per call. Floor: the weight bytes (N x K x 1 for fp8, x 2 for
+its weights from HBM); the median replay's mean time per call. bf16 is timed before and after the fp8 paths and its
+faster time kept (the first timing of cuBLAS's largest GEMMs can come out slower). Floor: the weight bytes (N x K x 1 for fp8, x 2 for
 bf16) / the device copy bandwidth measured in the same run (read + written bytes / time). Checks every path against
 the dequantized reference (relative error) and prints a table; writes bench_fp8_gemm.json into --out.
 """
@@ -162,9 +163,8 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ dequantize(*q[0], block_k).t()
                 floor = n * k / bw
-                row = dict(layer=name, n=n, k=k, rows=m, scales="channel" if block_k is None else "block128",
-                           bf16_us=graph_time([lambda w=w_: F.linear(x, w) for w_ in w]) * 1e6)
-                row["bf16_of_floor"] = 2 * floor / (row["bf16_us"] / 1e6)
+                row = dict(layer=name, n=n, k=k, rows=m, scales="channel" if block_k is None else "block128")
+                bf16 = [graph_time([lambda w=w_: F.linear(x, w) for w_ in w])]
                 for path, call in paths(x, block_k).items():
                     try:
                         err = float((call(*q[0]).float() - ref).norm() / ref.norm())
@@ -172,7 +172,12 @@ def main() -> None:
                         print(f"{name} {m} {path}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                         continue
                     t = graph_time([lambda q=q_, call=call: call(*q) for q_ in q], repeat=2)
-                    row[path] = dict(us=t * 1e6, speedup=row["bf16_us"] / 1e6 / t, of_floor=floor / t, rel_err=err)
+                    row[path] = dict(us=t * 1e6, of_floor=floor / t, rel_err=err)
+                bf16.append(graph_time([lambda w=w_: F.linear(x, w) for w_ in w]))  # again, after the fp8 paths
+                row.update(bf16_us=min(bf16) * 1e6, bf16_first_us=bf16[0] * 1e6, bf16_of_floor=2 * floor / min(bf16))
+                for path in paths(x, block_k):
+                    if path in row:
+                        row[path]["speedup"] = row["bf16_us"] / row[path]["us"]
                 rows.append(row)
                 print("row", json.dumps(row), flush=True)
             del q

@@ -1,7 +1,7 @@
 """Sweep of the fp8 GEMM kernels' launch configurations (tp_lora.ops.triton.fp8_gemm) at Llama-3-8B layer shapes on
 one GPU, beside bf16 F.linear, torch._scaled_mm (W8A8 per channel) and the FP8 weight-bytes floor:
 
-    w8a16_mm  at --small-rows (decode): every (BLOCK_N, BLOCK_K, warps, stages) x SPLIT_K; the best few then at
+    w8a16_mm  at --small-rows (decode): every (BLOCK_N, BLOCK_K, warps, stages, SWAP) x SPLIT_K; the best few then at
               --check-rows; the weight-only grouped GEMM the layers ran before (grouped_mm, one expert) beside it
     w8a8_mm   at --prefill-rows: every (BLOCK_M, BLOCK_N, warps, stages), [128, 128]-block scales, with the
               activations' quantization kernel in the time (per-channel prefill: scripts/bench_fp8_gemm.py)
@@ -34,10 +34,10 @@ from bench_fp8_gemm import L2_BYTES, SHAPES, block_scales, copy_bandwidth, graph
 from tp_lora.ops.fp8 import quantize_fp8_per_channel, quantize_per_group, w8a8_mm_ref, w8a16_mm_ref  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16)
-SMALL = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-         for (bn, bk), nw, ns in itertools.product(
+SMALL = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, SWAP=swap)
+         for (bn, bk), nw, ns, swap in itertools.product(
              [(16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128), (128, 256)],
-             (4, 8), (3, 5))]
+             (4, 8), (3, 5), (False, True))]
 PREFILL = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw, num_stages=ns)
            for (bm, bn, nw), ns in itertools.product(
                [(64, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 256, 4), (128, 256, 8)], (3, 4))]
@@ -201,7 +201,7 @@ def run_check(result, top, key, n, k, block_k, rows, q, wb, bw):
 
 def fmt_cfg(c: dict) -> str:
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
-    return "/".join(str(c[k]) for k in keys if k in c)
+    return "/".join(str(c[k]) for k in keys if k in c) + ("/swap" if c.get("SWAP") else "")
 
 
 def main() -> None:

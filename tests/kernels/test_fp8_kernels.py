@@ -5,9 +5,10 @@
   multiple of the block), empty experts, prefill sizes (more rows per expert than a row block), float32 and bf16
   activations;
 - the base layers' fp8 GEMMs (tp_lora.ops.triton.fp8_gemm) against their references: the weight-only split-K
-  w8a16_mm (splits that do not divide K's tiles, more splits than tiles, ragged N and K, block scales narrower than
-  the tile; the split counters back at 0 and a second call equal to the first), W8A8 w8a8_mm with block scales
-  (ragged M, N, K; the activation scales token-major or row-major);
+  w8a16_mm in both tile orientations (splits that do not divide K's tiles, more splits than tiles, ragged N and K,
+  block scales narrower than the tile; the split counters back at 0 and a second call equal to the first; 16-bit
+  weights without scales), W8A8 w8a8_mm with block scales (ragged M, N, K; the activation scales token-major or
+  row-major);
 - fp8_linear with the kernels on, at decode rows (w8a16_mm) and past them (block scales: per-group quantization +
   cuBLAS's block-scaled GEMM on an sm90 GPU when the rows lie in whole blocks, else w8a8_mm; per-channel: W8A8
   through torch._scaled_mm on CUDA, the dequantised GEMM elsewhere), against x @ dequantize(w)^T;
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from tp_lora.ops import fused
-from tp_lora.ops.fp8 import (SMALL_ROWS, SMALL_ROWS_WIDE, dequantize, fp8_linear, quantize_fp8_per_channel,
+from tp_lora.ops.fp8 import (SMALL_ROWS, SMALL_ROWS_DEEP, SMALL_ROWS_WIDE, dequantize, fp8_linear, quantize_fp8_per_channel,
                               quantize_per_group, quantize_per_token, small_rows, w8a8_mm_ref, w8a16_mm_ref)
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref
 
@@ -54,6 +55,7 @@ def rel_err(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n,k,block_k,cfg", [
     (1, 40, 96, None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)),
@@ -61,9 +63,10 @@ def rel_err(got, want) -> float:
     (16, 72, 160, 32, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=8)),       # more splits than tiles; blocks < tile
     (33, 48, 320, 128, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
     (64, 24, 96, None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=16))])
-def test_w8a16_mm_matches_its_reference(device, dtype, rows, n, k, block_k, cfg):
+def test_w8a16_mm_matches_its_reference(device, dtype, rows, n, k, block_k, cfg, swap):
     from tp_lora.ops.triton import fp8_gemm
-    gen = torch.Generator().manual_seed(rows * n + k)
+    cfg = dict(cfg, SWAP=swap)
+    gen = torch.Generator().manual_seed(rows * n + k + swap)
     w, scale = fp8_weights(gen, 1, n, k, block_k)
     w, scale = w[0].to(device), scale[0].to(device)
     x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
@@ -73,6 +76,21 @@ def test_w8a16_mm_matches_its_reference(device, dtype, rows, n, k, block_k, cfg)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert not fp8_gemm.counter_buffer(x.device).any()  # the last split of each column block reset its counter
     assert torch.equal(fp8_gemm.w8a16_mm(x, w, scale, block_k, cfg), got)  # partials summed in a fixed order
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("rows,n,k,split", [(1, 40, 96, 1), (7, 72, 200, 3), (64, 24, 160, 2)])
+def test_w8a16_mm_takes_16bit_weights_without_scales(device, rows, n, k, split, swap):
+    from tp_lora.ops.triton import fp8_gemm
+    gen = torch.Generator().manual_seed(rows * n + k + swap)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(device)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16).to(device)
+    got = fp8_gemm.w8a16_mm(x, w, None, None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, SWAP=swap))
+    want = x.double() @ w.double().t()
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2
+    with pytest.raises(ValueError, match="need scales"):  # fp8 weights without their scales
+        fp8_gemm.w8a16_mm(x, w.to(torch.float8_e4m3fn), None, None)
 
 
 def test_w8a16_mm_refuses_more_rows_than_one_block(device):
@@ -100,8 +118,10 @@ def test_w8a8_mm_matches_its_reference(device, rows, n, k, block_k):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 96, 320), (5, 96, 320), (SMALL_ROWS, 96, 320), (SMALL_ROWS + 1, 96, 320),
-                                      (95, 96, 320), (SMALL_ROWS_WIDE + 1, 512, 128)])  # a wide layer's W8A8 rows
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 320), (5, 96, 320), (SMALL_ROWS_DEEP, 96, 320),
+                                      (SMALL_ROWS_DEEP + 1, 96, 320),  # a deep layer's last weight-only rows, W8A8
+                                      (SMALL_ROWS, 160, 128), (SMALL_ROWS + 1, 160, 128),  # out > in
+                                      (SMALL_ROWS_WIDE + 1, 512, 128)])  # a wide layer's W8A8 rows
 @pytest.mark.parametrize("block_k,block_n", [(None, None), (128, 128), (128, None)])
 def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatch, rows, n, k, block_k, block_n):
     monkeypatch.setattr(fused, "KERNELS", True)

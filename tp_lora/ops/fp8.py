@@ -93,9 +93,9 @@ def quantize_per_group(x: torch.Tensor, group: int, rows_to: int = 1) -> tuple[t
 
 def w8a16_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
                  cfg: dict | None = None) -> torch.Tensor:
-    """x [M, K] @ the dequantised w [N, K]^T in float32, rounded once to x's dtype (cfg: the kernel's launch
-    configuration, unused here)."""
-    return (x.float() @ dequantize(w, scale, block_k).t()).to(x.dtype)
+    """x [M, K] @ the dequantised w [N, K]^T in float32, rounded once to x's dtype (scale None: w in x's dtype, no
+    scales; cfg: the kernel's launch configuration, unused here)."""
+    return (x.float() @ (w.float() if scale is None else dequantize(w, scale, block_k)).t()).to(x.dtype)
 
 
 def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int,
@@ -108,11 +108,13 @@ def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torc
 
 SMALL_ROWS = 32  # rows up to which the kernels run the weight-only GEMM (past them W8A8 is faster)
 SMALL_ROWS_WIDE = 16  # the same for wide layers (out >= 4 x in, gate_up): W8A8 wins from fewer rows there
+SMALL_ROWS_DEEP = 64  # the same for layers no wider than deep (out <= in: o, down): up to the kernel's row limit
 
 
 def small_rows(w: torch.Tensor) -> int:
     """Rows up to which fp8_linear runs the weight-only GEMM for weights w [N, K]."""
-    return SMALL_ROWS_WIDE if w.shape[0] >= 4 * w.shape[1] else SMALL_ROWS
+    n, k = w.shape
+    return SMALL_ROWS_WIDE if n >= 4 * k else SMALL_ROWS_DEEP if n <= k else SMALL_ROWS
 
 
 def kernels_take(x: torch.Tensor, block_k: int | None) -> bool:

@@ -5,15 +5,19 @@ references in tp_lora.ops.fp8:
     w8a8_mm(xq [M, K] fp8, xs, w [N, K] fp8, scale, block_k, out_dtype, cfg=None) -> [M, N]  (block scales, prefill)
 
 scale: [N] per output channel (block_k None) or [N, ceil(K / block_k)] per block of block_k columns; xs: [M,
-ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant.quantize_per_group).
+ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant.quantize_per_group). w8a16_mm also
+takes 16-bit weights in x's dtype with scale None (tp_lora.ops.decode_mm: the LM head at decode).
 
 w8a16_mm: weight-only. Few rows make the GEMM a stream of the weights, so programs own BLOCK_N output columns and a
 1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight; the fp8 tile is widened to x's dtype in
-registers (exact) and block scales multiply each K tile's float32 partial sum. With SPLIT_K > 1 each program stores
-its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on its column block's counter; the last
-one to arrive sums the SPLIT_K partials in split order (the output does not depend on arrival order), applies the
-channel scales, writes the output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA
-graph (the counters live in one int32 buffer per device; kernels on one stream take turns on it).
+registers (exact) and block scales multiply each K tile's float32 partial sum. SWAP computes the transposed tile
+(w [BLOCK_N, BLOCK_K] @ x^T): the weight rows fill the MMA's 64-row side, so Hopper runs its warp-group MMA with the
+widened weights from registers where BLOCK_M (the rows, 16 to 64) would be too few for it. With SPLIT_K > 1 each
+program stores its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on its column block's
+counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight at a time (the
+output does not depend on arrival order), applies the channel scales (loaded before the main loop), writes the
+output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA graph (the counters live in one
+int32 buffer per device; kernels on one stream take turns on it).
 
 w8a8_mm: both operands fp8 on the fp8 tensor cores, float32 accumulation, the block scales (activations per token
 and block_k columns, weights per row and block) multiplying each K tile's product in the main loop. Tiles are
@@ -28,11 +32,14 @@ import triton.language as tl
 
 from tp_lora.ops.triton.dot import compute_types, mm
 
-SCALE_CHANNEL, SCALE_BLOCK = 1, 2  # w8a16_mm's scale layouts
+SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2  # w8a16_mm's scale layouts
 MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
 COUNTERS = 1 << 14  # column blocks a split-K launch may have (one ticket counter each)
+REDUCE = tl.constexpr(4)  # partial tiles the last split loads at once
 
-W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
+W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3)
+# 16-bit weights of a vocabulary shard (tens of thousands of rows): one program streams all of K for 64 rows
+HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
@@ -43,11 +50,11 @@ def _interpreting() -> bool:
     return type(_w8a16_kernel).__name__ == "InterpretedFunction"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -57,37 +64,52 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(K, k_lo + k_split)
-    x_blk = x_ptr + rows[:, None] * s_xm + offs_k[None, :]
-    w_blk = w_ptr + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
     s_row = s_ptr + offs_n.to(tl.int64) * s_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALES == 1:  # loaded first: off the critical path of the last split
+        s_n = tl.load(s_row, mask=n_mask, other=0.0)
+    if SWAP:  # acc [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]
+        x_blk = x_ptr + rows[None, :] * s_xm + offs_k[:, None]
+        w_blk = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:  # acc [BLOCK_M, BLOCK_N] = x [BLOCK_M, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N]
+        x_blk = x_ptr + rows[:, None] * s_xm + offs_k[None, :]
+        w_blk = w_ptr + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_mask = offs_k < k_hi - k0
-        xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wv = tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        part = mm(xv, wv, CDT, DOT, PREC)
-        if SCALES == 2:  # BLOCK_K divides SCALE_K: one scale per row of this K tile
-            acc += part * tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[None, :]
+        if SWAP:
+            wv = tl.load(w_blk + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            part = mm(wv, tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0), CDT, DOT, PREC)
         else:
-            acc += part
+            xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            part = mm(xv, tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0), CDT, DOT, PREC)
+        if SCALES == 2:  # BLOCK_K divides SCALE_K: one scale per weight row of this K tile
+            s_k = tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)
+            part *= s_k[:, None] if SWAP else s_k[None, :]
+        acc += part
+    if SWAP:
+        acc = tl.trans(acc)
     o = out_ptr + rows[:, None] * s_om + offs_n[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
-    if tl.num_programs(1) > 1:
+    split = tl.num_programs(1)
+    if split > 1:
         tile = rows[:, None] * N + offs_n[None, :]
         tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=o_mask)
         tl.debug_barrier()  # every thread's partial stored before the ticket publishes them
         ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == tl.num_programs(1) - 1:  # the last split of this column block: sum the partials in order
+        if ticket == split - 1:  # the last split of this column block: sum the partials in split order
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, tl.num_programs(1)):
-                acc += tl.load(ws_ptr + s * M * N + tile, mask=o_mask, other=0.0, cache_modifier=".cg")
+            for s0 in range(0, split, REDUCE):  # REDUCE loads in flight at a time
+                for j in tl.static_range(REDUCE):
+                    acc += tl.load(ws_ptr + (s0 + j) * M * N + tile, mask=o_mask & (tile * 0 + s0 + j < split),
+                                   other=0.0, cache_modifier=".cg")
             if SCALES == 1:
-                acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
+                acc *= s_n[None, :]
             tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
     else:
         if SCALES == 1:
-            acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
+            acc *= s_n[None, :]
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
@@ -100,9 +122,10 @@ def counter_buffer(device: torch.device) -> torch.Tensor:
     return _counters[key]
 
 
-def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
+def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block_k: int | None,
              cfg: dict | None = None) -> torch.Tensor:
-    """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), num_warps, num_stages."""
+    """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, num_warps, num_stages.
+    scale None: w holds x's dtype (16-bit weights, no scales)."""
     cfg = {**W8A16_DEFAULT, **(cfg or {})}
     x = x.contiguous()
     m, k = x.shape
@@ -111,10 +134,11 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int
         raise ValueError(f"w8a16_mm takes up to {MAX_ROWS} rows, got {m}")
     if w.stride(-1) != 1:
         raise ValueError(f"w8a16_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
+    if scale is None and w.dtype != x.dtype:
+        raise ValueError(f"w8a16_mm: {w.dtype} weights need scales (without them, w must have x's {x.dtype})")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    scale = scale.contiguous()
     bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
     tiles = triton.cdiv(k, bk)
     split = max(1, min(cfg["SPLIT_K"], tiles))
@@ -126,12 +150,14 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int
     cnt = counter_buffer(x.device)
     # one compiled kernel for every split: without splits the workspace is never touched (any float32 pointer)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else cnt.view(torch.float32)
+    scales = SCALE_NONE if scale is None else SCALE_CHANNEL if block_k is None else SCALE_BLOCK
+    scale = cnt.view(torch.float32) if scale is None else scale.contiguous()
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
     _w8a16_kernel[(grid_n, split)](
         x, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-        SCALES=SCALE_CHANNEL if block_k is None else SCALE_BLOCK, SCALE_K=block_k or 1,
-        CDT=cdt, DOT=dot, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -196,11 +222,12 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
 
 def w8a16_config(m: int, n: int, k: int) -> dict:
     """The launch configuration of w8a16_mm for m rows and a weight [n, k]: 64 columns x 128 K per tile, 4 warps, 3
-    stages, and the most K shares (up to 8, each at least 1024 wide) that keep the programs within 512 (256 past 32
-    rows, where each program's tile costs more), as scripts/tune_fp8_gemm.py picked them."""
+    stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least 1024 wide) that
+    keep the programs within 512 (256 past 32 rows, where each program's tile costs more), as
+    scripts/bench_decode_gemm.py --weights fp8 measured them."""
     blocks = triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"])
     budget = 512 if m <= 32 else 256
     split = 1
     while split < 8 and blocks * split * 2 <= budget and k // (split * 2) >= 1024:
         split *= 2
-    return dict(W8A16_DEFAULT, SPLIT_K=split)
+    return dict(W8A16_DEFAULT, SPLIT_K=split, SWAP=m > 16)
