@@ -12,9 +12,9 @@ tp 1 / 2 / 4: torch (F.linear over bf16 weights: cuBLAS) against the Triton spli
 Each (shape, rows): torch, every configuration of the grid (BLOCK_N, BLOCK_K, warps, stages, SWAP) at the K splits
 that give 64 to 1100 programs; then the fastest configuration and torch re-timed back to back twice (the "re"
 columns), so a win must survive a second measurement; the table's times are each side's faster one (the first timing
-of cuBLAS's largest GEMMs can come out slower than its second). Times: CUDA-graph replays over weight copies spanning more than
-L2 (scripts/bench_fp8_gemm.graph_time). Every configuration's output is checked against the float32 product (relative
-error) before it is timed. Prints a table; writes bench_decode_gemm_<weights>.json into --out.
+of cuBLAS's largest GEMMs can come out slower than its second). Times: CUDA-graph replays over weight copies spanning
+more than L2 (scripts/bench_fp8_gemm.graph_time). Every configuration's output is checked against the float32
+product (relative error) before it is timed. Prints a table; writes bench_decode_gemm_<weights>.json into --out.
 """
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def measure(tp, name, n, k, m, weights, bw, q, wb):
 
 
 def fmt(c: dict) -> str:
-    return f"{c['BLOCK_N']}/{c['BLOCK_K']}/{c['SPLIT_K']}/{c['num_warps']}/{c['num_stages']}{'/swap' if c['SWAP'] else ''}"
+    swap = "/swap" if c["SWAP"] else ""
+    return f"{c['BLOCK_N']}/{c['BLOCK_K']}/{c['SPLIT_K']}/{c['num_warps']}/{c['num_stages']}{swap}"
 
 
 def main() -> None:
@@ -177,7 +178,8 @@ def main() -> None:
         t, o = min(r["torch_us"], r["torch_re_us"]), min(b["us"], r["best_re_us"])
         extra = ""
         if args.weights == "fp8":
-            extra = f" {r['rule']['us']:.1f} | {r['w8a8_us']:.1f} |" if "w8a8_us" in r else f" {r['rule']['us']:.1f} | - |"
+            w8a8 = f"{r['w8a8_us']:.1f}" if "w8a8_us" in r else "-"
+            extra = f" {r['rule']['us']:.1f} | {w8a8} |"
         torch_floor = r["floor_us"] * (2 if args.weights == "fp8" else 1)
         print(f"| {r['tp']} | {r['layer']} | [{r['n']}, {r['k']}] | {r['rows']} | {t:.1f} | {o:.1f} | "
               f"{fmt(b['cfg'])} | {t / o:.2f}x ({r['torch_re_us'] / r['best_re_us']:.2f}x) | {torch_floor / t:.0%} | "

@@ -2,8 +2,8 @@
 layer shapes, per-channel and [128, 128]-block scales (each W8A8 path's time includes its activation quantization):
 
     fp8_linear    what the layers run (tp_lora.ops.fp8.fp8_linear, blocks of whole 128 rows: w8a16_mm up to
-                  SMALL_ROWS rows; past them W8A8: per-channel torch._scaled_mm with fast accumulation, block
-                  scales cuBLAS's block-scaled GEMM where torch has it, else w8a8_mm)
+                  small_rows(w, block_k) rows; past them W8A8: per-channel torch._scaled_mm with fast accumulation,
+                  block scales cuBLAS's block-scaled GEMM where torch has it, else w8a8_mm)
     w8a16         tp_lora.ops.triton.fp8_gemm.w8a16_mm (weight-only split-K), rows <= 64 (what the layers ran
                   before: scripts/tune_fp8_gemm.py's grouped_mm column)
     w8a8          block scales: per-group quantization kernel + w8a8_mm (Triton, fp8 tensor cores)
@@ -21,9 +21,9 @@ weight-bytes floor.
 
 Each (layer, rows) is captured in a CUDA graph of many calls over enough weight copies to leave L2 (every call reads
 its weights from HBM); the median replay's mean time per call. bf16 is timed before and after the fp8 paths and its
-faster time kept (the first timing of cuBLAS's largest GEMMs can come out slower). Floor: the weight bytes (N x K x 1 for fp8, x 2 for
-bf16) / the device copy bandwidth measured in the same run (read + written bytes / time). Checks every path against
-the dequantized reference (relative error) and prints a table; writes bench_fp8_gemm.json into --out.
+faster time kept (the first timing of cuBLAS's largest GEMMs can come out slower). Floor: the weight bytes (N x K x 1
+for fp8, x 2 for bf16) / the device copy bandwidth measured in the same run (read + written bytes / time). Checks
+every path against the dequantized reference (relative error) and prints a table; writes bench_fp8_gemm.json into --out.
 """
 from __future__ import annotations
 

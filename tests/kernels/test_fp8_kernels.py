@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from tp_lora.ops import fused
-from tp_lora.ops.fp8 import (SMALL_ROWS, SMALL_ROWS_DEEP, SMALL_ROWS_WIDE, dequantize, fp8_linear, quantize_fp8_per_channel,
-                              quantize_per_group, quantize_per_token, small_rows, w8a8_mm_ref, w8a16_mm_ref)
+from tp_lora.ops.fp8 import (SMALL_ROWS, SMALL_ROWS_DEEP, SMALL_ROWS_WIDE, dequantize, fp8_linear,
+                              quantize_fp8_per_channel, quantize_per_group, quantize_per_token, small_rows, w8a8_mm_ref,
+                              w8a16_mm_ref)
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref
 
 
@@ -119,7 +120,8 @@ def test_w8a8_mm_matches_its_reference(device, rows, n, k, block_k):
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 96, 320), (5, 96, 320), (SMALL_ROWS_DEEP, 96, 320),
-                                      (SMALL_ROWS_DEEP + 1, 96, 320),  # a deep layer's last weight-only rows, W8A8
+                                      (SMALL_ROWS_DEEP + 1, 96, 320),  # past a deep per-channel layer's last
+                                      # weight-only rows
                                       (SMALL_ROWS, 160, 128), (SMALL_ROWS + 1, 160, 128),  # out > in
                                       (SMALL_ROWS_WIDE + 1, 512, 128)])  # a wide layer's W8A8 rows
 @pytest.mark.parametrize("block_k,block_n", [(None, None), (128, 128), (128, None)])
@@ -139,7 +141,7 @@ def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatc
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     # Past the weight-only GEMM's rows on CUDA the activations are quantized too (W8A8): e4m3 rounding of x adds up
     # to 2^-4 relative per element, a few percent of the output's scale over K terms.
-    w8a8 = device == "cuda" and rows > small_rows(w)
+    w8a8 = device == "cuda" and rows > small_rows(w, block_k)
     assert rel_err(got, want) < (0.08 if w8a8 else 0.02)
 
 

@@ -4,13 +4,14 @@ layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation qua
     fp8_linear(x [T, K], w [N, K] fp8, scale, block_k, block_n=None) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
-With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter): up to small_rows(w) rows
-(decode) the weight-only split-K GEMM (tp_lora.ops.triton.fp8_gemm.w8a16_mm: fp8 tiles widened in registers, scales on the
-partial sums; it reads only the fp8 bytes and quantizes nothing). More rows, W8A8 on the fp8 tensor cores with the
-activations quantized by one Triton kernel: per-channel weights through torch._scaled_mm (rowwise scales, fast
-accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where the layer's
-rows lie in whole blocks, else the Triton w8a8_mm (scales per K tile in its main loop). Elsewhere (the CPU): the
-weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare layouts with.
+With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter): up to small_rows(w, block_k)
+rows (decode) the weight-only split-K GEMM (tp_lora.ops.triton.fp8_gemm.w8a16_mm: fp8 tiles widened in registers,
+scales on the partial sums; it reads only the fp8 bytes and quantizes nothing). More rows, W8A8 on the fp8 tensor
+cores with the activations quantized by one Triton kernel: per-channel weights through torch._scaled_mm (rowwise
+scales, fast accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where
+the layer's rows lie in whole blocks, else the Triton w8a8_mm (scales per K tile in its main loop). Elsewhere (the
+CPU): the weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare
+layouts with.
 w8a16_mm_ref / w8a8_mm_ref are the Triton kernels' references (same signatures)."""
 from __future__ import annotations
 
@@ -108,13 +109,17 @@ def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torc
 
 SMALL_ROWS = 32  # rows up to which the kernels run the weight-only GEMM (past them W8A8 is faster)
 SMALL_ROWS_WIDE = 16  # the same for wide layers (out >= 4 x in, gate_up): W8A8 wins from fewer rows there
-SMALL_ROWS_DEEP = 64  # the same for layers no wider than deep (out <= in: o, down): up to the kernel's row limit
+SMALL_ROWS_DEEP = 64  # the same for per-channel layers no wider than deep (out <= in: o, down): the kernel's limit
 
 
-def small_rows(w: torch.Tensor) -> int:
-    """Rows up to which fp8_linear runs the weight-only GEMM for weights w [N, K]."""
+def small_rows(w: torch.Tensor, block_k: int | None = None) -> int:
+    """Rows up to which fp8_linear runs the weight-only GEMM for weights w [N, K] with scales per block of block_k
+    columns (None: per channel; block scales multiply every K tile's product, which keeps the kernel from
+    accumulating in place, and cuBLAS's block-scaled GEMM catches up sooner)."""
     n, k = w.shape
-    return SMALL_ROWS_WIDE if n >= 4 * k else SMALL_ROWS_DEEP if n <= k else SMALL_ROWS
+    if n >= 4 * k:
+        return SMALL_ROWS_WIDE
+    return SMALL_ROWS_DEEP if n <= k and block_k is None else SMALL_ROWS
 
 
 def kernels_take(x: torch.Tensor, block_k: int | None) -> bool:
@@ -171,9 +176,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     # Past the weight-only GEMM's rows the activations are quantized to fp8 (W8A8): 16-bit activations only, float32
     # layers ask for the dequantized weights' exact product.
     w8a8 = block_k is not None and x.dtype in (torch.bfloat16, torch.float16)
-    if rows and (rows <= small_rows(w) or w8a8) and kernels_take(x, block_k):
+    small = small_rows(w, block_k)
+    if rows and (rows <= small or w8a8) and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
-        if rows <= small_rows(w):
+        if rows <= small:
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))
         if blockwise_ok(x, w, block_k, block_n):
             return blockwise_mm(x, w, scale)
