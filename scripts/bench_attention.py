@@ -68,7 +68,7 @@ VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
-FP8_SWEEP = dict(FP8_WIDEN=("cvt", "bits"), BLOCK_N_FP8=(64, 128), NUM_STAGES=(2, 3))
+FP8_SWEEP = dict(BLOCK_N_FP8=(64, 128), NUM_STAGES=(2, 3), TARGET_PROGRAMS=(264, 528))
 TP_SWEEP = dict(MIN_PART=(64, 128, 256), TARGET_PROGRAMS=(264, 528))
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 

@@ -87,17 +87,6 @@ def test_kernel_splits_each_sequence(device, monkeypatch):
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_kernel_fp8_bits_widening(device, monkeypatch):
-    """V widened by bit operations (2^-8 of each e4m3 value, made up in the output) against the reference over the
-    same bytes: e4m3's edges (+-448, subnormals) and a partitioned grid."""
-    from tp_lora.ops.triton import paged_attention as pa
-    monkeypatch.setattr(pa, "FP8_WIDEN", "bits")
-    monkeypatch.setattr(pa, "MIN_PART", 32)
-    gen = torch.Generator().manual_seed(13)
-    args = _fp8_case(gen, [130, 17, 3, 64], 16, 4, 16, 16, device, width=10)
-    fp8_close(pa.paged_decode(*args, 0.25), *args, 0.25)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")
 def test_kernel_bf16_on_gpu():
     from tp_lora.ops.triton.paged_attention import paged_decode

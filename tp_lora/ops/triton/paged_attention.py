@@ -22,7 +22,6 @@ import triton.language as tl
 
 BLOCK_N = 128  # positions per inner iteration over a 16-bit cache
 BLOCK_N_FP8 = 64  # ... over an fp8 cache (its widened V passes through shared memory as f16)
-FP8_WIDEN = "cvt"  # V's fp8 -> f16: the packed conversion ("cvt") or integer bit operations ("bits"), fp8_to_f16
 # Programs the decode grid aims for where a position holds >= 256 bytes per KV head (bf16 at head_dim 128; two waves of
 # SMs); 256 / bytes times that below (head_dim 64, an fp8 cache), where a program streams fewer bytes per position.
 TARGET_PROGRAMS = 264
@@ -49,39 +48,26 @@ def dot_queries(q, scale, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr):
 
 
 @triton.jit
-def fp8_to_f16(x, ASM: tl.constexpr, BITS: tl.constexpr):
-    """float8_e4m3fn -> float16, exact. ASM: inline PTX marked impure, which Triton does not move past the tile's trip
-    through shared memory (V, the P @ V operand whose reduction runs across its rows, is then transposed as f16 by
-    ldmatrix; Triton's own cast is moved after it, and the transpose gathers single bytes). BITS: 2^-8 x the value by
-    integer operations on 4 bytes at once (each byte to the high half of a 16-bit lane, its exponent and mantissa
-    shifted right by one, the sign kept: e4m3's bias 7 read with f16's 15; subnormals land on f16 subnormals; no NaN,
-    which the cache never holds: writes saturate at +-448); else the packed conversion cvt.rn.f16x2.e4m3x2. Without
-    ASM (the interpreter runs no PTX) the cast, scaled as BITS asks."""
+def fp8_to_f16(x, ASM: tl.constexpr):
+    """float8_e4m3fn -> float16, exact. ASM: the packed conversion in inline PTX marked impure, which Triton does not
+    move past the tile's trip through shared memory: V, the P @ V operand whose reduction runs across its rows, is
+    then transposed as f16 by ldmatrix; Triton's own cast is moved after it, and the transpose gathers single bytes.
+    Else (the interpreter runs no PTX) the cast."""
     if ASM:
-        if BITS:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 a, b, t, u; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424;"
-                " shr.b32 t, a, 1; and.b32 t, t, 0x3F803F80; and.b32 a, a, 0x80008000; or.b32 $0, t, a;"
-                " shr.b32 u, b, 1; and.b32 u, u, 0x3F803F80; and.b32 b, b, 0x80008000; or.b32 $1, u, b; }",
-                "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-    if BITS:
-        return (x.to(tl.float32) * 0.00390625).to(tl.float16)
     return x.to(tl.float16)
 
 
 @triton.jit
 def online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, table_ptr, head_off, lo, hi, scale, window, softcap, s_kb,
                    s_ks, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr,
-                   CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr,
-                   FP8_BITS: tl.constexpr):
+                   CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr):
     """State (row max, row sum, unnormalized output [ROWS, D], float32) carried on over the positions lo..hi-1 of one
     sequence's paged K/V for q [ROWS, D] (table_ptr: its block table, head_off: its KV head's offset in a cache row),
     BLOCK positions per iteration. CAUSAL: row i sees positions <= q_pos[i] (and > q_pos[i] - window if window > 0);
-    else every position in range. F32_DOT / KV_FP8 / FP8_ASM / FP8_BITS: as dot_flags (q from dot_queries; FP8_BITS:
-    the output is 2^-8 of the true one)."""
+    else every position in range. F32_DOT / KV_FP8 / FP8_ASM: as dot_flags (q from dot_queries)."""
     d = tl.arange(0, D)
     for t0 in range(lo - lo % BLOCK, hi, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
@@ -97,7 +83,7 @@ def online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, table_ptr, head_off, l
         else:
             if KV_FP8:  # float16, as the queries (dot_queries); K by Triton's cast, moved past its smem trip
                 k = k.to(tl.float16)
-                v = fp8_to_f16(v, FP8_ASM, FP8_BITS)
+                v = fp8_to_f16(v, FP8_ASM)
             s = tl.dot(q, tl.trans(k)) * scale
         if softcap > 0:
             s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
@@ -160,7 +146,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, PARTS: tl.constexpr, CU_Q: tl.constexpr, F32_DOT: tl.constexpr,
-                   KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr, FP8_BITS: tl.constexpr):
+                   KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     part = tl.program_id(2)
@@ -175,9 +161,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
     m, l_sum, acc = softmax_start(REP_PAD, D)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, r, k_ptr, v_ptr, bt_ptr + b * s_btb, g * s_kh, lo, hi, scale,
                                    window, softcap, s_kb, s_ks, REP_PAD, D, BS, BLOCK, False, F32_DOT, KV_FP8,
-                                   FP8_ASM, FP8_BITS)
-    if FP8_BITS:
-        acc = acc * 256.0
+                                   FP8_ASM)
     if PARTS == 1:
         store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, D)
     elif used == 1:  # the whole context in this partition: no merge
@@ -213,13 +197,13 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, ctx_ptr, cu_q_ptr, out_ptr, window,
 
 
 def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
-    """The attention kernels' F32_DOT / KV_FP8 / FP8_ASM / FP8_BITS for these inputs: float32 dots for float32
-    queries and under the interpreter (which has no bf16 dot); over an fp8 cache float16 dots everywhere, V widened by
-    inline PTX where `kernel` is compiled (FP8_WIDEN's way)."""
+    """The attention kernels' F32_DOT / KV_FP8 / FP8_ASM for these inputs: float32 dots for float32 queries and under
+    the interpreter (which has no bf16 dot); over an fp8 cache float16 dots everywhere, V widened by inline PTX where
+    `kernel` is compiled."""
     interpreted = type(kernel).__name__ == "InterpretedFunction"
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     return dict(F32_DOT=not fp8 and (interpreted or q.dtype == torch.float32), KV_FP8=fp8,
-                FP8_ASM=fp8 and not interpreted, FP8_BITS=fp8 and FP8_WIDEN == "bits")
+                FP8_ASM=fp8 and not interpreted)
 
 
 def tile_positions(elem_bytes: int) -> int:

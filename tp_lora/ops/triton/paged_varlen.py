@@ -48,7 +48,7 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
                    s_qt, s_qh, s_kb, s_ks, s_kh, s_btb, s_ot, s_oh,
                    REP: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, STEPS: tl.constexpr, SKIP_DECODES: tl.constexpr, F32_DOT: tl.constexpr,
-                   KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr, FP8_BITS: tl.constexpr):
+                   KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr):
     # Grid (KV heads, query blocks), blocks taken last to first: a chunk's late blocks attend the most keys (causal),
     # so they start first instead of forming the grid's tail.
     g = tl.program_id(0)
@@ -83,12 +83,10 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, num_
     m, l_sum, acc = softmax_start(ROWS, D)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, lo, split,
                                    scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, False, F32_DOT, KV_FP8,
-                                   FP8_ASM, FP8_BITS)
+                                   FP8_ASM)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, bt_ptr + seq * s_btb, g * s_kh, split, hi,
                                    scale, window, softcap, s_kb, s_ks, ROWS, D, BS, BLOCK, True, F32_DOT, KV_FP8,
-                                   FP8_ASM, FP8_BITS)
-    if FP8_BITS:
-        acc = acc * 256.0
+                                   FP8_ASM)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (q_begin + qi)[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
