@@ -270,31 +270,3 @@ def test_greedy_takes_the_lowest_index_among_ties(device):
     got = greedy(logits)
     assert got[0].tolist() == [5.0, 4200.0] and not got[1].isnan().any()
     torch.testing.assert_close(got[1], sampling.greedy_ref(logits)[1], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows, vocab", [
-    (3, 7),  # a vocabulary in one word
-    (6, 100),  # a partial last word
-    (5, 4099),  # several blocks, the last one partial
-])
-def test_masked_logits(device, rows, vocab):
-    from tp_lora.ops.triton.sampling import masked_logits
-    gen = torch.Generator().manual_seed(rows * vocab)
-    words = (vocab + 31) // 32
-    logits = _randn(gen, rows, vocab, dtype=torch.bfloat16, device=device)
-    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), dtype=torch.int32, generator=gen)
-    keep = torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32, generator=gen)
-    dead = torch.zeros(words, dtype=torch.int32)
-    dead[-1] = 1  # the last word's first token
-    bits[2] = ~keep  # a row keep leaves empty: it allows `dead`
-    which = torch.tensor([(i % 4) - 1 for i in range(rows)])  # rows without a mask (-1) and rows sharing one
-    args = [t.to(device) for t in (which, bits, keep, dead)]
-    got, want = masked_logits(logits, *args), sampling.masked_logits_ref(logits, *args)
-    assert got.dtype == torch.float32 and torch.equal(got, want)
-    assert torch.equal(got[which < 0], logits[which.to(device) < 0].float())
-    # the reference against the rule itself
-    for i, m in enumerate(which.tolist()):
-        if m >= 0:
-            w = bits[m] & keep if (bits[m] & keep).any() else dead
-            ok = [bool((int(w[t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
-            assert got[i].isfinite().tolist() == ok

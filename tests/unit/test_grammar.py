@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from tp_lora.config import GenerationConfig
-from tp_lora.engine.grammar import Grammars, pack
-from tp_lora.ops.sampling import masked_logits_ref
+from tp_lora.engine.grammar import Grammars, apply_mask, pack
 from tp_lora.engine.requests import Request, Result, set_rules
 from tp_lora.engine.response_format import ANY_OBJECT, parse_response_format, schema_error
 from tp_lora.engine.sampler import Sampler
@@ -69,8 +68,7 @@ def test_the_mask_applies_to_grammar_rows_only_as_xgrammars_kernel():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, VOCAB, generator=g)
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, (VOCAB + 31) // 32), dtype=torch.int32, generator=g)
-    every = torch.full((bits.shape[1],), -1, dtype=torch.int32)
-    out = masked_logits_ref(logits, torch.tensor([-1, 0, -1, 1]), bits, every, every)
+    out = apply_mask(logits, [1, 3], bits)
     want = logits.clone()
     full = torch.full((4, bits.shape[1]), -1, dtype=torch.int32)
     full[[1, 3]] = bits
@@ -129,8 +127,7 @@ def test_a_dead_end_allows_only_the_stop_tokens(tokenizer):
             bits.zero_()
     g.batches = {1: Nothing()}  # the one-row fill's batch matcher
     sel, bits = g.fill([req(1), r], pin=False)
-    out = g.apply(torch.zeros(2, VOCAB), (sel, bits, None))
-    assert sel == [1] and out[0].isfinite().all() and out[1].isfinite().nonzero().flatten().tolist() == [EOS]
+    assert sel == [1] and torch.equal(g.finish(bits)[0], pack([EOS], VOCAB))
 
 
 def test_without_the_library_the_error_names_the_extra(monkeypatch, tokenizer):

@@ -9,8 +9,8 @@ driver lets a stream wait on host memory (tp_lora.streamwait) the host does not 
 the draw are queued behind a device-side wait for the job's number, which the worker raises once its pinned bitmask
 is written, and the host waits for the job only at the next follow(), once the draw is queued. Elsewhere masks()
 waits for what is left of the job (StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a
-resumed sequence) are filled in line. The bitmask goes to the device in one copy and masks those rows in one kernel
-(apply(): JSON bytes only, and a row left allowing nothing allows the stop tokens).
+resumed sequence) are filled in line. The bitmask goes to the device in one copy, is finished there (apply(): JSON
+bytes only, a dead row's stop tokens) and masks those rows only.
 The worker waits for the tokens without the GIL and runs few Python steps (one batched accept, one batched fill
 over several threads); the interpreter's switch interval is cut so that it gets the GIL within SWITCH_INTERVAL_S
 while the host thread runs Python (Python's default, 5 ms, held the fill back until the host blocked in masks()).
@@ -39,7 +39,6 @@ import torch
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import SEPARATORS, field_of, library, message, schema_error
 from tp_lora.hostcopy import to_device
-from tp_lora.ops.sampling import masked_logits
 from tp_lora.streamwait import HostFlag, host_flag
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
@@ -73,7 +72,6 @@ class Grammars:
         self.batches: dict[int, object] = {}  # xgrammar's batch matchers, by fill threads
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
         self.finishing: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # printable, stops' bitmask
-        # on each device
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why `req`'s grammar cannot run on a model of `vocab` logits, or None; compiles it into the cache."""
@@ -117,7 +115,7 @@ class Grammars:
 
     def fill(self, reqs: list[Request], pin: bool) -> Optional[tuple[list[int], torch.Tensor]]:
         """(the rows of reqs with a grammar, xgrammar's int32 bitmask [rows, ceil(vocab / 32)] of their next token on
-        the host, pinned where `pin`; apply() makes it the mask), filled in line, or None when no row has one."""
+        the host, pinned where `pin`; finish() makes it the mask), filled in line, or None when no row has one."""
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not sel:
             return None
@@ -160,20 +158,11 @@ class Grammars:
         return (sel, bits, None), time.perf_counter() - t0 - device_wait
 
     def apply(self, logits: torch.Tensor, masks: tuple) -> torch.Tensor:
-        """logits [N, V] as a new float32 tensor (the model's stay as they were, for the reported log-probabilities)
-        whose rows masks()[0] are -inf where their bitmask does not allow a token: tokens JSON may hold only, and a
-        row allowing none of them (a complete matcher's, or the tokenizer cannot go on: the output ends) allows the
-        stop tokens. The bitmask goes to the device in one copy (behind the wait masks() names); no host sync."""
+        """apply_mask() of masks()'s rows and bitmask, finished on the logits' device (behind the wait it names)."""
         sel, bits, after = masks
-        dev = logits.device
-        if dev not in self.finishing:
-            self.finishing[dev] = self.printable.to(dev), pack(self.stop_ids, self.vocab).to(dev)
-        rows = torch.full((logits.shape[0],), -1, dtype=torch.long)
-        rows[sel] = torch.arange(len(sel))
         if after is not None:
-            after[0].wait(torch.cuda.current_stream(dev), after[1])
-        words = bits.to(dev, non_blocking=True)  # after the wait: a copy of pinned memory reads it when it runs
-        return masked_logits(logits, to_device([rows], dev)[0], words, *self.finishing[dev])
+            after[0].wait(torch.cuda.current_stream(logits.device), after[1])
+        return apply_mask(logits, sel, self.finish(bits.to(logits.device, non_blocking=True)))
 
     def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
                device: torch.device) -> None:
@@ -242,7 +231,7 @@ class Grammars:
 
     def _fill(self, matchers: list, bits: torch.Tensor, complete: list[bool]) -> torch.Tensor:
         """`bits` [len(matchers), ceil(vocab / 32)] (int32, on the host) as xgrammar's bitmask of each matcher's next
-        token, zeros for a complete matcher (complete[i]); apply() makes it the mask."""
+        token, zeros for a complete matcher (complete[i]); finish() makes it the mask."""
         live = [i for i, done in enumerate(complete) if not done]
         threads = fill_threads(len(live))
         batch = self.batches.get(threads)
@@ -255,6 +244,17 @@ class Grammars:
             if live:
                 batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, indices=live)
         return bits
+
+    def finish(self, bits: torch.Tensor) -> torch.Tensor:
+        """xgrammar's bitmask (any device) as the mask, a new tensor: tokens JSON may hold only; a row allowing
+        nothing (a complete matcher's, or the tokenizer cannot go on: the output ends) allows the stop tokens. No
+        host sync."""
+        if bits.device not in self.finishing:
+            self.finishing[bits.device] = (self.printable.to(bits.device),
+                                           pack(self.stop_ids, self.vocab).to(bits.device))
+        printable, stops = self.finishing[bits.device]
+        words = bits & printable
+        return torch.where(words.any(1, keepdim=True), words, stops)
 
     def _matcher(self, req: Request):
         m = self.matchers.get(req.index)
@@ -351,3 +351,24 @@ def pack(ids: list[int], vocab: int) -> torch.Tensor:
     allowed[ids] = 1
     words = (allowed.view(-1, 32) << torch.arange(32)).sum(1)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def apply_mask(logits: torch.Tensor, sel: list[int], bits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with rows `sel` set to -inf where their host bitmask `bits` [len(sel), ceil(V / 32)] has a 0
+    bit; a new float32 tensor (the model's logits stay as they were for the reported log-probabilities). On CUDA one
+    kernel masks (xgrammar's Triton kernel) after one copy of the bitmask (rows without a grammar allow every token),
+    with no host sync."""
+    dev, (n, vocab) = logits.device, logits.shape
+    words = bits.to(dev, non_blocking=True)
+    if dev.type == "cuda":
+        out = logits.to(torch.float32, copy=True)
+        if sel != list(range(n)):  # the kernel reads row i of the bitmask for logits row i: others allow every token
+            full = torch.full((n, words.shape[1]), -1, dtype=torch.int32, device=dev)
+            full[to_device([torch.tensor(sel)], dev)[0]] = words  # (a device tensor from a list would sync the host)
+            words = full
+        library().apply_token_bitmask_inplace(out, words, vocab_size=vocab)
+        return out
+    shifts = torch.arange(32, device=dev, dtype=torch.int32)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    rows = torch.tensor(sel, device=dev)
+    return logits.float().index_put((rows,), logits[rows].float().masked_fill(~allowed, float("-inf")))
