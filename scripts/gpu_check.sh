@@ -22,9 +22,9 @@
 #   `pending_c` (HTTP against offline at 1 / 100 / 1000 adapters).
 #   FP8 (issue 38), one GPU, two calls: `fp8_tune` (the kernels' configuration sweep), then `fp8` (per-layer GEMM
 #   table, greedy agreement, the 8B decode table).
-#   `fp8_kv` (issue 38 item 3, one GPU, ~9 minutes at most): the paged attention tests natively (fp8 caches), the bf16
-#   against fp8 KV attention rows (batch 32, contexts 2048 / 4096 / 8192, floors, an fp8 launch sweep), the 8B decode
-#   step at context 4096 with a bf16 and an fp8 KV cache.
+#   `fp8_kv` (issue 38 item 3, one GPU, ~10 minutes at most): the paged attention tests natively (fp8 caches), the
+#   bf16 against fp8 KV attention rows (batch 32, contexts 2048 / 4096 / 8192, floors), the 8B
+#   decode step at context 4096 with a bf16 and an fp8 KV cache, the decode attention rows at tp head counts.
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
 #   json_schema with its mask wait; tests/gpu/test_serving_features.py; `prefix_moderate`: TTFT at 5
 #   conversations/s; `prefix_saturated`).
@@ -232,12 +232,15 @@ for what in "${@:-all}"; do
         --quantization none,fp8 --reps 2 --in-memory --out "$RES/fp8_step_lora" ;;
     fp8_kv)
       step "fp8 KV (#38 item 3): the attention kernels over fp8 caches natively (inline-PTX widening), bf16 vs fp8 KV"
-      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_fp8_kv 150 6 python3 -m pytest -q -rs \
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_fp8_kv 120 6 python3 -m pytest -q -rs \
         tests/kernels/test_paged_attention.py tests/kernels/test_paged_varlen.py tests/unit/test_fp8_kv.py \
         tests/unit/test_attention.py
-      run bench_fp8_kv 230 18 python3 scripts/bench_attention.py --kind fp8_kv --sweep --out "$RES/attention_fp8_kv"
-      run step_fp8_kv 170 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 4096 --reps 1 \
-        --kv-cache-dtype auto,fp8 --prefix-caching off --in-memory --no-adapters-only --out "$RES/step_fp8_kv" ;;
+      run bench_fp8_kv 120 18 python3 scripts/bench_attention.py --kind fp8_kv --out "$RES/attention_fp8_kv"
+      # 97 new tokens: the whole batch decodes together once its 4096-token prompts are in (decode-only rows)
+      run step_fp8_kv 200 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 4096 --reps 1 \
+        --kv-cache-dtype auto,fp8 --prefix-caching off --in-memory --no-adapters-only --new 97 --out "$RES/step_fp8_kv"
+      step "decode attention at the tp head counts (#36): 32/8, 16/4, 8/2 heads per rank, contexts 128 / 512 / 2048"
+      run attention_tp 90 14 python3 scripts/bench_attention.py --kind tp --out "$RES/attention_tp" ;;
     *) ;;
   esac
 done
