@@ -46,6 +46,7 @@ class EngineProxy:
         self._registries: dict[int, dict[str, str]] = {}  # replica -> its adapters as it last sent them
         self.metrics = metrics
         self.draining = False  # a stop signal came: nothing more is admitted
+        self.linked = False  # rank 0 holds the ready frame: from then on a dead front end is a failure while serving
         self._open: dict[int, _Open] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()

@@ -152,6 +152,8 @@ async def _serve(sock: socket.socket, info: dict, parent: int) -> int:
             return 1
         await asyncio.sleep(0.01)
     writer.write(encode(("ready", listen.getsockname()[1])))
+    await writer.drain()
+    engine.linked = True  # /health answers 200 only now: a client that saw it cannot have beaten the ready frame
     engine_ended = asyncio.create_task(engine.run())
     parent_gone = asyncio.create_task(_parent_gone(parent))
     await asyncio.wait([engine_ended, parent_gone], return_when=asyncio.FIRST_COMPLETED)

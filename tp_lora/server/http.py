@@ -25,6 +25,8 @@ from tp_lora.engine.choices import best, siblings
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer
 from tp_lora.server.channel import SHUTTING_DOWN
+
+STARTING = "the server is starting"
 from tp_lora.server.engine_proxy import UNLOAD_PENDING, EngineProxy
 from tp_lora.server.errors import APIError, status_of
 from tp_lora.server.guard import BodyGuard
@@ -361,6 +363,8 @@ def make_app(fe: OpenAIFrontend):
     async def health():
         if fe.engine.draining:
             return PlainTextResponse(SHUTTING_DOWN, status_code=503)
+        if not fe.engine.linked:
+            return PlainTextResponse(STARTING, status_code=503)
         return PlainTextResponse("")
 
     @app.get("/metrics")
