@@ -215,8 +215,7 @@ def tp_rows(heads: list[tuple[int, int]], contexts: list[int], batch: int, max_l
                    floor_us=floor, sweep={})
         if sweep:
             row["sweep"] = sweep_settings(kernel, TP_SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
-        timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
-        best = min(timed.items(), key=lambda kv_: kv_[1]) if timed else ("-", float("nan"))
+        best = best_setting(row["sweep"])
         print(f"| {h} / {kv} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
               flush=True)
         rows.append(row)
@@ -224,6 +223,12 @@ def tp_rows(heads: list[tuple[int, int]], contexts: list[int], batch: int, max_l
         del caches
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def best_setting(sweep: dict) -> tuple[str, float]:
+    """The fastest setting of a sweep_settings() result and its µs, or ("-", nan) when none ran."""
+    timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
+    return min(timed.items(), key=lambda kv: kv[1]) if timed else ("-", float("nan"))
 
 
 def sweep_settings(module, grid: dict, timed) -> dict:
@@ -290,8 +295,7 @@ def main() -> None:
             del kc
         if args.sweep and (name, b, ctx) in SWEPT:
             row["sweep"] = sweep_settings(kernel, SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
-        timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
-        best = min(timed.items(), key=lambda kv_: kv_[1]) if timed else ("-", float("nan"))
+        best = best_setting(row["sweep"])
         print(f"| {name} | {b} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
               flush=True)
         rows.append(row)
@@ -322,8 +326,7 @@ def main() -> None:
         if args.sweep and (name, chunk) in VARLEN_SWEPT:
             row["sweep"] = sweep_settings(varlen, VARLEN_SWEEP,
                                           lambda: time_case(q, caches, table, lens, d ** -0.5, cu_q))
-        timed = {k: v for k, v in row["sweep"].items() if isinstance(v, float)}
-        best = min(timed.items(), key=lambda kv_: kv_[1]) if timed else ("-", float("nan"))
+        best = best_setting(row["sweep"])
         print(f"| {name} d{d} | {decodes} | {ctx} | {chunk} | {tokens}/{seqs} | {us:.1f} | {flop_floor:.1f} | "
               f"{byte_floor:.1f} | {row['of_floor']:.0%} | {best[1]:.1f} ({best[0]}) |", flush=True)
         rows.append(row)
