@@ -135,7 +135,7 @@ class Grammars:
         if not sel:
             return None, 0.0
         job = self.job
-        if job is not None and job.number and job.order == [reqs[i].index for i in sel] and all(
+        if job is not None and job.number and list(job.numbers) == [reqs[i].index for i in sel] and all(
                 job.numbers[reqs[i].index] == drawn[i] for i in sel):
             return (sel, job.bits, (self.flag, job.number)), 0.0
         t0 = time.perf_counter()
@@ -184,7 +184,7 @@ class Grammars:
             self.flag = host_flag(device)
         bits = torch.empty(len(rows), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
         number = self.flag.take() if self.flag is not None else 0
-        self.job = Ahead({r[1]: r[3] for r in rows}, [r[1] for r in rows], bits, number,
+        self.job = Ahead({r[1]: r[3] for r in rows}, bits, number,
                          self.worker.submit(self._ahead, rows, host, wait, bits, number))
 
     def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], bits: torch.Tensor,
@@ -294,8 +294,7 @@ class Grammars:
 @dataclass
 class Ahead:
     """One step's grammar rows handed to the worker (Grammars.follow)."""
-    numbers: dict[int, int]  # request index -> the number of the token it drew in that step
-    order: list[int]  # the request index of each row of bits
+    numbers: dict[int, int]  # request index -> the number of the token it drew in that step, in bits' row order
     bits: torch.Tensor  # the rows' next bitmask as xgrammar fills it, written by the worker (pinned on CUDA)
     number: int  # the flag number the worker raises once bits is written (0: no flag)
     future: Future  # -> Grammars._ahead's results
