@@ -215,14 +215,19 @@ def tp_rows(heads: list[tuple[int, int]], contexts: list[int], batch: int, max_l
                    floor_us=floor, sweep={})
         if sweep:
             row["sweep"] = sweep_settings(kernel, TP_SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
-        best = best_setting(row["sweep"])
-        print(f"| {h} / {kv} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
-              flush=True)
-        rows.append(row)
-        save()
+        table_row(rows, row, f"{h} / {kv} | {ctx}", floor, save)
         del caches
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def table_row(rows: list, row: dict, cells: str, floor: float, save) -> None:
+    """Print a decode row (its leading cells, us, floor, share of floor, the sweep's best) and keep it, saved."""
+    best = best_setting(row["sweep"])
+    us = row["us"]
+    print(f"| {cells} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |", flush=True)
+    rows.append(row)
+    save()
 
 
 def best_setting(sweep: dict) -> tuple[str, float]:
@@ -295,11 +300,7 @@ def main() -> None:
             del kc
         if args.sweep and (name, b, ctx) in SWEPT:
             row["sweep"] = sweep_settings(kernel, SWEEP, lambda: time_case(q, caches, table, lens, d ** -0.5))
-        best = best_setting(row["sweep"])
-        print(f"| {name} | {b} | {ctx} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {best[1]:.1f} ({best[0]}) |",
-              flush=True)
-        rows.append(row)
-        save()
+        table_row(rows, row, f"{name} | {b} | {ctx}", floor, save)
         del caches
         torch.cuda.empty_cache()
     if args.kind in ("varlen", "all"):

@@ -223,8 +223,8 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
 def w8a16_config(m: int, n: int, k: int) -> dict:
     """The launch configuration of w8a16_mm for m rows and a weight [n, k]: 64 columns x 128 K per tile, 4 warps, 3
     stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least 1024 wide) that
-    keep the programs within 512 (256 past 32 rows, where each program's tile costs more), as
-    scripts/bench_decode_gemm.py --weights fp8 measured them."""
+    keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen with
+    scripts/bench_decode_gemm.py --weights fp8."""
     blocks = triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"])
     budget = 512 if m <= 32 else 256
     split = 1
