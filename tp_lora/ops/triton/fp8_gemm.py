@@ -31,14 +31,13 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.triton.dot import compute_types, mm
-from tp_lora.ops.triton.pdl import active, grid_wait, launch_kwargs, prefetch_l2
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2  # w8a16_mm's scale layouts
 MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
 COUNTERS = 1 << 14  # column blocks a split-K launch may have (one ticket counter each)
 REDUCE = tl.constexpr(4)  # partial tiles the last split loads at once
 
-W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, PREFETCH=0, num_warps=4, num_stages=3)
+W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3)
 # 16-bit weights of a vocabulary shard (tens of thousands of rows): one program streams all of K for 64 rows
 HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
@@ -55,7 +54,7 @@ def _interpreting() -> bool:
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
-                  PREC: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                  PREC: tl.constexpr, SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -65,11 +64,6 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(K, k_lo + k_split)
-    if PDL and PREFETCH > 0:  # the first K tiles of this program's weights, while the previous kernel still runs
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-        cols = tl.minimum(k_lo + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE, K - 1)
-        prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * s_wn + cols[None, :])
-    grid_wait(PDL)
     s_row = s_ptr + offs_n.to(tl.int64) * s_sn
     if SCALES == 1:  # loaded first: off the critical path of the last split
         s_n = tl.load(s_row, mask=n_mask, other=0.0)
@@ -130,8 +124,7 @@ def counter_buffer(device: torch.device) -> torch.Tensor:
 
 def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block_k: int | None,
              cfg: dict | None = None) -> torch.Tensor:
-    """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, PREFETCH (K tiles of
-    weights each program asks L2 for before it waits on the previous kernel: PDL only), num_warps, num_stages.
+    """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, num_warps, num_stages.
     scale None: w holds x's dtype (16-bit weights, no scales)."""
     cfg = {**W8A16_DEFAULT, **(cfg or {})}
     x = x.contiguous()
@@ -160,12 +153,11 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     scales = SCALE_NONE if scale is None else SCALE_CHANNEL if block_k is None else SCALE_BLOCK
     scale = cnt.view(torch.float32) if scale is None else scale.contiguous()
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
-    pdl = active(x.device)
     _w8a16_kernel[(grid_n, split)](
         x, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"], PDL=pdl,
-        PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(pdl))
+        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
