@@ -6,10 +6,10 @@
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
 #   gpu_suite (2-4 GPUs, one call): the whole multi-GPU test suite over NCCL with the Triton backend, its wall time.
-#   tp_scaling (2-4 GPUs, one call): issue 36's collective microbenchmarks at 2 and 4 ranks (all-reduce, the fused
-#   all-reduce + add + RMSNorm, all-gather), the Llama-3-8B decode-step table at tp1 / tp2 / tp4 with the symm_mem
-#   and the NCCL all-reduce, and the 70B-shaped 8-layer stack at tp1 / tp2 / tp4. tp_collectives: the
-#   microbenchmarks alone. tp_fused (2 GPUs, one call with tp_collectives): the fused collectives' GPU tests, 8B tp1
+#   tp_scaling (2-4 GPUs, ~6 minutes): issue 36's collective microbenchmarks at the host's rank count (all-reduce,
+#   the fused all-reduce + add + RMSNorm, all-gather), the Llama-3-8B decode-step table at tp1 / tp2 / tp4 with and
+#   without 32 adapters, and the 70B-shaped 8-layer stack at the host's tp. tp_collectives: the microbenchmarks
+#   alone. tp_fused (2 GPUs, one call with tp_collectives): the fused collectives' GPU tests, 8B tp1
 #   / tp2 fused with kernel tables (tp1 against tp2), the 70B-shaped stack at tp2, 8B tp2 unfused.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
 #   `tests step_tp2 bench_moe`, then `moe_decode_2gpu serving_http_tp2`.
@@ -67,11 +67,9 @@ for what in "${@:-all}"; do
       run bench_step_tp2 240 8 torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-8b \
         --batches 32 --contexts 2048 --out "$RES/step_tp2" ;;
     tp_scaling|tp_collectives)
-      step "issue 36: all-reduce, all-reduce + add + RMSNorm (fused) and all-gather in a CUDA graph, 2 and 4 ranks"
-      for n in 2 4; do
-        [ "$NGPU" -ge $n ] && run allreduce_$n 120 40 torchrun --nproc_per_node=$n scripts/bench_allreduce.py \
-          --out "$RES/allreduce_$n"
-      done ;;&
+      step "issue 36: all-reduce, all-reduce + add + RMSNorm (fused) and all-gather in a CUDA graph, $NGPU ranks"
+      run allreduce_$NGPU 100 40 torchrun --nproc_per_node=$NGPU scripts/bench_allreduce.py --iters 30 --reps 10 \
+        --out "$RES/allreduce_$NGPU" ;;&
     tp_fused)
       step "issue 36: the fused all-reduce + norm and the peer all-gather against NCCL (2 GPUs)"
       TP_LORA_TEST_DEVICE=cuda run pytest_allreduce 90 6 python3 -m pytest -q -rs tests/distributed/test_allreduce.py \
@@ -93,23 +91,19 @@ for what in "${@:-all}"; do
       done
       python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
     tp_scaling)
-      step "issue 36: Llama-3-8B decode step at tp1 / tp2 / tp4, symm_mem and NCCL all-reduce, batch 32"
-      for spec in 1:auto 2:symm_mem 4:symm_mem 2:nccl 4:nccl; do
-        n=${spec%%:*} ar=${spec#*:}
+      step "issue 36: Llama-3-8B decode step at tp1 / tp2 / tp4 (symm_mem all-reduce, fused kernels), batch 32, adapters"
+      for n in 1 2 4; do
         [ "$NGPU" -ge $n ] || continue
-        only=$([ "$ar" = nccl ] && echo --no-adapters-only)
-        run step_tp${n}_$ar 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
-          --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce $ar $only \
+        ar=$([ $n = 1 ] && echo auto || echo symm_mem)
+        run step_tp${n}_$ar 150 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
+          --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce $ar --reps 1 \
           --out "$RES/step_tp${n}_$ar"
       done
       python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log"
-      step "issue 36: 8 layers of the Llama-3-70B shape (random weights in memory), batch 32, tp1 / tp2 / tp4"
-      for n in 1 2 4; do
-        [ "$NGPU" -ge $n ] || continue
-        run step70_tp$n 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-70b-8l \
-          --batches 32 --contexts 128,2048 --prefix-caching off --no-adapters-only --out "$RES/step70_tp$n"
-      done
-      python3 scripts/bench_step.py --scaling "$RES"/step70_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
+      step "issue 36: 8 layers of the Llama-3-70B shape (random weights in memory), batch 32, tp$NGPU"
+      run step70_tp$NGPU 120 4 torchrun --nproc_per_node=$NGPU scripts/bench_step.py --tp $NGPU \
+        --shapes llama3-70b-8l --batches 32 --contexts 128,2048 --prefix-caching off --no-adapters-only --reps 1 \
+        --out "$RES/step70_tp$NGPU" ;;
     gpu_suite)
       step "issue 36: the multi-GPU suite over NCCL + triton ($NGPU GPUs): tests/distributed, tests/gpu, multi-rank parity"
       start=$SECONDS
@@ -125,8 +119,8 @@ for what in "${@:-all}"; do
         --layers 16 --prefill 512 --out "$RES/moe_decode_mixtral" ;;
     moe4)
       step "issue 37: bench_moe_decode on 4 GPUs, Qwen3-30B-A3B shape (24 layers: tp1 fits one GPU), mixed steps too"
-      [ "$NGPU" -ge 4 ] && run moe_decode_4gpu 560 16 torchrun --nproc_per_node=4 scripts/bench_moe_decode.py \
-        --layouts tp1,tp4,ep4,ep2_tp2,tp4_ep4 --layers 24 --prefill 512 --out "$RES/moe_decode_4gpu" ;;
+      [ "$NGPU" -ge 4 ] && run moe_decode_4gpu 400 16 torchrun --nproc_per_node=4 scripts/bench_moe_decode.py \
+        --layouts tp1,tp4,ep4,ep2_tp2,tp4_ep4 --layers 24 --prefill 512 --iters 10 --out "$RES/moe_decode_4gpu" ;;
     moe2)
       step "issue 37: bench_moe_decode on 2 GPUs (Qwen3 shape, 24 layers: tp1 fits one H100), ep2 / tp2_ep2 with every"
       step "  collective on NCCL beside the peer-memory rows, each case's kernels per graphed decode step (--profile)"
