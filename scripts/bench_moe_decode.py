@@ -152,7 +152,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     rt = LoRARuntime(n_adapters, args.rank, False, ops) if n_adapters else None
     model = MoECausalLM(hf, ps, dtype, device, rt, None)
     randomize(model, device)
-    graphs = args.graphs and device.type == "cuda" and model.cuda_graph_safe
+    graphs = args.graphs and device.type == "cuda" and model.graph_blocker is None
     runner = ModelRunner(model, rt, device, graphs)
     eager = ModelRunner(model, rt, device, False)
     bs, per_seq = 16, -(-(args.context + 2) // 16)

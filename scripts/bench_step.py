@@ -4,9 +4,9 @@
     torchrun --nproc_per_node=2 scripts/bench_step.py --tp 2 --shapes llama3-8b --out DIR
 
 Shapes (random bf16 weights, written once under --cache): llama-2048 (16 layers, hidden 2048, GQA 32/8, vocab 32000)
-and llama3-8b (32 layers, hidden 4096, intermediate 14336, GQA 32/8, vocab 128256); llama3-70b-8l (8 layers of the
-70B shape: hidden 8192, intermediate 28672, GQA 64/8, vocab 128256) has random weights drawn in memory at load (no
-checkpoint on disk; --in-memory: every shape). For each batch x context, without
+and llama3-8b (32 layers, hidden 4096, intermediate 14336, GQA 32/8, vocab 128256); llama3-70b-8l and -32l (8 / 32
+layers of the 70B shape: hidden 8192, intermediate 28672, GQA 64/8, vocab 128256; the step's fixed costs weigh less
+over 32) have random weights drawn in memory at load (no checkpoint on disk; --in-memory: every shape). For each batch x context, without
 adapters and with 32 distinct rank-16 adapters on all seven projections (one per sequence, round-robin):
 - decode step: the mean wall time of the decode-only steps of all `batch` sequences (one new token each) of the last
   of --reps runs generating N tokens, each run one engine.generate() with every prompt `context` tokens long, per
@@ -66,10 +66,12 @@ SHAPES = {
                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
     "llama3-70b-8l": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=8,
                           num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0),
+    "llama3-70b-32l": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=32,
+                           num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0),
     "smoke": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
 }
-IN_MEMORY = {"llama3-70b-8l"}  # shapes whose random weights are drawn at load (every shape with --in-memory)
+IN_MEMORY = {"llama3-70b-8l", "llama3-70b-32l"}  # shapes whose random weights are drawn at load (every shape with --in-memory)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS, RANK = 32, 16
 

@@ -28,7 +28,8 @@ from tp_lora.ops import get_backend
 from tp_lora.ops.batch import build_lora_batch
 from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks
 
-V, H, HEADS, KV, E, K, INTER, SHARED, DENSE = 128, 32, 4, 2, 8, 2, 16, 24, 48
+# INTER: at tp4 an expert's shard of 8 columns is a 16-byte row, which torch's grouped GEMM (CUDA graphs) needs
+V, H, HEADS, KV, E, K, INTER, SHARED, DENSE = 128, 32, 4, 2, 8, 2, 32, 24, 48
 LAYERS = 2
 MAX_LORAS, MAX_RANK = 4, 16
 # name -> (tp_size, ep_size, ep_attention)

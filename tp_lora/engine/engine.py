@@ -88,7 +88,11 @@ class Engine(EngineCore):
         # MoE models say whether their decode step is free of host syncs (capturable) in their layout and dtype;
         # modules_to_save copies pick their slots' tokens on the host (not capturable).
         saved = any(getattr(m, "saved_table", None) is not None for m in self.model.modules())
-        graphs = cfg.cuda_graphs and getattr(self.model, "cuda_graph_safe", True) and not saved
+        blocker = "modules_to_save pick their tokens on the host" if saved else getattr(self.model, "graph_blocker",
+                                                                                          None)
+        graphs = cfg.cuda_graphs and blocker is None
+        if cfg.cuda_graphs and blocker is not None and ps.device.type == "cuda" and ps.rank == 0:
+            print(f"cuda_graphs=true: steps run eagerly: {blocker}", flush=True)
         runner = ModelRunner(self.model, rt, ps.device, graphs, cfg.scheduler.max_tokens_per_step,
                              cfg.scheduler.max_batch_size)
         super().__init__(cfg, ps, runner, registry, sampler, self.hf["vocab_size"],

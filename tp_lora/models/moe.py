@@ -360,15 +360,19 @@ class MoECausalLM(CausalLM):
         self.step_chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
 
     @property
-    def cuda_graph_safe(self) -> bool:
-        """Whether a step runs with no host sync, so the runner may capture it in a CUDA graph: expert GEMMs past the
-        Triton kernel's rows run torch's grouped GEMM (the loop fallback reads offsets on the host), and no chunked
-        shared expert with LoRA (its batch is built on the host). EP over DP replicas: capturable (graph_batch)."""
+    def graph_blocker(self) -> str | None:
+        """Why a step cannot be captured in a CUDA graph (it would sync with the host), or None: expert GEMMs past
+        the Triton kernel's rows need torch's grouped GEMM (the loop fallback reads offsets on the host), and no
+        chunked shared expert with LoRA (its batch is built on the host). EP over DP replicas: capturable
+        (graph_batch)."""
         if self.step_chunked and self.moe_shape.shared_inter and self.rt is not None:
-            return False
+            return "a shared expert with LoRA under EP over the attention TP group builds its batch on the host"
         ex = next((layer.mlp.base_experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)), None)
-        return ex is None or all(torch_grouped_available(self.device, self.dtype, w.shape[2], w.shape[1])
-                                 for w in (ex.w13, ex.w2))
+        for name, w in () if ex is None else (("w13", ex.w13), ("w2", ex.w2)):
+            if not torch_grouped_available(self.device, self.dtype, w.shape[2], w.shape[1]):
+                return (f"the experts' {name} shard [{w.shape[1]}, {w.shape[2]}] has no grouped GEMM here "
+                        f"(torch's needs bf16 on sm90+ and rows of 16-byte multiples)")
+        return None
 
     def _begin_step(self, num_tokens: int) -> None:
         prepare_step(self.step, self.ps, self.rt, num_tokens, self.device)
