@@ -350,7 +350,7 @@ KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")), ("expert groupe
          ("NCCL all-gather (EP counts / dispatch, tp logits)", ("AllGather",)),
          ("combine / MoE all-reduce: peer one-shot, NCCL", ("one_shot", "two_shot", "ReduceScatter", "AllReduce")),
          ("fused all-reduce + add + RMSNorm", ("_reduce_add_rms",)),
-         ("attention (+ split merge)", ("_decode_kernel", "_merge_kernel", "_varlen")),
+         ("attention", ("_decode_kernel", "_varlen")),
          ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass")),
          ("routing (top-k, sort, searchsorted, LoRA blocks)", ("_moe_topk", "_sort_pairs", "searchsorted",
                                                              "_lora_blocks")),

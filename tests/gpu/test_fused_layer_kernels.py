@@ -20,7 +20,7 @@ HF = dict(model_type="llama", vocab_size=1024, hidden_size=2048, intermediate_si
           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5)
 BATCH, CONTEXT, BLOCK = 32, 128, 16
 MAX_OTHER = 6  # two add + norms, RoPE + cache write, act * up (4), and two to spare
-BIG = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk|_decode_kernel|_merge_kernel|shrink|expand|lora", re.I)
+BIG = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk|_decode_kernel|shrink|expand|lora", re.I)
 
 
 def _setup():

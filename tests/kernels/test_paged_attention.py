@@ -74,17 +74,18 @@ def test_partitions_grow_as_heads_shrink():
 
 def test_kernel_splits_each_sequence(device, monkeypatch):
     """A grid of several partitions splits each sequence's own context: a short one runs whole in its first
-    partition, which writes its output (the merge passes over it: its partials are never written), a long one over
-    every partition; a windowed one splits its window."""
+    partition, which writes its output (its partials are never written), a long one over every partition, whose
+    last to finish merges them; a windowed one splits its window. The merge tickets are back at 0 after each call."""
     from tp_lora.ops.triton import paged_attention as pa
     monkeypatch.setattr(pa, "MIN_PART", 16)
     monkeypatch.setattr(pa, "BLOCK_N", 16)
     gen = torch.Generator().manual_seed(12)
     args = _case(gen, [5, 300, 40, 1], 8, 2, 16, 16, torch.float32, device, width=20)
     assert pa.partitions(4, 2, 20 * 16, 16) > 4
-    for window in (0, 37):
+    for window in (0, 37, 0):
         torch.testing.assert_close(pa.paged_decode(*args, 0.4, window), paged_decode_ref(*args, 0.4, window),
                                    rtol=1e-4, atol=1e-4)
+        assert not pa.tickets(args[0].device, 1).any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel runs natively on CUDA only")

@@ -3,10 +3,11 @@
 One program per (sequence, KV head, context partition): the query heads sharing that KV head are one [REP, d] tile,
 so each K/V position is loaded once for all of them, and only the sequence's real positions are read (its block
 table, up to its context length). Long contexts at small batches are split into partitions whose partial softmax
-sums a second kernel merges, so the grid fills the GPU. The partition count depends only on the shapes (batch, KV
+sums are merged at the end, so the grid fills the GPU. The partition count depends only on the shapes (batch, KV
 heads, block-table width), so a captured CUDA graph replays it for any context lengths; each sequence splits its own
 context over them (at least MIN_PART positions each), so a short one runs whole in its first partition, which writes
-its output, and the merge passes over it.
+its output. Where a sequence uses several, each stores its partial and takes a ticket on the (sequence, KV head)
+counter; the last to arrive merges them (one launch, no merge kernel).
 
 An fp8 (float8_e4m3fn) cache is read as stored, one byte per element, and widened in registers to float16 (exact for
 every e4m3 value): the queries are multiplied by the softmax scale first (in float32) so they stay far inside f16's
@@ -26,7 +27,9 @@ BLOCK_N_FP8 = 64  # ... over an fp8 cache (its widened V passes through shared m
 # SMs); 256 / bytes times that below (head_dim 64, an fp8 cache), where a program streams fewer bytes per position.
 TARGET_PROGRAMS = 264
 MIN_PART = 128  # positions per partition at least (fewer: the merge costs more than it gains)
+MERGE = tl.constexpr(4)  # partials the merging program loads at once
 NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel
+_tickets: dict[int, torch.Tensor] = {}
 
 
 @triton.jit
@@ -141,7 +144,7 @@ def store_rows(out_ptr, row, heads, row_ok, acc, l_sum, s_ob, s_oh, D: tl.conste
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr,
                    scale, window, softcap, min_part,
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -168,32 +171,34 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
         store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, D)
     else:
         # Partials [B, H, PARTS, D] and (max, sum) [B, H, PARTS, 2], the first `used` partitions of each sequence.
-        prow = (b * tl.num_programs(1) * REP + heads) * PARTS + part
-        tl.store(part_acc_ptr + prow[:, None] * D + d[None, :], acc, mask=(r < REP)[:, None])
-        tl.store(part_ml_ptr + prow * 2, m, mask=r < REP)
-        tl.store(part_ml_ptr + prow * 2 + 1, l_sum, mask=r < REP)
-
-
-@triton.jit
-def _merge_kernel(part_acc_ptr, part_ml_ptr, ctx_ptr, cu_q_ptr, out_ptr, window, min_part, s_ob, s_oh,
-                  H: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                  CU_Q: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    _, _, used, row, runs = sequence_split(ctx_ptr, cu_q_ptr, b, 0, window, min_part, PARTS, BLOCK, CU_Q)
-    if not runs or used == 1:  # one partition wrote the output itself
-        return
-    p = tl.arange(0, PARTS_PAD)
-    d = tl.arange(0, D)
-    prow = (b * H + h) * PARTS + p
-    ok = p < used
-    m = tl.load(part_ml_ptr + prow * 2, mask=ok, other=float("-inf"))
-    l_sum = tl.load(part_ml_ptr + prow * 2 + 1, mask=ok, other=0.0)
-    m_all = tl.max(m, 0)
-    w = tl.where(ok, tl.exp(m - m_all), 0.0)
-    acc = tl.load(part_acc_ptr + prow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
-    tl.store(out_ptr + row * s_ob + h * s_oh + d, out.to(out_ptr.dtype.element_ty))
+        kv = tl.num_programs(1)
+        head_rows = (b * kv * REP + heads) * PARTS
+        ok = r < REP
+        tl.store(part_acc_ptr + (head_rows + part)[:, None] * D + d[None, :], acc, mask=ok[:, None])
+        tl.store(part_ml_ptr + (head_rows + part) * 2, m, mask=ok)
+        tl.store(part_ml_ptr + (head_rows + part) * 2 + 1, l_sum, mask=ok)
+        tl.debug_barrier()  # every thread's partial stored before the ticket publishes them
+        ticket = tl.atomic_add(cnt_ptr + b * kv + g, 1, sem="acq_rel", scope="gpu")
+        if ticket == used - 1:  # the last partition of (sequence, KV head) to finish merges them all, MERGE at a time
+            m_all = m
+            for p0 in range(0, used, MERGE):
+                for j in tl.static_range(MERGE):
+                    live = ok & (r * 0 + p0 + j < used)
+                    m_all = tl.maximum(m_all, tl.load(part_ml_ptr + (head_rows + p0 + j) * 2, mask=live,
+                                                      other=float("-inf"), cache_modifier=".cg"))
+            num = tl.zeros([REP_PAD, D], tl.float32)
+            den = tl.zeros([REP_PAD], tl.float32)
+            for p0 in range(0, used, MERGE):
+                for j in tl.static_range(MERGE):
+                    pr = head_rows + p0 + j
+                    live = ok & (r * 0 + p0 + j < used)
+                    w = tl.exp(tl.load(part_ml_ptr + pr * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+                               - m_all)
+                    den += w * tl.load(part_ml_ptr + pr * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+                    num += w[:, None] * tl.load(part_acc_ptr + pr[:, None] * D + d[None, :], mask=live[:, None],
+                                                other=0.0, cache_modifier=".cg")
+            store_rows(out_ptr, row, heads, ok, num, den, s_ob, s_oh, D)
+            tl.atomic_xchg(cnt_ptr + b * kv + g, 0)
 
 
 def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
@@ -204,6 +209,15 @@ def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     return dict(F32_DOT=not fp8 and (interpreted or q.dtype == torch.float32), KV_FP8=fp8,
                 FP8_ASM=fp8 and not interpreted)
+
+
+def tickets(device: torch.device, n: int) -> torch.Tensor:
+    """The partition tickets of a device: int32, at least n, all 0 between launches (each merge resets its own).
+    Made at the first call (the runner's eager warm-up, before any graph is captured); one stream takes turns."""
+    key = device.index if device.type == "cuda" else -1
+    if key not in _tickets or _tickets[key].numel() < n:
+        _tickets[key] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    return _tickets[key]
 
 
 def tile_positions(elem_bytes: int) -> int:
@@ -238,19 +252,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if parts > 1:
         part_acc = torch.empty(seqs * heads * parts * d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(seqs * heads * parts * 2, dtype=torch.float32, device=q.device)
+        cnt = tickets(q.device, seqs * kv)
     else:
         part_acc = part_ml = out
+        cnt = context_lens  # (unread with one partition)
     cu = context_lens if cu_q is None else cu_q  # (unread without cu_q)
     _decode_kernel[(seqs, kv, parts)](
-        q, k_cache, v_cache, block_table, context_lens, cu, out, part_acc, part_ml, scale, int(window or 0),
+        q, k_cache, v_cache, block_table, context_lens, cu, out, part_acc, part_ml, cnt, scale, int(window or 0),
         float(softcap or 0.0), MIN_PART,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=block, PARTS=parts,
         CU_Q=cu_q is not None, **dot_flags(q, k_cache, _decode_kernel), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if parts > 1:
-        _merge_kernel[(seqs, heads)](part_acc, part_ml, context_lens, cu, out, int(window or 0), MIN_PART,
-                                     out.stride(0), out.stride(1), H=heads, D=d, PARTS=parts,
-                                     PARTS_PAD=max(2, triton.next_power_of_2(parts)), BLOCK=block,
-                                     CU_Q=cu_q is not None)
     return out
