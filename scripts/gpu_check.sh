@@ -24,7 +24,8 @@
 #   table, greedy agreement, the 8B decode table).
 #   `fp8_kv` (issue 38 item 3, one GPU, ~10 minutes at most): the paged attention tests natively (fp8 caches), the
 #   bf16 against fp8 KV attention rows (batch 32, contexts 2048 / 4096 / 8192, floors), the 8B
-#   decode step at context 4096 with a bf16 and an fp8 KV cache, the decode attention rows at tp head counts.
+#   decode step at context 8192 with bf16 weights + KV and with fp8 weights + KV, the decode attention rows at tp
+#   head counts.
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
 #   json_schema with its mask wait; tests/gpu/test_serving_features.py; `prefix_moderate`: TTFT at 5
 #   conversations/s; `prefix_saturated`).
@@ -107,9 +108,10 @@ for what in "${@:-all}"; do
     gpu_suite)
       step "issue 36: the multi-GPU suite over NCCL + triton ($NGPU GPUs): tests/distributed, tests/gpu, multi-rank parity"
       start=$SECONDS
-      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_suite 540 45 python3 -m pytest -q -rs \
+      # -v with a clock on every line: each test's end time survives a run cut short (--durations prints at the end)
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_suite 540 45 bash -c 'python3 -m pytest -v -rs \
         --durations=25 tests/distributed tests/gpu tests/parity/test_adapter_kinds_parity.py \
-        tests/parity/test_families_parity.py
+        tests/parity/test_families_parity.py 2>&1 | while IFS= read -r l; do printf "%s %s\n" "$(date +%T)" "$l"; done'
       echo "gpu_suite: $((SECONDS - start)) s wall on $NGPU GPUs" | tee -a "$OUT/summary.log" ;;
     moe_decode_2gpu)
       step "bench_moe_decode on 2 GPUs: Qwen3-30B-A3B (48 layers) and Mixtral (16 layers), mixed steps too"
@@ -230,9 +232,14 @@ for what in "${@:-all}"; do
         tests/kernels/test_paged_attention.py tests/kernels/test_paged_varlen.py tests/unit/test_fp8_kv.py \
         tests/unit/test_attention.py
       run bench_fp8_kv 120 18 python3 scripts/bench_attention.py --kind fp8_kv --out "$RES/attention_fp8_kv"
-      # 97 new tokens: the whole batch decodes together once its 4096-token prompts are in (decode-only rows)
-      run step_fp8_kv 200 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 4096 --reps 1 \
-        --kv-cache-dtype auto,fp8 --prefix-caching off --in-memory --no-adapters-only --new 97 --out "$RES/step_fp8_kv"
+      # 97 new tokens: the whole batch decodes together once its prompts are in (decode-only rows). Issue 38's
+      # whole-step target at ctx 8192: bf16 weights + bf16 KV against fp8 + fp8, each in a process of its own (the
+      # four combinations in one process ran out of memory on an H100)
+      for spec in none:auto fp8:fp8; do
+        run step_8192_${spec/:/_} 150 4 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 8192 \
+          --reps 1 --quantization ${spec%%:*} --kv-cache-dtype ${spec#*:} --prefix-caching off --in-memory \
+          --no-adapters-only --new 97 --out "$RES/step_8192_${spec/:/_}"
+      done
       step "decode attention at the tp head counts (#36): 32/8, 16/4, 8/2 heads per rank, contexts 128 / 512 / 2048"
       run attention_tp 90 14 python3 scripts/bench_attention.py --kind tp --out "$RES/attention_tp" ;;
     *) ;;
