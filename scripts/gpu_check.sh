@@ -199,8 +199,8 @@ for what in "${@:-all}"; do
       run pytest_serving_features 100 12 python3 -m pytest -q -rs -s tests/gpu/test_serving_features.py ;;&
     pending_b|serve39|prefix_moderate)
       step "prefix caching (#39) at moderate load: TTFT with and without caching, where it goes (chat trace only)"
-      run prefix_moderate 150 8 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
-        --conversations 60 --traces chat --orders cached --out "$RES/prefix_moderate" ;;&
+      run prefix_moderate 260 8 python3 scripts/bench_prefix.py --shapes llama-2048 --rate 5 --think-s 0.5 \
+        --conversations 150 --traces chat --orders cached --out "$RES/prefix_moderate" ;;&
     pending_b|serve39|prefix_saturated)
       step "prefix caching (#39) saturated: arrivals faster than the GPU (cached first against arrival order), and"
       step "  the random trace (what caching costs)"
