@@ -344,16 +344,15 @@ def row_name(r: dict) -> str:
 
 # (kind, name substrings) in match order: the kernel table's rows
 KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")), ("expert grouped GEMM", ("_grouped_mm",)),
-         ("MoE LoRA shrink + expand", ("moe_shrink", "moe_expand")),
+         ("MoE LoRA shrink + expand", ("moe_shrink", "moe_expand", "moe_fused")),
          ("dense LoRA shrink + expand", ("shrink_rows", "expand_rows")),
          ("EP dispatch: peer all-gather", ("_all_gather_kernel",)),
          ("NCCL all-gather (EP counts / dispatch, tp logits)", ("AllGather",)),
          ("combine / MoE all-reduce: peer one-shot, NCCL", ("one_shot", "two_shot", "ReduceScatter", "AllReduce")),
          ("fused all-reduce + add + RMSNorm", ("_reduce_add_rms",)),
          ("attention", ("_decode_kernel", "_varlen")),
-         ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass")),
-         ("routing (top-k, sort, searchsorted, LoRA blocks)", ("_moe_topk", "_sort_pairs", "searchsorted",
-                                                             "_lora_blocks")),
+         ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass", "_w8a16")),
+         ("routing (top-k, the plan)", ("_moe_topk", "_plan_kernel", "searchsorted")),
          ("pack, combine, act, norms, rope (Triton)", ("_pack_kernel", "_moe_combine", "_act_mul", "_add_rms_norm",
                                                        "_rope_write")))
 OTHER = "torch elementwise / copies / fills / gathers"

@@ -234,6 +234,22 @@ def test_moe_topk(device, dtype, tokens, experts, k, renormalize, round_weights)
     torch.testing.assert_close(w, want_w, **_tol(device, dtype))
 
 
+@pytest.mark.parametrize("first, valid", [(0, 11), (3, 11), (0, 17), (20, 11)])  # some / none / all padding
+def test_moe_topk_padding_rows_route_nowhere(device, first, valid):
+    """A CUDA graph's rows from valid[0] on (row i is step row first + i) get ids -1; the other rows and every weight
+    are as without."""
+    from tp_lora.ops.triton.fused import moe_topk
+    gen = torch.Generator().manual_seed(first + valid)
+    logits = _randn(gen, 17, 8, dtype=torch.float32, device=device, std=2.0)
+    v = torch.tensor([valid], dtype=torch.int32, device=device)
+    ids, w = moe_topk(logits, 2, True, False, v, first)
+    plain_ids, plain_w = moe_topk(logits, 2, True, False)
+    want_ids, _ = ref.moe_topk_ref(logits, 2, True, False, v, first)
+    pad = torch.arange(first, first + 17, device=device) >= valid
+    assert torch.equal(ids, want_ids) and (ids[pad] == -1).all() and torch.equal(ids[~pad], plain_ids[~pad])
+    assert torch.equal(w, plain_w)
+
+
 def test_moe_topk_takes_the_lowest_index_among_ties(device):
     from tp_lora.ops.triton.fused import moe_topk
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]], device=device)

@@ -1,6 +1,8 @@
-"""The Triton sort of a routing plan's pairs and its LoRA block table against sort_pairs_ref (torch's stable sort) /
-lora_blocks_ref on the device under test: random routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows,
-one local expert, with and without adapter slots, and more pairs than one program ranks (several blocks)."""
+"""The routing plan's one Triton launch (the pairs' sort, the expert ends, the LoRA block table) against
+sort_pairs_ref (torch's stable sort), torch.searchsorted and lora_blocks_ref on the device under test: random
+routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows, one local
+expert, with and without adapter slots, and more pairs than one program ranks (several blocks: the last program to
+finish writes the ends and the blocks)."""
 import pytest
 import torch
 
@@ -19,8 +21,9 @@ CASES = {  # name: (tokens, k, global experts, expert_start, local experts, ids 
 
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
-def test_sort_pairs_kernel_matches_torch_stable_sort(device, name, lora):
-    from tp_lora.ops.triton.moe_plan import sort_pairs
+def test_plan_kernel_matches_torch_stable_sort(device, name, lora):
+    from tp_lora.ops.triton.moe_plan import plan_pairs
+    from tp_lora.ops.triton.tickets import tickets
     n, k, e_all, e0, e_local, fixed = CASES[name]
     g = torch.Generator().manual_seed(len(name) + 100 * lora)
     if fixed is None:
@@ -30,13 +33,17 @@ def test_sort_pairs_kernel_matches_torch_stable_sort(device, name, lora):
     L = 3 if lora else 0
     slots = torch.randint(-1, L, (n,), generator=g, dtype=torch.int32) if lora else None
     want = sort_pairs_ref(ids, slots, e0, e_local, L)
-    got = sort_pairs(ids.to(device), None if slots is None else slots.to(device), e0, e_local, L)
-    for field, w, x in zip(("token", "pos", "sorted_key"), want, got, strict=True):
+    bounds = torch.arange(L + 1, (e_local + 1) * (L + 1), L + 1, dtype=torch.int32)
+    want += (torch.searchsorted(want[2], bounds, out_int32=True),)
+    got = plan_pairs(ids.to(device), None if slots is None else slots.to(device), e0, e_local, L)
+    for field, w, x in zip(("token", "pos", "sorted_key", "expert_ends"), want, got[:4], strict=True):
         assert x.dtype == w.dtype and x.shape == w.shape, field
         assert torch.equal(x.cpu(), w), f"{name}: {field} differs"
     if lora:
-        from tp_lora.ops.triton.moe_plan import lora_blocks
-        want_g, got_g = lora_blocks_ref(want[2], e_local, L), lora_blocks(got[2], e_local, L).cpu()
+        want_g, got_g = lora_blocks_ref(want[2], e_local, L), got[4].cpu()
         assert got_g.shape == want_g.shape
         used = want_g[:, 3] > 0
         assert torch.equal(got_g[:int(used.sum())], want_g[used]) and (got_g[int(used.sum()):] == 0).all()
+    else:
+        assert got[4].shape == (0, 4)
+    assert not tickets(got[0].device, 1).any()

@@ -396,7 +396,6 @@ def _run_block(block, rt, x, slots):
     rt.batch = build_lora_batch(slots.tolist(), 2, "cpu")
     block.step.owned, block.step.rows, block.step.slots, block.step.batch = (0, len(x)), len(x), rt.batch.token_slot, \
         rt.batch
-    block.step.padding = None  # a new forward (prepare_step's part)
     with torch.no_grad():
         return block(x)
 

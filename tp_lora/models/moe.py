@@ -121,14 +121,6 @@ class MoEStep:
     # mixed, while it replays graphs), so a rank replaying a graph and one stepping eagerly exchange equal buffers.
     buckets: tuple[int, ...] = ()
     valid: torch.Tensor | None = None  # [1] int on the device: the real rows of a graph's padded ones (None: all)
-    padding: torch.Tensor | None = None  # padding_rows' mask of this forward (prepare_step clears it)
-
-    def padding_rows(self, device) -> torch.Tensor:
-        """[c1 - c0, 1] bool: the owned rows past `valid` (a graph's padding), made by the forward's first MoE block."""
-        if self.padding is None:
-            c0, c1 = self.owned
-            self.padding = (torch.arange(c0, c1, device=device) >= self.valid)[:, None]
-        return self.padding
 
 
 def capacity(tokens: int, buckets: tuple[int, ...]) -> int:
@@ -160,7 +152,6 @@ def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, 
         step.owned, step.rows = (0, num_tokens), num_tokens
     step.counts = None
     c0, c1 = step.owned
-    step.padding = None
     if rt is None:
         step.slots = step.batch = None
     elif rt.batch is None or rt.batch.num_tokens != num_tokens:
@@ -228,9 +219,7 @@ class SparseMoE(nn.Module):
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
-        ids, w = self.gate(xs)
-        if step.valid is not None:  # a graph's padding rows route nowhere
-            ids = ids.masked_fill(step.padding_rows(ids.device), -1)
+        ids, w = self.gate(xs, step.valid, c0)  # a graph's padding rows route nowhere
         shared = self._shared(xs) if self.shared_gate_up is not None else None
         tags = step.slots
         if self.chunked:  # hidden states are replicated: gather the chunks' routing only

@@ -8,7 +8,8 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
-- moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights.
+- moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights; a CUDA
+  graph's padding rows route nowhere.
 - moe_combine: each token's router-weighted sum of its top-k expert outputs (rows of a routing plan's pair order),
   accumulated in float32 and rounded once; no atomics, so the sum's order is fixed.
 
@@ -103,15 +104,18 @@ def act_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
     return ACTIVATIONS[act](gate) * up
 
 
-def moe_topk_ref(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_topk_ref(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
+                 valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] in the model dtype -> topk ids [n, k] int64, weights [n, k] float32 of softmax(logits) in float32,
-    renormalised to sum 1 (renormalize), rounded through the logits' dtype (round_weights)."""
+    renormalised to sum 1 (renormalize), rounded through the logits' dtype (round_weights). valid [1] int (a CUDA
+    graph's real rows): row i is step row first + i, and rows from valid[0] on route nowhere (ids -1)."""
     w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
     if renormalize:
         w = w / w.sum(-1, keepdim=True)
     if round_weights:
         w = w.to(logits.dtype).float()
+    if valid is not None:
+        ids = ids.masked_fill((torch.arange(first, first + ids.shape[0], device=ids.device) >= valid)[:, None], -1)
     return ids, w
 
 
@@ -168,12 +172,12 @@ def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     return act_mul_ref(x, act)
 
 
-def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
+             valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernels(logits) and logits.shape[0]:
         from tp_lora.ops.triton.fused import moe_topk as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(logits, k, renormalize, round_weights)
-    return moe_topk_ref(logits, k, renormalize, round_weights)
+        return kernel(logits, k, renormalize, round_weights, valid, first)
+    return moe_topk_ref(logits, k, renormalize, round_weights, valid, first)
 
 
 def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

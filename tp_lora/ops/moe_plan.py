@@ -10,7 +10,7 @@ import torch
 from tp_lora.ops.fused import use_kernels
 from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan, num_lora_blocks
 
-SMALL_SORT = 4096  # pairs (N * k) up to which CUDA ranks them in one Triton launch (else torch.sort)
+SMALL_SORT = 4096  # pairs (N * k) up to which CUDA builds the plan in one Triton launch (else torch.sort and co.)
 
 
 def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: torch.Tensor | None,
@@ -22,21 +22,16 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
     L = max_loras if (lora and token_slot is not None) else 0
     slots = token_slot if L else None
     if use_kernels(topk_ids) and 0 < n * k <= SMALL_SORT:
-        from tp_lora.ops.triton.moe_plan import sort_pairs as sort  # noqa: PLC0415 - CUDA / forced only
+        from tp_lora.ops.triton.moe_plan import plan_pairs  # noqa: PLC0415 - CUDA / forced only
+        token, pos, sorted_key, ends, groups = plan_pairs(topk_ids, slots, expert_start, E, L)
     else:
-        sort = sort_pairs_ref
-    token, pos, sorted_key = sort(topk_ids, slots, expert_start, E, L)
-    bounds = torch.arange(L + 1, (E + 1) * (L + 1), L + 1, dtype=torch.int32, device=topk_ids.device)  # one launch
-    if not L:
-        groups = torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device)
-    elif use_kernels(sorted_key) and 0 < sorted_key.shape[0] <= SMALL_SORT:
-        from tp_lora.ops.triton.moe_plan import lora_blocks  # noqa: PLC0415 - CUDA / forced only
-        groups = lora_blocks(sorted_key, E, L)
-    else:
-        groups = lora_blocks_ref(sorted_key, E, L)
-    return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), sorted_key=sorted_key,
-                   expert_ends=torch.searchsorted(sorted_key, bounds, out_int32=True), groups=groups,
-                   keys_per_expert=L + 1)
+        token, pos, sorted_key = sort_pairs_ref(topk_ids, slots, expert_start, E, L)
+        bounds = torch.arange(L + 1, (E + 1) * (L + 1), L + 1, dtype=torch.int32, device=topk_ids.device)
+        ends = torch.searchsorted(sorted_key, bounds, out_int32=True)
+        groups = (lora_blocks_ref(sorted_key, E, L) if L else
+                  torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device))
+    return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), sorted_key=sorted_key, expert_ends=ends,
+                   groups=groups, keys_per_expert=L + 1)
 
 
 def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,

@@ -16,8 +16,7 @@ widened weights from registers where BLOCK_M (the rows, 16 to 64) would be too f
 program stores its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on its column block's
 counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight at a time (the
 output does not depend on arrival order), applies the channel scales (loaded before the main loop), writes the
-output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA graph (the counters live in one
-int32 buffer per device; kernels on one stream take turns on it).
+output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA graph (tp_lora.ops.triton.tickets).
 
 w8a8_mm: both operands fp8 on the fp8 tensor cores, float32 accumulation, the block scales (activations per token
 and block_k columns, weights per row and block) multiplying each K tile's product in the main loop. Tiles are
@@ -31,10 +30,10 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.triton.dot import compute_types, mm
+from tp_lora.ops.triton.tickets import tickets
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2  # w8a16_mm's scale layouts
 MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
-COUNTERS = 1 << 14  # column blocks a split-K launch may have (one ticket counter each)
 REDUCE = tl.constexpr(4)  # partial tiles the last split loads at once
 
 W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3)
@@ -42,9 +41,6 @@ W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, num_warps=4
 HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
-
-_counters: dict[int, torch.Tensor] = {}
-
 
 def _interpreting() -> bool:
     return type(_w8a16_kernel).__name__ == "InterpretedFunction"
@@ -113,15 +109,6 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def counter_buffer(device: torch.device) -> torch.Tensor:
-    """The split-K ticket counters of a device, int32 [COUNTERS], all 0 between launches (made at the first call;
-    the runner's eager warm-up step makes it before any graph is captured)."""
-    key = device.index if device.type == "cuda" else -1
-    if key not in _counters:
-        _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[key]
-
-
 def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block_k: int | None,
              cfg: dict | None = None) -> torch.Tensor:
     """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, num_warps, num_stages.
@@ -145,9 +132,7 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     k_split = triton.cdiv(tiles, split) * bk
     split = triton.cdiv(k, k_split)
     grid_n = triton.cdiv(n, cfg["BLOCK_N"])
-    if split > 1 and grid_n > COUNTERS:
-        raise ValueError(f"w8a16_mm: {grid_n} column blocks of a split-K launch, at most {COUNTERS}")
-    cnt = counter_buffer(x.device)
+    cnt = tickets(x.device, grid_n)
     # one compiled kernel for every split: without splits the workspace is never touched (any float32 pointer)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else cnt.view(torch.float32)
     scales = SCALE_NONE if scale is None else SCALE_CHANNEL if block_k is None else SCALE_BLOCK

@@ -211,8 +211,8 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
 
 
 @triton.jit
-def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, s_l, E, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                     RENORM: tl.constexpr, ROUND: tl.constexpr):
+def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, E, first, K: tl.constexpr, K_PAD: tl.constexpr,
+                     E_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, HAS_VALID: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     x = tl.load(logits_ptr + t * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -231,19 +231,21 @@ def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, s_l, E, K: tl.constexpr, K_PAD:
         w = w / tl.sum(w, 0)
     if ROUND:
         w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_VALID:  # a graph's padding row routes nowhere
+        ids = tl.where(j * 0 + first + t >= tl.load(valid_ptr), -1, ids)
     tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
     tl.store(w_ptr + t * K + j, w, mask=j < K)
 
 
-def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
+             valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     rows = as_rows(logits, "moe_topk's logits")
     n, e = rows.shape
     if not 1 <= k <= e:
         raise ValueError(f"moe_topk: k={k} outside 1..{e} (the number of experts)")
     ids = torch.empty(n, k, dtype=torch.int64, device=rows.device)
     w = torch.empty(n, k, dtype=torch.float32, device=rows.device)
-    _moe_topk_kernel[(n,)](rows, ids, w, rows.stride(0), e, K=k, K_PAD=triton.next_power_of_2(k),
-                           E_PAD=triton.next_power_of_2(e),
-                           RENORM=renormalize, ROUND=round_weights)
+    _moe_topk_kernel[(n,)](rows, ids, w, ids if valid is None else valid, rows.stride(0), e, first, K=k,
+                           K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), RENORM=renormalize,
+                           ROUND=round_weights, HAS_VALID=valid is not None)
     return ids, w

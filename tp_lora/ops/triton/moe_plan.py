@@ -1,10 +1,11 @@
-"""Triton kernels building a routing plan for small batches (decode), with the signatures and results of
-tp_lora.ops.moe_plan's references, one launch each, no host sync, grids from shapes only (capturable):
+"""The routing plan of a small batch (decode) in one Triton launch, no host sync, grid from shapes only (capturable):
+the results of tp_lora.ops.moe_plan's references (sort_pairs_ref, the expert ends' searchsorted, lora_blocks_ref).
 
-- sort_pairs: each pair's place in the stable (key, index) order is the count of pairs before it (an all-pairs
+- The sort: each pair's place in the stable (key, index) order is the count of pairs before it (an all-pairs
   comparison, cheap for a few thousand pairs); the program that ranked a pair writes its rows of the plan there.
-- lora_blocks: the LoRA block table from the sorted keys in one program (group starts by a running max, block rows
-  by a running sum).
+- Then each program takes a ticket (tp_lora.ops.triton.tickets); the last to finish reads the sorted keys and writes
+  the expert ends (a binary search per expert) and, with adapter slots, the LoRA block table (group starts by a
+  running max, block rows by a running sum).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.moe_layout import LORA_BLOCK, num_lora_blocks
+from tp_lora.ops.triton.tickets import tickets
 
 BLOCK_I, BLOCK_J = 64, 256
 
@@ -32,9 +34,59 @@ def _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT: tl.constexpr, HAS_SLO
 
 
 @triton.jit
-def _sort_pairs_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, P, K, e0, E, cap,
-                       PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
-                       BLOCK_J: tl.constexpr):
+def _expert_ends(skey_ptr, ends_ptr, C, E, PER_EXPERT: tl.constexpr, E_PAD: tl.constexpr, STEPS: tl.constexpr):
+    """ends[e] = how many of the C sorted keys are below expert e + 1's first key (searchsorted, left)."""
+    e = tl.arange(0, E_PAD)
+    bound = (e + 1) * PER_EXPERT
+    lo = tl.zeros((E_PAD,), dtype=tl.int32)
+    hi = lo + C
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(skey_ptr + mid, mask=active, other=0, cache_modifier=".cg")
+        right = active & (v < bound)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (v >= bound), mid, hi)
+    tl.store(ends_ptr + e, lo, mask=e < E)
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _lora_block_rows(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr, C_PAD: tl.constexpr,
+                     LORA_BLOCK: tl.constexpr):
+    """The LoRA block table [B, 4] of the C sorted keys: used rows first, the rest all 0."""
+    p = tl.arange(0, C_PAD)
+    ok = p < C
+    key = tl.load(skey_ptr + p, mask=ok, other=LIMIT, cache_modifier=".cg")
+    prev = tl.load(skey_ptr + tl.maximum(p - 1, 0), mask=ok & (p > 0), other=-1, cache_modifier=".cg")
+    group_start = tl.associative_scan(tl.where(key != prev, p, 0), 0, _max)
+    lora = ok & (key < LIMIT) & (key % PER_EXPERT != 0)  # this rank's pairs that have an adapter
+    first = lora & ((p - group_start) % LORA_BLOCK == 0)
+    row = tl.cumsum(first.to(tl.int32), 0) - 1
+    count = tl.zeros((C_PAD,), dtype=tl.int32)
+    for d in tl.static_range(LORA_BLOCK):
+        count += (tl.load(skey_ptr + p + d, mask=first & (p + d < C), other=-1, cache_modifier=".cg") == key
+                  ).to(tl.int32)
+    out = groups_ptr + row * 4
+    tl.store(out, key // PER_EXPERT, mask=first)
+    tl.store(out + 1, key % PER_EXPERT - 1, mask=first)
+    tl.store(out + 2, p, mask=first)
+    tl.store(out + 3, count, mask=first)
+    used = tl.sum(first.to(tl.int32), 0)
+    for b0 in range(0, B, C_PAD):  # the rows no block took: count 0
+        b = b0 + p
+        for c in tl.static_range(4):
+            tl.store(groups_ptr + b * 4 + c, 0, mask=(b >= used) & (b < B))
+
+
+@triton.jit
+def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, e0, E, cap,
+                 B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                 E_PAD: tl.constexpr, STEPS: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
     key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT, HAS_SLOTS)
@@ -48,10 +100,19 @@ def _sort_pairs_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, P, K, e
     kept = ok & (rank < cap)
     tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
     tl.store(skey_ptr + rank, key, mask=kept)
+    tl.debug_barrier()  # every thread's keys stored before the ticket publishes them
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        _expert_ends(skey_ptr, ends_ptr, cap, E, PER_EXPERT, E_PAD, STEPS)
+        if HAS_SLOTS:
+            _lora_block_rows(skey_ptr, groups_ptr, cap, B, E * PER_EXPERT, PER_EXPERT, C_PAD, LORA_BLOCK)
+        tl.atomic_xchg(cnt_ptr, 0)
 
 
-def sort_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
+def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
                max_loras: int):
+    """(token, pos, sorted_key) as sort_pairs_ref, expert_ends [E] int32 (searchsorted of each expert's end key)
+    and, with max_loras, the LoRA block table [B, 4] (lora_blocks_ref's used rows first, then rows of 0; [0, 4]
+    without), for topk_ids [N, k] with N * k > 0."""
     n, k = topk_ids.shape
     E, p = num_local, n * k
     cap = n * min(k, E)
@@ -59,50 +120,13 @@ def sort_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     token = torch.empty(cap, dtype=torch.int64, device=dev)
     pos = torch.empty(n, k, dtype=torch.int32, device=dev)
     skey = torch.empty(cap, dtype=torch.int32, device=dev)
-    if p:
-        ids = topk_ids.contiguous()
-        _sort_pairs_kernel[(triton.cdiv(p, BLOCK_I),)](
-            ids, ids if slots is None else slots.contiguous(), token, pos, skey, p, k, expert_start,
-            E, cap, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J)
-    return token, pos, skey
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _lora_blocks_kernel(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr, C_PAD: tl.constexpr,
-                        LORA_BLOCK: tl.constexpr):
-    p = tl.arange(0, C_PAD)
-    ok = p < C
-    key = tl.load(skey_ptr + p, mask=ok, other=LIMIT)
-    prev = tl.load(skey_ptr + tl.maximum(p - 1, 0), mask=ok & (p > 0), other=-1)
-    group_start = tl.associative_scan(tl.where(key != prev, p, 0), 0, _max)
-    lora = ok & (key < LIMIT) & (key % PER_EXPERT != 0)  # this rank's pairs that have an adapter
-    first = lora & ((p - group_start) % LORA_BLOCK == 0)
-    row = tl.cumsum(first.to(tl.int32), 0) - 1
-    count = tl.zeros((C_PAD,), dtype=tl.int32)
-    for d in tl.static_range(LORA_BLOCK):
-        count += (tl.load(skey_ptr + p + d, mask=first & (p + d < C), other=-1) == key).to(tl.int32)
-    out = groups_ptr + row * 4
-    tl.store(out, key // PER_EXPERT, mask=first)
-    tl.store(out + 1, key % PER_EXPERT - 1, mask=first)
-    tl.store(out + 2, p, mask=first)
-    tl.store(out + 3, count, mask=first)
-    used = tl.sum(first.to(tl.int32), 0)
-    for b0 in range(0, B, C_PAD):  # the rows no block took: count 0
-        b = b0 + p
-        for c in tl.static_range(4):
-            tl.store(groups_ptr + b * 4 + c, 0, mask=(b >= used) & (b < B))
-
-
-def lora_blocks(sorted_key: torch.Tensor, num_local: int, max_loras: int) -> torch.Tensor:
-    """lora_blocks_ref's table (rows no block took are all 0) in one single-program launch."""
-    cap = sorted_key.shape[0]
-    b = num_lora_blocks(cap, num_local, max_loras)
-    groups = torch.empty(b, 4, dtype=torch.int32, device=sorted_key.device)
-    _lora_blocks_kernel[(1,)](sorted_key, groups, cap, b, num_local * (max_loras + 1), PER_EXPERT=max_loras + 1,
-                              C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
-    return groups
+    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
+    groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
+    ids = topk_ids.contiguous()
+    _plan_kernel[(triton.cdiv(p, BLOCK_I),)](
+        ids, ids if slots is None else slots.contiguous(), token, pos, skey, ends, groups, tickets(dev, 1), p, k,
+        expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I,
+        BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E), STEPS=cap.bit_length() + 1,
+        C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
+    return token, pos, skey, ends, groups

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.triton.tickets import tickets
+
 BLOCK_N = 128  # positions per inner iteration over a 16-bit cache
 BLOCK_N_FP8 = 64  # ... over an fp8 cache (its widened V passes through shared memory as f16)
 # Programs the decode grid aims for where a position holds >= 256 bytes per KV head (bf16 at head_dim 128; two waves of
@@ -29,7 +31,6 @@ TARGET_PROGRAMS = 264
 MIN_PART = 128  # positions per partition at least (fewer: the merge costs more than it gains)
 MERGE = tl.constexpr(4)  # partials the merging program loads at once
 NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel
-_tickets: dict[int, torch.Tensor] = {}
 
 
 @triton.jit
@@ -209,15 +210,6 @@ def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     return dict(F32_DOT=not fp8 and (interpreted or q.dtype == torch.float32), KV_FP8=fp8,
                 FP8_ASM=fp8 and not interpreted)
-
-
-def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """The partition tickets of a device: int32, at least n, all 0 between launches (each merge resets its own).
-    Made at the first call (the runner's eager warm-up, before any graph is captured); one stream takes turns."""
-    key = device.index if device.type == "cuda" else -1
-    if key not in _tickets or _tickets[key].numel() < n:
-        _tickets[key] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    return _tickets[key]
 
 
 def tile_positions(elem_bytes: int) -> int:
