@@ -54,10 +54,13 @@ def test_decode_step_exact():
     out = DecodeInputs.zeros(4, 3, "cpu")
     for t in out.tensors():
         t.fill_(-7)
-    got = pad_decode_step([5, 6], [[7, 2, 3, 1], [4]], [9, 0], rows=4, width=3, scratch=8, out=out)
+    got = pad_decode_step([5, 6], [[7, 2, 3, 1], [4]], [9, 0], rows=4, width=3, block_size=4, scratch=8, out=out)
     assert got.ids.tolist() == [5, 6, 0, 0]
     assert got.positions.tolist() == [9, 0, 0, 0]
     assert got.block_table.tolist() == [[7, 2, 3], [4, 8, 8], [8, 8, 8], [8, 8, 8]]
+    assert got.kv_slots.tolist() == [3 * 4 + 1, 4 * 4, 8 * 4, 8 * 4]  # position 9: block 2 (id 3), offset 1
+    assert got.context_lens.tolist() == [10, 1, 1, 1] and got.context_lens.dtype == torch.int32
+    assert got.last_token.tolist() == [0, 1, 2, 3]
     assert got.valid.tolist() == [2] and got.block_table.dtype == torch.int32
 
 

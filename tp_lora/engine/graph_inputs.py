@@ -6,7 +6,8 @@ Mixed steps: T token rows, S sequence rows, block tables W wide. Real tokens and
 order; padding tokens have id 0, position 0 and the scratch block's first KV slot (no sequence reads it; every slot
 is in bounds, which the fused K/V write needs); padding sequences own no query (q_len 0, context 0), their block
 tables and the unused ends of real ones point at the scratch block, and their logits row is token 0's.
-Decode steps: B rows of one token each; padding rows have id 0, position 0 and all-scratch tables.
+Decode steps: B rows of one token each; padding rows have id 0, position 0 (the scratch block's first slot, context
+1) and all-scratch tables.
 A token's `feed` (-1 for none) names the row of the previous step's sampled tokens its id comes from on the device
 (a step launched before that one's tokens reached the host); its staged id is then a placeholder.
 """
@@ -62,14 +63,24 @@ class MixedInputs(_Fields):
 class DecodeInputs(_Fields):
     ids: torch.Tensor  # [B] int64 token ids
     positions: torch.Tensor  # [B] int64 position of each row's token
+    kv_slots: torch.Tensor  # [B] int64 cache slot (block * block_size + offset) each row's K/V goes to
+    last_token: torch.Tensor  # [B] int64 0..B-1: every row's logits are sampled
+    context_lens: torch.Tensor  # [B] int32 positions each row attends over (its position + 1)
     block_table: torch.Tensor  # [B, W] int32
     valid: torch.Tensor  # [1] int64 count of real rows (read by models with graph_rows)
     feed: torch.Tensor  # [B] int64 row of the previous step's sampled tokens giving the id, or -1
 
+    def meta(self, window: int | None) -> AttnMeta:
+        """The attention layout over these tensors (nothing computed on the device: the host filled every field)."""
+        group = AttnGroup(tokens=None, block_table=self.block_table, context_lens=self.context_lens)
+        return AttnMeta(slots=self.kv_slots, positions=self.positions, groups=[group], last_token=self.last_token,
+                        window=window or 0)
+
     @classmethod
     def zeros(cls, rows: int, width: int, device) -> DecodeInputs:
         i64 = dict(dtype=torch.int64, device=device)
-        return cls(torch.zeros(rows, **i64), torch.zeros(rows, **i64),
+        return cls(torch.zeros(rows, **i64), torch.zeros(rows, **i64), torch.zeros(rows, **i64),
+                   torch.arange(rows, **i64), torch.ones(rows, dtype=torch.int32, device=device),
                    torch.zeros(rows, width, dtype=torch.int32, device=device), torch.zeros(1, **i64),
                    torch.full((rows,), -1, **i64))
 
@@ -127,8 +138,9 @@ def pad_mixed_step(ids: list[int], blocks: list[list[int]], starts: list[int], l
     return out
 
 
-def pad_decode_step(ids: list[int], blocks: list[list[int]], starts: list[int], rows: int, width: int, scratch: int,
-                    out: DecodeInputs | None = None, feeds: list[int] | None = None) -> DecodeInputs:
+def pad_decode_step(ids: list[int], blocks: list[list[int]], starts: list[int], rows: int, width: int,
+                    block_size: int, scratch: int, out: DecodeInputs | None = None, feeds: list[int] | None = None
+                    ) -> DecodeInputs:
     """Row n decodes token ids[n] at position starts[n] with block table blocks[n] (cut to `width`), its id fed from
     feeds[n] (None: none fed). -> host
     tensors padded to `rows` x `width`: written into `out` (every element is set) if given, else new."""
@@ -147,6 +159,10 @@ def pad_decode_step(ids: list[int], blocks: list[list[int]], starts: list[int], 
     o.positions[:n] = starts
     o.positions[n:] = 0
     fill_block_table(o.block_table, blocks, scratch)
+    pos = o.positions
+    o.kv_slots[:] = o.block_table[np.arange(rows), pos // block_size].astype(np.int64) * block_size + pos % block_size
+    o.last_token[:] = np.arange(rows)
+    o.context_lens[:] = pos + 1
     o.valid[0] = n
     o.feed[:n] = feeds if feeds is not None else -1
     o.feed[n:] = -1

@@ -28,7 +28,7 @@ import torch
 
 from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, pad_decode_step, pad_mixed_step
 from tp_lora.hostcopy import Staging, to_device
-from tp_lora.models.attention import AttnGroup, AttnMeta, KVCache, build_attn_meta
+from tp_lora.models.attention import KVCache, build_attn_meta
 from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.paged_attention import kernel_takes
 
@@ -235,22 +235,13 @@ class ModelRunner:
             return ("decode", next(s for s in GRAPH_BATCH_SIZES if s >= n)), lora
         return next((("mixed", t, s) for t, s in self.mixed_sizes if t >= tokens and s >= n), None), lora
 
-    def _decode_meta(self, table: torch.Tensor, g_pos: torch.Tensor) -> AttnMeta:
-        """Decode layout computed on the device from the static inputs (inside the graph)."""
-        bs = self.cache.block_size
-        slots = table.gather(1, (g_pos // bs)[:, None])[:, 0].long() * bs + g_pos % bs
-        group = AttnGroup(tokens=None, block_table=table, context_lens=(g_pos + 1).to(torch.int32))
-        return AttnMeta(slots=slots, positions=g_pos, groups=[group],
-                        last_token=torch.arange(table.shape[0], device=self.device),
-                        window=self.model.sliding_window or 0)
-
     def _replay_decode(self, step: StepBatch, size: int, lora: bool) -> torch.Tensor:
         """The step through the decode graph of `size` rows (its own or more)."""
         n = len(step.lens)
         key = ("decode", size, lora)
         g = self.graphs.get(key) or self._decode_graph(size, lora)
-        pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.scratch,
-                        DecodeInputs.of(g.inputs.fill()[:g.fields]), step.fed)
+        pad_decode_step(step.ids, step.blocks, step.starts, size, self._table_width(), self.cache.block_size,
+                        self.cache.scratch, DecodeInputs.of(g.inputs.fill()[:g.fields]), step.fed)
         return self._replay(key, g, [step.slots + [-1] * (size - n)], n,
                             DecodeInputs.of(g.inputs.device[:g.fields]).valid)
 
@@ -325,7 +316,7 @@ class ModelRunner:
         def forward():
             if self.rt is not None:
                 self.rt.batch = static_lora
-            meta = self._decode_meta(inputs.block_table, inputs.positions)
+            meta = inputs.meta(self.model.sliding_window)
             return self.model.logits(self.model(self._fed(inputs.ids, inputs.feed), self.cache, meta))
 
         return _Graph(staging, loras, forward, fields=len(fields))
