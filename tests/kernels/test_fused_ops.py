@@ -234,6 +234,20 @@ def test_moe_topk(device, dtype, tokens, experts, k, renormalize, round_weights)
     torch.testing.assert_close(w, want_w, **_tol(device, dtype))
 
 
+@pytest.mark.parametrize("hidden", [64, 1500])  # one block, several with a partial last one
+def test_embedding_shard(device, hidden):
+    """Rows of a vocabulary shard (ids 40..69 of 100) for ids inside, at its edges and outside it (zeros), bit-equal
+    to the reference, in the ids' shape."""
+    from tp_lora.ops.triton.fused import embedding_shard
+    gen = torch.Generator().manual_seed(hidden)
+    weight = _randn(gen, 30, hidden, dtype=torch.bfloat16, device=device)
+    ids = torch.tensor([[0, 39, 40, 41], [69, 70, 99, 55]], device=device)
+    got = embedding_shard(weight, ids, 40)
+    assert got.shape == (2, 4, hidden) and got.dtype == torch.bfloat16
+    assert torch.equal(got, ref.embedding_shard_ref(weight, ids, 40))
+    assert torch.equal(got[0, 2], weight[0]) and torch.equal(got[1, 0], weight[29]) and not got[0, :2].any()
+
+
 @pytest.mark.parametrize("first, valid", [(0, 11), (3, 11), (0, 17), (20, 11)])  # some / none / all padding
 def test_moe_topk_padding_rows_route_nowhere(device, first, valid):
     """A CUDA graph's rows from valid[0] on (row i is step row first + i) get ids -1; the other rows and every weight

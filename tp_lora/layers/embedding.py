@@ -8,6 +8,7 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.linear import copy_checked
+from tp_lora.ops.fused import embedding_shard
 from tp_lora.ops.head_mm import head_mm
 from tp_lora.sharding import LinearSpec, OutSlice, take, vocab_range
 
@@ -28,9 +29,7 @@ class VocabParallelEmbedding(nn.Module):
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self.weight[ids]
-        local = ids - self.vocab_start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        return self.weight[local.clamp(0, self.weight.shape[0] - 1)] * inside.unsqueeze(-1).to(self.weight.dtype)
+        return embedding_shard(self.weight, ids, self.vocab_start)
 
     def finish(self, z: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce(z, self.tp)

@@ -10,6 +10,7 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
 - moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights; a CUDA
   graph's padding rows route nowhere.
+- embedding_shard: the rows of a vocabulary shard for a step's token ids, zeros for ids other ranks hold.
 - moe_combine: each token's router-weighted sum of its top-k expert outputs (rows of a routing plan's pair order),
   accumulated in float32 and rounded once; no atomics, so the sum's order is fixed.
 
@@ -104,6 +105,14 @@ def act_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
     return ACTIVATIONS[act](gate) * up
 
 
+def embedding_shard_ref(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """weight [V_p, H] (vocabulary rows start..start + V_p), ids [...] int -> [..., H]: weight[id - start] where this
+    shard holds id, else zeros."""
+    local = ids - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    return weight[local.clamp(0, weight.shape[0] - 1)] * inside.unsqueeze(-1).to(weight.dtype)
+
+
 def moe_topk_ref(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
                  valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] in the model dtype -> topk ids [n, k] int64, weights [n, k] float32 of softmax(logits) in float32,
@@ -178,6 +187,13 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: boo
         from tp_lora.ops.triton.fused import moe_topk as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(logits, k, renormalize, round_weights, valid, first)
     return moe_topk_ref(logits, k, renormalize, round_weights, valid, first)
+
+
+def embedding_shard(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    if use_kernels(weight) and ids.numel():
+        from tp_lora.ops.triton.fused import embedding_shard as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(weight, ids, start)
+    return embedding_shard_ref(weight, ids, start)
 
 
 def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import triton.language as tl
 
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
+EMBED_BLOCK = 1024  # columns of embedding_shard per program
 
 
 @triton.jit
@@ -183,6 +184,28 @@ def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
         _act_mul_kernel[(rows.shape[0], triton.cdiv(n, ACT_BLOCK))](
             rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=act == "gelu_pytorch_tanh")
     return out
+
+
+@triton.jit
+def _embedding_shard_kernel(w_ptr, ids_ptr, out_ptr, start, rows, s_w, h, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    local = tl.load(ids_ptr + t + c * 0) - start  # (a vector: the interpreter takes no scalar mask)
+    inside = (local >= 0) & (local < rows)
+    v = tl.load(w_ptr + local * s_w + c, mask=inside & (c < h), other=0.0)
+    tl.store(out_ptr + t * h + c, v, mask=c < h)
+
+
+def embedding_shard(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """embedding_shard_ref's rows in one launch."""
+    if weight.stride(-1) != 1:
+        raise ValueError(f"embedding_shard: the weight needs a unit stride along H, got {tuple(weight.stride())}")
+    flat = ids.reshape(-1).contiguous()
+    h = weight.shape[1]
+    out = torch.empty(flat.shape[0], h, dtype=weight.dtype, device=weight.device)
+    _embedding_shard_kernel[(flat.shape[0], triton.cdiv(h, EMBED_BLOCK))](
+        weight, flat, out, start, weight.shape[0], weight.stride(0), h, BLOCK=EMBED_BLOCK)
+    return out.view(*ids.shape, h)
 
 
 @triton.jit
