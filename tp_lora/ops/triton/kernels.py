@@ -15,7 +15,7 @@ from tp_lora.ops.triton.dot import mm
 
 
 @triton.jit
-def _pick(s, v0, v1, v2, NUM_SLICES: tl.constexpr):
+def pick(s, v0, v1, v2, NUM_SLICES: tl.constexpr):
     """v_s for a scalar slice index s (pointers or ints)."""
     v = v0
     if NUM_SLICES > 1:
@@ -94,15 +94,15 @@ def shrink_kernel(
     k_iters = tl.where(is_lora, tl.cdiv(K, BLOCK_K * SPLIT_K), 0)
     slot = tl.maximum(slot, 0).to(tl.int64)  # no address is formed from -1
 
-    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
-    stride_al = _pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
+    a_ptr = pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
+    stride_al = pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
     scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl, mask=is_lora, other=0.0)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     if HAS_A_SCALES:
-        as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
+        as_ptr = pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
         row_scale = tl.load(as_ptr + slot * stride_asl + offs_n * stride_asr, mask=n_mask, other=0.0)
         row_scale = tl.where(is_lora, row_scale, 0.0)
 
@@ -167,14 +167,14 @@ def expand_kernel(
     count = tl.where(slot >= 0, count, 0)  # tokens without an adapter: their rows are not touched
     slot = tl.maximum(slot, 0).to(tl.int64)
 
-    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
-    stride_bl = _pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
+    b_ptr = pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
+    stride_bl = pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
     offs_k = tl.arange(0, BLOCK_K)
     if HAS_B_SCALES:
-        bs_ptr = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
-        stride_bsl = _pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
+        bs_ptr = pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
+        stride_bsl = pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
         ch_scale = tl.load(bs_ptr + slot * stride_bsl + offs_n * stride_bsn, mask=n_mask, other=0.0)
 
     for mb in range(pid_m, tl.cdiv(count, BLOCK_M), M_PROGRAMS):
@@ -254,8 +254,8 @@ def shrink_rows_kernel(
     slot = tl.maximum(slot, 0).to(tl.int64)
     t = t.to(tl.int64)
 
-    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
-    stride_al = _pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
+    a_ptr = pick(s, a0_ptr, a1_ptr, a2_ptr, NUM_SLICES)
+    stride_al = pick(s, stride_al0, stride_al1, stride_al2, NUM_SLICES)
     scale = tl.load(scale_ptr + (slice_base + s) * stride_ss + slot * stride_sl, mask=is_lora, other=0.0)
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
@@ -276,7 +276,7 @@ def shrink_rows_kernel(
         a_blk += BLOCK_K * SPLIT_K * stride_ak
     res = tl.sum(acc, 1) * scale
     if HAS_A_SCALES:
-        as_ptr = _pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
+        as_ptr = pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
         res = res * tl.load(as_ptr + slot * stride_asl + offs_n * stride_asr, mask=n_mask, other=0.0)
     o_ptr = out_ptr + (slice_base + s) * stride_os + t * stride_ot + offs_n * stride_or
     if SPLIT_K == 1:
@@ -306,8 +306,8 @@ def expand_rows_kernel(
     slot = tl.load(slot_ptr + t)
     is_lora = slot >= 0
     slot = tl.maximum(slot, 0).to(tl.int64)
-    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
-    stride_bl = _pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
+    b_ptr = pick(s, b0_ptr, b1_ptr, b2_ptr, NUM_SLICES)
+    stride_bl = pick(s, stride_bl0, stride_bl1, stride_bl2, NUM_SLICES)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < tl.where(is_lora, width, 0)  # (a mask `& is_lora` trips the interpreter)
     offs_k = tl.arange(0, BLOCK_K)
@@ -320,8 +320,8 @@ def expand_rows_kernel(
                  mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     acc = tl.sum(bv.to(tl.float32) * u.to(CDT).to(tl.float32)[None, :], 1)
     if HAS_B_SCALES:
-        bs_ptr = _pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
-        stride_bsl = _pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
+        bs_ptr = pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)
+        stride_bsl = pick(s, stride_bsl0, stride_bsl1, stride_bsl2, NUM_SLICES)
         acc = acc * tl.load(bs_ptr + slot * stride_bsl + offs_n * stride_bsn, mask=n_mask, other=0.0)
     if ADD:
         acc += prev.to(tl.float32)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan
 from tp_lora.ops.triton.dot import FP8, compute_types, mm
+from tp_lora.ops.triton.kernels import pick
 
 __all__ = ["moe_lora_shrink", "moe_lora_expand", "moe_lora_fused"]
 
@@ -40,11 +41,17 @@ FUSED = dict(BLOCK_K=256, BLOCK_N=256, N_PER_PROGRAM=1024, num_warps=2, num_stag
 
 
 @triton.jit
-def _group(groups_ptr, pid_g):
-    """(expert, slot, first row, pairs) of LoRA block pid_g."""
+def _block_rows(groups_ptr, pid_g, pid_m, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(expert, slot, whether it has pairs, m_mask, pair rows, offs_r, r_mask) of token block pid_m of LoRA block
+    pid_g."""
     e = tl.load(groups_ptr + pid_g * 4).to(tl.int64)
     slot = tl.load(groups_ptr + pid_g * 4 + 1).to(tl.int64)
-    return e, slot, tl.load(groups_ptr + pid_g * 4 + 2), tl.load(groups_ptr + pid_g * 4 + 3)
+    start = tl.load(groups_ptr + pid_g * 4 + 2)
+    count = tl.load(groups_ptr + pid_g * 4 + 3)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    return (e, slot, pid_m * BLOCK_M < count, offs_m < count, (start + offs_m).to(tl.int64), offs_r,
+            offs_r < R)
 
 
 @triton.jit
@@ -97,19 +104,11 @@ def moe_shrink_kernel(
 ):
     """out[s, p, :] = scale[s, slot, e] * x[p] @ A_s[slot, e]^T for the pairs p of one (expert e, slot) group.
     x [P, K], A_s [L, E, R, K], scale [S, L, E] f32, out [S, P, R] f32. Grid: (blocks, token blocks, slices)."""
-    pid_m = tl.program_id(1)
     s = tl.program_id(2)
-    e, slot, start, count = _group(groups_ptr, tl.program_id(0))
-    if pid_m * BLOCK_M < count:
-        a_ptr = a0_ptr
-        if NUM_SLICES > 1:
-            if s == 1:
-                a_ptr = a1_ptr
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count
-        rows = (start + offs_m).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
+    e, slot, live, m_mask, rows, offs_r, r_mask = _block_rows(groups_ptr, tl.program_id(0), tl.program_id(1), R,
+                                                              BLOCK_M, BLOCK_R)
+    if live:
+        a_ptr = pick(s, a0_ptr, a1_ptr, a1_ptr, NUM_SLICES)
         acc = _shrink_tile(x_ptr, a_ptr + slot * stride_al + e * stride_ae, rows, m_mask, offs_r, r_mask, K,
                            stride_xp, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, CDT, DOT, PREC)
         acc *= tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
@@ -131,23 +130,14 @@ def moe_expand_kernel(
     """out[p, col0 + s*N + n] (+)= buf[s, p] @ B_s[slot, e, n]^T for the pairs p of one (expert e, slot) group.
     buf [S, P, R] f32, B_s [L, E, N, R] (fp8 with bs_s [L, E, N] per output channel, or 16/32-bit), out [P, O]
     (any float dtype; accumulated in float32). Grid: (blocks, token blocks, slices x column blocks)."""
-    pid_m = tl.program_id(1)
     pid_x = tl.program_id(2)
     s = pid_x // n_blocks_n
     pid_n = pid_x % n_blocks_n
-    e, slot, start, count = _group(groups_ptr, tl.program_id(0))
-    if pid_m * BLOCK_M < count:
-        b_ptr = b0_ptr
-        bs_ptr = bs0_ptr
-        if NUM_SLICES > 1:
-            if s == 1:
-                b_ptr = b1_ptr
-                bs_ptr = bs1_ptr
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count
-        rows = (start + offs_m).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
+    e, slot, live, m_mask, rows, offs_r, r_mask = _block_rows(groups_ptr, tl.program_id(0), tl.program_id(1), R,
+                                                              BLOCK_M, BLOCK_R)
+    if live:
+        b_ptr = pick(s, b0_ptr, b1_ptr, b1_ptr, NUM_SLICES)
+        bs_ptr = pick(s, bs0_ptr, bs1_ptr, bs1_ptr, NUM_SLICES)
         u = tl.load(buf_ptr + s * stride_us + rows[:, None] * stride_up + offs_r[None, :] * stride_ur,
                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,25 +163,15 @@ def moe_fused_kernel(
     """The shrink's u = scale * x[p] @ A_s^T kept in registers, then out[p, col0 + s*N + n] += u @ B_s[n]^T over the
     program's n_per_program columns, for the pairs p of one (expert, slot) group. Shapes as the two kernels above.
     Grid: (blocks, token blocks, slices x n_programs)."""
-    pid_m = tl.program_id(1)
     pid_x = tl.program_id(2)
     s = pid_x // n_programs
     pid_n = pid_x % n_programs
-    e, slot, start, count = _group(groups_ptr, tl.program_id(0))
-    if pid_m * BLOCK_M < count:
-        a_ptr = a0_ptr
-        b_ptr = b0_ptr
-        bs_ptr = bs0_ptr
-        if NUM_SLICES > 1:
-            if s == 1:
-                a_ptr = a1_ptr
-                b_ptr = b1_ptr
-                bs_ptr = bs1_ptr
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count
-        rows = (start + offs_m).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
+    e, slot, live, m_mask, rows, offs_r, r_mask = _block_rows(groups_ptr, tl.program_id(0), tl.program_id(1), R,
+                                                              BLOCK_M, BLOCK_R)
+    if live:
+        a_ptr = pick(s, a0_ptr, a1_ptr, a1_ptr, NUM_SLICES)
+        b_ptr = pick(s, b0_ptr, b1_ptr, b1_ptr, NUM_SLICES)
+        bs_ptr = pick(s, bs0_ptr, bs1_ptr, bs1_ptr, NUM_SLICES)
         u = _shrink_tile(x_ptr, a_ptr + slot * stride_al + e * stride_ae, rows, m_mask, offs_r, r_mask, K,
                          stride_xp, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, CDT_A, DOT_A, PREC_A)
         u *= tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
