@@ -53,6 +53,20 @@ def enough_devices(world_size: int) -> bool:
     return device_under_test() == "cpu" or torch.cuda.device_count() >= world_size
 
 
+GPU_SHARE_BYTES = 6 << 30  # per test process and GPU when parallel pytest workers share the GPUs
+
+
+def share_gpus() -> None:
+    """Under parallel pytest workers (pytest-xdist) on CUDA, limit this process's allocator to GPU_SHARE_BYTES per
+    GPU: an engine sizes its KV cache from what is free (80% by default), which would leave nothing to the processes
+    of the other workers on the same GPUs. Called by every test process and every rank it spawns."""
+    if "PYTEST_XDIST_WORKER_COUNT" not in os.environ or device_under_test() != "cuda":
+        return
+    for d in range(torch.cuda.device_count()):
+        total = torch.cuda.get_device_properties(d).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, GPU_SHARE_BYTES / total), d)
+
+
 def _test_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("TP_LORA_")}
 
@@ -182,6 +196,7 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share two cores in CI
+    share_gpus()
     from tp_lora import distributed
     states = {}  # (tp_size, timeout_s) -> ParallelState
     try:

@@ -36,6 +36,32 @@ def test_collectives_on_real_ranks():
     assert nbytes == {"all_reduce:tp": 12, "all_gather:tp": 8, "reduce_scatter:tp": 32}
 
 
+def _layouts_again(ps: comm.ParallelState):
+    """init_parallel / init_expert_parallel of every layout, twice: the second round must reuse the first round's
+    process groups and peer buffers (each holds device memory until shutdown; a test process builds many layouts)."""
+    rounds = []
+    for _ in range(2):
+        got = []
+        for tp in (1, 2):
+            p = comm.init_parallel(tp, str(ps.device), timeout_s=60)
+            comm.init_expert_parallel(p, 2, "dp" if tp == 1 else "tp", timeout_s=60)
+            got.append((p.tp.pg, p.dp.pg, p.ep.pg, p.tp.peer, p.ep.peer))
+            assert comm.all_reduce(torch.ones(1, device=ps.device), p.ep).item() == 2.0
+        rounds.append(got)
+    other = comm.init_parallel(2, str(ps.device), timeout_s=61)  # another timeout: a group of its own
+    return [[tuple(x is y for x, y in zip(a, b)) for a, b in zip(*rounds)],
+            other.tp.pg is rounds[0][1][0], rounds[0][0][2] is rounds[0][1][2]]
+
+
+def test_process_groups_are_made_once_per_ranks_and_timeout():
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    same, other_timeout_shared, ep_shared_across_layouts = run_ranks(_layouts_again, 2)
+    assert same == [(True,) * 5] * 2, same
+    assert not other_timeout_shared
+    assert ep_shared_across_layouts  # the same two ranks and timeout: one ep communicator
+
+
 def _rank1_never_joins(ps: comm.ParallelState):
     # One collective together first: NCCL sets up a group's communicator on first use, and that setup blocks
     # inside NCCL; the failure under test is a peer lost mid-run.

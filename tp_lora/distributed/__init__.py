@@ -121,7 +121,11 @@ def reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
 ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem")
 
 
-_PEER_GROUPS: list[Group] = []  # groups holding peer buffers, released by shutdown()
+# Made once per process and reused by every later init_parallel / init_expert_parallel of the same ranks (a test
+# process builds many layouts): NCCL communicators and peer buffers hold device memory that is only freed at
+# shutdown(). Keys: ("pg", kind, ranks, timeout_s) -> process group; process group name -> its PeerAllReduce.
+_GROUP_CACHE: dict[tuple, object] = {}
+_PEERS: dict[str, PeerAllReduce] = {}
 
 
 def peer_access(group: Group, device: torch.device) -> str | None:
@@ -154,8 +158,10 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
                          f" use parallel.allreduce=auto or nccl")
     path = ("nccl" if device.type == "cuda" else "gloo") + (f" ({why_not})" if why_not else "")
     if choice != "nccl" and why_not is None:
-        group.peer = PeerAllReduce(group.pg, device)
-        _PEER_GROUPS.append(group)
+        name = group.pg.group_name
+        if name not in _PEERS:
+            _PEERS[name] = PeerAllReduce(group.pg, device)
+        group.peer = _PEERS[name]
         path = (f"symm_mem (one-shot up to {group.peer.one_shot_max >> 10} KiB, two-shot up to "
                 f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
                 f"{group.peer.fused_max >> 10} KiB; all-gathers up to {GATHER_MAX_BYTES >> 10} KiB)")
@@ -324,6 +330,8 @@ def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0,
         return single_process(dev)
     tp_groups, dp_groups = mesh_groups(world_size, tp_size)
     if not dist.is_initialized():
+        _GROUP_CACHE.clear()
+        _PEERS.clear()
         # Async error handling makes a stuck NCCL collective abort the process after the timeout.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world_size,
@@ -337,11 +345,15 @@ def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0,
 
 
 def _my_group(name: str, groups: list[tuple[int, ...]], rank: int, timeout_s: float) -> Group:
+    """This rank's Group among `groups`; their process groups made on first use (every rank creates every group, in
+    the same order) and reused after."""
     mine = None
-    for ranks in groups:  # every rank must create every group, in the same order
-        pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s)) if len(ranks) > 1 else None
+    for ranks in groups:
+        key = ("pg", name, ranks, timeout_s)
+        if len(ranks) > 1 and key not in _GROUP_CACHE:
+            _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
         if rank in ranks:
-            mine = Group(name, ranks.index(rank), len(ranks), ranks, pg)
+            mine = Group(name, ranks.index(rank), len(ranks), ranks, _GROUP_CACHE.get(key))
     return mine
 
 
@@ -382,7 +394,6 @@ def expert_mesh_groups(world_size: int, tp_size: int, ep_size: int, ep_attention
 
 
 _EXPERT_LAYOUT: dict[int, ParallelState] = {}  # id(tp group) -> its state, for model builders that get only tp
-_GROUP_CACHE: dict[tuple, object] = {}
 
 
 def init_expert_parallel(ps: ParallelState, ep_size: int = 1, ep_attention: str = "dp",
@@ -397,7 +408,7 @@ def init_expert_parallel(ps: ParallelState, ep_size: int = 1, ep_attention: str 
     else:
         mine = None
         for ranks in ep_groups:  # every rank creates every group, in the same order
-            key = ("ep", ranks)
+            key = ("pg", "ep", ranks, timeout_s)
             if key not in _GROUP_CACHE:
                 _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
             if ps.rank in ranks:
@@ -421,9 +432,8 @@ def expert_layout(tp: Group) -> ParallelState | None:
 def shutdown() -> None:
     """Free the peer buffers (their mappings need the process group), then the process group."""
     if dist.is_initialized():
-        if _PEER_GROUPS and torch.cuda.is_available():
+        if _PEERS and torch.cuda.is_available():
             torch.cuda.synchronize()
-        for g in _PEER_GROUPS:
-            g.peer = None
-        _PEER_GROUPS.clear()
+        _PEERS.clear()
+        _GROUP_CACHE.clear()
         dist.destroy_process_group()

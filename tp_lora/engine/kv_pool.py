@@ -27,10 +27,15 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: tor
 def kv_budget_bytes(device: torch.device, fraction: float, cap_mb: float | None, reusable_bytes: int = 0) -> int:
     """Bytes the KV cache may take on this rank. CUDA: `fraction` of the free memory now (weights and adapter slots
     are already allocated), counting an existing cache of `reusable_bytes` as free since it is replaced; capped by
-    cap_mb. CPU: cap_mb (default CPU_DEFAULT_MB): host memory cannot be measured as usefully."""
+    cap_mb. Free means free on the device and, where the process limits its allocator
+    (torch.cuda.set_per_process_memory_fraction), under that limit. CPU: cap_mb (default CPU_DEFAULT_MB): host
+    memory cannot be measured as usefully."""
     cap = None if cap_mb is None else int(cap_mb * (1 << 20))
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
+        limit = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        if limit < 1.0:
+            free = max(0, min(free, int(limit * total) - torch.cuda.memory_reserved(device)))
         budget = int((free + reusable_bytes) * fraction)
         return budget if cap is None else min(budget, cap)
     return cap if cap is not None else int(CPU_DEFAULT_MB * (1 << 20))
