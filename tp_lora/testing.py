@@ -53,18 +53,22 @@ def enough_devices(world_size: int) -> bool:
     return device_under_test() == "cpu" or torch.cuda.device_count() >= world_size
 
 
-GPU_SHARE_BYTES = 6 << 30  # per test process and GPU when parallel pytest workers share the GPUs
+GPU_SHARE = 0.2  # of each GPU's memory, per test process, when parallel pytest workers share the GPUs
+
+
+def workers_share_gpus() -> bool:
+    """Whether parallel pytest workers (pytest-xdist) run the CUDA tests side by side on the same GPUs."""
+    return "PYTEST_XDIST_WORKER_COUNT" in os.environ and device_under_test() == "cuda"
 
 
 def share_gpus() -> None:
-    """Under parallel pytest workers (pytest-xdist) on CUDA, limit this process's allocator to GPU_SHARE_BYTES per
-    GPU: an engine sizes its KV cache from what is free (80% by default), which would leave nothing to the processes
-    of the other workers on the same GPUs. Called by every test process and every rank it spawns."""
-    if "PYTEST_XDIST_WORKER_COUNT" not in os.environ or device_under_test() != "cuda":
-        return
-    for d in range(torch.cuda.device_count()):
-        total = torch.cuda.get_device_properties(d).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, GPU_SHARE_BYTES / total), d)
+    """Under parallel pytest workers on CUDA, limit this process's allocator to GPU_SHARE of every GPU: an engine
+    sizes its KV cache from what is free (80% by default), which would leave nothing to the processes of the other
+    workers on the same GPUs. Called by every test process and every rank it spawns (jobs launched as subprocesses
+    cap their KV cache instead: scheduler.kv_cache_mb)."""
+    if workers_share_gpus():
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(GPU_SHARE, d)
 
 
 def _test_env() -> dict[str, str]:

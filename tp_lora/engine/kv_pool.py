@@ -32,10 +32,11 @@ def kv_budget_bytes(device: torch.device, fraction: float, cap_mb: float | None,
     memory cannot be measured as usefully."""
     cap = None if cap_mb is None else int(cap_mb * (1 << 20))
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        limit = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        free, total = torch.cuda.mem_get_info(index)
+        limit = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(index)
         if limit < 1.0:
-            free = max(0, min(free, int(limit * total) - torch.cuda.memory_reserved(device)))
+            free = max(0, min(free, int(limit * total) - torch.cuda.memory_reserved(index)))
         budget = int((free + reusable_bytes) * fraction)
         return budget if cap is None else min(budget, cap)
     return cap if cap is not None else int(CPU_DEFAULT_MB * (1 << 20))
