@@ -13,15 +13,13 @@ adapters and with 32 distinct rank-16 adapters on all seven projections (one per
   step from its launch, or the previous step's tokens on the host when later (steps launched ahead overlap), to its
   own sampled tokens on the host (host work included; at these sizes every decode step replays a CUDA graph). Where
   the prompts take several steps, sequences start decoding (and finish) at different steps: only steps of the whole
-  batch count. "step ms (difference)": (median time of a run generating N tokens - of one generating 1) / (N - 1),
-  kept for comparison, though it carries the prefill's interleaving with early decodes; every run draws prompts of
-  its own, so neither run reuses another's cached prefix whatever --prefix-caching says (the JSON's
-  prefix_hit_tokens counts the long run's cache hits: 0);
+  batch count. Every run draws prompts of its own, so no run reuses another's cached prefix whatever
+  --prefix-caching says (the JSON's prefix_hit_tokens counts the long run's cache hits: 0);
 - floor: (bytes of the weights a step reads, the embedding table excepted, + bytes of the K/V it attends over at the
   decode's mean context, + with adapters the A and B of each distinct adapter in the batch) / the device copy
   bandwidth measured in the same run (read + written bytes / time); "of floor" = floor / decode step; "adapters /
   none" gives the floors' ratio beside the steps';
-- prefill tokens/s from the one-token run.
+- prefill tokens/s: from the median of --reps runs generating one token.
 With --mixed, also one step of 31 decodes + one 512-token prefill chunk, replayed from its CUDA graph and run eagerly,
 against a 32-sequence decode step (the runner alone on steps built beforehand, CUDA events, medians; whether each
 replayed a graph; and the host's time until execute() returns, its preparation and launches, during which a graph
@@ -492,12 +490,12 @@ def main() -> None:
             for b in batches:
                 for ctx in contexts:
                     engine.generate(requests(b, ctx, 3, vocab, with_ad, next(seeds)))  # this size's graphs, kernels
-                    ones, longs = [], []
+                    ones = []
                     for _ in range(args.reps):
                         ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, next(seeds))))
                         st = dataclasses.replace(engine.stats)
                         full0 = list(engine.stats.decode_by_rows.get(b, [0, 0.0]))
-                        longs.append(timed(engine, requests(b, ctx, args.new, vocab, with_ad, next(seeds))))
+                        timed(engine, requests(b, ctx, args.new, vocab, with_ad, next(seeds)))  # errors raise
                     # The last long run: steps replayed from graphs (prefill too), and the count and mean wall time
                     # (host included) of its decode-only steps of the whole batch.
                     graph_steps = engine.stats.graph_steps - st.graph_steps
@@ -505,16 +503,14 @@ def main() -> None:
                     full = engine.stats.decode_by_rows.get(b, [0, 0.0])
                     decode_steps = full[0] - full0[0]
                     decode_ms = 1e3 * (full[1] - full0[1]) / decode_steps if decode_steps else None
-                    t1, tn = statistics.median(ones), statistics.median(longs)
-                    step = (tn - t1) / (args.new - 1)
+                    t1 = statistics.median(ones)
                     lora_b = min(b, ADAPTERS) * ab if with_ad else 0
                     floor = (wb + lora_b + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
-                    rows.append(dict(shape=shape, quantization=quant, kv_cache_dtype=kv_dtype, adapters=with_ad, batch=b, context=ctx, step_ms=step * 1e3,
+                    rows.append(dict(shape=shape, quantization=quant, kv_cache_dtype=kv_dtype, adapters=with_ad, batch=b, context=ctx,
                                      floor_ms=floor * 1e3, of_floor=floor / (decode_ms / 1e3) if decode_ms else None,
                                      prefill_tokens_per_s=b * ctx / t1,
                                      graph_steps=graph_steps, decode_steps=decode_steps, decode_step_ms=decode_ms,
-                                     prefix_hit_tokens=hits,
-                                     one_token_runs_s=ones, long_runs_s=longs))
+                                     prefix_hit_tokens=hits, one_token_runs_s=ones))
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
         if args.kernels and device == "cuda":
@@ -531,7 +527,7 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, tp={ps.tp.size} (all-reduce "
           f"{allreduce}), copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (read + written), layer ops {'torch' if args.torch_ops else 'fused'}")
-    head = ("| shape | weights | kv | adapters | batch | context | step ms (difference) | floor ms | of floor | adapters / none | "
+    head = ("| shape | weights | kv | adapters | batch | context | floor ms | of floor | adapters / none | "
             "prefill tok/s | graph steps | decode steps | decode step ms |")
     print(head)
     print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
@@ -544,7 +540,7 @@ def main() -> None:
         ratio = r["vs_no_adapters"] = (r["decode_step_ms"] / none["decode_step_ms"]
                                        if r["decode_step_ms"] and none["decode_step_ms"] else None)
         r["floor_vs_no_adapters"] = r["floor_ms"] / none["floor_ms"]
-        print(f"| {r['shape']} | {r['quantization']} | {r['kv_cache_dtype']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
+        print(f"| {r['shape']} | {r['quantization']} | {r['kv_cache_dtype']} | {32 if r['adapters'] else 0} | {r['batch']} | {r['context']} | "
               f"{r['floor_ms']:.3f} | {'-' if r['of_floor'] is None else format(r['of_floor'], '.0%')} | "
               f"{'-' if ratio is None else format(ratio, '.2f')} (floor {r['floor_vs_no_adapters']:.2f}) | "
               f"{r['prefill_tokens_per_s']:.0f} | "
