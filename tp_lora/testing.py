@@ -62,13 +62,12 @@ def workers_share_gpus() -> bool:
 
 
 def share_gpus() -> None:
-    """Under parallel pytest workers on CUDA, limit this process's allocator to GPU_SHARE of every GPU: an engine
-    sizes its KV cache from what is free (80% by default), which would leave nothing to the processes of the other
-    workers on the same GPUs. Called by every test process and every rank it spawns (jobs launched as subprocesses
-    cap their KV cache instead: scheduler.kv_cache_mb)."""
+    """Under parallel pytest workers on CUDA, limit this process's allocator to GPU_SHARE of its current GPU: an
+    engine sizes its KV cache from what is free (80% by default), which would leave nothing to the processes of the
+    other workers on the same GPUs. Called by every test process and by every rank it spawns once the rank has its
+    GPU (jobs launched as subprocesses cap their KV cache instead: scheduler.kv_cache_mb)."""
     if workers_share_gpus():
-        for d in range(torch.cuda.device_count()):
-            torch.cuda.set_per_process_memory_fraction(GPU_SHARE, d)
+        torch.cuda.set_per_process_memory_fraction(GPU_SHARE, torch.cuda.current_device())
 
 
 def _test_env() -> dict[str, str]:
@@ -200,11 +199,11 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share two cores in CI
-    share_gpus()
     from tp_lora import distributed
     states = {}  # (tp_size, timeout_s) -> ParallelState
     try:
         states[(1, START_TIMEOUT_S)] = distributed.init_parallel(1, device, START_TIMEOUT_S)
+        share_gpus()  # init_parallel set this rank's GPU
     except BaseException:
         outbox.put((rank, None, "error", "starting the rank: " + traceback.format_exc()))
         return
