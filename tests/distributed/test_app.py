@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tp_lora.assets import write_random_adapter
+from tp_lora.assets import ensure_default_assets, write_random_adapter
 from tp_lora.testing import free_port, workers_share_gpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,8 +62,8 @@ def test_bad_config_fails_every_rank_fast(home, args, message):
 
 
 def test_model_that_cannot_split_is_named(home, tmp_path):
-    _launch([f"output={tmp_path / 'warm.jsonl'}"], home)  # make sure the default assets exist
     home = _bundle(home)
+    ensure_default_assets(str(home))  # in this process: what the job writes on a fresh machine
     cfg = json.loads((home / "model" / "config.json").read_text())
     bad = tmp_path / "model"
     bad.mkdir()
@@ -78,8 +78,8 @@ def test_model_that_cannot_split_is_named(home, tmp_path):
 
 
 def test_bad_requests_and_adapters_fail_alone(home, tmp_path):
-    _launch([f"output={tmp_path / 'warm.jsonl'}"], home)
     bundle = _bundle(home)
+    ensure_default_assets(str(bundle))
     adapters = tmp_path / "adapters"
     adapters.mkdir()
     for name in os.listdir(bundle / "adapters"):

@@ -126,6 +126,7 @@ ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem")
 # shutdown(). Keys: ("pg", kind, ranks, timeout_s) -> process group; process group name -> its PeerAllReduce.
 _GROUP_CACHE: dict[tuple, object] = {}
 _PEERS: dict[str, PeerAllReduce] = {}
+_PEER_GROUPS: list[Group] = []  # the Groups given a peer, which shutdown() takes back before freeing the buffers
 
 
 def peer_access(group: Group, device: torch.device) -> str | None:
@@ -162,6 +163,7 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
         if name not in _PEERS:
             _PEERS[name] = PeerAllReduce(group.pg, device)
         group.peer = _PEERS[name]
+        _PEER_GROUPS.append(group)
         path = (f"symm_mem (one-shot up to {group.peer.one_shot_max >> 10} KiB, two-shot up to "
                 f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
                 f"{group.peer.fused_max >> 10} KiB; all-gathers up to {GATHER_MAX_BYTES >> 10} KiB)")
@@ -332,6 +334,7 @@ def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0,
     if not dist.is_initialized():
         _GROUP_CACHE.clear()
         _PEERS.clear()
+        _PEER_GROUPS.clear()
         # Async error handling makes a stuck NCCL collective abort the process after the timeout.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world_size,
@@ -434,6 +437,9 @@ def shutdown() -> None:
     if dist.is_initialized():
         if _PEERS and torch.cuda.is_available():
             torch.cuda.synchronize()
+        for g in _PEER_GROUPS:
+            g.peer = None
+        _PEER_GROUPS.clear()
         _PEERS.clear()
         _GROUP_CACHE.clear()
         dist.destroy_process_group()
