@@ -50,6 +50,7 @@ from bench_step import copy_bandwidth, kv_bytes  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from tp_lora.layers.moe import Router  # noqa: E402
+from tp_lora.layers.quant import quant_config  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoECausalLM, SparseMoE  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
@@ -83,9 +84,17 @@ def layout_ranks(layout: str) -> int:
 @torch.no_grad()
 def randomize(model: torch.nn.Module, device) -> None:
     """Weights ~ N(0, 1/in), norms 1, LoRA small, scales 1; each tensor from a generator seeded by its name, so
-    replicated tensors (routers, norms) are equal on every rank."""
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if not p.is_floating_point():
+    replicated tensors (routers, norms) are equal on every rank. fp8 weights (--quantization fp8): N(0, 1) with
+    1/sqrt(in) as their per-channel scale (`<name>_scale`)."""
+    tensors = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    fp8 = {name for name, p in tensors.items() if p.dtype == torch.float8_e4m3fn}
+    for name in fp8:
+        w = tensors[name]
+        g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+        w.copy_(torch.randn(w.shape, generator=g, device=device).clamp_(-448, 448))
+        tensors[name + "_scale"].fill_(w.shape[-1] ** -0.5)
+    for name, p in tensors.items():
+        if not p.is_floating_point() or name in fp8 or name.removesuffix("_scale") in fp8:
             continue
         if name.endswith("scales"):
             p.fill_(1.0)
@@ -145,12 +154,12 @@ def kernel_times(run, steps: int = 3) -> dict[str, list[float]]:
 
 
 def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwidth: float,
-             allreduce: str = "auto") -> dict:
+             allreduce: str = "auto", weights: str = "none") -> dict:
     tp, ep, attn = LAYOUTS[layout]
     ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device), allreduce=allreduce), ep, attn,
                                    allreduce=allreduce)
     rt = LoRARuntime(n_adapters, args.rank, False, ops) if n_adapters else None
-    model = MoECausalLM(hf, ps, dtype, device, rt, None)
+    model = MoECausalLM(hf, ps, dtype, device, rt, None, quant_config(hf, None if weights == "none" else weights))
     randomize(model, device)
     graphs = args.graphs and device.type == "cuda" and model.graph_blocker is None
     runner = ModelRunner(model, rt, device, graphs)
@@ -199,7 +208,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     kernels = kernel_times(lambda: execute(runner, model, step, cache)) if args.profile and cuda else {}
     runner.release_graphs()
     tokens = args.batch * ps.dp.size
-    return dict(layout=layout, collectives=allreduce, adapters=n_adapters, rank=args.rank if n_adapters else 0,
+    return dict(layout=layout, weights=weights, collectives=allreduce, adapters=n_adapters, rank=args.rank if n_adapters else 0,
                 batch_per_replica=args.batch,
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
                 floor_mb=round(nbytes / 2**20, 1), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
@@ -280,6 +289,9 @@ def main() -> None:
                     help="also time transformers + PEFT on the same shape (one process, layout tp1)")
     ap.add_argument("--out", default="bench_results/moe_decode")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU + gloo works)")
+    ap.add_argument("--quantization", default="none",
+                    help="comma list of none | fp8: each layout's rows once per value (fp8: every linear layer and "
+                         "expert quantized per channel, as quantization=fp8 does at load)")
     args = ap.parse_args()
     if args.smoke:
         args.model, args.batch, args.context, args.adapters, args.rank = "tiny", 4, 8, 2, 4
@@ -307,11 +319,12 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=ps0.world.size,
                 copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), context=args.context)
     rows = []
-    cases = [(layout, n, "auto") for layout in args.layouts.split(",") for n in (0, args.adapters)]
-    cases += [(layout, 0, "nccl") for layout in args.nccl_layouts.split(",") if layout]
-    for layout, n, allreduce in cases:
+    cases = [(layout, n, "auto", q) for layout in args.layouts.split(",") for q in args.quantization.split(",")
+             for n in (0, args.adapters)]
+    cases += [(layout, 0, "nccl", "none") for layout in args.nccl_layouts.split(",") if layout]
+    for layout, n, allreduce, weights in cases:
         rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
-                         **run_case(hf, layout, n, args, device, dtype, ops, bandwidth, allreduce)))
+                         **run_case(hf, layout, n, args, device, dtype, ops, bandwidth, allreduce, weights)))
         if ps0.is_driver:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}), flush=True)
             write(args.out, meta, rows, [])  # a run cut short keeps the cases done
@@ -339,7 +352,8 @@ def write(out: str, meta: dict, rows: list[dict], hf_rows: list[dict]) -> None:
 
 
 def row_name(r: dict) -> str:
-    return f"{r['layout']}{'' if r['collectives'] == 'auto' else ' ' + r['collectives']} {r['adapters']}a"
+    return (f"{r['layout']}{'' if r['collectives'] == 'auto' else ' ' + r['collectives']}"
+            f"{'' if r['weights'] == 'none' else ' ' + r['weights']} {r['adapters']}a")
 
 
 # (kind, name substrings) in match order: the kernel table's rows
@@ -388,13 +402,13 @@ def mixed_cell(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | layers | layout | adapters | graphs | batch/replica | ms/step | tokens/s | floor MB/rank "
-            "| floor ms | % of floor | peak MB | mixed step ms (graph / eager) |")
+    head = ("| model | layers | layout | weights | adapters | graphs | batch/replica | ms/step | tokens/s | "
+            "floor MB/rank | floor ms | % of floor | peak MB | mixed step ms (graph / eager) |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         pct = "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.1f}%"
         layout = r["layout"] + ("" if r["collectives"] == "auto" else f" ({r['collectives']})")
-        lines.append(f"| {r['model']} | {r['layers']} | {layout} | {r['adapters']} x r{r['rank']} | "
+        lines.append(f"| {r['model']} | {r['layers']} | {layout} | {r['weights']} | {r['adapters']} x r{r['rank']} | "
                      f"{'yes' if r['graphs'] else 'no'} | {r['batch_per_replica']} | {r['ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | {r['peak_mb']} | "
                      f"{mixed_cell(r)} |")
