@@ -17,7 +17,9 @@ agree on their token counts once per step, before it, timed with it), tp2_ep2 / 
 group), ep2_tp2 (the 2D mesh: EP over 2 DP replicas of tp2 attention, each expert's intermediate split over tp). A
 layout of fewer ranks than launched runs as that many DP copies (ep2 on 4 GPUs: two EP groups). Default --layouts: the
 launched size's layouts (tp1 first on 4 GPUs). LoRA: none, or --adapters adapters of rank --rank on every attention and
-expert projection, sequences round-robin over them.
+expert projection, sequences round-robin over them, in each of --lora-modes (default: B split, A whole on every
+rank; fully_sharded: A split on the rank dim too); --quantization none,fp8 runs every case with bf16 and with fp8
+weights.
 
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
 capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
@@ -154,11 +156,11 @@ def kernel_times(run, steps: int = 3) -> dict[str, list[float]]:
 
 
 def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwidth: float,
-             allreduce: str = "auto", weights: str = "none") -> dict:
+             allreduce: str = "auto", weights: str = "none", fully_sharded: bool = False) -> dict:
     tp, ep, attn = LAYOUTS[layout]
     ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device), allreduce=allreduce), ep, attn,
                                    allreduce=allreduce)
-    rt = LoRARuntime(n_adapters, args.rank, False, ops) if n_adapters else None
+    rt = LoRARuntime(n_adapters, args.rank, fully_sharded, ops) if n_adapters else None
     model = MoECausalLM(hf, ps, dtype, device, rt, None, quant_config(hf, None if weights == "none" else weights))
     randomize(model, device)
     graphs = args.graphs and device.type == "cuda" and model.graph_blocker is None
@@ -208,7 +210,8 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     kernels = kernel_times(lambda: execute(runner, model, step, cache)) if args.profile and cuda else {}
     runner.release_graphs()
     tokens = args.batch * ps.dp.size
-    return dict(layout=layout, weights=weights, collectives=allreduce, adapters=n_adapters, rank=args.rank if n_adapters else 0,
+    return dict(layout=layout, weights=weights, collectives=allreduce, adapters=n_adapters,
+                fully_sharded=bool(n_adapters) and fully_sharded, rank=args.rank if n_adapters else 0,
                 batch_per_replica=args.batch,
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
                 floor_mb=round(nbytes / 2**20, 1), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
@@ -289,6 +292,9 @@ def main() -> None:
                     help="also time transformers + PEFT on the same shape (one process, layout tp1)")
     ap.add_argument("--out", default="bench_results/moe_decode")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU + gloo works)")
+    ap.add_argument("--lora-modes", default="default",
+                    help="comma list of default | fully_sharded: the adapter rows once per LoRA mode "
+                         "(lora.fully_sharded=true: A split on the rank dim, the shrink outputs all-gathered)")
     ap.add_argument("--quantization", default="none",
                     help="comma list of none | fp8: each layout's rows once per value (fp8: every linear layer and "
                          "expert quantized per channel, as quantization=fp8 does at load)")
@@ -319,12 +325,16 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype), ranks=ps0.world.size,
                 copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), context=args.context)
     rows = []
-    cases = [(layout, n, "auto", q) for layout in args.layouts.split(",") for q in args.quantization.split(",")
-             for n in (0, args.adapters)]
-    cases += [(layout, 0, "nccl", "none") for layout in args.nccl_layouts.split(",") if layout]
-    for layout, n, allreduce, weights in cases:
+    modes = args.lora_modes.split(",")
+    if set(modes) - {"default", "fully_sharded"}:
+        raise SystemExit(f"--lora-modes {args.lora_modes!r}: expected default and / or fully_sharded")
+    adapter_cases = [(args.adapters, m == "fully_sharded") for m in modes]
+    cases = [(layout, n, "auto", q, fully) for layout in args.layouts.split(",") for q in args.quantization.split(",")
+             for n, fully in [(0, False)] + adapter_cases]
+    cases += [(layout, 0, "nccl", "none", False) for layout in args.nccl_layouts.split(",") if layout]
+    for layout, n, allreduce, weights, fully in cases:
         rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
-                         **run_case(hf, layout, n, args, device, dtype, ops, bandwidth, allreduce, weights)))
+                         **run_case(hf, layout, n, args, device, dtype, ops, bandwidth, allreduce, weights, fully)))
         if ps0.is_driver:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}), flush=True)
             write(args.out, meta, rows, [])  # a run cut short keeps the cases done
@@ -353,7 +363,7 @@ def write(out: str, meta: dict, rows: list[dict], hf_rows: list[dict]) -> None:
 
 def row_name(r: dict) -> str:
     return (f"{r['layout']}{'' if r['collectives'] == 'auto' else ' ' + r['collectives']}"
-            f"{'' if r['weights'] == 'none' else ' ' + r['weights']} {r['adapters']}a")
+            f"{'' if r['weights'] == 'none' else ' ' + r['weights']} {r['adapters']}a{' fs' * r['fully_sharded']}")
 
 
 # (kind, name substrings) in match order: the kernel table's rows
@@ -408,7 +418,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         pct = "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.1f}%"
         layout = r["layout"] + ("" if r["collectives"] == "auto" else f" ({r['collectives']})")
-        lines.append(f"| {r['model']} | {r['layers']} | {layout} | {r['weights']} | {r['adapters']} x r{r['rank']} | "
+        adapters = f"{r['adapters']} x r{r['rank']}" + (" fully sharded" if r["fully_sharded"] else "")
+        lines.append(f"| {r['model']} | {r['layers']} | {layout} | {r['weights']} | {adapters} | "
                      f"{'yes' if r['graphs'] else 'no'} | {r['batch_per_replica']} | {r['ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | {r['peak_mb']} | "
                      f"{mixed_cell(r)} |")

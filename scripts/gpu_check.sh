@@ -16,7 +16,7 @@
 #   MoE across GPUs (issue 37): on 2 GPUs one call `moe2 moe_tests` (~7 minutes: the 2-GPU table tp1, tp2, ep2,
 #   tp2_ep2 with NCCL rows and kernel tables, then the GPU tests: EP peer collectives, graphed = eager in every layout,
 #   MoE parity against one process); on a 4-GPU host `moe4` (tp1 baseline, tp4, ep4, ep2_tp2, tp4_ep4) in a call of
-#   its own, then `moe_tests` (adds the 4-GPU layouts).
+#   its own (adapters in both LoRA modes), then `moe_tests` (adds the 4-GPU layouts).
 #   The open issues' unmeasured targets on one GPU, in calls of under 10 minutes: `pending_a` (GPU tests of the
 #   paths never run on a GPU, fp8, DoRA, n / grammar), `pending_b` (prefix caching at moderate load and saturated),
 #   `pending_c` (HTTP against offline at 1 / 100 / 1000 adapters).
@@ -127,7 +127,8 @@ for what in "${@:-all}"; do
     moe4)
       step "issue 37: bench_moe_decode on 4 GPUs, Qwen3-30B-A3B shape (24 layers: tp1 fits one GPU), mixed steps too"
       [ "$NGPU" -ge 4 ] && run moe_decode_4gpu 400 16 torchrun --nproc_per_node=4 scripts/bench_moe_decode.py \
-        --layouts tp1,tp4,ep4,ep2_tp2,tp4_ep4 --layers 24 --prefill 512 --iters 10 --out "$RES/moe_decode_4gpu" ;;
+        --layouts tp1,tp4,ep4,ep2_tp2,tp4_ep4 --layers 24 --prefill 512 --iters 10 \
+        --lora-modes default,fully_sharded --out "$RES/moe_decode_4gpu" ;;
     moe2)
       step "issue 37: bench_moe_decode on 2 GPUs (Qwen3 shape, 24 layers: tp1 fits one H100), ep2 / tp2_ep2 with every"
       step "  collective on NCCL beside the peer-memory rows, each case's kernels per graphed decode step (--profile)"

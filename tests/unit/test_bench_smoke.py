@@ -73,19 +73,21 @@ def test_bench_serving_smoke(tmp_path):
     assert res["ours"]["failed"] == 0 and res["ours"]["generated_tokens"] > 0 and res["merged"]["tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize("ranks,layouts,weights", [(2, "tp1,tp2,ep2,tp2_ep2", "none"),
-                                                   (4, "tp1,tp4,ep4,ep2_tp2,tp4_ep4", "none"),
-                                                   (2, "tp2_ep2", "none,fp8")])
-def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights):
+@pytest.mark.parametrize("ranks,layouts,weights,modes", [(2, "tp1,tp2,ep2,tp2_ep2", "none", "default"),
+                                                         (4, "tp1,tp4,ep4,ep2_tp2,tp4_ep4", "none", "default"),
+                                                         (2, "tp2_ep2", "none,fp8", "default,fully_sharded")])
+def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights, modes):
     """The 2- and 4-GPU tables' layouts (4: the default), with a mixed step, on gloo ranks; fp8 experts and layers
-    beside bf16 (--quantization): the fp8 rows read fewer bytes."""
-    args = ["--smoke", "--prefill", "8", "--out", str(tmp_path / "out"), "--quantization", weights]
+    beside bf16 (--quantization: the fp8 rows read fewer bytes) and both LoRA modes (--lora-modes)."""
+    args = ["--smoke", "--prefill", "8", "--out", str(tmp_path / "out"), "--quantization", weights,
+            "--lora-modes", modes]
     _run(tmp_path, "bench_moe_decode.py", *args, *(["--layouts", layouts] if ranks == 2 else []), ranks=ranks)
     report = _report(tmp_path / "out" / "bench_moe_decode.json")
     rows = report["rows"]
     assert report["meta"]["ranks"] == ranks
-    assert [(r["layout"], r["weights"], r["adapters"]) for r in rows] == [
-        (name, w, n) for name in layouts.split(",") for w in weights.split(",") for n in (0, 2)]
+    adapter_rows = [(0, False)] + [(2, m == "fully_sharded") for m in modes.split(",")]
+    assert [(r["layout"], r["weights"], r["adapters"], r["fully_sharded"]) for r in rows] == [
+        (name, w, n, fully) for name in layouts.split(",") for w in weights.split(",") for n, fully in adapter_rows]
     assert all(r["ms"] > 0 and r["floor_mb"] > 0 and r["mixed_eager_ms"] > 0 for r in rows), rows
     floor = {(r["weights"], r["adapters"]): r["floor_mb"] for r in rows}
     assert all(floor[("fp8", n)] < floor[("none", n)] for n in (0, 2) if ("fp8", n) in floor), floor
