@@ -1,8 +1,9 @@
-"""Decode GEMMs (1 to 64 rows x a weight [N, K]) on one GPU at the per-rank shapes of a Llama-3-8B decode step at
-tp 1 / 2 / 4: torch (F.linear over bf16 weights: cuBLAS) against the Triton split-K GEMM
+"""Decode GEMMs (1 to 64 rows x a weight [N, K]) on one GPU at the per-rank shapes of a Llama-3-8B (or, --model
+llama3-70b, a Llama-3-70B) decode step at tp 1 / 2 / 4: torch (F.linear over bf16 weights: cuBLAS) against the Triton split-K GEMM
 (tp_lora.ops.triton.fp8_gemm.w8a16_mm) over a grid of launch configurations, beside the weight-bytes floor.
 
-    python scripts/bench_decode_gemm.py [--tp 1,2,4] [--rows 1,16,32,64] [--weights bf16|fp8] [--out DIR]
+    python scripts/bench_decode_gemm.py [--model llama3-8b|llama3-70b] [--tp 1,2,4] [--rows 1,16,32,64]
+        [--weights bf16|fp8] [--out DIR]
 
 --weights bf16: w8a16_mm over the same bf16 weights (no scales); floor = N x K x 2 bytes / copy bandwidth.
 --weights fp8:  w8a16_mm over per-channel fp8 weights, also with the configuration rule the layers use
@@ -33,9 +34,13 @@ from bench_fp8_gemm import L2_BYTES, copy_bandwidth, graph_time  # noqa: E402
 
 from tp_lora.ops.fp8 import quantize_fp8_per_channel  # noqa: E402
 
-# name -> (N, K) of one Llama-3-8B layer's weight at tp 1; tp t splits N (column layers) or K (row layers) by t
-LAYERS = {"qkv": (6144, 4096, "column"), "o": (4096, 4096, "row"), "gate_up": (28672, 4096, "column"),
-          "down": (4096, 14336, "row"), "lm_head": (128256, 4096, "column")}
+# model -> name -> (N, K) of one layer's weight at tp 1; tp t splits N (column layers) or K (row layers) by t
+MODELS = {"llama3-8b": {"qkv": (6144, 4096, "column"), "o": (4096, 4096, "row"), "gate_up": (28672, 4096, "column"),
+                        "down": (4096, 14336, "row"), "lm_head": (128256, 4096, "column")},
+          "llama3-70b": {"qkv": (10240, 8192, "column"), "o": (8192, 8192, "row"),
+                         "gate_up": (57344, 8192, "column"), "down": (8192, 28672, "row"),
+                         "lm_head": (128256, 8192, "column")}}
+LAYERS = MODELS["llama3-8b"]
 TILES = {"bf16": [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 4), (32, 128, 4, 3),
                   (64, 64, 4, 6)],
          "fp8": [(64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
@@ -44,9 +49,9 @@ SPLITS = (1, 2, 4, 8, 16)
 PROGRAMS = (64, 1100)  # grid sizes a configuration is timed at (132 SMs)
 
 
-def shapes(tps):
+def shapes(tps, layers: dict = LAYERS):
     for tp in tps:
-        for name, (n, k, kind) in LAYERS.items():
+        for name, (n, k, kind) in layers.items():
             yield tp, name, (n // tp, k) if kind == "column" else (n, k // tp)
 
 
@@ -142,6 +147,7 @@ def fmt(c: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     p.add_argument("--tp", default="1,2,4")
     p.add_argument("--rows", default="1,16,32,64")
     p.add_argument("--layers", default=",".join(LAYERS))
@@ -152,8 +158,9 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     precompile(args.weights, rows_list, args.workers)
     bw = copy_bandwidth()
-    result = dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, weights=args.weights, rows=[])
-    for tp, name, (n, k) in shapes([int(t) for t in args.tp.split(",")]):
+    result = dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, weights=args.weights, model=args.model,
+                  rows=[])
+    for tp, name, (n, k) in shapes([int(t) for t in args.tp.split(",")], MODELS[args.model]):
         if name not in args.layers.split(","):
             continue
         copies = max(2, -(-L2_BYTES // (n * k)))

@@ -26,6 +26,7 @@
 #   bf16 against fp8 KV attention rows (batch 32, contexts 2048 / 4096 / 8192, floors), the 8B
 #   decode step at context 8192 with bf16 weights + KV and with fp8 weights + KV, the decode attention rows at tp
 #   head counts.
+#   `gemm70` (issue 36, one GPU, ~3 minutes): the 70B shape's tp4 decode GEMMs at 32 rows against their floor.
 #   `fp8_moe` (issue 38 item 5, one GPU, ~3 minutes): the Qwen3-30B-A3B-shaped decode (24 layers) with bf16 against
 #   fp8 experts and layers, with and without adapters.
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
@@ -248,6 +249,10 @@ for what in "${@:-all}"; do
       done
       step "decode attention at the tp head counts (#36): 32/8, 16/4, 8/2 heads per rank, contexts 128 / 512 / 2048"
       run attention_tp 90 14 python3 scripts/bench_attention.py --kind tp --out "$RES/attention_tp" ;;
+    gemm70)
+      step "issue 36: the 70B shape's per-rank decode GEMMs at tp4 (cuBLAS and our split-K GEMM against the floor)"
+      run gemm70 240 16 python3 scripts/bench_decode_gemm.py --model llama3-70b --tp 4 --rows 32 \
+        --out "$RES/gemm70" ;;
     fp8_moe)
       step "issue 38 item 5: Qwen3-30B-A3B shape (24 layers), one GPU, bf16 against fp8 experts and layers"
       run moe_decode_fp8 300 12 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \
