@@ -352,12 +352,19 @@ def _my_group(name: str, groups: list[tuple[int, ...]], rank: int, timeout_s: fl
     the same order) and reused after."""
     mine = None
     for ranks in groups:
-        key = ("pg", name, ranks, timeout_s)
-        if len(ranks) > 1 and key not in _GROUP_CACHE:
-            _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+        pg = _process_group(name, ranks, timeout_s) if len(ranks) > 1 else None
         if rank in ranks:
-            mine = Group(name, ranks.index(rank), len(ranks), ranks, _GROUP_CACHE.get(key))
+            mine = Group(name, ranks.index(rank), len(ranks), ranks, pg)
     return mine
+
+
+def _process_group(kind: str, ranks: tuple[int, ...], timeout_s: float):
+    """The process group of `ranks` for groups of this kind, made on first use (collective over the world: every
+    rank asks for every group, in the same order) and reused after."""
+    key = ("pg", kind, ranks, timeout_s)
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+    return _GROUP_CACHE[key]
 
 
 def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu",
@@ -411,11 +418,9 @@ def init_expert_parallel(ps: ParallelState, ep_size: int = 1, ep_attention: str 
     else:
         mine = None
         for ranks in ep_groups:  # every rank creates every group, in the same order
-            key = ("pg", "ep", ranks, timeout_s)
-            if key not in _GROUP_CACHE:
-                _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+            pg = _process_group("ep", ranks, timeout_s)
             if ps.rank in ranks:
-                mine = Group("ep", ranks.index(ps.rank), len(ranks), ranks, _GROUP_CACHE[key])
+                mine = Group("ep", ranks.index(ps.rank), len(ranks), ranks, pg)
         ps.ep = mine
         ps.moe_tp = Group("moe_tp") if ep_attention == "tp" else ps.tp
         if ep_attention == "tp":

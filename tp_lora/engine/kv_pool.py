@@ -28,13 +28,13 @@ def kv_budget_bytes(device: torch.device, fraction: float, cap_mb: float | None,
     """Bytes the KV cache may take on this rank. CUDA: `fraction` of the free memory now (weights and adapter slots
     are already allocated), counting an existing cache of `reusable_bytes` as free since it is replaced; capped by
     cap_mb. Free means free on the device and, where the process limits its allocator
-    (torch.cuda.set_per_process_memory_fraction), under that limit. CPU: cap_mb (default CPU_DEFAULT_MB): host
-    memory cannot be measured as usefully."""
+    (torch.cuda.set_per_process_memory_fraction), under that limit. CPU: cap_mb (default CPU_DEFAULT_MB), since
+    the host's free memory says little about what a run may take."""
     cap = None if cap_mb is None else int(cap_mb * (1 << 20))
     if device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
         free, total = torch.cuda.mem_get_info(index)
-        limit = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(index)
+        limit = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(index)  # torch < 2.9: none
         if limit < 1.0:
             free = max(0, min(free, int(limit * total) - torch.cuda.memory_reserved(index)))
         budget = int((free + reusable_bytes) * fraction)
