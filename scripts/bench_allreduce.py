@@ -7,7 +7,10 @@ residual add + RMSNorm that follow it, and the all-gather.
 Per size and path: a graph of --iters back-to-back all-reduces of one tensor, replayed --reps times, the median replay
 over --iters (microseconds, CUDA events on rank 0). Each path's result is checked against NCCL's on the same data
 first (small integers: every order of summation is exact).
-Fused (rows x hidden bf16, 4 KB to 1 MB): the peer kernel (tp_lora/ops/triton/peer_norm.py) against symm_mem one-shot
+Paths: NCCL, PyTorch's one-shot and two-shot, ours (tp_lora.distributed.peer_kernels.all_reduce, up to a staging
+slot), and the dispatch parallel.allreduce=symm_mem makes.
+Fused (rows x hidden bf16, 4 KB to 1 MB): the peer kernel (tp_lora/ops/triton/peer_norm.py; also exchanging with
+flags after the pushes, the A/B of the exchange) against symm_mem one-shot
 + the add_rms_norm kernel and NCCL + add_rms_norm (each result compared with NCCL + add_rms_norm's), and the
 add_rms_norm kernel alone. All-gather (32 rows, output bytes): the peer kernel against NCCL, checked equal.
 Prints the tables; writes bench_allreduce.json into --out.
@@ -66,8 +69,10 @@ def graph_us(fn, t: torch.Tensor, iters: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
-def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str], iters: int, reps: int) -> list:
-    """Per rows x hidden: microseconds of the fused kernel, one-shot + norm, NCCL + norm, the norm alone; each
+def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str], iters: int, reps: int,
+               flags: comm.PeerBuffer) -> list:
+    """Per rows x hidden: microseconds of the fused kernel (and over `flags`, a buffer exchanging with flags after
+    the pushes), one-shot + norm, NCCL + norm, the norm alone; each
     result's largest difference from NCCL + the add_rms_norm kernel (_diff) and + the torch reference (_ref_diff),
     bf16 random normal data."""
     nccl = comm.Group("tp", ps.tp.rank, ps.tp.size, ps.tp.ranks, ps.tp.pg)
@@ -81,6 +86,7 @@ def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str
         comm.all_reduce(res, nccl)  # the residual stream is the same on every rank
         w = torch.randn(h, device=ps.device).to(torch.bfloat16)
         paths = {"fused": lambda x: fused_kernel(x, res, w, 1e-5, False, None, buf),
+                 "fused_flags": lambda x: fused_kernel(x, res, w, 1e-5, False, None, flags),
                  "one_shot_norm": lambda x: norm_kernel(peer.all_reduce(x), res, w, 1e-5),
                  "nccl_norm": lambda x: norm_kernel(comm.all_reduce(x, nccl), res, w, 1e-5),
                  "norm_only": lambda x: norm_kernel(x, res, w, 1e-5)}
@@ -99,17 +105,20 @@ def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str
     return out
 
 
-def gather_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, sizes: list[int], iters: int, reps: int) -> list:
-    """Per output size: microseconds of the peer all-gather kernel and NCCL's (32 rows, last dim), checked equal."""
+def gather_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, sizes: list[int], iters: int, reps: int,
+                flags: comm.PeerAllReduce) -> list:
+    """Per output size: microseconds of the peer all-gather kernel (and of `flags`', exchanging with flags after the
+    pushes) and NCCL's (32 rows, last dim), checked equal."""
     nccl = comm.Group("tp", ps.tp.rank, ps.tp.size, ps.tp.ranks, ps.tp.pg)
     out = []
     for nbytes in sizes:
         cols = max(1, nbytes // 2 // 32 // ps.tp.size)
         x = torch.randn(32, cols, device=ps.device).to(torch.bfloat16)
         want = comm.all_gather(x, nccl, -1)
-        if not torch.equal(peer.all_gather(x, -1), want):
+        if not (torch.equal(peer.all_gather(x, -1), want) and torch.equal(flags.all_gather(x, -1), want)):
             raise RuntimeError(f"peer all-gather of 32 x {cols} differs from NCCL's")
         row = {"bytes": want.nbytes, "peer": graph_us(lambda x: peer.all_gather(x, -1), x, iters, reps),
+               "peer_flags": graph_us(lambda x: flags.all_gather(x, -1), x, iters, reps),
                "nccl": graph_us(lambda x: comm.all_gather(x, nccl, -1), x, iters, reps)}
         out.append(row)
         if ps.is_driver:
@@ -130,9 +139,10 @@ def main() -> None:
     ps = comm.init_parallel(world, "cuda", allreduce="symm_mem")
     sizes = [int(s) for s in args.sizes.split(",")]
     big = max(sizes)
-    peers = {"one_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max=big),
-             "two_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max=0)}
-    paths = ["nccl", "one_shot", "two_shot", "dispatch"]
+    peers = {"one_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max=big, ours_max=0),
+             "two_shot": comm.PeerAllReduce(ps.tp.pg, ps.device, big, one_shot_max=0, ours_max=0),
+             "ours": comm.PeerAllReduce(ps.tp.pg, ps.device, big, ours_max=big)}
+    paths = ["nccl", "one_shot", "two_shot", "ours", "dispatch"]
     gen = torch.Generator(device=ps.device).manual_seed(ps.rank)
     rows = []
     for nbytes in sizes:
@@ -142,6 +152,9 @@ def main() -> None:
         reducer("nccl", ps, peers)(want)
         row = {"bytes": nbytes}
         for path in paths:
+            if path == "ours" and nbytes > peers["ours"].ours_max:
+                row[path] = None  # over a slot of the staging buffer
+                continue
             got = x.clone()
             reducer(path, ps, peers)(got)
             if not torch.equal(got, want):
@@ -151,34 +164,41 @@ def main() -> None:
         rows.append(row)
         if ps.is_driver:
             print("row", json.dumps(row), flush=True)
-    big_fused = comm.PeerAllReduce(ps.tp.pg, ps.device, 2 << 20, one_shot_max=2 << 20)
-    fused_out = fused_rows(ps, big_fused, [f for f in args.fused.split(",") if f], args.iters, args.reps)
-    gather_out = gather_rows(ps, big_fused, [int(b) for b in args.gather.split(",") if b], args.iters, args.reps)
-    del peers, big_fused
+    big_fused = comm.PeerAllReduce(ps.tp.pg, ps.device, 2 << 20, one_shot_max=2 << 20, ours_max=0)
+    flags = comm.PeerAllReduce(ps.tp.pg, ps.device, 2 << 20, one_shot_max=2 << 20, ours_max=0, lamport=False)
+    fused_out = fused_rows(ps, big_fused, [f for f in args.fused.split(",") if f], args.iters, args.reps,
+                           flags.buffer(torch.bfloat16))
+    gather_out = gather_rows(ps, big_fused, [int(b) for b in args.gather.split(",") if b], args.iters, args.reps,
+                             flags)
+    del peers, big_fused, flags
     torch.cuda.synchronize()
     comm.shutdown()
     if not ps.is_driver:
         return
     name = torch.cuda.get_device_name()
     print(f"all-reduce of bf16 inside a CUDA graph, {world} ranks, {name}: microseconds per call")
-    print("| bytes | NCCL | one-shot | two-shot | symm_mem dispatch | NCCL / dispatch |")
-    print("|---|---|---|---|---|---|")
+    print("| bytes | NCCL | one-shot | two-shot | ours | symm_mem dispatch | NCCL / dispatch |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['bytes']} | {r['nccl']:.1f} | {r['one_shot']:.1f} | {r['two_shot']:.1f} | {r['dispatch']:.1f} | "
-              f"{r['nccl'] / r['dispatch']:.2f} |")
+        ours = "-" if r["ours"] is None else f"{r['ours']:.1f}"
+        print(f"| {r['bytes']} | {r['nccl']:.1f} | {r['one_shot']:.1f} | {r['two_shot']:.1f} | {ours} | "
+              f"{r['dispatch']:.1f} | {r['nccl'] / r['dispatch']:.2f} |")
     print(f"all-reduce + residual add + RMSNorm of bf16 rows inside a CUDA graph, {world} ranks, {name}: "
           "microseconds per call (largest difference from NCCL + the add_rms_norm kernel)")
-    print("| rows x hidden | bytes | fused kernel | one-shot + norm | NCCL + norm | norm alone | NCCL + norm / fused |")
-    print("|---|---|---|---|---|---|---|")
+    print("| rows x hidden | bytes | fused kernel | fused, flags | one-shot + norm | NCCL + norm | norm alone | "
+          "NCCL + norm / fused |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in fused_out:
         print(f"| {r['rows']} x {r['hidden']} | {r['bytes']} | {r['fused']:.1f} ({r['fused_diff']:.3g}) | "
+              f"{r['fused_flags']:.1f} ({r['fused_flags_diff']:.3g}) | "
               f"{r['one_shot_norm']:.1f} ({r['one_shot_norm_diff']:.3g}) | {r['nccl_norm']:.1f} | "
               f"{r['norm_only']:.1f} | "
               f"{r['nccl_norm'] / r['fused']:.2f} |")
     print(f"all-gather of bf16 (32 rows, last dim) inside a CUDA graph, {world} ranks, {name}: microseconds per call")
-    print("| output bytes | peer kernel | NCCL | NCCL / peer |\n|---|---|---|---|")
+    print("| output bytes | peer kernel | peer, flags | NCCL | NCCL / peer |\n|---|---|---|---|---|")
     for r in gather_out:
-        print(f"| {r['bytes']} | {r['peer']:.1f} | {r['nccl']:.1f} | {r['nccl'] / r['peer']:.2f} |")
+        print(f"| {r['bytes']} | {r['peer']:.1f} | {r['peer_flags']:.1f} | {r['nccl']:.1f} | "
+              f"{r['nccl'] / r['peer']:.2f} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_allreduce.json"), "w") as f:
         json.dump(dict(device=name, ranks=world, dtype="bfloat16", iters=args.iters, reps=args.reps,

@@ -103,6 +103,13 @@ for what in "${@:-all}"; do
           --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce $ar --reps 1 \
           --out "$RES/step_tp${n}_$ar"
       done
+      step "issue 36 A/B: tp2 / tp4 with the peer kernels exchanging by flags after the pushes (no adapters)"
+      for n in 2 4; do
+        [ "$NGPU" -ge $n ] || continue
+        run step_tp${n}_flags 80 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
+          --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce symm_mem --reps 1 \
+          --no-adapters-only --peer-flags --out "$RES/step_tp${n}_flags"
+      done
       python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log"
       step "issue 36: 8 layers of the Llama-3-70B shape (random weights in memory), batch 32, tp$NGPU"
       run step70_tp$NGPU 120 4 torchrun --nproc_per_node=$NGPU scripts/bench_step.py --tp $NGPU \

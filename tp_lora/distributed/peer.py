@@ -1,16 +1,15 @@
-"""Collectives over NVLink peer memory (PyTorch symmetric memory): the tp group's all-reduce by PyTorch's one-shot /
-two-shot kernels, and our Triton kernels over a buffer of the same kind (tp_lora.distributed.peer_kernels): an
-all-gather, and the exchange a kernel fusing the all-reduce with what follows it (tp_lora.ops.triton.peer_norm)
-is built on.
+"""Collectives over NVLink peer memory (PyTorch symmetric memory): the tp group's all-reduce by our Triton kernel
+(tp_lora.distributed.peer_kernels) up to ours_max_bytes, PyTorch's one-shot / two-shot kernels above, an all-gather,
+and the exchange a kernel fusing the all-reduce with what follows it (tp_lora.ops.triton.peer_norm) is built on.
 
-Our kernels push: program p of rank i writes its share of the message into slot i of every rank's buffer (posted
-NVLink stores), then sets its flag in every rank's signal pad to the call's number (a release store), waits until
-every rank's flag for it has reached that number (acquire loads of its own pad), and reads the slots locally. One
-one-way trip over NVLink, no barrier after the reads: calls alternate between the two halves of the buffer, so a
-rank writes into a half only after every rank has started the next call, hence finished reading that half. The
-call numbers live in device memory (`epochs`, one per program), so CUDA graphs replay the exchange; every kernel
-over the buffer launches the same fixed number of programs, so program p on every rank counts the same calls and
-stages exactly what program p of a peer reads. Never NVLink multicast (multimem): only peer loads and stores.
+Our kernels push and poll the data itself (a Lamport-style exchange: no flags, no fences): program p of rank i
+writes its share of the message into slot i of every rank's staging buffer (posted NVLink stores; a -0.0 is sent as
++0.0), then reads the slots of its own buffer with volatile loads until no element holds -0.0's bits, the empty mark
+every element holds until pushed, and marks what it read empty again. Calls alternate between the two halves of the
+buffer, so a rank writes into a half only after every rank has started the next call, hence finished reading (and
+emptying) that half. The call numbers live in device memory (`epochs`, one per program), so CUDA graphs replay the
+exchange; every kernel over the buffer launches the same fixed number of programs, so every program of every rank
+counts the same calls. Never NVLink multicast (multimem): only peer loads and stores.
 """
 from __future__ import annotations
 
@@ -37,7 +36,14 @@ def fused_max_bytes(ranks: int) -> int:
     return 1 << 20 if ranks <= 2 else one_shot_max_bytes(ranks)
 
 
+def ours_max_bytes(ranks: int) -> int:
+    """The largest all-reduce our kernel takes (peer_kernels.all_reduce), PyTorch's kernels above."""
+    return one_shot_max_bytes(ranks)
+
+
 PEER_PROGRAMS = 32  # programs of every kernel over a staging buffer (decode rows: one each)
+# dtype -> (integer view, -0.0's bits in it): the empty mark of a staging buffer's elements
+EMPTY = {torch.bfloat16: (torch.int16, -0x8000), torch.float32: (torch.int32, -0x80000000)}
 
 
 @dataclass
@@ -52,6 +58,7 @@ class PeerBuffer:
     world: int
     programs: int
     slot: int
+    lamport: bool = True  # the exchange of the module docstring; False: flags in the signal pads after the pushes
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot
@@ -64,8 +71,11 @@ class PeerAllReduce:
     and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs; `staging`: a second
     buffer per dtype (signal pads of its own) for our kernels (all_gather, the fused reduce + norm)."""
 
-    def __init__(self, pg, device: torch.device, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None):
+    def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None,
+                 ours_max: int | None = None, lamport: bool = True):
+        import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
+        device = torch.device(device)
         if symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
         self.name, self.max_bytes = pg.group_name, max_bytes
@@ -77,6 +87,7 @@ class PeerAllReduce:
         world = pg.size()
         self.fused_max = fused_max_bytes(world)
         slot_bytes = max(self.fused_max, GATHER_MAX_BYTES // world)
+        self.ours_max = min(ours_max_bytes(world) if ours_max is None else ours_max, slot_bytes)
         for dt in PEER_DTYPES:
             buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
             hdl = symm_mem.rendezvous(buf, self.name)
@@ -87,8 +98,12 @@ class PeerAllReduce:
             ptrs = torch.tensor([p + off for p in hdl.buffer_ptrs], dtype=torch.int64, device=device)
             pads = torch.tensor(hdl.signal_pad_ptrs, dtype=torch.int64, device=device)
             epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
+            buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
-                                                slot_bytes // dt.itemsize))
+                                                slot_bytes // dt.itemsize, lamport))
+        torch.cuda.synchronize(device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        dist.barrier(group=pg, device_ids=[index])  # every buffer marked empty before any rank pushes
 
     def takes(self, t: torch.Tensor) -> bool:
         return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.nbytes <= self.max_bytes
@@ -101,9 +116,13 @@ class PeerAllReduce:
         return self.staging[dtype][1]
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over the group, in place. A message of whole 16-byte vectors at a 16-byte offset takes one kernel
-        (one-shot, which stages t itself) up to one_shot_max; any other is copied into the buffer padded to whole
-        vectors, reduced there two-shot and copied back."""
+        """t summed over the group, in place. Up to ours_max by our kernel (peer_kernels.all_reduce). Above, a message
+        of whole 16-byte vectors at a 16-byte offset takes PyTorch's one-shot kernel (which stages t itself) up to
+        one_shot_max; any other is copied into the buffer padded to whole vectors, reduced there two-shot and copied
+        back."""
+        if t.nbytes <= self.ours_max:
+            from tp_lora.distributed.peer_kernels import all_reduce  # noqa: PLC0415 - Triton only where the path is
+            return all_reduce(t, self.buffer(t.dtype))
         n, size, ops = t.numel(), t.element_size(), torch.ops.symm_mem
         flat, buf = t.view(-1), self.bufs[t.dtype]
         if t.nbytes <= self.one_shot_max and t.nbytes % 16 == 0 and (t.storage_offset() * size) % 16 == 0:

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 GATHER_BLOCK = 2048  # elements per program and step of the all-gather kernel
+REDUCE_BLOCK = 2048  # elements per program and step of the all-reduce kernel
 # PTX release stores / acquire loads for the flags; the interpreter (no PTX) takes atomics of the same semantics.
 ASM = os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -33,8 +34,22 @@ def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
     s_row, s_rank = (buf.world * cols, cols) if last else (cols, rows * cols)
     _all_gather_kernel[(buf.programs,)](
         x, out, buf.ptrs, buf.pads, buf.epochs, rows, cols, x.stride(0), s_row, s_rank, buf.slot, RANK=buf.rank,
-        WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM)
+        WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, LAMPORT=buf.lamport)
     return out
+
+
+def all_reduce(t: torch.Tensor, buf) -> torch.Tensor:
+    """t (contiguous, up to one slot) summed over the ranks in place, in rank order in float32 (every rank gets the
+    same bits), by one kernel: each program pushes its blocks of t to every rank, then sums every rank's copy of them
+    as they arrive. buf: the group's staging buffer of t's dtype."""
+    if not t.is_contiguous():
+        raise ValueError(f"peer all_reduce: a contiguous tensor expected, got strides {t.stride()}")
+    if not buf.fits(t):
+        raise ValueError(f"peer all_reduce: {t.numel()} elements exceed a slot of {buf.slot}")
+    if t.numel():
+        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, t.numel(), buf.slot, RANK=buf.rank,
+                                            WORLD=buf.world, BLOCK=REDUCE_BLOCK)
+    return t
 
 
 @triton.jit
@@ -48,7 +63,9 @@ def next_call(epochs, program, slot, WORLD: tl.constexpr):
 
 @triton.jit
 def push_row(ptrs, half, slot, offset, i, values, ok, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """values (at columns i, masked by ok) into slot RANK of the half of every rank's buffer, at `offset`."""
+    """values (at columns i, masked by ok) into slot RANK of the half of every rank's buffer, at `offset`; a -0.0
+    goes as +0.0 (-0.0's bits mark an empty element: take_row)."""
+    values = tl.where(unset(values), tl.zeros_like(values), values)
     for r in tl.static_range(WORLD):
         base = tl.multiple_of(tl.load(ptrs + r).to(tl.pointer_type(values.dtype)), 16)  # symm_mem: page aligned
         tl.store(base + half + RANK * slot + offset + i, values, mask=ok)
@@ -93,6 +110,35 @@ def wait_peers(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: t
 
 
 @triton.jit
+def empty_mark(v):
+    """-0.0's bits in v's dtype (float32 / 16-bit floats), shaped like v: what an element holds until pushed."""
+    if v.dtype.primitive_bitwidth == 16:
+        return tl.full(v.shape, 0x8000, tl.uint16).to(v.dtype, bitcast=True)
+    return tl.full(v.shape, 0x80000000, tl.uint32).to(v.dtype, bitcast=True)
+
+
+@triton.jit
+def unset(v):
+    """Whether each element of v still holds the empty mark."""
+    if v.dtype.primitive_bitwidth == 16:
+        return v.to(tl.uint16, bitcast=True) == 0x8000
+    return v.to(tl.uint32, bitcast=True) == 0x80000000
+
+
+@triton.jit
+def take_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.constexpr):
+    """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere), once every
+    element has arrived (volatile loads until none holds the empty mark); the elements are marked empty again."""
+    base = tl.multiple_of(tl.load(ptrs + RANK).to(tl.pointer_type(DT)), 16)
+    at = base + half + r * slot + offset + i
+    v = tl.load(at, mask=ok, other=0.0, volatile=True)
+    while tl.sum(tl.where(ok & unset(v), 1, 0)) > 0:
+        v = tl.load(at, mask=ok, other=0.0, volatile=True)
+    tl.store(at, empty_mark(v), mask=ok)
+    return v
+
+
+@triton.jit
 def slot_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.constexpr):
     """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere)."""
     base = tl.multiple_of(tl.load(ptrs + RANK).to(tl.pointer_type(DT)), 16)
@@ -101,7 +147,8 @@ def slot_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.cons
 
 @triton.jit
 def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, rows, cols, s_x, s_row, s_rank, slot,
-                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):
+                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr,
+                       LAMPORT: tl.constexpr):
     p = tl.program_id(0)
     step = tl.num_programs(0)
     dt = out_ptr.dtype.element_ty
@@ -111,11 +158,34 @@ def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, rows, cols, s_x, s_ro
         row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
         push_row(ptrs, half, slot, row * cols, c, tl.load(x_ptr + row * s_x + c, mask=ok), ok, RANK, WORLD)
-    publish(pads, p, e, RANK, WORLD, ASM)
-    wait_peers(pads, p, e, RANK, WORLD, ASM)
+    if not LAMPORT:
+        publish(pads, p, e, RANK, WORLD, ASM)
+        wait_peers(pads, p, e, RANK, WORLD, ASM)
     for u in range(p, rows * chunks, step):
         row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
         for r in tl.static_range(WORLD):
-            tl.store(out_ptr + row * s_row + r * s_rank + c, slot_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt),
-                     mask=ok)
+            if LAMPORT:
+                v = take_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt)
+            else:
+                v = slot_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt)
+            tl.store(out_ptr + row * s_row + r * s_rank + c, v, mask=ok)
+
+
+@triton.jit
+def _all_reduce_kernel(x_ptr, ptrs, epochs, n, slot, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0)
+    step = tl.num_programs(0)
+    dt = x_ptr.dtype.element_ty
+    e, half = next_call(epochs, p, slot, WORLD)
+    for u in range(p, tl.cdiv(n, BLOCK), step):
+        c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < n
+        push_row(ptrs, half, slot, 0, c, tl.load(x_ptr + c, mask=ok), ok, RANK, WORLD)
+    for u in range(p, tl.cdiv(n, BLOCK), step):
+        c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < n
+        h = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            h += take_row(ptrs, half, slot, 0, c, ok, r, RANK, dt).to(tl.float32)
+        tl.store(x_ptr + c, h.to(dt), mask=ok)
