@@ -112,17 +112,21 @@ def wait_peers(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: t
 @triton.jit
 def empty_mark(v):
     """-0.0's bits in v's dtype (float32 / 16-bit floats), shaped like v: what an element holds until pushed."""
-    if v.dtype.primitive_bitwidth == 16:
-        return tl.full(v.shape, 0x8000, tl.uint16).to(v.dtype, bitcast=True)
-    return tl.full(v.shape, 0x80000000, tl.uint32).to(v.dtype, bitcast=True)
+    if v.dtype.primitive_bitwidth == 16:  # resolved at compile time: one branch is compiled
+        mark = tl.full(v.shape, 0x8000, tl.uint16).to(v.dtype, bitcast=True)
+    else:
+        mark = tl.full(v.shape, 0x80000000, tl.uint32).to(v.dtype, bitcast=True)
+    return mark
 
 
 @triton.jit
 def unset(v):
     """Whether each element of v still holds the empty mark."""
     if v.dtype.primitive_bitwidth == 16:
-        return v.to(tl.uint16, bitcast=True) == 0x8000
-    return v.to(tl.uint32, bitcast=True) == 0x80000000
+        empty = v.to(tl.uint16, bitcast=True) == 0x8000
+    else:
+        empty = v.to(tl.uint32, bitcast=True) == 0x80000000
+    return empty
 
 
 @triton.jit
