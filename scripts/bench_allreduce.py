@@ -165,7 +165,7 @@ def main() -> None:
         if ps.is_driver:
             print("row", json.dumps(row), flush=True)
     big_fused = comm.PeerAllReduce(ps.tp.pg, ps.device, 2 << 20, one_shot_max=2 << 20, ours_max=0)
-    flags = comm.PeerAllReduce(ps.tp.pg, ps.device, 2 << 20, one_shot_max=2 << 20, ours_max=0, lamport=False)
+    flags = comm.PeerAllReduce(ps.tp.pg, ps.device, 2 << 20, one_shot_max=2 << 20, ours_max=0, poll=False)
     fused_out = fused_rows(ps, big_fused, [f for f in args.fused.split(",") if f], args.iters, args.reps,
                            flags.buffer(torch.bfloat16))
     gather_out = gather_rows(ps, big_fused, [int(b) for b in args.gather.split(",") if b], args.iters, args.reps,

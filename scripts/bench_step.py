@@ -456,7 +456,7 @@ def main() -> None:
         comm.PeerAllReduce.takes_gather = lambda self, t, world: False
     if args.peer_flags:
         init = comm.PeerAllReduce.__init__
-        comm.PeerAllReduce.__init__ = lambda self, pg, device: init(self, pg, device, ours_max=0, lamport=False)
+        comm.PeerAllReduce.__init__ = lambda self, pg, device: init(self, pg, device, ours_max=0, poll=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ps = comm.init_parallel(args.tp, device, allreduce=args.allreduce)
     allreduce = "symm_mem" if ps.tp.peer is not None else "nccl" if ps.tp.size > 1 else "none"

@@ -41,6 +41,9 @@ def ours_max_bytes(ranks: int) -> int:
     return one_shot_max_bytes(ranks)
 
 
+# The most bytes a rank takes in one call by polling the data; above, by flags after the pushes: a bandwidth-bound
+# call pays more for the polling's volatile loads than for a flag's round trip (BENCHMARKS.md, issue 36).
+POLL_MAX_BYTES = 1 << 20
 PEER_PROGRAMS = 32  # programs of every kernel over a staging buffer (decode rows: one each)
 # dtype -> (integer view, -0.0's bits in it): the empty mark of a staging buffer's elements
 EMPTY = {torch.bfloat16: (torch.int16, -0x8000), torch.float32: (torch.int32, -0x80000000)}
@@ -58,10 +61,14 @@ class PeerBuffer:
     world: int
     programs: int
     slot: int
-    lamport: bool = True  # the exchange of the module docstring; False: flags in the signal pads after the pushes
+    poll: bool = True  # False: every call exchanges by flags (the A/B of the two exchanges)
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot
+
+    def polls(self, received: int) -> bool:
+        """Whether a call in which a rank takes `received` bytes from the slots exchanges by polling the data."""
+        return self.poll and received <= POLL_MAX_BYTES
 
 
 class PeerAllReduce:
@@ -72,7 +79,7 @@ class PeerAllReduce:
     buffer per dtype (signal pads of its own) for our kernels (all_gather, the fused reduce + norm)."""
 
     def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None,
-                 ours_max: int | None = None, lamport: bool = True):
+                 ours_max: int | None = None, poll: bool = True):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
         device = torch.device(device)
@@ -100,7 +107,7 @@ class PeerAllReduce:
             epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
             buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
-                                                slot_bytes // dt.itemsize, lamport))
+                                                slot_bytes // dt.itemsize, poll))
         torch.cuda.synchronize(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         dist.barrier(group=pg, device_ids=[index])  # every buffer marked empty before any rank pushes

@@ -1,5 +1,5 @@
 """The Triton side of the peer-memory collectives (tp_lora.distributed.peer, whose docstring gives the protocol):
-next_call / push_row / publish / wait_peers / slot_row, which a peer kernel is built from, and the all-gather.
+next_call / push_row / exchange / take_row, which a peer kernel is built from, the all-reduce and the all-gather.
 Imported only where the peer path runs (CUDA, or a test under TRITON_INTERPRET=1 with a group of one)."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
     s_row, s_rank = (buf.world * cols, cols) if last else (cols, rows * cols)
     _all_gather_kernel[(buf.programs,)](
         x, out, buf.ptrs, buf.pads, buf.epochs, rows, cols, x.stride(0), s_row, s_rank, buf.slot, RANK=buf.rank,
-        WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, LAMPORT=buf.lamport)
+        WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, POLL=buf.polls(out.nbytes))
     return out
 
 
@@ -47,8 +47,9 @@ def all_reduce(t: torch.Tensor, buf) -> torch.Tensor:
     if not buf.fits(t):
         raise ValueError(f"peer all_reduce: {t.numel()} elements exceed a slot of {buf.slot}")
     if t.numel():
-        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, t.numel(), buf.slot, RANK=buf.rank,
-                                            WORLD=buf.world, BLOCK=REDUCE_BLOCK)
+        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, t.numel(), buf.slot, RANK=buf.rank,
+                                            WORLD=buf.world, BLOCK=REDUCE_BLOCK, ASM=ASM,
+                                            POLL=buf.polls(t.nbytes * buf.world))
     return t
 
 
@@ -130,29 +131,33 @@ def unset(v):
 
 
 @triton.jit
-def take_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.constexpr):
-    """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere), once every
-    element has arrived (volatile loads until none holds the empty mark); the elements are marked empty again."""
+def take_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.constexpr, POLL: tl.constexpr):
+    """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere), marked empty
+    again once read. POLL: volatile loads until no element holds the empty mark (else the flags said they are in)."""
     base = tl.multiple_of(tl.load(ptrs + RANK).to(tl.pointer_type(DT)), 16)
     at = base + half + r * slot + offset + i
-    v = tl.load(at, mask=ok, other=0.0, volatile=True)
-    while tl.sum(tl.where(ok & unset(v), 1, 0)) > 0:
+    if POLL:
         v = tl.load(at, mask=ok, other=0.0, volatile=True)
+        while tl.sum(tl.where(ok & unset(v), 1, 0)) > 0:
+            v = tl.load(at, mask=ok, other=0.0, volatile=True)
+    else:
+        v = tl.load(at, mask=ok, other=0.0)
     tl.store(at, empty_mark(v), mask=ok)
     return v
 
 
 @triton.jit
-def slot_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.constexpr):
-    """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere)."""
-    base = tl.multiple_of(tl.load(ptrs + RANK).to(tl.pointer_type(DT)), 16)
-    return tl.load(base + half + r * slot + offset + i, mask=ok, other=0.0)
+def exchange(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr):
+    """Between a program's pushes and its take_row calls: nothing when polling, else publish + wait_peers."""
+    if not POLL:
+        publish(pads, program, e, RANK, WORLD, ASM)
+        wait_peers(pads, program, e, RANK, WORLD, ASM)
 
 
 @triton.jit
 def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, rows, cols, s_x, s_row, s_rank, slot,
                        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr,
-                       LAMPORT: tl.constexpr):
+                       POLL: tl.constexpr):
     p = tl.program_id(0)
     step = tl.num_programs(0)
     dt = out_ptr.dtype.element_ty
@@ -162,22 +167,18 @@ def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, rows, cols, s_x, s_ro
         row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
         push_row(ptrs, half, slot, row * cols, c, tl.load(x_ptr + row * s_x + c, mask=ok), ok, RANK, WORLD)
-    if not LAMPORT:
-        publish(pads, p, e, RANK, WORLD, ASM)
-        wait_peers(pads, p, e, RANK, WORLD, ASM)
+    exchange(pads, p, e, RANK, WORLD, ASM, POLL)
     for u in range(p, rows * chunks, step):
         row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
         for r in tl.static_range(WORLD):
-            if LAMPORT:
-                v = take_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt)
-            else:
-                v = slot_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt)
-            tl.store(out_ptr + row * s_row + r * s_rank + c, v, mask=ok)
+            tl.store(out_ptr + row * s_row + r * s_rank + c, take_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt,
+                                                                       POLL), mask=ok)
 
 
 @triton.jit
-def _all_reduce_kernel(x_ptr, ptrs, epochs, n, slot, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+def _all_reduce_kernel(x_ptr, ptrs, pads, epochs, n, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
+                       BLOCK: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr):
     p = tl.program_id(0)
     step = tl.num_programs(0)
     dt = x_ptr.dtype.element_ty
@@ -186,10 +187,11 @@ def _all_reduce_kernel(x_ptr, ptrs, epochs, n, slot, RANK: tl.constexpr, WORLD: 
         c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = c < n
         push_row(ptrs, half, slot, 0, c, tl.load(x_ptr + c, mask=ok), ok, RANK, WORLD)
+    exchange(pads, p, e, RANK, WORLD, ASM, POLL)
     for u in range(p, tl.cdiv(n, BLOCK), step):
         c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = c < n
         h = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
-            h += take_row(ptrs, half, slot, 0, c, ok, r, RANK, dt).to(tl.float32)
+            h += take_row(ptrs, half, slot, 0, c, ok, r, RANK, dt, POLL).to(tl.float32)
         tl.store(x_ptr + c, h.to(dt), mask=ok)
