@@ -6,11 +6,12 @@ here let tests and benchmarks read the communication of a forward pass in one pl
 The mesh is (dp, tp): `tp` groups split layers; `dp` groups hold disjoint requests (and, for MoE, are the expert-
 parallel groups). With one process nothing is initialised and every collective is the identity.
 
-All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES PyTorch's symmetric-memory
-kernels, which read the peers' staging buffers over NVLink directly (one-shot up to one_shot_max_bytes, two-shot
-above): lower latency than NCCL for a decode step's messages (BENCHMARKS.md). The same path gives the group's
-all-gathers a peer kernel and fused_peer a buffer for kernels that fuse the reduce with what follows
-(tp_lora.distributed.peer). Never NVLink multicast (multimem): only peer loads and stores.
+All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES the peer-memory path,
+which reads and writes the peers' staging buffers over NVLink directly (PyTorch symmetric memory): our kernel up to
+ours_max_bytes, PyTorch's one-shot / two-shot kernels above; lower latency than NCCL for a decode step's messages
+(BENCHMARKS.md). The same path gives the group's all-gathers a peer kernel and fused_peer a buffer for kernels that
+fuse the reduce with what follows (tp_lora.distributed.peer). Never NVLink multicast (multimem): only peer loads and
+stores.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tp_lora.distributed.peer import (GATHER_MAX_BYTES, PEER_MAX_BYTES, PeerAllReduce, PeerBuffer,  # noqa: F401
+from tp_lora.distributed.peer import (PEER_MAX_BYTES, PeerAllReduce, PeerBuffer, gather_max_bytes,  # noqa: F401
                                      one_shot_max_bytes)
 
 
@@ -90,7 +91,7 @@ def fused_peer(t: torch.Tensor, group: Group) -> PeerBuffer | None:
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's t along dim (rank order). Through peer memory where the group has it (dim 0 of a
-    2-dim t or the last dim, output up to GATHER_MAX_BYTES), else NCCL / gloo."""
+    2-dim t or the last dim, output up to gather_max_bytes), else NCCL / gloo."""
     if group.size == 1:
         return t
     STATS.record("all_gather", group, t)
@@ -164,9 +165,10 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
             _PEERS[name] = PeerAllReduce(group.pg, device)
         group.peer = _PEERS[name]
         _PEER_GROUPS.append(group)
-        path = (f"symm_mem (one-shot up to {group.peer.one_shot_max >> 10} KiB, two-shot up to "
+        path = (f"symm_mem (our kernel up to {group.peer.ours_max >> 10} KiB, PyTorch's one-shot up to "
+                f"{group.peer.one_shot_max >> 10} KiB, two-shot up to "
                 f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
-                f"{group.peer.fused_max >> 10} KiB; all-gathers up to {GATHER_MAX_BYTES >> 10} KiB)")
+                f"{group.peer.fused_max >> 10} KiB; all-gathers up to {group.peer.gather_max >> 10} KiB)")
     if group.rank == 0 and group.ranks[0] == 0:
         print(f"parallel.allreduce={choice}: {group.name} all-reduce over {group.size} ranks by {path}", flush=True)
     return "symm_mem" if group.peer is not None else "nccl"

@@ -21,8 +21,10 @@ import torch
 # two-shot above: the crossovers of BENCHMARKS.md (issue 36), inside CUDA graphs at 2 and 4 ranks.
 PEER_MAX_BYTES = 8 << 20
 PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
-# The largest all-gather output (bytes) the peer kernel takes, NCCL above (BENCHMARKS.md, issue 36).
-GATHER_MAX_BYTES = 8 << 20
+def gather_max_bytes(ranks: int) -> int:
+    """The largest all-gather output (bytes) the peer kernel takes, NCCL above: where NCCL overtakes it in a CUDA
+    graph (BENCHMARKS.md, issue 36)."""
+    return 8 << 20 if ranks <= 2 else 4 << 20
 
 
 def one_shot_max_bytes(ranks: int) -> int:
@@ -72,11 +74,13 @@ class PeerBuffer:
 
 
 class PeerAllReduce:
-    """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): each rank
-    stages its tensor in a buffer every peer maps, then reads the peers' buffers over NVLink and reduces (one-shot),
-    or reduces its 1/n share and writes it to every peer (two-shot). One buffer of max_bytes per dtype, allocated
-    and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs; `staging`: a second
-    buffer per dtype (signal pads of its own) for our kernels (all_gather, the fused reduce + norm)."""
+    """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): our kernel
+    over `staging` (the exchange above) up to ours_max; above, PyTorch's: each rank stages its tensor in a buffer
+    every peer maps, then reads the peers' buffers over NVLink and reduces (one-shot), or reduces its 1/n share and
+    writes it to every peer (two-shot). One buffer of max_bytes per dtype for PyTorch's kernels and one staging buffer
+    per dtype (signal pads of its own) for ours (all_reduce, all_gather, the fused reduce + norm), allocated and
+    exchanged here (collective), so calls allocate nothing and capture in CUDA graphs. ours_max / one_shot_max /
+    poll=False: the benchmarks' A/B of the paths."""
 
     def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None,
                  ours_max: int | None = None, poll: bool = True):
@@ -93,7 +97,8 @@ class PeerAllReduce:
         self.staging = {}
         world = pg.size()
         self.fused_max = fused_max_bytes(world)
-        slot_bytes = max(self.fused_max, GATHER_MAX_BYTES // world)
+        self.gather_max = gather_max_bytes(world)
+        slot_bytes = max(self.fused_max, self.gather_max // world)
         self.ours_max = min(ours_max_bytes(world) if ours_max is None else ours_max, slot_bytes)
         for dt in PEER_DTYPES:
             buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
@@ -141,7 +146,7 @@ class PeerAllReduce:
         return t
 
     def takes_gather(self, t: torch.Tensor, world: int) -> bool:
-        return t.is_cuda and t.dtype in self.staging and 0 < t.nbytes * world <= GATHER_MAX_BYTES
+        return t.is_cuda and t.dtype in self.staging and 0 < t.nbytes * world <= self.gather_max
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's t concatenated along dim 0 or the last dim (rank order), by one kernel."""
