@@ -122,7 +122,8 @@ for what in "${@:-all}"; do
       # its module fixtures and rank pools are made once; each process takes a bounded share of every GPU:
       # tp_lora.testing.share_gpus). -v with a clock on every line: each test's end time survives a run cut short.
       export XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4 --dist loadfile")
-      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_suite 540 45 bash -c 'python3 -m pytest -v -rs \
+      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton TP_LORA_TEST_FAILURES="$RES/pytest_suite_failures.log" \
+        run pytest_suite 540 45 bash -c 'python3 -m pytest -v -rs \
         $XDIST --durations=25 tests/distributed tests/gpu tests/parity/test_adapter_kinds_parity.py \
         tests/parity/test_families_parity.py 2>&1 | while IFS= read -r l; do printf "%s %s\n" "$(date +%T)" "$l"; done'
       echo "gpu_suite: $((SECONDS - start)) s wall on $NGPU GPUs" | tee -a "$OUT/summary.log" ;;

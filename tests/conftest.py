@@ -1,6 +1,9 @@
 """Every test process: under parallel pytest workers on CUDA, each process takes a bounded share of its GPU
-(tp_lora.testing.share_gpus) and hands back what a test left cached, so that the other workers' engines find it free."""
+(tp_lora.testing.share_gpus) and hands back what a test left cached, so that the other workers' engines find it free.
+TP_LORA_TEST_FAILURES=path: each failure's report is appended there as it happens (a run cut short by a time limit
+keeps what failed and why; pytest prints the reports only at the end)."""
 import gc
+import os
 
 import pytest
 import torch
@@ -10,6 +13,13 @@ from tp_lora.testing import share_gpus, workers_share_gpus
 
 def pytest_configure(config):
     share_gpus()
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("TP_LORA_TEST_FAILURES")
+    if path and report.failed and not hasattr(report, "node"):  # once, in the process that runs the test
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
 
 
 @pytest.fixture(autouse=True)
