@@ -80,10 +80,10 @@ class PeerAllReduce:
     writes it to every peer (two-shot). One buffer of max_bytes per dtype for PyTorch's kernels and one staging buffer
     per dtype (signal pads of its own) for ours (all_reduce, all_gather, the fused reduce + norm), allocated and
     exchanged here (collective), so calls allocate nothing and capture in CUDA graphs. ours_max / one_shot_max /
-    poll=False: the benchmarks' A/B of the paths."""
+    ours_two_shot_max / poll=False: the benchmarks' A/B of the paths."""
 
     def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None,
-                 ours_max: int | None = None, poll: bool = True):
+                 ours_max: int | None = None, poll: bool = True, ours_two_shot_max: int = 0):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
         device = torch.device(device)
@@ -100,6 +100,7 @@ class PeerAllReduce:
         self.gather_max = gather_max_bytes(world)
         slot_bytes = max(self.fused_max, self.gather_max // world)
         self.ours_max = min(ours_max_bytes(world) if ours_max is None else ours_max, slot_bytes)
+        self.ours_two_shot_max = min(ours_two_shot_max, world * slot_bytes // 2)  # two chunks of 1 / world a slot
         for dt in PEER_DTYPES:
             buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
             hdl = symm_mem.rendezvous(buf, self.name)
@@ -128,13 +129,14 @@ class PeerAllReduce:
         return self.staging[dtype][1]
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over the group, in place. Up to ours_max by our kernel (peer_kernels.all_reduce). Above, a message
+        """t summed over the group, in place. Up to ours_max by our kernel (peer_kernels.all_reduce), then up to
+        ours_two_shot_max by its two-shot form (0 unless given: not yet measured on GPUs). Above, a message
         of whole 16-byte vectors at a 16-byte offset takes PyTorch's one-shot kernel (which stages t itself) up to
         one_shot_max; any other is copied into the buffer padded to whole vectors, reduced there two-shot and copied
         back."""
-        if t.nbytes <= self.ours_max:
+        if t.nbytes <= max(self.ours_max, self.ours_two_shot_max):
             from tp_lora.distributed.peer_kernels import all_reduce  # noqa: PLC0415 - Triton only where the path is
-            return all_reduce(t, self.buffer(t.dtype))
+            return all_reduce(t, self.buffer(t.dtype), two_shot=t.nbytes > self.ours_max)
         n, size, ops = t.numel(), t.element_size(), torch.ops.symm_mem
         flat, buf = t.view(-1), self.bufs[t.dtype]
         if t.nbytes <= self.one_shot_max and t.nbytes % 16 == 0 and (t.storage_offset() * size) % 16 == 0:
