@@ -1,5 +1,6 @@
-"""Every test process: under parallel pytest workers on CUDA, each process takes a bounded share of its GPU
-(tp_lora.testing.share_gpus) and hands back what a test left cached, so that the other workers' engines find it free.
+"""Every test process: under parallel pytest workers on CUDA, each worker sees the GPUs in its own rotated order
+(tp_lora.testing.spread_gpus), takes a bounded share of its GPU (share_gpus) and hands back what a test left cached,
+so that the other workers' engines find it free.
 TP_LORA_TEST_FAILURES=path: each failure's report is appended there as it happens (a run cut short by a time limit
 keeps what failed and why; pytest prints the reports only at the end)."""
 import gc
@@ -8,10 +9,11 @@ import os
 import pytest
 import torch
 
-from tp_lora.testing import share_gpus, workers_share_gpus
+from tp_lora.testing import share_gpus, spread_gpus, workers_share_gpus
 
 
 def pytest_configure(config):
+    spread_gpus()
     share_gpus()
 
 

@@ -61,6 +61,28 @@ def workers_share_gpus() -> bool:
     return "PYTEST_XDIST_WORKER_COUNT" in os.environ and device_under_test() == "cuda"
 
 
+def rotated_gpus(worker: int, workers: int, gpus: int) -> str:
+    """CUDA_VISIBLE_DEVICES for pytest worker `worker` of `workers`: every GPU, starting at the worker's share."""
+    start = worker * gpus // workers
+    return ",".join(str((start + i) % gpus) for i in range(gpus))
+
+
+def spread_gpus() -> None:
+    """Under parallel workers on CUDA, before the process touches CUDA: show it (and the ranks and jobs it starts)
+    every GPU in an order rotated to start at its share (rotated_gpus), so that tests running side by side put their
+    first ranks on different GPUs, not all on GPU 0 (a spinning collective loses its GPU's time slices to the
+    processes beside it). Where CUDA_VISIBLE_DEVICES is set already, or no NVIDIA driver lists its GPUs, nothing."""
+    if not workers_share_gpus() or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return
+    try:
+        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))  # counted without initialising CUDA
+    except OSError:
+        return
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    if gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = rotated_gpus(worker, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), gpus)
+
+
 def share_gpus() -> None:
     """Under parallel pytest workers on CUDA, limit this process's allocator to GPU_SHARE of its current GPU: an
     engine sizes its KV cache from what is free (80% by default), which would leave nothing to the processes of the

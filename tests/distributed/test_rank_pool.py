@@ -76,3 +76,17 @@ def test_a_failed_task_names_its_rank_and_the_next_runs_on_new_ranks(monkeypatch
     after = run_ranks(_pids, 2)
     assert not set(after) & set(before)
     assert run_ranks(_state, 2, "after")[1] == [3.0, 3.0]
+
+
+def test_parallel_workers_see_the_gpus_in_rotated_orders(monkeypatch):
+    assert [testing.rotated_gpus(k, 4, 4) for k in range(4)] == ["0,1,2,3", "1,2,3,0", "2,3,0,1", "3,0,1,2"]
+    assert [testing.rotated_gpus(k, 4, 2) for k in range(4)] == ["0,1", "0,1", "1,0", "1,0"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    testing.spread_gpus()  # one pytest process: the GPUs as they are
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    testing.spread_gpus()  # a set order is kept
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
