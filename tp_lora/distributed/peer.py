@@ -5,11 +5,14 @@ and the exchange a kernel fusing the all-reduce with what follows it (tp_lora.op
 Our kernels push and poll the data itself (a Lamport-style exchange: no flags, no fences): program p of rank i
 writes its share of the message into slot i of every rank's staging buffer (posted NVLink stores; a -0.0 is sent as
 +0.0), then reads the slots of its own buffer with volatile loads until no element holds -0.0's bits, the empty mark
-every element holds until pushed, and marks what it read empty again. Calls alternate between the two halves of the
-buffer, so a rank writes into a half only after every rank has started the next call, hence finished reading (and
-emptying) that half. The call numbers live in device memory (`epochs`, one per program), so CUDA graphs replay the
-exchange; every kernel over the buffer launches the same fixed number of programs, so every program of every rank
-counts the same calls. Never NVLink multicast (multimem): only peer loads and stores.
+every element holds until pushed, and marks what it read empty again. A call in which a rank takes more than
+POLL_MAX_BYTES exchanges by flags instead: each program, once its pushes are done, sets its flag in every rank's
+signal pad to the call's number (a release store at system scope) and waits for every rank's (acquire loads), then
+reads and marks empty as above. Calls alternate between the two halves of the buffer, so a rank writes into a half
+only after every rank has started the next call, hence finished reading (and emptying) that half. The call numbers
+live in device memory (`epochs`, one per program), so CUDA graphs replay the exchange; every kernel over the buffer
+launches the same fixed number of programs, so every program of every rank counts the same calls. Never NVLink
+multicast (multimem): only peer loads and stores.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The Triton side of the peer-memory collectives (tp_lora.distributed.peer, whose docstring gives the protocol):
-next_call / push_row / exchange / take_row, which a peer kernel is built from, the all-reduce and the all-gather.
+next_call / push_to / push_row / exchange / take_row, which a peer kernel is built from, the all-reduce (one-shot
+and two-shot) and the all-gather.
 Imported only where the peer path runs (CUDA, or a test under TRITON_INTERPRET=1 with a group of one)."""
 from __future__ import annotations
 
