@@ -6,12 +6,10 @@ here let tests and benchmarks read the communication of a forward pass in one pl
 The mesh is (dp, tp): `tp` groups split layers; `dp` groups hold disjoint requests (and, for MoE, are the expert-
 parallel groups). With one process nothing is initialised and every collective is the identity.
 
-All-reduce of the tp group (parallel.allreduce): NCCL, or for messages up to PEER_MAX_BYTES the peer-memory path,
-which reads and writes the peers' staging buffers over NVLink directly (PyTorch symmetric memory): our kernel up to
-ours_max_bytes, PyTorch's one-shot / two-shot kernels above; lower latency than NCCL for a decode step's messages
-(BENCHMARKS.md). The same path gives the group's all-gathers a peer kernel and fused_peer a buffer for kernels that
-fuse the reduce with what follows (tp_lora.distributed.peer). Never NVLink multicast (multimem): only peer loads and
-stores.
+All-reduce of the tp group (parallel.allreduce): NCCL, or up to PEER_MAX_BYTES the peer-memory path over NVLink
+(tp_lora.distributed.peer: our kernel, then PyTorch's symmetric-memory kernels), lower latency than NCCL for a decode
+step's messages; it also gives the group's all-gathers a peer kernel and fused_peer a buffer for kernels that fuse the
+reduce with what follows. Never NVLink multicast (multimem): only peer loads and stores.
 """
 from __future__ import annotations
 
