@@ -3,8 +3,8 @@ off in one run, per model shape.
 
     python scripts/bench_prefix.py --out DIR [--shapes llama-2048,llama3-8b] [--conversations 100]
 
-Trace ("chat"): --conversations conversations, each with its own adapter (100 names over bench_step's 32 rank-16
-adapters, each name a separate adapter to the engine) and its own --system-tokens system prompt, --turns turns; each
+Trace ("chat"): --conversations conversations, each with its own adapter (a name per conversation over bench_step's
+32 rank-16 adapters, each name a separate adapter to the engine) and its own --system-tokens system prompt, --turns turns; each
 turn sends the whole history (system prompt, earlier user turns and the model's own replies) plus --user-tokens new
 ones and generates --reply-tokens. Conversations start with Poisson arrivals (--rate per second); a turn is sent
 --think-s after the previous turn's reply. The engine runs one run over the trace (the control loop of
