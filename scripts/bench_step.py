@@ -301,7 +301,7 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
 
 KINDS = (("all-reduce + norm (fused)", ("reduce_add_rms_norm",)),
          ("all-gather", ("all_gather", "allgather")),
-         ("all-reduce", ("nccl", "allreduce", "all_reduce", "one_shot", "two_shot")),
+         ("all-reduce", ("nccl", "allreduce", "all_reduce", "two_shot")),
          ("add + RMSNorm", ("rms_norm",)),
          ("attention", ("attention", "attn", "paged", "flash", "_decode_kernel", "varlen")),
          ("RoPE + KV write", ("rope",)),
@@ -436,9 +436,6 @@ def main() -> None:
                    help="every shape's random weights drawn at load, none written to --cache (adapters still are)")
     p.add_argument("--no-peer-kernels", action="store_true",
                    help="A/B: with symm_mem, the all-reduce apart from the norm after it and NCCL all-gathers")
-    p.add_argument("--peer-flags", action="store_true",
-                   help="A/B: with symm_mem, the peer kernels exchange with flags after the pushes (not by polling "
-                        "the data), every all-reduce by PyTorch's kernels")
     p.add_argument("--torch-ops", action="store_true",
                    help="norms, RoPE + cache write and activations in torch, not the fused Triton kernels (A/B)")
     args = p.parse_args()
@@ -454,14 +451,10 @@ def main() -> None:
     if args.no_peer_kernels:
         comm.fused_peer = lambda t, group: None
         comm.PeerAllReduce.takes_gather = lambda self, t, world: False
-    if args.peer_flags:
-        init = comm.PeerAllReduce.__init__
-        comm.PeerAllReduce.__init__ = lambda self, pg, device: init(self, pg, device, ours_max=0, poll=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ps = comm.init_parallel(args.tp, device, allreduce=args.allreduce)
     allreduce = "symm_mem" if ps.tp.peer is not None else "nccl" if ps.tp.size > 1 else "none"
     allreduce += " unfused" if args.no_peer_kernels and ps.tp.peer is not None else ""
-    allreduce += " flags" if args.peer_flags and ps.tp.peer is not None else ""
     bw = copy_bandwidth(ps.device)
     seeds = itertools.count()  # a seed per generate(): prompts never repeat, so no run hits another's prefix cache
     batches = [int(b) for b in args.batches.split(",")]

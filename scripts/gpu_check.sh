@@ -6,10 +6,9 @@
 # Usage: scripts/gpu_check.sh [tests|bench_generate|bench_step|bench_moe|bench_serving|bench_ops|all]...
 #   bench_serving is serving_tp1 serving_admit1 serving_tp2 serving_base; each can be named alone.
 #   gpu_suite (2-4 GPUs, one call): the whole multi-GPU test suite over NCCL with the Triton backend, its wall time.
-#   tp_scaling (2-4 GPUs, ~7 minutes: a call of its own): issue 36's collective microbenchmarks at the host's rank
-#   count (all-reduce, the fused all-reduce + add + RMSNorm, all-gather; polling against flags), the Llama-3-8B
-#   decode-step table at tp1 / tp2 / tp4 with and without 32 adapters, tp2 / tp4 exchanging by flags (the A/B), and
-#   the 70B-shaped 8-layer stack at the host's tp. tp_collectives: the microbenchmarks
+#   tp_scaling (2-4 GPUs, ~6 minutes: a call of its own): issue 36's collective microbenchmarks at the host's rank
+#   count (all-reduce, the fused all-reduce + add + RMSNorm, all-gather), the Llama-3-8B decode-step table at tp1 /
+#   tp2 / tp4 with and without 32 adapters, and the 70B-shaped 8-layer stack at the host's tp. tp_collectives: the microbenchmarks
 #   alone. tp_fused (2 GPUs, one call with tp_collectives): the fused collectives' GPU tests, 8B tp1
 #   / tp2 fused with kernel tables (tp1 against tp2), the 70B-shaped stack at tp2, 8B tp2 unfused.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
@@ -103,13 +102,6 @@ for what in "${@:-all}"; do
         run step_tp${n}_$ar 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
           --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce $ar --reps 1 \
           --out "$RES/step_tp${n}_$ar"
-      done
-      step "issue 36 A/B: tp2 / tp4 with the peer kernels exchanging by flags after the pushes (no adapters)"
-      for n in 2 4; do
-        [ "$NGPU" -ge $n ] || continue
-        run step_tp${n}_flags 80 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
-          --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce symm_mem --reps 1 \
-          --no-adapters-only --peer-flags --out "$RES/step_tp${n}_flags"
       done
       python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log"
       step "issue 36: 8 layers of the Llama-3-70B shape (random weights in memory), batch 32, tp$NGPU"

@@ -1,12 +1,13 @@
 """The peer-memory kernels in a group of one (the interpreter on CPU, natively on CUDA): the all-reduce fused with
 the residual add + RMSNorm against the add_rms_norm kernel (one rank: the sum is x itself) and the torch reference,
-the all-reduce (one-shot and two-shot) and the all-gather against x, with a buffer, signal pad and call counters made here, exchanging by
+the all-reduce and the all-gather against x, with a buffer, signal pad and call counters made here, exchanging by
 polling the data and by flags. Every program counts each call; calls alternate halves of the buffer; every element
 read is marked empty again (-0.0's bits); with flags, the signal pad holds the call's number. Across ranks they run
 against NCCL in tests/distributed/test_allreduce.py (CUDA)."""
 import pytest
 import torch
 
+from tp_lora.distributed import peer
 from tp_lora.distributed.peer import EMPTY, POLL_MAX_BYTES, PeerBuffer
 from tp_lora.distributed.peer_kernels import all_gather, all_reduce
 from tp_lora.ops.fused import add_rms_norm_ref
@@ -14,36 +15,43 @@ from tp_lora.ops.triton.fused import add_rms_norm
 from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm
 
 
-def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs: int = 3, poll: bool = True):
+def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs: int = 3):
     """(buffer, pads, PeerBuffer) of a group of one: its own buffer (2 halves of one slot, marked empty) and pad."""
     buf = torch.full((2 * slot,), EMPTY[dtype][1], dtype=EMPTY[dtype][0], device=device).view(dtype)
     pads = torch.zeros(programs, dtype=torch.int32, device=device)
     ptr = PeerBuffer(torch.tensor([buf.data_ptr()], device=device), torch.tensor([pads.data_ptr()], device=device),
-                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot, poll)
+                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot)
     return buf, pads, ptr
 
 
-def check_exchange(staging: torch.Tensor, pads: torch.Tensor, buf: PeerBuffer, call: int):
+@pytest.fixture(params=["poll", "flags"])
+def exchange(request, monkeypatch):
+    """Each test under both exchanges: its small messages exchange by flags where the polling limit is 0."""
+    if request.param == "flags":
+        monkeypatch.setattr(peer, "POLL_MAX_BYTES", 0)
+    return request.param
+
+
+def check_exchange(staging: torch.Tensor, pads: torch.Tensor, buf: PeerBuffer, call: int, exchange: str):
     """After call number `call`: every program counted it, the pad holds it where the call exchanged by flags (is
     untouched where it polled), and the whole buffer is marked empty again."""
     assert buf.epochs.tolist() == [call] * buf.programs
-    assert pads.tolist() == [0 if buf.poll else call] * buf.programs
+    assert pads.tolist() == [call if exchange == "flags" else 0] * buf.programs
     ints = staging.view(EMPTY[staging.dtype][0])
     assert torch.equal(ints, torch.full_like(ints, EMPTY[staging.dtype][1])), "read elements are marked empty"
 
 
-@pytest.mark.parametrize("poll", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n", [(1, 8), (5, 100), (7, 256)])  # rows over the programs: a program takes several
 @pytest.mark.parametrize("case", ["residual", "no_residual", "x_weight", "offset"])
-def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, poll):
+def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, exchange):
     gen = torch.Generator().manual_seed(rows * n)
     x, res = (torch.randn(rows, n, generator=gen).to(dtype).to(device) for _ in range(2))
     w, xw = (torch.randn(n, generator=gen).to(dtype).to(device) for _ in range(2))
     res = None if case == "no_residual" else res
     xw = xw if case == "x_weight" else None
     offset = case == "offset"
-    staging, pads, buf = group_of_one(dtype, device, poll=poll)
+    staging, pads, buf = group_of_one(dtype, device)
     kernel = add_rms_norm(x, res, w, 1e-6, offset, xw)
     ref = add_rms_norm_ref(x, res, w, 1e-6, offset, xw)
     for call in (1, 2, 3):  # halves 1, 0, 1
@@ -52,7 +60,7 @@ def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, po
             assert torch.equal(g, k)
             tol = 1e-5 if dtype == torch.float32 else 8e-2
             torch.testing.assert_close(g.float(), r.float(), atol=tol, rtol=tol)
-        check_exchange(staging, pads, buf, call)
+        check_exchange(staging, pads, buf, call, exchange)
 
 
 def test_fused_reduce_norm_refuses_a_message_over_the_buffer(device):
@@ -62,44 +70,39 @@ def test_fused_reduce_norm_refuses_a_message_over_the_buffer(device):
         reduce_add_rms_norm(x, None, torch.ones(128, device=device), 1e-6, False, None, buf)
 
 
-@pytest.mark.parametrize("two_shot", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 7, 2048, 5000])  # a part of a block, one block, blocks over programs
-def test_all_reduce_of_one_is_x(device, dtype, n, two_shot):
+def test_all_reduce_of_one_is_x(device, dtype, n, exchange):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype).to(device)
     x[0] = -0.0  # sent as +0.0: the sum's value, with the empty mark's bits never staged
-    staging, pads, buf = group_of_one(dtype, device, slot=1 << 14)
+    staging, pads, buf = group_of_one(dtype, device, slot=1 << 13)
     for call in (1, 2, 3):
         got = x.clone()
-        assert all_reduce(got, buf, two_shot) is got
+        assert all_reduce(got, buf) is got
         assert torch.equal(got, x) and not torch.signbit(got[0])
-        check_exchange(staging, pads, buf, call)
+        check_exchange(staging, pads, buf, call, exchange)
 
 
 def test_calls_over_the_polling_limit_exchange_by_flags():
     buf = group_of_one(torch.float32, "cpu")[2]
     assert buf.polls(POLL_MAX_BYTES) and not buf.polls(POLL_MAX_BYTES + 1)
-    assert not group_of_one(torch.float32, "cpu", poll=False)[2].polls(4)
 
 
 def test_all_reduce_refuses_what_it_cannot_take(device):
     _, _, buf = group_of_one(torch.float32, device, slot=256)
     with pytest.raises(ValueError, match="257 elements exceed a slot of 256"):
         all_reduce(torch.ones(257, device=device), buf)
-    with pytest.raises(ValueError, match="129 elements exceed a slot of 256 in two chunks of 129"):
-        all_reduce(torch.ones(129, device=device), buf, two_shot=True)
     with pytest.raises(ValueError, match=r"contiguous tensor expected, got strides \(1, 4\)"):
         all_reduce(torch.ones(4, 4, device=device).t(), buf)
 
 
-@pytest.mark.parametrize("poll", [True, False])
 @pytest.mark.parametrize("shape,dim", [((7,), 0), ((3, 5), -1), ((3, 5), 0), ((2, 3, 2100), -1)])
-def test_all_gather_of_one_is_x(device, shape, dim, poll):
+def test_all_gather_of_one_is_x(device, shape, dim, exchange):
     x = torch.randn(shape).to(device)
-    staging, pads, buf = group_of_one(torch.float32, device, slot=1 << 14, poll=poll)
+    staging, pads, buf = group_of_one(torch.float32, device, slot=1 << 14)
     for call in (1, 2):
         assert torch.equal(all_gather(x, dim, buf), x)
-        check_exchange(staging, pads, buf, call)
+        check_exchange(staging, pads, buf, call, exchange)
     with pytest.raises(ValueError, match="dim 1 of a 3-dim tensor"):
         all_gather(torch.ones(2, 3, 4, device=device), 1, buf)
     with pytest.raises(ValueError, match=r"3 x 6000 elements exceed a slot of 16384"):

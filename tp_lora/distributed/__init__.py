@@ -7,7 +7,7 @@ The mesh is (dp, tp): `tp` groups split layers; `dp` groups hold disjoint reques
 parallel groups). With one process nothing is initialised and every collective is the identity.
 
 All-reduce of the tp group (parallel.allreduce): NCCL, or up to PEER_MAX_BYTES the peer-memory path over NVLink
-(tp_lora.distributed.peer: our kernel, then PyTorch's symmetric-memory kernels), lower latency than NCCL for a decode
+(tp_lora.distributed.peer: our kernel, then PyTorch's two-shot kernel), lower latency than NCCL for a decode
 step's messages; it also gives the group's all-gathers a peer kernel and fused_peer a buffer for kernels that fuse the
 reduce with what follows. Never NVLink multicast (multimem): only peer loads and stores.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tp_lora.distributed.peer import (PEER_MAX_BYTES, PeerAllReduce, PeerBuffer, gather_max_bytes,  # noqa: F401
-                                     one_shot_max_bytes)
+                                     ours_max_bytes)
 
 
 @dataclass
@@ -163,8 +163,7 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
             _PEERS[name] = PeerAllReduce(group.pg, device)
         group.peer = _PEERS[name]
         _PEER_GROUPS.append(group)
-        path = (f"symm_mem (our kernel up to {group.peer.ours_max >> 10} KiB, PyTorch's one-shot up to "
-                f"{group.peer.one_shot_max >> 10} KiB, two-shot up to "
+        path = (f"symm_mem (our kernel up to {group.peer.ours_max >> 10} KiB, PyTorch's two-shot up to "
                 f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
                 f"{group.peer.fused_max >> 10} KiB; all-gathers up to {group.peer.gather_max >> 10} KiB)")
     if group.rank == 0 and group.ranks[0] == 0:

@@ -1,5 +1,5 @@
 """Collectives over NVLink peer memory (PyTorch symmetric memory): the tp group's all-reduce by our Triton kernel
-(tp_lora.distributed.peer_kernels) up to ours_max_bytes, PyTorch's one-shot / two-shot kernels above, an all-gather,
+(tp_lora.distributed.peer_kernels) up to ours_max_bytes, PyTorch's two-shot kernel above, an all-gather,
 and the exchange a kernel fusing the all-reduce with what follows it (tp_lora.ops.triton.peer_norm) is built on.
 
 Our kernels push and poll the data itself (a Lamport-style exchange: no flags, no fences): program p of rank i
@@ -20,30 +20,27 @@ from dataclasses import dataclass
 
 import torch
 
-# Messages the symmetric-memory all-reduce takes (bytes), NCCL above; one-shot up to one_shot_max_bytes(ranks),
-# two-shot above: the crossovers of BENCHMARKS.md (issue 36), inside CUDA graphs at 2 and 4 ranks.
+# Messages the peer all-reduce takes (bytes), NCCL above: our kernel up to ours_max_bytes(ranks), PyTorch's two-shot
+# above (BENCHMARKS.md, issue 36; inside CUDA graphs at 2 and 4 ranks).
 PEER_MAX_BYTES = 8 << 20
 PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
+
+
 def gather_max_bytes(ranks: int) -> int:
     """The largest all-gather output (bytes) the peer kernel takes, NCCL above: where NCCL overtakes it in a CUDA
     graph (BENCHMARKS.md, issue 36)."""
     return 8 << 20 if ranks <= 2 else 4 << 20
 
 
-def one_shot_max_bytes(ranks: int) -> int:
-    """Where two-shot (each rank reduces 1/ranks, then gathers) overtakes one-shot (each reads all of every peer's)."""
+def ours_max_bytes(ranks: int) -> int:
+    """The largest all-reduce our kernel takes (peer_kernels.all_reduce): where PyTorch's two-shot overtakes it."""
     return 512 << 10 if ranks <= 2 else 256 << 10
 
 
 def fused_max_bytes(ranks: int) -> int:
     """The largest message our fused all-reduce + norm kernel takes: where it beats the all-reduce + norm at 2 ranks;
-    one-shot's limit at more."""
-    return 1 << 20 if ranks <= 2 else one_shot_max_bytes(ranks)
-
-
-def ours_max_bytes(ranks: int) -> int:
-    """The largest all-reduce our kernel takes (peer_kernels.all_reduce), PyTorch's kernels above."""
-    return one_shot_max_bytes(ranks)
+    our all-reduce's limit at more."""
+    return 1 << 20 if ranks <= 2 else ours_max_bytes(ranks)
 
 
 # The most bytes a rank takes in one call by polling the data; above, by flags after the pushes: a bandwidth-bound
@@ -66,34 +63,29 @@ class PeerBuffer:
     world: int
     programs: int
     slot: int
-    poll: bool = True  # False: every call exchanges by flags (the A/B of the two exchanges)
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot
 
     def polls(self, received: int) -> bool:
         """Whether a call in which a rank takes `received` bytes from the slots exchanges by polling the data."""
-        return self.poll and received <= POLL_MAX_BYTES
+        return received <= POLL_MAX_BYTES
 
 
 class PeerAllReduce:
     """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): our kernel
-    over `staging` (the exchange above) up to ours_max; above, PyTorch's: each rank stages its tensor in a buffer
-    every peer maps, then reads the peers' buffers over NVLink and reduces (one-shot), or reduces its 1/n share and
-    writes it to every peer (two-shot). One buffer of max_bytes per dtype for PyTorch's kernels and one staging buffer
-    per dtype (signal pads of its own) for ours (all_reduce, all_gather, the fused reduce + norm), allocated and
-    exchanged here (collective), so calls allocate nothing and capture in CUDA graphs. ours_max / one_shot_max /
-    ours_two_shot_max / poll=False: the benchmarks' A/B of the paths."""
+    over `staging` (the exchange above) up to ours_max; above, PyTorch's two-shot kernel (each rank reduces its 1/n
+    share of every peer's buffer and writes it to every peer). One buffer of max_bytes per dtype for PyTorch's kernel
+    and one staging buffer per dtype (signal pads of its own) for ours (all_reduce, all_gather, the fused reduce +
+    norm), allocated and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs."""
 
-    def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES, one_shot_max: int | None = None,
-                 ours_max: int | None = None, poll: bool = True, ours_two_shot_max: int = 0):
+    def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
         device = torch.device(device)
         if symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
         self.name, self.max_bytes = pg.group_name, max_bytes
-        self.one_shot_max = one_shot_max_bytes(pg.size()) if one_shot_max is None else one_shot_max
         self.bufs = {dt: symm_mem.empty(max_bytes // dt.itemsize, dtype=dt, device=device) for dt in PEER_DTYPES}
         for buf in self.bufs.values():
             symm_mem.rendezvous(buf, self.name)
@@ -101,9 +93,8 @@ class PeerAllReduce:
         world = pg.size()
         self.fused_max = fused_max_bytes(world)
         self.gather_max = gather_max_bytes(world)
-        slot_bytes = max(self.fused_max, self.gather_max // world)
-        self.ours_max = min(ours_max_bytes(world) if ours_max is None else ours_max, slot_bytes)
-        self.ours_two_shot_max = min(ours_two_shot_max, world * slot_bytes // 2)  # two chunks of 1 / world a slot
+        self.ours_max = ours_max_bytes(world)
+        slot_bytes = max(self.fused_max, self.gather_max // world, self.ours_max)
         for dt in PEER_DTYPES:
             buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
             hdl = symm_mem.rendezvous(buf, self.name)
@@ -116,7 +107,7 @@ class PeerAllReduce:
             epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
             buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
-                                                slot_bytes // dt.itemsize, poll))
+                                                slot_bytes // dt.itemsize))
         torch.cuda.synchronize(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         dist.barrier(group=pg, device_ids=[index])  # every buffer marked empty before any rank pushes
@@ -132,21 +123,20 @@ class PeerAllReduce:
         return self.staging[dtype][1]
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over the group, in place. Up to ours_max by our kernel (peer_kernels.all_reduce), then up to
-        ours_two_shot_max by its two-shot form (0 unless given: not yet measured on GPUs). Above, a message
-        of whole 16-byte vectors at a 16-byte offset takes PyTorch's one-shot kernel (which stages t itself) up to
-        one_shot_max; any other is copied into the buffer padded to whole vectors, reduced there two-shot and copied
-        back."""
-        if t.nbytes <= max(self.ours_max, self.ours_two_shot_max):
+        """t summed over the group, in place: up to ours_max by our kernel (peer_kernels.all_reduce), above by
+        two_shot."""
+        if t.nbytes <= self.ours_max:
             from tp_lora.distributed.peer_kernels import all_reduce  # noqa: PLC0415 - Triton only where the path is
-            return all_reduce(t, self.buffer(t.dtype), two_shot=t.nbytes > self.ours_max)
-        n, size, ops = t.numel(), t.element_size(), torch.ops.symm_mem
+            return all_reduce(t, self.buffer(t.dtype))
+        return self.two_shot(t)
+
+    def two_shot(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed in place by PyTorch's two-shot kernel: copied into the buffer padded to whole 16-byte vectors,
+        reduced there and copied back."""
+        n, size = t.numel(), t.element_size()
         flat, buf = t.view(-1), self.bufs[t.dtype]
-        if t.nbytes <= self.one_shot_max and t.nbytes % 16 == 0 and (t.storage_offset() * size) % 16 == 0:
-            ops.one_shot_all_reduce_copy_out(buf[:n], flat, "sum", self.name, flat)
-            return t
         buf[:n].copy_(flat)
-        ops.two_shot_all_reduce_(buf[:-(-n * size // 16) * 16 // size], "sum", self.name)
+        torch.ops.symm_mem.two_shot_all_reduce_(buf[:-(-n * size // 16) * 16 // size], "sum", self.name)
         flat.copy_(buf[:n])
         return t
 
