@@ -7,7 +7,7 @@ Per size and path: a graph of --iters back-to-back all-reduces of one tensor, re
 over --iters (microseconds, CUDA events on rank 0). Each path's result is checked against NCCL's on the same data
 first (small integers: every order of summation is exact).
 Paths: NCCL, PyTorch's one-shot and two-shot (symmetric memory), ours (tp_lora.distributed.peer_kernels.all_reduce, at
-any size a staging slot holds), and the dispatch parallel.allreduce=symm_mem makes by size.
+any size a staging slot holds) and its two-shot form (two chunks of 1 / ranks in a slot), and the dispatch parallel.allreduce=symm_mem makes by size.
 Fused (rows x hidden bf16, 4 KB to 1 MB): the peer kernel (tp_lora/ops/triton/peer_norm.py) against the dispatched
 all-reduce + the add_rms_norm kernel and NCCL + add_rms_norm (each result compared with NCCL + add_rms_norm's), and
 the add_rms_norm kernel alone. All-gather (32 rows, output bytes): the peer kernel against NCCL, checked equal.
@@ -49,7 +49,8 @@ def reducer(path: str, ps: comm.ParallelState, peer: comm.PeerAllReduce):
             peer.bufs[t.dtype][:t.numel()], t.view(-1), "sum", peer.name, t.view(-1))
     if path == "two_shot":
         return peer.two_shot
-    return lambda t: peer_all_reduce(t, peer.buffer(t.dtype))  # ours, at any size a slot holds
+    two_shot = path == "ours_two_shot"
+    return lambda t: peer_all_reduce(t, peer.buffer(t.dtype), two_shot)  # ours, at any size a slot holds
 
 
 def graph_us(fn, t: torch.Tensor, iters: int, reps: int) -> float:
@@ -139,7 +140,7 @@ def main() -> None:
     big = max(sizes)
     peer = comm.PeerAllReduce(ps.tp.pg, ps.device, big)
     slot = peer.buffer(torch.bfloat16).slot * 2  # bytes: the largest message our kernel takes
-    paths = ["nccl", "one_shot", "two_shot", "ours", "dispatch"]
+    paths = ["nccl", "one_shot", "two_shot", "ours", "ours_two_shot", "dispatch"]
     gen = torch.Generator(device=ps.device).manual_seed(ps.rank)
     rows = []
     for nbytes in sizes:
@@ -149,7 +150,7 @@ def main() -> None:
         reducer("nccl", ps, peer)(want)
         row = {"bytes": nbytes}
         for path in paths:
-            if path == "ours" and nbytes > slot:
+            if path == "ours" and nbytes > slot or path == "ours_two_shot" and 2 * -(-nbytes // world) > slot:
                 row[path] = None
                 continue
             got = x.clone()
@@ -163,6 +164,7 @@ def main() -> None:
             print("row", json.dumps(row), flush=True)
     fused_out = fused_rows(ps, peer, [f for f in args.fused.split(",") if f], args.iters, args.reps)
     gather_out = gather_rows(ps, peer, [int(b) for b in args.gather.split(",") if b], args.iters, args.reps)
+    two_shot_max = peer.two_shot_max
     del peer
     torch.cuda.synchronize()
     comm.shutdown()
@@ -170,11 +172,12 @@ def main() -> None:
         return
     name = torch.cuda.get_device_name()
     print(f"all-reduce of bf16 inside a CUDA graph, {world} ranks, {name}: microseconds per call")
-    print("| bytes | NCCL | PyTorch one-shot | PyTorch two-shot | ours | symm_mem dispatch | NCCL / dispatch |")
-    print("|---|---|---|---|---|---|---|")
+    print("| bytes | NCCL | PyTorch one-shot | PyTorch two-shot | ours | ours, two-shot | symm_mem dispatch | "
+          "NCCL / dispatch |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ours = "-" if r["ours"] is None else f"{r['ours']:.1f}"
-        print(f"| {r['bytes']} | {r['nccl']:.1f} | {r['one_shot']:.1f} | {r['two_shot']:.1f} | {ours} | "
+        ours, ours2 = ("-" if r[k] is None else f"{r[k]:.1f}" for k in ("ours", "ours_two_shot"))
+        print(f"| {r['bytes']} | {r['nccl']:.1f} | {r['one_shot']:.1f} | {r['two_shot']:.1f} | {ours} | {ours2} | "
               f"{r['dispatch']:.1f} | {r['nccl'] / r['dispatch']:.2f} |")
     print(f"all-reduce + residual add + RMSNorm of bf16 rows inside a CUDA graph, {world} ranks, {name}: "
           "microseconds per call (largest difference from NCCL + the add_rms_norm kernel)")
@@ -192,6 +195,7 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_allreduce.json"), "w") as f:
         json.dump(dict(device=name, ranks=world, dtype="bfloat16", iters=args.iters, reps=args.reps,
                        peer_max_bytes=comm.PEER_MAX_BYTES, ours_max_bytes=comm.ours_max_bytes(world),
+                       two_shot_max_bytes=two_shot_max,
                        rows=rows, fused=fused_out, gather=gather_out),
                   f, indent=2)
 

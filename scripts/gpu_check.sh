@@ -8,7 +8,8 @@
 #   gpu_suite (2-4 GPUs, one call): the whole multi-GPU test suite over NCCL with the Triton backend, its wall time.
 #   tp_scaling (2-4 GPUs, ~6 minutes: a call of its own): issue 36's collective microbenchmarks at the host's rank
 #   count (all-reduce, the fused all-reduce + add + RMSNorm, all-gather), the Llama-3-8B decode-step table at tp1 /
-#   tp2 / tp4 with and without 32 adapters, and the 70B-shaped 8-layer stack at the host's tp. tp_collectives: the microbenchmarks
+#   tp2 / tp4 with and without 32 adapters (on 4 GPUs tp1 runs on GPU 3 beside tp2 on GPUs 0-1; tp1's and tp4's
+#   kernel tables side by side), and the 70B-shaped 8-layer stack at the host's tp. tp_collectives: the microbenchmarks
 #   alone. tp_fused (2 GPUs, one call with tp_collectives): the fused collectives' GPU tests, 8B tp1
 #   / tp2 fused with kernel tables (tp1 against tp2), the 70B-shaped stack at tp2, 8B tp2 unfused.
 #   On 2 GPUs, the rows that only a 2-GPU host gives, in two calls of under 10 minutes:
@@ -96,13 +97,25 @@ for what in "${@:-all}"; do
       python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log" ;;
     tp_scaling)
       step "issue 36: Llama-3-8B decode step at tp1 / tp2 / tp4 (symm_mem all-reduce, fused kernels), batch 32, adapters"
-      for n in 1 2 4; do
-        [ "$NGPU" -ge $n ] || continue
-        ar=$([ $n = 1 ] && echo auto || echo symm_mem)
-        run step_tp${n}_$ar 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py --tp $n --shapes llama3-8b \
-          --batches 32 --contexts 128,2048 --prefix-caching off --in-memory --allreduce $ar --reps 1 \
-          --out "$RES/step_tp${n}_$ar"
-      done
+      # tp_args N ALLREDUCE: bench_step's arguments of the tp-N row
+      tp_args() { echo --tp $1 --shapes llama3-8b --batches 32 --contexts 128,2048 --prefix-caching off --in-memory \
+        --allreduce $2 --reps 1 --out "$RES/step_tp$1_$2"; }
+      if [ "$NGPU" -ge 4 ]; then  # tp1 on GPU 3 beside tp2 on GPUs 0-1: separate GPUs, graphed steps, one host
+        CUDA_VISIBLE_DEVICES=3 run step_tp1_auto 200 4 torchrun --nproc_per_node=1 --master_port 29511 \
+          scripts/bench_step.py $(tp_args 1 auto) --kernels &
+        CUDA_VISIBLE_DEVICES=0,1 run step_tp2_symm_mem 200 4 torchrun --nproc_per_node=2 scripts/bench_step.py \
+          $(tp_args 2 symm_mem)
+        wait
+        run step_tp4_symm_mem 200 4 torchrun --nproc_per_node=4 scripts/bench_step.py $(tp_args 4 symm_mem) --kernels
+        python3 scripts/bench_step.py --kernel-compare "$RES"/step_tp1_auto/bench_step.json \
+          "$RES"/step_tp4_symm_mem/bench_step.json > "$RES/kernels_tp1_tp4.log" 2>&1
+      else
+        for n in 1 2; do
+          [ "$NGPU" -ge $n ] || continue
+          ar=$([ $n = 1 ] && echo auto || echo symm_mem)
+          run step_tp${n}_$ar 200 4 torchrun --nproc_per_node=$n scripts/bench_step.py $(tp_args $n $ar)
+        done
+      fi
       python3 scripts/bench_step.py --scaling "$RES"/step_tp*/bench_step.json | tee -a "$OUT/summary.log"
       step "issue 36: 8 layers of the Llama-3-70B shape (random weights in memory), batch 32, tp$NGPU"
       run step70_tp$NGPU 120 4 torchrun --nproc_per_node=$NGPU scripts/bench_step.py --tp $NGPU \

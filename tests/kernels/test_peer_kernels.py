@@ -1,7 +1,7 @@
 """The peer-memory kernels in a group of one (the interpreter on CPU, natively on CUDA): the all-reduce fused with
 the residual add + RMSNorm against the add_rms_norm kernel (one rank: the sum is x itself) and the torch reference,
-the all-reduce and the all-gather against x, with a buffer, signal pad and call counters made here, exchanging by
-polling the data and by flags. Every program counts each call; calls alternate halves of the buffer; every element
+the all-reduce (one-shot and two-shot) and the all-gather against x, with a buffer, signal pad and call counters made
+here, exchanging by polling the data and by flags. Every program counts each call; calls alternate halves of the buffer; every element
 read is marked empty again (-0.0's bits); with flags, the signal pad holds the call's number. Across ranks they run
 against NCCL in tests/distributed/test_allreduce.py (CUDA)."""
 import pytest
@@ -70,17 +70,18 @@ def test_fused_reduce_norm_refuses_a_message_over_the_buffer(device):
         reduce_add_rms_norm(x, None, torch.ones(128, device=device), 1e-6, False, None, buf)
 
 
+@pytest.mark.parametrize("two_shot", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 7, 2048, 5000])  # a part of a block, one block, blocks over programs
-def test_all_reduce_of_one_is_x(device, dtype, n, exchange):
+def test_all_reduce_of_one_is_x(device, dtype, n, exchange, two_shot):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype).to(device)
     x[0] = -0.0  # sent as +0.0: the sum's value, with the empty mark's bits never staged
-    staging, pads, buf = group_of_one(dtype, device, slot=1 << 13)
+    staging, pads, buf = group_of_one(dtype, device, slot=1 << 14)
     for call in (1, 2, 3):
         got = x.clone()
-        assert all_reduce(got, buf) is got
+        assert all_reduce(got, buf, two_shot) is got
         assert torch.equal(got, x) and not torch.signbit(got[0])
-        check_exchange(staging, pads, buf, call, exchange)
+        check_exchange(staging, pads, buf, call, "poll" if two_shot else exchange)
 
 
 def test_calls_over_the_polling_limit_exchange_by_flags():
@@ -92,6 +93,8 @@ def test_all_reduce_refuses_what_it_cannot_take(device):
     _, _, buf = group_of_one(torch.float32, device, slot=256)
     with pytest.raises(ValueError, match="257 elements exceed a slot of 256"):
         all_reduce(torch.ones(257, device=device), buf)
+    with pytest.raises(ValueError, match="129 elements exceed a slot of 256 in two chunks of 129"):
+        all_reduce(torch.ones(129, device=device), buf, two_shot=True)
     with pytest.raises(ValueError, match=r"contiguous tensor expected, got strides \(1, 4\)"):
         all_reduce(torch.ones(4, 4, device=device).t(), buf)
 

@@ -163,7 +163,8 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
             _PEERS[name] = PeerAllReduce(group.pg, device)
         group.peer = _PEERS[name]
         _PEER_GROUPS.append(group)
-        path = (f"symm_mem (our kernel up to {group.peer.ours_max >> 10} KiB, PyTorch's two-shot up to "
+        path = (f"symm_mem (our kernel up to {group.peer.ours_max >> 10} KiB, two-shot up to "
+                f"{group.peer.two_shot_max >> 10} KiB, PyTorch's two-shot up to "
                 f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
                 f"{group.peer.fused_max >> 10} KiB; all-gathers up to {group.peer.gather_max >> 10} KiB)")
     if group.rank == 0 and group.ranks[0] == 0:

@@ -1,12 +1,13 @@
 """Collectives over NVLink peer memory (PyTorch symmetric memory): the tp group's all-reduce by our Triton kernel
-(tp_lora.distributed.peer_kernels) up to ours_max_bytes, PyTorch's two-shot kernel above, an all-gather,
+(tp_lora.distributed.peer_kernels) up to ours_max_bytes, its two-shot form up to two_shot_max_bytes, PyTorch's
+two-shot kernel above, an all-gather,
 and the exchange a kernel fusing the all-reduce with what follows it (tp_lora.ops.triton.peer_norm) is built on.
 
 Our kernels push and poll the data itself (a Lamport-style exchange: no flags, no fences): program p of rank i
 writes its share of the message into slot i of every rank's staging buffer (posted NVLink stores; a -0.0 is sent as
 +0.0), then reads the slots of its own buffer with volatile loads until no element holds -0.0's bits, the empty mark
 every element holds until pushed, and marks what it read empty again. A call in which a rank takes more than
-POLL_MAX_BYTES exchanges by flags instead: each program, once its pushes are done, sets its flag in every rank's
+POLL_MAX_BYTES exchanges by flags instead (the two-shot all-reduce always polls): each program, once its pushes are done, sets its flag in every rank's
 signal pad to the call's number (a release store at system scope) and waits for every rank's (acquire loads), then
 reads and marks empty as above. Calls alternate between the two halves of the buffer, so a rank writes into a half
 only after every rank has started the next call, hence finished reading (and emptying) that half. The call numbers
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Messages the peer all-reduce takes (bytes), NCCL above: our kernel up to ours_max_bytes(ranks), PyTorch's two-shot
-# above (BENCHMARKS.md, issue 36; inside CUDA graphs at 2 and 4 ranks).
+# Messages the peer all-reduce takes (bytes), NCCL above: our kernels up to two_shot_max_bytes(ranks), PyTorch's
+# two-shot above (BENCHMARKS.md, issue 36; inside CUDA graphs at 2 and 4 ranks).
 PEER_MAX_BYTES = 8 << 20
 PEER_DTYPES = (torch.bfloat16, torch.float32)  # what the symmetric-memory kernels reduce
 
@@ -35,6 +36,11 @@ def gather_max_bytes(ranks: int) -> int:
 def ours_max_bytes(ranks: int) -> int:
     """The largest all-reduce our kernel takes (peer_kernels.all_reduce): where PyTorch's two-shot overtakes it."""
     return 512 << 10 if ranks <= 2 else 256 << 10
+
+
+def two_shot_max_bytes(ranks: int) -> int:
+    """The largest all-reduce the two-shot form of our kernel takes, PyTorch's two-shot above."""
+    return 1 << 20 if ranks <= 2 else 2 << 20
 
 
 def fused_max_bytes(ranks: int) -> int:
@@ -74,8 +80,8 @@ class PeerBuffer:
 
 class PeerAllReduce:
     """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): our kernel
-    over `staging` (the exchange above) up to ours_max; above, PyTorch's two-shot kernel (each rank reduces its 1/n
-    share of every peer's buffer and writes it to every peer). One buffer of max_bytes per dtype for PyTorch's kernel
+    over `staging` (the exchange above) up to ours_max, its two-shot form up to two_shot_max; above, PyTorch's
+    two-shot kernel (each rank reduces its 1/n share of every peer's buffer and writes it to every peer). One buffer of max_bytes per dtype for PyTorch's kernel
     and one staging buffer per dtype (signal pads of its own) for ours (all_reduce, all_gather, the fused reduce +
     norm), allocated and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs."""
 
@@ -94,7 +100,8 @@ class PeerAllReduce:
         self.fused_max = fused_max_bytes(world)
         self.gather_max = gather_max_bytes(world)
         self.ours_max = ours_max_bytes(world)
-        slot_bytes = max(self.fused_max, self.gather_max // world, self.ours_max)
+        self.two_shot_max = two_shot_max_bytes(world)
+        slot_bytes = max(self.fused_max, self.gather_max // world, self.ours_max, 2 * self.two_shot_max // world)
         for dt in PEER_DTYPES:
             buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
             hdl = symm_mem.rendezvous(buf, self.name)
@@ -123,11 +130,11 @@ class PeerAllReduce:
         return self.staging[dtype][1]
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over the group, in place: up to ours_max by our kernel (peer_kernels.all_reduce), above by
-        two_shot."""
-        if t.nbytes <= self.ours_max:
+        """t summed over the group, in place: up to ours_max by our kernel (peer_kernels.all_reduce), then up to
+        two_shot_max by its two-shot form, above by PyTorch's (two_shot)."""
+        if t.nbytes <= max(self.ours_max, self.two_shot_max):
             from tp_lora.distributed.peer_kernels import all_reduce  # noqa: PLC0415 - Triton only where the path is
-            return all_reduce(t, self.buffer(t.dtype))
+            return all_reduce(t, self.buffer(t.dtype), two_shot=t.nbytes > self.ours_max)
         return self.two_shot(t)
 
     def two_shot(self, t: torch.Tensor) -> torch.Tensor:

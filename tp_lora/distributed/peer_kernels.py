@@ -39,16 +39,24 @@ def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
     return out
 
 
-def all_reduce(t: torch.Tensor, buf) -> torch.Tensor:
-    """t (contiguous, up to one slot) summed over the ranks in place, in rank order in float32 (every rank gets the
-    same bits), by one kernel: each program pushes its blocks of t to every rank, then sums every rank's copy of them
-    as they arrive. buf: the group's staging buffer of t's dtype."""
+def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
+    """t (contiguous) summed over the ranks in place, in rank order in float32 (every rank gets the same bits), by
+    one kernel. One-shot (t up to a slot): each program pushes its blocks of t to every rank, then sums every rank's
+    copy of them as they arrive. two_shot (two chunks of t / world up to a slot; always polling): rank j sums chunk
+    j of every rank's t and pushes the sum to every rank, which collects the chunks (each rank takes 2 (world - 1) /
+    world of t, not world - 1 times t). buf: the group's staging buffer of t's dtype."""
     if not t.is_contiguous():
         raise ValueError(f"peer all_reduce: a contiguous tensor expected, got strides {t.stride()}")
-    if not buf.fits(t):
-        raise ValueError(f"peer all_reduce: {t.numel()} elements exceed a slot of {buf.slot}")
-    if t.numel():
-        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, t.numel(), buf.slot, RANK=buf.rank,
+    n = t.numel()
+    chunk = -(-n // buf.world)
+    if (2 * chunk if two_shot else n) > buf.slot:
+        raise ValueError(f"peer all_reduce: {n} elements exceed a slot of {buf.slot}"
+                         + (f" in two chunks of {chunk}" if two_shot else ""))
+    if n and two_shot:
+        _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, n, chunk, buf.slot, RANK=buf.rank,
+                                                     WORLD=buf.world, BLOCK=REDUCE_BLOCK)
+    elif n:
+        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, n, buf.slot, RANK=buf.rank,
                                             WORLD=buf.world, BLOCK=REDUCE_BLOCK, ASM=ASM,
                                             POLL=buf.polls(t.nbytes * buf.world))
     return t
@@ -64,13 +72,18 @@ def next_call(epochs, program, slot, WORLD: tl.constexpr):
 
 
 @triton.jit
+def push_to(ptrs, r, at, values, ok):
+    """values (masked by ok) into rank r's buffer at element offsets `at`; a -0.0 goes as +0.0 (-0.0's bits mark an
+    empty element: take_row)."""
+    base = tl.multiple_of(tl.load(ptrs + r).to(tl.pointer_type(values.dtype)), 16)  # symm_mem: page aligned
+    tl.store(base + at, tl.where(unset(values), tl.zeros_like(values), values), mask=ok)
+
+
+@triton.jit
 def push_row(ptrs, half, slot, offset, i, values, ok, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """values (at columns i, masked by ok) into slot RANK of the half of every rank's buffer, at `offset`; a -0.0
-    goes as +0.0 (-0.0's bits mark an empty element: take_row)."""
-    values = tl.where(unset(values), tl.zeros_like(values), values)
+    """values (at columns i, masked by ok) into slot RANK of the half of every rank's buffer, at `offset`."""
     for r in tl.static_range(WORLD):
-        base = tl.multiple_of(tl.load(ptrs + r).to(tl.pointer_type(values.dtype)), 16)  # symm_mem: page aligned
-        tl.store(base + half + RANK * slot + offset + i, values, mask=ok)
+        push_to(ptrs, r, half + RANK * slot + offset + i, values, ok)
 
 
 @triton.jit
@@ -196,3 +209,33 @@ def _all_reduce_kernel(x_ptr, ptrs, pads, epochs, n, slot, RANK: tl.constexpr, W
         for r in tl.static_range(WORLD):
             h += take_row(ptrs, half, slot, 0, c, ok, r, RANK, dt, POLL).to(tl.float32)
         tl.store(x_ptr + c, h.to(dt), mask=ok)
+
+
+@triton.jit
+def _all_reduce_two_shot_kernel(x_ptr, ptrs, epochs, n, chunk, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                BLOCK: tl.constexpr):
+    """Chunk j = x[j * chunk:(j + 1) * chunk]. Program p takes blocks u = p, p + programs, .. of every chunk: pushes
+    block u of chunk j into slot RANK of rank j (at 0), sums block u of its own chunk over the ranks and pushes the
+    sum into slot RANK of every rank (at chunk), then writes every rank's summed block u into x."""
+    p = tl.program_id(0)
+    step = tl.num_programs(0)
+    dt = x_ptr.dtype.element_ty
+    _, half = next_call(epochs, p, slot, WORLD)
+    blocks = tl.cdiv(chunk, BLOCK)
+    for u in range(p, blocks, step):
+        c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        for j in tl.static_range(WORLD):
+            ok = (c < chunk) & (j * chunk + c < n)
+            push_to(ptrs, j, half + RANK * slot + c, tl.load(x_ptr + j * chunk + c, mask=ok), ok)
+    for u in range(p, blocks, step):
+        c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = (c < chunk) & (RANK * chunk + c < n)
+        h = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            h += take_row(ptrs, half, slot, 0, c, ok, r, RANK, dt, True).to(tl.float32)
+        push_row(ptrs, half, slot, chunk, c, h.to(dt), ok, RANK, WORLD)
+    for u in range(p, blocks, step):
+        c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        for j in tl.static_range(WORLD):
+            ok = (c < chunk) & (j * chunk + c < n)
+            tl.store(x_ptr + j * chunk + c, take_row(ptrs, half, slot, chunk, c, ok, j, RANK, dt, True), mask=ok)
