@@ -3,7 +3,12 @@ refused naming it) on CPU; with TP_LORA_TEST_DEVICE=cuda, the symmetric-memory a
 and 4 GPUs (1 element to 2 MiB, odd sizes, bf16 and fp32, eager and inside CUDA graphs) and greedy decoding at tp2
 through it against NCCL, CUDA graphs on; the all-reduce fused with the residual add + RMSNorm after it and the peer
 all-gather against NCCL + the add_rms_norm kernel / NCCL's all-gather at 2 GPUs (odd sizes, bf16 and fp32, eager and
-in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm."""
+in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm; a CUDA run's cuBLAS gets no workspace unless the
+user gave one."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -24,6 +29,27 @@ def test_bad_value_is_refused_naming_it():
         validate(cfg)
     with pytest.raises(ValueError, match="parallel.allreduce='fast'"):  # before any process group exists
         comm.init_parallel(2, "cpu", allreduce="fast")
+
+
+CUBLAS_CHECK = """
+import os, torch
+torch.cuda.set_device = lambda i: None  # no GPU needed: the device is only named
+from tp_lora import distributed as comm
+comm.init_parallel(1, os.environ["RUN_DEVICE"])
+print(os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+"""
+
+
+@pytest.mark.parametrize("device,user,want", [("cuda", None, ":0:0"), ("cuda", ":4096:8", ":4096:8"),
+                                              ("cpu", None, "None")])
+def test_cuda_runs_ask_cublas_for_no_workspace(device, user, want):
+    """A CUDA run's cuBLAS gets no workspace (so no split-K GEMMs) unless the user set CUBLAS_WORKSPACE_CONFIG; a CPU
+    run leaves it alone. In a fresh process: torch reads the variable at its first cuBLAS call."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUBLAS_WORKSPACE_CONFIG", "WORLD_SIZE", "RANK")}
+    env.update(RUN_DEVICE=device, **({"CUBLAS_WORKSPACE_CONFIG": user} if user else {}))
+    out = subprocess.run([sys.executable, "-c", CUBLAS_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want
 
 
 def _choices(ps: comm.ParallelState):

@@ -7,9 +7,8 @@ The mesh is (dp, tp): `tp` groups split layers; `dp` groups hold disjoint reques
 parallel groups). With one process nothing is initialised and every collective is the identity.
 
 All-reduce of the tp group (parallel.allreduce): NCCL, or up to PEER_MAX_BYTES the peer-memory path over NVLink
-(tp_lora.distributed.peer: our kernel, then PyTorch's two-shot kernel), lower latency than NCCL for a decode
-step's messages; it also gives the group's all-gathers a peer kernel and fused_peer a buffer for kernels that fuse the
-reduce with what follows. Never NVLink multicast (multimem): only peer loads and stores.
+(tp_lora.distributed.peer), lower latency than NCCL for a decode step's messages; it also gives the group's
+all-gathers a peer kernel and fused_peer a buffer for kernels that fuse the reduce with what follows.
 """
 from __future__ import annotations
 
@@ -163,10 +162,10 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
             _PEERS[name] = PeerAllReduce(group.pg, device)
         group.peer = _PEERS[name]
         _PEER_GROUPS.append(group)
-        path = (f"symm_mem (our kernel up to {group.peer.ours_max >> 10} KiB, two-shot up to "
-                f"{group.peer.two_shot_max >> 10} KiB, PyTorch's two-shot up to "
-                f"{PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
-                f"{group.peer.fused_max >> 10} KiB; all-gathers up to {group.peer.gather_max >> 10} KiB)")
+        p = group.peer
+        path = (f"symm_mem (ours up to {p.ours_max >> 10} KiB, two-shot up to {p.two_shot_max >> 10} KiB, PyTorch's "
+                f"two-shot up to {PEER_MAX_BYTES >> 10} KiB, NCCL above; fused with the next norm up to "
+                f"{p.fused_max >> 10} KiB; all-gathers up to {p.gather_max >> 10} KiB)")
     if group.rank == 0 and group.ranks[0] == 0:
         print(f"parallel.allreduce={choice}: {group.name} all-reduce over {group.size} ranks by {path}", flush=True)
     return "symm_mem" if group.peer is not None else "nccl"
@@ -316,10 +315,11 @@ def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0,
     """
     if allreduce not in ALLREDUCE_CHOICES:  # before any collective: every rank stops with the same message
         raise ValueError(f"parallel.allreduce={allreduce!r}: expected one of {', '.join(ALLREDUCE_CHOICES)}")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size, rank, local_rank = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"),
+                                                                             ("LOCAL_RANK", "0")))
     if str(device).startswith("cuda"):
+        # cuBLAS without a workspace: no split-K GEMMs, whose reduce kernels decode steps pay for (a user's value holds)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
