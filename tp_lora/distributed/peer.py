@@ -45,15 +45,9 @@ def two_shot_max_bytes(ranks: int) -> int:
 
 
 def fused_max_bytes(ranks: int) -> int:
-    """The largest message our fused all-reduce + norm kernel takes one-shot: where it beats the all-reduce + norm at
-    2 ranks; our all-reduce's limit at more."""
+    """The largest message our fused all-reduce + norm kernel takes: where it beats the all-reduce + norm at 2 ranks;
+    our all-reduce's limit at more."""
     return 1 << 20 if ranks <= 2 else ours_max_bytes(ranks)
-
-
-def fused_two_shot_max_bytes(ranks: int) -> int:
-    """The largest message the fused kernel takes two-shot (past fused_max_bytes), the all-reduce + norm above: our
-    two-shot all-reduce's limit at 4 ranks; at 2 ranks (not measured there) none."""
-    return fused_max_bytes(ranks) if ranks <= 2 else two_shot_max_bytes(ranks)
 
 
 # The most bytes a rank takes in one call by polling the data; above, by flags after the pushes: a bandwidth-bound
@@ -68,8 +62,7 @@ EMPTY = {torch.bfloat16: (torch.int16, -0x8000), torch.float32: (torch.int32, -0
 class PeerBuffer:
     """One symmetric staging buffer as a Triton kernel sees it: ptrs / pads are int64 tensors on the device holding
     every rank's buffer / signal pad address (rank order); epochs: int32 [programs], each program's calls so far;
-    the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot; the fused all-reduce +
-    norm runs two-shot on messages over fused_max bytes (tp_lora.ops.triton.peer_norm)."""
+    the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot."""
     ptrs: torch.Tensor
     pads: torch.Tensor
     epochs: torch.Tensor
@@ -77,7 +70,6 @@ class PeerBuffer:
     world: int
     programs: int
     slot: int
-    fused_max: int = 1 << 62
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot
@@ -110,9 +102,7 @@ class PeerAllReduce:
         self.gather_max = gather_max_bytes(world)
         self.ours_max = ours_max_bytes(world)
         self.two_shot_max = two_shot_max_bytes(world)
-        self.fused_two_shot_max = fused_two_shot_max_bytes(world)
-        slot_bytes = max(self.fused_max, self.gather_max // world, self.ours_max, 2 * self.two_shot_max // world,
-                         3 * self.fused_two_shot_max // world)
+        slot_bytes = max(self.fused_max, self.gather_max // world, self.ours_max, 2 * self.two_shot_max // world)
         for dt in PEER_DTYPES:
             buf = symm_mem.empty(2 * world * slot_bytes // dt.itemsize, dtype=dt, device=device)
             hdl = symm_mem.rendezvous(buf, self.name)
@@ -125,7 +115,7 @@ class PeerAllReduce:
             epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
             buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
-                                                slot_bytes // dt.itemsize, self.fused_max))
+                                                slot_bytes // dt.itemsize))
         torch.cuda.synchronize(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         dist.barrier(group=pg, device_ids=[index])  # every buffer marked empty before any rank pushes
@@ -134,13 +124,8 @@ class PeerAllReduce:
         return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.nbytes <= self.max_bytes
 
     def takes_fused(self, t: torch.Tensor) -> bool:
-        """Whether t's reduce is fused into the kernel that consumes it (tp_lora.ops.triton.peer_norm): one-shot up
-        to fused_max, two-shot up to fused_two_shot_max where three chunks of its rows fit a slot."""
-        if not (t.is_cuda and t.dtype in self.staging and 0 < t.nbytes <= self.fused_two_shot_max):
-            return False
-        n = t.shape[-1]
-        chunk = -(-t.numel() // n // self.buffer(t.dtype).world)
-        return t.nbytes <= self.fused_max or 3 * chunk * n <= self.buffer(t.dtype).slot
+        """Whether t's reduce is fused into the kernel that consumes it (tp_lora.ops.triton.peer_norm)."""
+        return t.is_cuda and t.dtype in self.staging and 0 < t.nbytes <= self.fused_max
 
     def buffer(self, dtype: torch.dtype) -> PeerBuffer:
         return self.staging[dtype][1]

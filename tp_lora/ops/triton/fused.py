@@ -26,30 +26,21 @@ def _weighted(h, w, OFFSET: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def add_norm_values(h, res_row, w_ptr, xw_ptr, i, ok, n, eps, DT: tl.constexpr, HAS_RES: tl.constexpr,
-                    NORM_X: tl.constexpr, OFFSET: tl.constexpr):
-    """One row of add_rms_norm from h [BLOCK] float32 (x, masked by ok) as values in DT: (the norm, the stream): the
-    optional norm of x, the residual add (the stream: x itself without a residual), the norm; columns i."""
-    if NORM_X:
-        xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        h = _weighted(h * tl.rsqrt(tl.sum(h * h, 0) / n + eps), xw, OFFSET, DT).to(tl.float32)
-    if HAS_RES:
-        h = (h + tl.load(res_row + i, mask=ok, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
-    stream = h.to(DT)
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
-    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    return _weighted(h * rstd, w, OFFSET, DT), stream
-
-
-@triton.jit
 def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, i, ok, n, eps, HAS_RES: tl.constexpr,
                  NORM_X: tl.constexpr, OFFSET: tl.constexpr):
-    """add_norm_values stored: the norm at out_row, the stream (with a residual) at res_out_row; row pointers."""
-    out, stream = add_norm_values(h, res_row, w_ptr, xw_ptr, i, ok, n, eps, out_row.dtype.element_ty, HAS_RES,
-                                  NORM_X, OFFSET)
+    """One row of add_rms_norm from h [BLOCK] float32 (x, masked by ok): the optional norm of x, the residual add
+    (stored at res_out_row), the norm (stored at out_row); row pointers, columns i."""
+    dt = out_row.dtype.element_ty
+    if NORM_X:
+        xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        h = _weighted(h * tl.rsqrt(tl.sum(h * h, 0) / n + eps), xw, OFFSET, dt).to(tl.float32)
     if HAS_RES:
-        tl.store(res_out_row + i, stream, mask=ok)
-    tl.store(out_row + i, out, mask=ok)
+        h = (h + tl.load(res_row + i, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(res_out_row + i, h, mask=ok)
+        h = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
+    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_row + i, _weighted(h * rstd, w, OFFSET, dt), mask=ok)
 
 
 @triton.jit

@@ -1,13 +1,10 @@
 """The tp all-reduce fused with the residual add and RMSNorm that follow it, in one Triton kernel over peer memory:
 the signature of tp_lora.ops.fused.reduce_add_rms_norm_ref with the group's staging buffer in place of the group.
 
-One-shot: program p pushes its rows of x into every rank's buffer and takes every rank's as they arrive (the exchange
-of tp_lora.distributed.peer), sums each row over the ranks in rank order (float32, rounded to x's dtype as the
+Program p pushes its rows of x into every rank's buffer and takes every rank's as they arrive (the exchange of
+tp_lora.distributed.peer), sums each row over the ranks in rank order (float32, rounded to x's dtype as the
 all-reduce's result is: every rank gets the same bits), then adds the residual and norms as add_rms_norm does. One
 launch instead of all-reduce + add_rms_norm, one one-way trip over NVLink.
-Two-shot (messages over the buffer's fused_max): rank j owns the j-th chunk of ceil(rows / ranks) rows; every rank
-pushes each row to its owner, the owner sums it, adds the residual, norms, and pushes the normed row and the stream to
-every rank. Each rank takes 3 (ranks - 1) / ranks of the message instead of ranks - 1 times it.
 """
 from __future__ import annotations
 
@@ -16,8 +13,8 @@ import triton
 import triton.language as tl
 
 from tp_lora.distributed.peer import PeerBuffer
-from tp_lora.distributed.peer_kernels import ASM, exchange, next_call, push_row, push_to, take_row
-from tp_lora.ops.triton.fused import add_norm_row, add_norm_values, as_rows
+from tp_lora.distributed.peer_kernels import ASM, exchange, next_call, push_row, take_row
+from tp_lora.ops.triton.fused import add_norm_row, as_rows
 
 
 @triton.jit
@@ -47,68 +44,18 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_
                      i, ok, n, eps, HAS_RES, NORM_X, OFFSET)
 
 
-@triton.jit
-def _reduce_add_rms_norm_two_shot_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, ptrs, epochs, rows,
-                                         chunk, s_x, s_r, s_o, s_ro, n, eps, slot, RANK: tl.constexpr,
-                                         WORLD: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                                         NORM_X: tl.constexpr, OFFSET: tl.constexpr):
-    """Row t belongs to rank t // chunk, as its local row l. Slot r of a rank's half: at l * n rank r's x of the
-    rank's row l; at (chunk + l) * n / (2 chunk + l) * n the normed row / stream of rank r's row l."""
-    p = tl.program_id(0)
-    step = tl.num_programs(0)
-    i = tl.arange(0, BLOCK)
-    ok = i < n
-    dt = out_ptr.dtype.element_ty
-    _, half = next_call(epochs, p, slot, WORLD)
-    mine = half + RANK * slot
-    for row in range(p, rows, step):
-        t = tl.cast(row, tl.int64)
-        owner = t // chunk
-        push_to(ptrs, owner, mine + (t - owner * chunk) * n + i, tl.load(x_ptr + t * s_x + i, mask=ok), ok)
-    for row in range(p, tl.minimum(chunk, rows - RANK * chunk), step):
-        lo = tl.cast(row, tl.int64)
-        h = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            h += take_row(ptrs, half, slot, lo * n, i, ok, r, RANK, dt, True).to(tl.float32)
-        out, stream = add_norm_values(h.to(dt).to(tl.float32), res_ptr + (RANK * chunk + lo) * s_r, w_ptr, xw_ptr, i,
-                                      ok, n, eps, dt, HAS_RES, NORM_X, OFFSET)
-        for r in tl.static_range(WORLD):
-            push_to(ptrs, r, mine + (chunk + lo) * n + i, out, ok)
-            push_to(ptrs, r, mine + (2 * chunk + lo) * n + i, stream, ok)
-    for row in range(p, rows, step):
-        t = tl.cast(row, tl.int64)
-        owner = t // chunk
-        lo = t - owner * chunk
-        tl.store(out_ptr + t * s_o + i, take_row(ptrs, half, slot, (chunk + lo) * n, i, ok, owner, RANK, dt, True),
-                 mask=ok)
-        tl.store(res_out_ptr + t * s_ro + i,
-                 take_row(ptrs, half, slot, (2 * chunk + lo) * n, i, ok, owner, RANK, dt, True), mask=ok)
-
-
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                         offset: bool, x_weight: torch.Tensor | None, buf: PeerBuffer
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [.., N] this rank's partial sums -> (RMSNorm(sum of x over the ranks + residual), that stream), as
-    add_rms_norm of the all-reduced x. buf: the group's staging buffer of x's dtype (PeerAllReduce.buffer); two-shot
-    past its fused_max bytes."""
+    add_rms_norm of the all-reduced x. buf: the group's staging buffer of x's dtype (PeerAllReduce.buffer)."""
     rows = as_rows(x, "reduce_add_rms_norm's x")
     t, n = rows.shape
+    if not buf.fits(rows):
+        raise ValueError(f"reduce_add_rms_norm: {t} x {n} elements exceed the peer buffer's slot of {buf.slot}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out)
     res = rows if residual is None else as_rows(residual, "reduce_add_rms_norm's residual")
-    if x.nbytes > buf.fused_max:
-        chunk = -(-t // buf.world)
-        if 3 * chunk * n > buf.slot:
-            raise ValueError(f"reduce_add_rms_norm: 3 chunks of {chunk} x {n} elements exceed the peer buffer's slot "
-                             f"of {buf.slot}")
-        _reduce_add_rms_norm_two_shot_kernel[(buf.programs,)](
-            rows, res, weight, weight if x_weight is None else x_weight, out, res_out, buf.ptrs, buf.epochs, t,
-            chunk, rows.stride(0), res.stride(0), n, n, n, float(eps), buf.slot, RANK=buf.rank, WORLD=buf.world,
-            BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, NORM_X=x_weight is not None,
-            OFFSET=bool(offset), num_warps=4 if n <= 4096 else 8)
-        return out, res_out
-    if not buf.fits(rows):
-        raise ValueError(f"reduce_add_rms_norm: {t} x {n} elements exceed the peer buffer's slot of {buf.slot}")
     if t:
         _reduce_add_rms_norm_kernel[(buf.programs,)](
             rows, res, weight, weight if x_weight is None else x_weight, out, res_out, buf.ptrs, buf.pads,
