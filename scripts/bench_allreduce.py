@@ -86,9 +86,9 @@ def fused_rows(ps: comm.ParallelState, peer: comm.PeerAllReduce, specs: list[str
     for spec in specs:
         t, h = (int(v) for v in spec.split("x"))
         x = torch.randn(t, h, generator=gen, device=ps.device).to(torch.bfloat16)
-        res = torch.randn(t, h, device=ps.device).to(torch.bfloat16)
-        comm.all_reduce(res, nccl)  # the residual stream is the same on every rank
-        w = torch.randn(h, device=ps.device).to(torch.bfloat16)
+        same = torch.Generator(device=ps.device).manual_seed(t * h)  # the residual stream and weight: every rank's
+        res = torch.randn(t, h, generator=same, device=ps.device).to(torch.bfloat16)
+        w = torch.randn(h, generator=same, device=ps.device).to(torch.bfloat16)
         paths = {"fused": lambda x: fused_kernel(x, res, w, 1e-5, False, None, buf),
                  "dispatch_norm": lambda x: norm_kernel(peer.all_reduce(x), res, w, 1e-5),
                  "nccl_norm": lambda x: norm_kernel(comm.all_reduce(x, nccl), res, w, 1e-5),
