@@ -7,6 +7,7 @@ of a valid document (compact JSON, the schema's own example) the time to fill th
     python scripts/bench_grammar.py [--vocab 320 32000] [--reps 3]
     python scripts/bench_grammar.py --forced     # what jump-forward could skip (forced_tokens)
     python scripts/bench_grammar.py --batch-fill --vocab 32000 --threads 1 2 4 8 15   # the engine's batched calls
+        (each schema compiled by xgrammar and as the runtime compiles it: its bounds written out as rules)
 """
 from __future__ import annotations
 
@@ -191,41 +192,48 @@ def forced_tokens(tok, vocab: int, docs: int = 20, steps: int = 64) -> dict:
 
 def batch_fill(tok, vocab: int, threads: list[int], rows: int = 32, steps: int = 64) -> dict:
     """The engine's per-step grammar work at `rows` rows (Grammars._ahead): one batched accept of the step's tokens
-    and one batched fill of the next bitmasks, on each thread count; the same random walks (tokens drawn uniformly
-    from what the mask allows) for every count. Per schema and count: ms per step (p50, mean, max) of the fill and
-    of the accept."""
+    and one batched fill of the next bitmasks, on each thread count, for each schema compiled by xgrammar and by the
+    runtime (tp_lora.engine.grammar.compile_schema: bounded repetitions written out); the same random walks (tokens
+    drawn uniformly from what the mask allows) for every count and compile. Per schema, compile and count: ms per
+    step (p50, mean, max) of the fill and of the accept, and whether both compiles drew the same tokens."""
     import random
     import xgrammar as xgr
-    from tp_lora.engine.grammar import tokenizer_info
+    from tp_lora.engine.grammar import compile_schema, tokenizer_info
     info = tokenizer_info(tok, vocab, [2])
     ok = torch.tensor([bool(b) and min(b) >= 0x20 for b in info.decoded_vocab] + [False] * (vocab - len(
         info.decoded_vocab)))
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     out = {}
-    for name in ("nested", "free_text"):
-        compiled = compiler.compile_json_schema(json.dumps(SCHEMAS[name][0]), any_whitespace=False,
-                                                separators=(",", ":"))
-        for n in threads:
-            batch, rng = xgr.BatchGrammarMatcher(n), random.Random(0)
-            matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
-            mask = xgr.allocate_token_bitmask(rows, vocab)
-            fills, accepts = [], []
-            for _ in range(steps):
-                live = [i for i, m in enumerate(matchers) if not m.is_terminated()]  # as Grammars._fill
-                if not live:
-                    break
-                mask.zero_()
-                t0 = time.perf_counter()
-                batch.batch_fill_next_token_bitmask([matchers[i] for i in live], mask, indices=live)
-                fills.append(time.perf_counter() - t0)
-                allowed = ((mask[:, :, None] >> torch.arange(32)) & 1).bool().flatten(1)[:, :vocab] & ok
-                toks = [rng.choice(allowed[i].nonzero().flatten().tolist() or [2]) for i in live]
-                t0 = time.perf_counter()
-                xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in live], toks)
-                accepts.append(time.perf_counter() - t0)
-            ms = lambda xs: {"p50": 1e3 * statistics.median(xs), "mean": 1e3 * statistics.mean(xs),
-                             "max": 1e3 * max(xs)}
-            out[f"{name}@{n}"] = {"fill_ms": ms(fills), "accept_ms": ms(accepts), "steps": len(fills)}
+    for name in ("flat", "nested", "free_text"):
+        text = json.dumps(SCHEMAS[name][0])
+        walks = {}
+        for how, compiled in (("xgrammar", compiler.compile_json_schema(text, any_whitespace=False,
+                                                                        separators=(",", ":"))),
+                              ("runtime", compile_schema(compiler, text))):
+            for n in threads:
+                batch, rng = xgr.BatchGrammarMatcher(n), random.Random(0)
+                matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+                mask = xgr.allocate_token_bitmask(rows, vocab)
+                fills, accepts, drawn = [], [], []
+                for _ in range(steps):
+                    live = [i for i, m in enumerate(matchers) if not m.is_terminated()]  # as Grammars._fill
+                    if not live:
+                        break
+                    mask.zero_()
+                    t0 = time.perf_counter()
+                    batch.batch_fill_next_token_bitmask([matchers[i] for i in live], mask, indices=live)
+                    fills.append(time.perf_counter() - t0)
+                    allowed = ((mask[:, :, None] >> torch.arange(32)) & 1).bool().flatten(1)[:, :vocab] & ok
+                    toks = [rng.choice(allowed[i].nonzero().flatten().tolist() or [2]) for i in live]
+                    drawn.append(toks)
+                    t0 = time.perf_counter()
+                    xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in live], toks)
+                    accepts.append(time.perf_counter() - t0)
+                ms = lambda xs: {"p50": 1e3 * statistics.median(xs), "mean": 1e3 * statistics.mean(xs),
+                                 "max": 1e3 * max(xs)}
+                walks.setdefault(n, drawn)
+                out[f"{name}/{how}@{n}"] = {"fill_ms": ms(fills), "accept_ms": ms(accepts), "steps": len(fills),
+                                            "same_tokens": drawn == walks[n]}
     return out
 
 
@@ -245,7 +253,7 @@ def main() -> None:
         if args.batch_fill:
             r = results[f"batch_fill@{vocab}"] = batch_fill(tok, tok.get_vocab_size(), args.threads)
             for key, f in r.items():
-                print(f"vocab {vocab:6d} {key:14s} fill ms/step p50 {f['fill_ms']['p50']:.3f} mean "
+                print(f"vocab {vocab:6d} {key:20s} same tokens {f['same_tokens']!s:5s} fill ms/step p50 {f['fill_ms']['p50']:.3f} mean "
                       f"{f['fill_ms']['mean']:.3f} max {f['fill_ms']['max']:.3f}  accept ms/step p50 "
                       f"{f['accept_ms']['p50']:.3f} mean {f['accept_ms']['mean']:.3f}  ({f['steps']} steps)")
             continue

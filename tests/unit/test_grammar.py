@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tp_lora.config import GenerationConfig
-from tp_lora.engine.grammar import Grammars, apply_mask, pack
+from tp_lora.engine.ebnf import expand_repetitions
+from tp_lora.engine.grammar import Grammars, apply_mask, compile_schema, pack, tokenizer_info
 from tp_lora.engine.requests import Request, Result, set_rules
 from tp_lora.engine.response_format import ANY_OBJECT, parse_response_format, schema_error
 from tp_lora.engine.sampler import Sampler
@@ -128,6 +129,55 @@ def test_a_dead_end_allows_only_the_stop_tokens(tokenizer):
     g.batches = {1: Nothing()}  # the one-row fill's batch matcher
     sel, bits = g.fill([req(1), r], pin=False)
     assert sel == [1] and torch.equal(g.finish(bits)[0], pack([EOS], VOCAB))
+
+
+def test_bounded_repetitions_are_written_out_as_rules_and_nothing_else_changes():
+    grammar = ('root ::= (("[" item{0, 2} "]") | ("x{0, 2}" [{}]{1, 2}) | (item{2, 2} item{1, 3} digit{1, -1}))\n'
+               'item ::= (("a"))\nbig ::= ((item{0, 65}))\ndigit ::= (([0-9\\]{0, 1}]))\n')
+    got = expand_repetitions(grammar)
+    assert got.splitlines()[:4] == [
+        'root ::= (("[" (item__upto_2) "]") | ("x{0, 2}" [{}]{1, 2}) | ((item item) (item item__upto_2) digit{1, -1}))',
+        'item ::= (("a"))', 'big ::= ((item{0, 65}))', 'digit ::= (([0-9\\]{0, 1}]))']
+    assert got.splitlines()[4:] == ['item__upto_1 ::= ("" | (item))', 'item__upto_2 ::= ("" | (item item__upto_1))']
+    assert expand_repetitions("root ::= (a{0, 0} a{3, 1})\n") == 'root ::= ("" a{3, 1})\n'
+
+
+# Bounded strings, arrays, an exact length, an integer range and a free string: the bounds xgrammar writes as rule{lo,
+# hi}, and what it does not.
+BOUNDED = [SCHEMA, {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 4}, "minItems": 1,
+                    "maxItems": 3},
+           {"type": "object", "properties": {"k": {"type": "string", "minLength": 2, "maxLength": 2},
+                                             "t": {"type": "string"}}, "required": ["k", "t"]}]
+
+
+@pytest.mark.parametrize("schema", BOUNDED, ids=["object", "array", "exact"])
+def test_written_out_repetitions_give_xgrammars_masks_on_random_walks(tokenizer, schema):
+    """The runtime's compiled schema (compile_schema) against xgrammar's own compile of it: the same next-token mask
+    at every step of 24 random walks (tokens drawn from what the mask allows, the stop token once allowed)."""
+    import random
+    info = tokenizer_info(tokenizer.tok, VOCAB, [EOS])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    text = json.dumps(schema)
+    ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":")))
+    assert expand_repetitions(ebnf) != ebnf  # the schema has bounds to write out
+    theirs = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+    ours = compile_schema(compiler, text)
+    rng, steps = random.Random(0), 0
+    for _ in range(24):
+        a, b = xgr.GrammarMatcher(theirs), xgr.GrammarMatcher(ours)
+        for _ in range(200):  # a walk inside an unbounded string may run on: it stops here
+            ma, mb = xgr.allocate_token_bitmask(1, VOCAB), xgr.allocate_token_bitmask(1, VOCAB)
+            a.fill_next_token_bitmask(ma)
+            b.fill_next_token_bitmask(mb)
+            assert torch.equal(ma, mb), f"masks differ after {steps} steps of a walk over {text}"
+            allowed = [t for t in range(VOCAB) if (ma[0, t // 32] >> (t % 32)) & 1]
+            tok = EOS if EOS in allowed else rng.choice(allowed)
+            assert a.accept_token(tok) and b.accept_token(tok)
+            steps += 1
+            if a.is_terminated():
+                break
+        assert a.is_terminated() == b.is_terminated()
+    assert steps > 24 * 5
 
 
 def test_without_the_library_the_error_names_the_extra(monkeypatch, tokenizer):

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tp_lora.engine.ebnf import expand_repetitions
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import SEPARATORS, field_of, library, message, schema_error
 from tp_lora.hostcopy import to_device
@@ -53,6 +54,13 @@ def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
     from transformers import PreTrainedTokenizerFast  # a dependency of xgrammar
     return xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tok), vocab_size=vocab_size,
                                               stop_token_ids=stop_ids)
+
+
+def compile_schema(compiler, text: str):
+    """A JSON schema (text) compiled by an xgrammar GrammarCompiler, compact, its bounded repetitions written out as
+    rules (tp_lora.engine.ebnf: the same language, faster masks)."""
+    grammar = library().Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS)
+    return compiler.compile_grammar(expand_repetitions(str(grammar)))
 
 
 class Grammars:
@@ -100,7 +108,7 @@ class Grammars:
             return None
         kind, text = req.grammar
         try:
-            compiled = self.compiler.compile_json_schema(text, any_whitespace=False, separators=SEPARATORS)
+            compiled = compile_schema(self.compiler, text)
         except (RuntimeError, ValueError) as e:
             return f"'{field_of(kind)}' cannot be compiled: {message(e)}"
         first = xgr.allocate_token_bitmask(1, vocab)
