@@ -383,7 +383,8 @@ def kernel_compare(paths: list[str], top: int = 14) -> None:
 
 def scaling_table(paths: list[str]) -> None:
     """The decode step of earlier runs' bench_step.json files by tp and all-reduce, each against the tp1 run among
-    them (same shape, batch, context; no adapters / 32 adapters)."""
+    them (same shape, batch, context; no adapters / 32 adapters); with their kernel tables (--kernels), the graphed
+    step of each tp too."""
     runs = []
     for path in paths:
         with open(path) as f:
@@ -406,6 +407,13 @@ def scaling_table(paths: list[str]) -> None:
             mine, ref = steps(run, adapters), steps(base, adapters)
             cells += [f"{mine[k]:.2f} ({ref[k] / mine[k]:.2f}x)" if k in mine and k in ref else "-" for k in keys]
         print(f"| {run['tp']} | {run.get('allreduce', 'nccl')} | " + " | ".join(cells) + " |")
+    graphed = {run["tp"]: {c: t["step_us"] for c, t in next(iter(run["kernels"].values())).items()}
+               for run in runs if run.get("kernels")}
+    if 1 in graphed:  # runs with --kernels: the runner's graphed step alone, a median of replays (no host work)
+        ctxs = sorted(graphed[1], key=int)
+        print("graphed decode step, us (x faster than tp1): " + ", ".join(
+            f"tp{tp} " + " / ".join(f"ctx {c} {g[c]:.0f} ({graphed[1][c] / g[c]:.2f}x)" for c in ctxs if c in g)
+            for tp, g in sorted(graphed.items())))
 
 
 def main() -> None:

@@ -104,7 +104,7 @@ for what in "${@:-all}"; do
         CUDA_VISIBLE_DEVICES=3 run step_tp1_auto 200 4 torchrun --nproc_per_node=1 --master_port 29511 \
           scripts/bench_step.py $(tp_args 1 auto) --kernels &
         CUDA_VISIBLE_DEVICES=0,1 run step_tp2_symm_mem 200 4 torchrun --nproc_per_node=2 scripts/bench_step.py \
-          $(tp_args 2 symm_mem)
+          $(tp_args 2 symm_mem) --kernels
         wait
         run step_tp4_symm_mem 200 4 torchrun --nproc_per_node=4 scripts/bench_step.py $(tp_args 4 symm_mem) --kernels
         python3 scripts/bench_step.py --kernel-compare "$RES"/step_tp1_auto/bench_step.json \
