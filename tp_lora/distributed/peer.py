@@ -1,19 +1,19 @@
 """Collectives over NVLink peer memory (PyTorch symmetric memory): the tp group's all-reduce by our Triton kernel
 (tp_lora.distributed.peer_kernels) up to ours_max_bytes, its two-shot form up to two_shot_max_bytes, PyTorch's
-two-shot kernel above, an all-gather,
-and the exchange a kernel fusing the all-reduce with what follows it (tp_lora.ops.triton.peer_norm) is built on.
+two-shot kernel above, an all-gather, and the exchange a kernel fusing the all-reduce with what follows it
+(tp_lora.ops.triton.peer_norm) is built on.
 
 Our kernels push and poll the data itself (a Lamport-style exchange: no flags, no fences): program p of rank i
 writes its share of the message into slot i of every rank's staging buffer (posted NVLink stores; a -0.0 is sent as
 +0.0), then reads the slots of its own buffer with volatile loads until no element holds -0.0's bits, the empty mark
 every element holds until pushed, and marks what it read empty again. A call in which a rank takes more than
-POLL_MAX_BYTES exchanges by flags instead (the two-shot all-reduce always polls): each program, once its pushes are done, sets its flag in every rank's
-signal pad to the call's number (a release store at system scope) and waits for every rank's (acquire loads), then
-reads and marks empty as above. Calls alternate between the two halves of the buffer, so a rank writes into a half
-only after every rank has started the next call, hence finished reading (and emptying) that half. The call numbers
-live in device memory (`epochs`, one per program), so CUDA graphs replay the exchange; every kernel over the buffer
-launches the same fixed number of programs, so every program of every rank counts the same calls. Never NVLink
-multicast (multimem): only peer loads and stores.
+POLL_MAX_BYTES exchanges by flags instead (the two-shot all-reduce always polls): each program, once its pushes are
+done, sets its flag in every rank's signal pad to the call's number (a release store at system scope) and waits
+for every rank's (acquire loads), then reads and marks empty as above. Calls alternate between the two halves of the
+buffer, so a rank writes into a half only after every rank has started the next call, hence finished reading (and
+emptying) that half. The call numbers live in device memory (`epochs`, one per program), so CUDA graphs replay the
+exchange; every kernel over the buffer launches the same fixed number of programs, so every program of every rank
+counts the same calls. Never NVLink multicast (multimem): only peer loads and stores.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def ours_max_bytes(ranks: int) -> int:
 
 
 def two_shot_max_bytes(ranks: int) -> int:
-    """The largest all-reduce the two-shot form of our kernel takes, PyTorch's two-shot above: where PyTorch's
-    overtakes it at 4 ranks; at 2 ranks (not measured there) none past our one-shot kernel."""
+    """The largest all-reduce the two-shot form of our kernel takes, PyTorch's two-shot above (BENCHMARKS.md, issue
+    36); at 2 ranks our one-shot kernel's limit: the two-shot form is not used there."""
     return ours_max_bytes(ranks) if ranks <= 2 else 1 << 20
 
 
@@ -81,10 +81,11 @@ class PeerBuffer:
 
 class PeerAllReduce:
     """Sum over one NCCL group through PyTorch symmetric memory (torch.distributed._symmetric_memory): our kernel
-    over `staging` (the exchange above) up to ours_max, its two-shot form up to two_shot_max; above, PyTorch's
-    two-shot kernel (each rank reduces its 1/n share of every peer's buffer and writes it to every peer). One buffer of max_bytes per dtype for PyTorch's kernel
-    and one staging buffer per dtype (signal pads of its own) for ours (all_reduce, all_gather, the fused reduce +
-    norm), allocated and exchanged here (collective), so calls allocate nothing and capture in CUDA graphs."""
+    over `staging` (the exchange above) up to ours_max, its two-shot form up to two_shot_max (>= ours_max); above,
+    PyTorch's two-shot kernel (each rank reduces its 1/n share of every peer's buffer and writes it to every peer).
+    One buffer of max_bytes per dtype for PyTorch's kernel and one staging buffer per dtype (signal pads of its own)
+    for ours (all_reduce, all_gather, the fused reduce + norm), allocated and exchanged here (collective), so calls
+    allocate nothing and capture in CUDA graphs."""
 
     def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES):
         import torch.distributed as dist
@@ -133,7 +134,7 @@ class PeerAllReduce:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the group, in place: up to ours_max by our kernel (peer_kernels.all_reduce), then up to
         two_shot_max by its two-shot form, above by PyTorch's (two_shot)."""
-        if t.nbytes <= max(self.ours_max, self.two_shot_max):
+        if t.nbytes <= self.two_shot_max:
             from tp_lora.distributed.peer_kernels import all_reduce  # noqa: PLC0415 - Triton only where the path is
             return all_reduce(t, self.buffer(t.dtype), two_shot=t.nbytes > self.ours_max)
         return self.two_shot(t)
