@@ -7,7 +7,8 @@ Per size and path: a graph of --iters back-to-back all-reduces of one tensor, re
 over --iters (microseconds, CUDA events on rank 0). Each path's result is checked against NCCL's on the same data
 first (small integers: every order of summation is exact).
 Paths: NCCL, PyTorch's one-shot and two-shot (symmetric memory), ours (tp_lora.distributed.peer_kernels.all_reduce, at
-any size a staging slot holds) and its two-shot form (two chunks of 1 / ranks in a slot), and the dispatch parallel.allreduce=symm_mem makes by size.
+any size a staging slot holds) and its two-shot form (two chunks of 1 / ranks in a slot), and the dispatch
+parallel.allreduce=symm_mem makes by size.
 Fused (rows x hidden bf16, 4 KB to 1 MB): the peer kernel (tp_lora/ops/triton/peer_norm.py) against the dispatched
 all-reduce + the add_rms_norm kernel and NCCL + add_rms_norm (each result compared with NCCL + add_rms_norm's), and
 the add_rms_norm kernel alone. All-gather (32 rows, output bytes): the peer kernel (where a staging slot holds a

@@ -253,7 +253,8 @@ def main() -> None:
         if args.batch_fill:
             r = results[f"batch_fill@{vocab}"] = batch_fill(tok, tok.get_vocab_size(), args.threads)
             for key, f in r.items():
-                print(f"vocab {vocab:6d} {key:20s} same tokens {f['same_tokens']!s:5s} fill ms/step p50 {f['fill_ms']['p50']:.3f} mean "
+                print(f"vocab {vocab:6d} {key:20s} same tokens {f['same_tokens']!s:5s} fill ms/step p50 "
+                      f"{f['fill_ms']['p50']:.3f} mean "
                       f"{f['fill_ms']['mean']:.3f} max {f['fill_ms']['max']:.3f}  accept ms/step p50 "
                       f"{f['accept_ms']['p50']:.3f} mean {f['accept_ms']['mean']:.3f}  ({f['steps']} steps)")
             continue
