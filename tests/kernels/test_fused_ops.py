@@ -1,5 +1,5 @@
 """The decoder layer's fused Triton kernels (add + RMSNorm, qk-norm + RoPE + K/V cache write, act * up, the MoE
-router's top-k and combine, the greedy sampler) against
+router's top-k and combine, the sampler's race) against
 their torch references, on fresh random inputs at odd sizes; the references against independent formulas."""
 import math
 
@@ -272,31 +272,62 @@ def test_moe_topk_takes_the_lowest_index_among_ties(device):
     torch.testing.assert_close(w, torch.full((1, 3), 1 / 3, device=device))
 
 
+def _race_inputs(gen, rows, vocab, device, dtype=torch.float32):
+    """Logits with a clear winner in a later block than the first, raw logits, temperatures (greedy and hot rows),
+    noise keys, two bitmask rows and rows taking them (-1: none)."""
+    logits = _randn(gen, rows, vocab, device=device, std=4.0)
+    logits[0, vocab // 2] = 50.0
+    raw = _randn(gen, rows, vocab, device=device, std=2.0)
+    temps = torch.tensor([(0.0, 0.7, 1.0, 1.9)[i % 4] for i in range(rows)], device=device)
+    keys = torch.randint(0, 1 << 32, (rows,), generator=gen).to(device)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    where = torch.tensor([(-1, 0, 1)[i % 3] for i in range(rows)], dtype=torch.int32, device=device)
+    return logits.to(dtype), raw.to(dtype), temps, keys, words.to(device), where
+
+
 @pytest.mark.parametrize("rows, vocab", [
     (1, 7),  # a vocabulary smaller than one block
     (5, 4096),  # exactly one block
-    (3, 10007),  # several blocks, the last one partial
+    (7, 10007),  # several blocks, the last one partial
+    (64, 33),  # many hot rows: the kernel's noise is the reference's (whose draws follow softmax(x / T): test_sampler)
 ])
-def test_greedy(device, rows, vocab):
-    from tp_lora.ops.triton.sampling import greedy
-    gen = torch.Generator().manual_seed(rows * vocab)
-    logits = _randn(gen, rows, vocab, device=device, std=4.0)
-    logits[0, vocab // 2] = 50.0  # a clear winner in a later block than the first
-    got, want = greedy(logits), sampling.greedy_ref(logits)
-    assert got.dtype == torch.float64 and got.shape == (2, rows)
-    assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-    # the reference: argmax and log_softmax at it
-    want_lp = torch.log_softmax(logits.double(), -1).max(-1)
-    torch.testing.assert_close(want[1], want_lp.values, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("grammar", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_race(device, rows, vocab, grammar, dtype):
+    from tp_lora.ops.triton.sampling import race
+    gen = torch.Generator().manual_seed(rows * vocab + grammar)
+    logits, raw, temps, keys, words, where = _race_inputs(gen, rows, vocab, device, dtype)
+    for args in ((logits, None, temps, keys, None, None), (logits, raw, temps, keys, None, None),
+                 (logits, raw, temps, keys, words, where)) if grammar else ((logits, None, temps, keys, None, None),):
+        got, want = race(*args), sampling.race_ref(*args)
+        assert got.dtype == torch.float64 and got.shape == (2, rows)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    # the reference against independent formulas: greedy rows take the argmax, grammar rows an allowed token, every
+    # row's log-probability is log_softmax of raw at its token
+    toks = want[0].long()
+    if not grammar:
+        assert toks[0] == vocab // 2
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    for i in range(rows):
+        allowed = torch.ones(vocab, dtype=torch.bool, device=device)
+        if args[4] is not None and where[i] >= 0:
+            allowed = ((words[where[i]][:, None] >> shifts) & 1).bool().flatten()[:vocab]
+        assert allowed[toks[i]]
+        if temps[i] == 0:
+            assert toks[i] == int(torch.where(allowed, logits[i].float(), -float("inf")).argmax())
+        base = (logits if args[1] is None else raw)[i].double()
+        assert abs(float(want[1, i]) - float(torch.log_softmax(base, -1)[toks[i]])) < 1e-4
 
 
-def test_greedy_takes_the_lowest_index_among_ties(device):
-    from tp_lora.ops.triton.sampling import greedy
+def test_race_greedy_rows_take_the_lowest_index_among_ties(device):
+    from tp_lora.ops.triton.sampling import race
     logits = torch.full((2, 9000), -3.0, device=device)
     logits[0, [5, 70, 4100, 8999]] = 1.0  # ties in three blocks (two in the first): the first block's first wins
     logits[1, [4200, 4300, 8300]] = 2.0  # ties in later blocks only (two in one)
     logits[1, :4096] = -float("inf")  # a first block masked out whole
-    got = greedy(logits)
+    args = (logits, None, torch.zeros(2, device=device), torch.zeros(2, dtype=torch.long, device=device), None, None)
+    got = race(*args)
     assert got[0].tolist() == [5.0, 4200.0] and not got[1].isnan().any()
-    torch.testing.assert_close(got[1], sampling.greedy_ref(logits)[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], sampling.race_ref(*args)[1], rtol=1e-5, atol=1e-5)
+

@@ -10,10 +10,10 @@ import torch
 
 from tp_lora.config import GenerationConfig
 from tp_lora.engine.ebnf import expand_repetitions
-from tp_lora.engine.grammar import Grammars, apply_mask, compile_schema, pack, tokenizer_info
+from tp_lora.engine.grammar import Grammars, compile_schema, pack, tokenizer_info
 from tp_lora.engine.requests import Request, Result, set_rules
 from tp_lora.engine.response_format import ANY_OBJECT, parse_response_format, schema_error
-from tp_lora.engine.sampler import Sampler
+from tp_lora.engine.sampler import Sampler, draw
 from tp_lora.engine.tokenizer import TextTokenizer
 from tp_lora.request_files import parse_request
 
@@ -65,17 +65,25 @@ def test_response_format_from_request_lines_and_api_values():
     assert r.grammar == ("json_object", ANY_OBJECT)
 
 
-def test_the_mask_applies_to_grammar_rows_only_as_xgrammars_kernel():
+def test_the_draw_masks_grammar_rows_only_as_xgrammars_kernel():
+    """The draw's grammar rows choose among the tokens xgrammar's own masking kernel leaves; the other rows (and the
+    reported log-probabilities) see the model's logits."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, VOCAB, generator=g)
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, (VOCAB + 31) // 32), dtype=torch.int32, generator=g)
-    out = apply_mask(logits, [1, 3], bits)
-    want = logits.clone()
+    for k, row in enumerate((1, 3)):  # each grammar row's argmax forbidden
+        top = int(logits[row].argmax())
+        word = int(bits[k, top // 32]) & 0xFFFFFFFF & ~(1 << (top % 32))
+        bits[k, top // 32] = word - (1 << 32) if word >= 1 << 31 else word
     full = torch.full((4, bits.shape[1]), -1, dtype=torch.int32)
     full[[1, 3]] = bits
+    want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, full)
-    assert torch.equal(out, want) and torch.equal(out[[0, 2]], logits[[0, 2]])
-    assert not torch.equal(out, logits)  # the model's logits stay (reported log-probabilities)
+    toks, lps = draw(logits, [0.0] * 4, 1.0, None, grammar=([1, 3], bits))
+    assert toks.tolist() == want.argmax(-1).double().tolist() and toks[1] != logits[1].argmax()
+    torch.testing.assert_close(lps, torch.log_softmax(logits, -1).gather(-1, toks.long()[:, None]).flatten().double())
+    hot, _ = draw(logits, [1.0] * 4, 1.0, torch.Generator().manual_seed(1), grammar=([1, 3], bits))
+    assert all(want[i, int(t)] > -float("inf") for i, t in enumerate(hot.tolist()))
     assert pack([0, 31, 32, 295], VOCAB).tolist()[:2] == [-2 ** 31 + 1, 1]
 
 

@@ -335,6 +335,34 @@ def test_kv_block_planning_and_pool():
         pool.release([3])
 
 
+
+def test_a_cuda_prefix_cache_keeps_its_blocks_across_runs(monkeypatch):
+    """With prefix caching on CUDA, a run opened after another keeps the cache there (its cached prefixes with it)
+    even where the budget now says fewer blocks (later allocations took memory); it grows only when the batch
+    needs more; without an old cache it takes the whole budget. (No device is touched: the budget is stubbed.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tp_lora.config import SchedulerConfig
+    from tp_lora.engine import kv_pool
+    bpt = kv_pool.kv_bytes_per_token(2, 1, 4, torch.float32)  # 64 bytes a position
+    budget = {"blocks": 50}
+    monkeypatch.setattr(kv_pool, "kv_budget_bytes", lambda *a: (budget["blocks"] + 1) * 16 * bpt)
+    model = SimpleNamespace(layers=[0, 0], kv_heads=1, head_dim=4, kv_dtype=torch.float32)
+    runner = SimpleNamespace(model=model, cache=None)
+    ps = SimpleNamespace(device=torch.device("cuda"), tp=SimpleNamespace(size=1))
+    sc = SchedulerConfig()
+    sc.kv_block_size, sc.prefix_caching, sc.max_batch_size = 16, True, 4
+    assert kv_pool.plan_kv(runner, ps, sc, [40] * 4)[0] == 50  # the whole budget
+    runner.cache = SimpleNamespace(num_blocks=50, block_size=16)
+    budget["blocks"] = 30  # memory taken since: the cache stays whole
+    assert kv_pool.plan_kv(runner, ps, sc, [40] * 4) == (50, 50 * 16 - 1)
+    runner.cache = SimpleNamespace(num_blocks=8, block_size=16)  # smaller than 4 sequences of 41 positions need
+    assert kv_pool.plan_kv(runner, ps, sc, [40] * 4)[0] == 30
+    sc.prefix_caching = False  # the batch's blocks alone
+    assert kv_pool.plan_kv(runner, ps, sc, [40] * 4)[0] == 12
+
 def _run(s: Scheduler, reqs) -> dict:
     """Drive the scheduler to the end with a deterministic fake model (next token = f(tokens so far)); returns
     request index -> generated tokens, checking the invariants every step."""

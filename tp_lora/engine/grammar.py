@@ -9,8 +9,8 @@ driver lets a stream wait on host memory (tp_lora.streamwait) the host does not 
 the draw are queued behind a device-side wait for the job's number, which the worker raises once its pinned bitmask
 is written, and the host waits for the job only at the next follow(), once the draw is queued. Elsewhere masks()
 waits for what is left of the job (StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a
-resumed sequence) are filled in line. The bitmask goes to the device in one copy, is finished there (apply(): JSON
-bytes only, a dead row's stop tokens) and masks those rows only.
+resumed sequence) are filled in line. The bitmask goes to the device in one copy and is finished there
+(on_device(): JSON bytes only, a dead row's stop tokens); the draw's kernel reads it for those rows only.
 The worker waits for the tokens without the GIL and runs few Python steps (one batched accept, one batched fill
 over several threads); the interpreter's switch interval is cut so that it gets the GIL within SWITCH_INTERVAL_S
 while the host thread runs Python (Python's default, 5 ms, held the fill back until the host blocked in masks()).
@@ -39,7 +39,6 @@ import torch
 from tp_lora.engine.ebnf import expand_repetitions
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import SEPARATORS, field_of, library, message, schema_error
-from tp_lora.hostcopy import to_device
 from tp_lora.streamwait import HostFlag, host_flag
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
@@ -134,7 +133,7 @@ class Grammars:
 
     def masks(self, reqs: list[Request], drawn: list[int], pin: bool
               ) -> tuple[Optional[tuple[list[int], torch.Tensor, Optional[tuple[HostFlag, int]]]], float]:
-        """For apply(): (fill()'s rows and bitmask for reqs whose requests drew drawn[i] tokens so far, what the
+        """For on_device(): (fill()'s rows and bitmask for reqs whose requests drew drawn[i] tokens so far, what the
         device waits for first: (flag, number) or None), or None without grammar rows; and the seconds the host
         waited for masks (for the worker's filling and for in-line fills, not for the device's tokens). The last
         follow()'s job, not waited for where the device can wait for it and it holds every row in order; else
@@ -165,12 +164,12 @@ class Grammars:
                 bits[rest] = self.fill([reqs[sel[j]] for j in rest], False)[1]
         return (sel, bits, None), time.perf_counter() - t0 - device_wait
 
-    def apply(self, logits: torch.Tensor, masks: tuple) -> torch.Tensor:
-        """apply_mask() of masks()'s rows and bitmask, finished on the logits' device (behind the wait it names)."""
+    def on_device(self, masks: tuple, device: torch.device) -> tuple[list[int], torch.Tensor]:
+        """masks()'s (rows, bitmask) with the bitmask finished on `device` (behind the wait it names): for draw()."""
         sel, bits, after = masks
         if after is not None:
-            after[0].wait(torch.cuda.current_stream(logits.device), after[1])
-        return apply_mask(logits, sel, self.finish(bits.to(logits.device, non_blocking=True)))
+            after[0].wait(torch.cuda.current_stream(device), after[1])
+        return sel, self.finish(bits.to(device, non_blocking=True))
 
     def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
                device: torch.device) -> None:
@@ -359,23 +358,3 @@ def pack(ids: list[int], vocab: int) -> torch.Tensor:
     words = (allowed.view(-1, 32) << torch.arange(32)).sum(1)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
-
-def apply_mask(logits: torch.Tensor, sel: list[int], bits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] with rows `sel` set to -inf where their host bitmask `bits` [len(sel), ceil(V / 32)] has a 0
-    bit; a new float32 tensor (the model's logits stay as they were for the reported log-probabilities). On CUDA one
-    kernel masks (xgrammar's Triton kernel) after one copy of the bitmask (rows without a grammar allow every token),
-    with no host sync."""
-    dev, (n, vocab) = logits.device, logits.shape
-    words = bits.to(dev, non_blocking=True)
-    if dev.type == "cuda":
-        out = logits.to(torch.float32, copy=True)
-        if sel != list(range(n)):  # the kernel reads row i of the bitmask for logits row i: others allow every token
-            full = torch.full((n, words.shape[1]), -1, dtype=torch.int32, device=dev)
-            full[to_device([torch.tensor(sel)], dev)[0]] = words  # (a device tensor from a list would sync the host)
-            words = full
-        library().apply_token_bitmask_inplace(out, words, vocab_size=vocab)
-        return out
-    shifts = torch.arange(32, device=dev, dtype=torch.int32)
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    rows = torch.tensor(sel, device=dev)
-    return logits.float().index_put((rows,), logits[rows].float().masked_fill(~allowed, float("-inf")))

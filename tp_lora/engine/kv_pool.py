@@ -56,17 +56,22 @@ def plan_kv(runner, ps: comm.ParallelState, sc: SchedulerConfig, needs: list[int
     """(blocks, longest fitting need) for a run whose requests need `needs` positions each: as many blocks as its
     max_batch_size largest requests hold at once (each with its admission's extra position), at most what the memory
     this rank has left holds (runner: the ModelRunner, whose current cache is replaced); on CUDA with prefix caching,
-    all the memory the budget gives (the blocks beyond the batch's hold the cache). The TP ranks take the smallest
-    plan so they schedule alike."""
+    all the memory the budget gives (the blocks beyond the batch's hold the cache), or the cache there is where it
+    holds the batch. The TP ranks take the smallest plan so they schedule alike."""
     m, bs = runner.model, sc.kv_block_size
     bpt = kv_bytes_per_token(len(m.layers), m.kv_heads, m.head_dim, m.kv_dtype)
     old = runner.cache
     reusable = 0 if old is None else (old.num_blocks + 1) * old.block_size * bpt
     budget = kv_budget_bytes(ps.device, sc.kv_memory_fraction, sc.kv_cache_mb, reusable)
     wanted = sum(sorted(blocks_for(n + 1, bs) for n in needs)[-sc.max_batch_size:])
-    if sc.prefix_caching and ps.device.type == "cuda":  # the budget, or the cache there is (no regrowth)
-        wanted = budget // max(1, bs * bpt) if old is None else min(budget // max(1, bs * bpt), old.num_blocks)
-    blocks = plan_blocks(budget, bs, bpt, wanted)
+    if not (sc.prefix_caching and ps.device.type == "cuda"):
+        blocks = plan_blocks(budget, bs, bpt, wanted)
+    elif old is not None and old.block_size == bs and old.num_blocks >= wanted:
+        # the cache there is, whole, whatever the budget says now that later allocations took memory: its blocks
+        # and the cached prefixes they hold stay for this run
+        blocks = old.num_blocks
+    else:  # all the budget: the blocks beyond the batch's hold the cache
+        blocks = plan_blocks(budget, bs, bpt, budget // max(1, bs * bpt))
     if ps.tp.size > 1:
         blocks = min(comm.all_gather_object(blocks, ps.tp))
     return blocks, max(0, blocks * bs - 1)

@@ -15,69 +15,68 @@ from tp_lora.engine.logit_rules import LogitRules
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
 from tp_lora.hostcopy import to_device
-from tp_lora.ops.sampling import greedy
+from tp_lora.ops.sampling import MASK32, mix32, race, unpack
 
 
-MASK32 = 0xFFFFFFFF
 # Temperatures below this are greedy: float32 logits divided by a tinier one overflow (NaN probabilities), and the
 # distribution is one-hot long before (the same bound as vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of int64 values in [0, 2^32) (each product stays below 2^63)."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
-    return (x >> 16) ^ x
-
-
-def seeded_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, vocab] float32 Exp(1) variates that depend only on each row's (seed, step) and the token id: a request's
-    draws are the same whatever else shares its step, on every rank and device."""
-    key = _mix((seeds & MASK32) ^ _mix(((seeds >> 32) & MASK32) ^ _mix(steps & MASK32)))
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _mix(_mix((key[:, None] + ids[None, :] * 0x9E3779B1) & MASK32) ^ key[:, None])
-    return -torch.log(((h >> 8).float() + 0.5) / float(1 << 24))
+def seed_key(seed: int, step: int) -> int:
+    """The noise key of a seeded request's `step`-th draw: the same on every rank and device."""
+    return mix32((seed & MASK32) ^ mix32(((seed >> 32) & MASK32) ^ mix32(step & MASK32)))
 
 
 def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Sequence[float]],
-         generator: Optional[torch.Generator] = None, seeds: Optional[list[Optional[int]]] = None,
-         steps: Optional[list[int]] = None, raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+         generator: Optional[torch.Generator], seeds: Optional[list[Optional[int]]] = None,
+         steps: Optional[list[int]] = None, raw: Optional[torch.Tensor] = None,
+         grammar: Optional[tuple[list[int], torch.Tensor]] = None) -> torch.Tensor:
     """logits [N, V] -> [2, N] float64 on logits' device: each row's token id (exact in float64) and its
     log-probability under `raw` (the model's logits before any logit rule; default: logits) unscaled by temperature,
-    so one device->host copy reads both, with no host sync on the way. A temperature below GREEDY_BELOW (0
-    included) is greedy; the others draw on the device with the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). top_p is one
-    for all rows or one per row; a row whose seeds[i] is set takes its noise from (seed, steps[i]) (seeded_noise),
-    the others from `generator` (a generator of logits' device), in one call."""
-    out = greedy(logits)  # [2, N] float64: each row's argmax token, its log-probability
-    hot = [i for i, t in enumerate(temperatures) if t >= GREEDY_BELOW]  # on the host: no device round trip for greedy
-    if hot:
-        dev = logits.device
-        tops = [top_p] * len(hot) if isinstance(top_p, (int, float)) else [top_p[i] for i in hot]
-        own = [j for j, i in enumerate(hot) if seeds is not None and seeds[i] is not None]
-        # the rows' parameters in one asynchronous copy (a plain torch.tensor(..., device=cuda) waits for the stream)
-        rows, temps, keep, own_t, own_seeds, own_steps = to_device([
-            torch.tensor(hot), torch.tensor([temperatures[i] for i in hot], dtype=torch.float32),
-            torch.tensor(tops, dtype=torch.float32)[:, None], torch.tensor(own, dtype=torch.long),
-            torch.tensor([seeds[hot[j]] for j in own], dtype=torch.long),
-            torch.tensor([steps[hot[j]] for j in own], dtype=torch.long)], dev)
-        probs = torch.softmax(logits[rows].float() / temps[:, None], -1)
-        if min(tops) < 1.0:
-            sorted_p, idx = probs.sort(-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > keep  # keep the smallest prefix reaching top_p
-            sorted_p.masked_fill_(drop, 0.0)  # not sorted_p[drop] = 0: a boolean index syncs with the host
-            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        if own:
-            noise[own_t] = seeded_noise(own_seeds, own_steps, probs.shape[1])
-        picks = (probs / noise).argmax(-1)
-        out[0, rows] = picks.double()
-    if raw is not None:  # every row's log-probability under the model's logits
-        out[1] = torch.log_softmax(raw.float(), -1).gather(-1, out[0].long()[:, None]).flatten().double()
-    elif hot:
-        lp = torch.log_softmax(logits[rows].float(), -1).gather(-1, picks[:, None]).flatten()
-        out[1, rows] = lp.double()
-    return out
+    so one device->host copy reads both, with no host sync on the way (tp_lora.ops.sampling.race, one launch). A
+    temperature below GREEDY_BELOW (0 included) is greedy; the others draw by the exponential race, their noise keyed
+    by (seed, steps[i]) where seeds[i] is set (seed_key), else by a key from `generator` (CPU; None: torch's; the keys
+    travel with the rows' parameters). top_p is one for all rows or one per row; grammar: (rows, their bitmasks on
+    logits' device [len(rows), ceil(V / 32)] int32) limits those rows to the tokens their bits allow."""
+    n = len(temperatures)
+    temps = [t if t >= GREEDY_BELOW else 0.0 for t in temperatures]
+    tops = [top_p] * n if isinstance(top_p, (int, float)) else list(top_p)
+    keys = torch.randint(0, 1 << 32, (n,), generator=generator).tolist()
+    if seeds is not None:
+        keys = [k if s is None else seed_key(s, step) for k, s, step in zip(keys, seeds, steps)]
+    sel, words = grammar if grammar is not None else ([], None)
+    where = [-1] * n
+    for k, i in enumerate(sel):
+        where[i] = k
+    nucleus = [i for i in range(n) if temps[i] > 0 and tops[i] < 1.0]
+    # the rows' parameters in one asynchronous copy (a plain torch.tensor(..., device=cuda) waits for the stream)
+    temps_t, keys_t, where_t, nucleus_t, tops_t = to_device([
+        torch.tensor(temps, dtype=torch.float32), torch.tensor(keys), torch.tensor(where, dtype=torch.int32),
+        torch.tensor(nucleus, dtype=torch.long), torch.tensor([tops[i] for i in nucleus], dtype=torch.float32)],
+        logits.device)
+    if nucleus:
+        if raw is None:
+            raw = logits
+        logits = top_p_filter(logits, nucleus_t, temps_t, tops_t, words, where_t)
+    return race(logits, raw, temps_t, keys_t, words, where_t if words is not None else None)
+
+
+def top_p_filter(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, tops: torch.Tensor,
+                 words: Optional[torch.Tensor], where: torch.Tensor) -> torch.Tensor:
+    """logits as float32 with rows `rows` set to -inf outside the smallest prefix of their tokens, most likely first
+    under softmax(logits / temps), that reaches tops (per row; tokens their grammar bits forbid count as
+    impossible). A new tensor; the race over it draws from each row's renormalized nucleus."""
+    x = logits[rows].float()
+    if words is not None:
+        own = where[rows]
+        allowed = unpack(words, x.shape[1])[own.clamp(min=0)] | (own < 0)[:, None]
+        x = x.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(x / temps[rows][:, None], -1)
+    sorted_p, idx = probs.sort(-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p > tops[:, None]  # keep the smallest prefix reaching top_p
+    x = x.masked_fill(torch.zeros_like(drop).scatter_(-1, idx, drop), float("-inf"))
+    return logits.float().index_put((rows,), x)
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
@@ -92,7 +91,7 @@ class Sampler:
 
     def __init__(self, gen: GenerationConfig, eos: set[int], tokenizer: Optional[TextTokenizer]):
         self.gen, self.eos, self.tokenizer = gen, eos, tokenizer
-        self.generators: dict[torch.device, torch.Generator] = {}  # the run's draws, per device
+        self.generator = torch.Generator().manual_seed(gen.seed)  # unseeded rows' noise keys, on every rank alike
         self.decode_outputs = True  # finished results carry their text (a server's front end decodes on its own)
         self.rules = LogitRules(eos)
         self.grammars = Grammars(tokenizer, eos)
@@ -114,15 +113,14 @@ class Sampler:
         chosen = self.rules.apply(rows, reqs, steps)
         # the grammar rows' bitmask last: filled ahead on the worker (follow()) while the device runs the step
         masks, waited = self.grammars.masks(reqs, steps, pin=rows.device.type == "cuda")
+        grammar = None
         if masks is not None:
-            chosen = self.grammars.apply(chosen, masks)
+            grammar = self.grammars.on_device(masks, rows.device)
             if stats is not None:
                 stats.mask_steps += 1
                 stats.mask_wait_seconds += waited
-        gen = self.generators.get(rows.device)
-        if gen is None:
-            gen = self.generators[rows.device] = torch.Generator(rows.device).manual_seed(self.gen.seed)
-        out = draw(chosen, temps, top_ps, gen, [r.seed for r in reqs], steps, None if chosen is rows else rows)
+        out = draw(chosen, temps, top_ps, self.generator, [r.seed for r in reqs], steps,
+                   None if chosen is rows else rows, grammar)
         self.rules.update(out[0])
         for r, n in zip(reqs, steps):
             self._drawn[r.index] = n + 1

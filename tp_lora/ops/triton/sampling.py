@@ -2,41 +2,79 @@
 shapes only (no host sync): a CUDA graph captures it."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from tp_lora.ops.triton.fused import as_rows
 
-GREEDY_BLOCK = 4096  # vocabulary entries per iteration of greedy's one program per row
+RACE_BLOCK = 4096  # vocabulary entries per iteration of the one program per row
 
 
 @triton.jit
-def _greedy_kernel(x_ptr, out_ptr, s_x, n, V, BLOCK: tl.constexpr):
-    """One row per program: running max, its first index and the sum of exp(x - max), rescaled as the max grows."""
-    t = tl.program_id(0).to(tl.int64)
+def _mix32(x):
+    """sampling.mix32 on uint32 values (products wrap mod 2^32 as the reference's masks do)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, out_ptr, s_x, s_raw, s_w, n, V, HAS_WORDS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """One row per program: the running best score and its first index; the running max of the raw logits and the
+    sum of exp(raw - max), rescaled as the max grows; then the chosen token's raw logit."""
+    r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    best = -float("inf")
+    temp = tl.load(t_ptr + r)
+    hot = temp > 0
+    scale = tl.where(hot, temp, 1.0)
+    key = tl.load(key_ptr + r).to(tl.uint32)
+    stride = tl.full([BLOCK], 0x9E3779B1, tl.uint32)  # sampling.TOKEN_STRIDE
+    if HAS_WORDS:
+        g = tl.load(g_ptr + r)
+    else:
+        g = -1
+    none = -float("inf")
+    best = none
     arg = 0
+    top = none
     total = 0.0
     for start in range(0, V, BLOCK):
         i = start + offs
-        x = tl.load(x_ptr + t * s_x + i, mask=i < V, other=-float("inf")).to(tl.float32)
-        m = tl.max(x, 0)
-        j = tl.min(tl.where(x == m, i, V), 0)  # the lowest index of this block's max
-        new = tl.maximum(best, m)
-        none = -float("inf")  # masked-out logits (and a running max still at -inf) add nothing, never a NaN
-        kept = tl.sum(tl.where(x > none, tl.exp(x - new), 0.0), 0)
-        total = total * tl.where(best > none, tl.exp(best - new), 0.0) + kept
+        inside = i < V
+        x = tl.load(x_ptr + r * s_x + i, mask=inside, other=none).to(tl.float32)
+        y = tl.load(raw_ptr + r * s_raw + i, mask=inside, other=none).to(tl.float32)
+        h = _mix32(_mix32(key + i.to(tl.uint32) * stride) ^ key)
+        e = -tl.log(((h >> 8).to(tl.float32) + 0.5) / 16777216.0)  # Exp(1)
+        s = tl.where(hot, x / scale - tl.log(e), x)
+        if HAS_WORDS:
+            w = tl.load(w_ptr + tl.maximum(g, 0).to(tl.int64) * s_w + i // 32, mask=inside, other=-1)
+            w = tl.where(g >= 0, w, -1)  # a row without a grammar allows every token
+            s = tl.where(((w >> (i % 32)) & 1) != 0, s, none)
+        m = tl.max(s, 0)
+        j = tl.min(tl.where(s == m, i, V), 0)  # the lowest index of this block's best
         arg = tl.where(m > best, j, arg)
-        best = new
-    tl.store(out_ptr + t, arg.to(tl.float64))
-    tl.store(out_ptr + n + t, (-tl.log(total)).to(tl.float64))
+        best = tl.maximum(best, m)
+        new = tl.maximum(top, tl.max(y, 0))
+        kept = tl.sum(tl.where(y > none, tl.exp(y - new), 0.0), 0)  # masked-out logits add nothing, never a NaN
+        total = total * tl.where(top > none, tl.exp(top - new), 0.0) + kept
+        top = new
+    chosen = tl.load(raw_ptr + r * s_raw + arg).to(tl.float32)
+    tl.store(out_ptr + r, arg.to(tl.float64))
+    tl.store(out_ptr + n + r, (chosen - top - tl.log(total)).to(tl.float64))
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    rows = as_rows(logits, "greedy's logits")
-    n, v = rows.shape
-    out = torch.empty(2, n, dtype=torch.float64, device=rows.device)
-    _greedy_kernel[(n,)](rows, out, rows.stride(0), n, v, BLOCK=GREEDY_BLOCK)
+def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor, keys: torch.Tensor,
+         words: Optional[torch.Tensor], grammar_rows: Optional[torch.Tensor]) -> torch.Tensor:
+    x = as_rows(logits, "race's logits")
+    y = x if raw is None else as_rows(raw, "race's raw logits")
+    n, v = x.shape
+    out = torch.empty(2, n, dtype=torch.float64, device=x.device)
+    has_words = words is not None
+    w = words if has_words else temps  # an unread pointer without words
+    _race_kernel[(n,)](x, y, temps, keys, w, grammar_rows if has_words else temps, out, x.stride(0), y.stride(0),
+                       w.stride(0) if has_words else 0, n, v, HAS_WORDS=has_words, BLOCK=RACE_BLOCK)
     return out
