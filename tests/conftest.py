@@ -1,6 +1,6 @@
 """Every test process: under parallel pytest workers on CUDA, each worker sees the GPUs in its own rotated order
-(tp_lora.testing.spread_gpus), takes a bounded share of its GPU (share_gpus) and hands back what a test left cached,
-so that the other workers' engines find it free.
+(tp_lora.testing.spread_gpus) and takes a bounded share of its GPU (share_gpus); every test process hands back what a
+test left cached, so that other workers' engines and the ranks later tests spawn find it free.
 TP_LORA_TEST_FAILURES=path: each failure's report is appended there as it happens (a run cut short by a time limit
 keeps what failed and why; pytest prints the reports only at the end)."""
 import gc
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tp_lora.testing import share_gpus, spread_gpus, workers_share_gpus
+from tp_lora.testing import share_gpus, spread_gpus
 
 
 def pytest_configure(config):
@@ -27,6 +27,6 @@ def pytest_runtest_logreport(report):
 @pytest.fixture(autouse=True)
 def _release_gpu_memory():
     yield
-    if workers_share_gpus():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # for the ranks a later test spawns on its GPUs
         gc.collect()
         torch.cuda.empty_cache()

@@ -94,7 +94,7 @@ def test_moe_graph_steps_match_eager_every_layout(tmp_path, monkeypatch, world):
     monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")  # the spawned ranks run NCCL, one GPU each
     model = write_moe(tmp_path / "mixtral", "mixtral", seed=5, head_dim=HEAD_DIM)
     adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral", HEAD_DIM), seed=15)
-    steps = run_ranks(_layouts, world, world, str(model), str(adapters), tp_size=world, timeout_s=400)
+    steps = run_ranks(_layouts, world, world, str(model), str(adapters), tp_size=world, timeout_s=180)
     assert all(s > 0 and m > 0 for s, m in steps.values()), f"(graph steps, mixed ones) per layout: {steps}"
 
 

@@ -122,6 +122,11 @@ class Engine(EngineCore):
         return control.generate(self, requests, on_result, progress, **kw)
 
     def close(self) -> None:
-        """Release CUDA graphs (call before the process group is destroyed) and the adapter reader."""
+        """Release CUDA graphs (call before the process group is destroyed), the adapter reader and the KV cache,
+        whose memory goes back to the device: an engine or a process group made after this one finds it free."""
         self.runner.release_graphs()
         self.registry.close()
+        self.kv = self.runner.cache = None
+        self._pool = None  # its blocks indexed the cache
+        if self.ps.device.type == "cuda":
+            torch.cuda.empty_cache()
