@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 START_TIMEOUT_S = 300.0  # the world process group's collective timeout (a test's own groups take its timeout_s)
 LATE_S = 60.0  # past a task's collective timeout, how long its ranks get to report (their collectives failing)
+STACKS_S = 10.0  # how long a hung rank gets to write its stacks (faulthandler, on SIGUSR1)
 GRACE_S = 2.0  # after one rank fails, how long the others get to report (their own failures) before the pool ends
 PR_SET_PDEATHSIG = 1
 
@@ -177,16 +178,17 @@ class RankPool:
 
     def _stacks(self, ranks: list[int]) -> str:
         """The Python stacks of the given ranks (faulthandler, on SIGUSR1), to show where they hang."""
+        paths = {r: os.path.join(self.stacks, f"rank{r}.txt") for r in ranks}  # made as each rank starts
         for r in ranks:
             if self.procs[r].exitcode is None:
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
-        time.sleep(1.0)
+        deadline = time.monotonic() + STACKS_S
+        while time.monotonic() < deadline and not all(os.path.exists(p) and os.path.getsize(p) for p in paths.values()):
+            time.sleep(0.2)
         out = ""
-        for r in ranks:
-            path = os.path.join(self.stacks, f"rank{r}.txt")
-            if os.path.exists(path):  # made as the rank starts
-                with open(path) as f:
-                    out += f"\nrank {r} stack:\n{f.read()[-4000:]}"
+        for r, path in paths.items():
+            text = open(path).read()[-4000:] if os.path.exists(path) else ""
+            out += f"\nrank {r} stack:\n{text or '(none written: the rank did not take SIGUSR1)'}"
         return out
 
     def close(self, kill: bool = False) -> None:
