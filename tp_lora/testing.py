@@ -247,6 +247,10 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
             if key not in states:
                 states[key] = distributed.init_parallel(tp_size, device, timeout_s)
             ps = _own_copy(states[key])
+            # The stacks on SIGUSR1 (registered again: process group set-up may install handlers of its own), and
+            # written unasked once the task outlives its timeout, where a rank stuck in the driver takes no signal.
+            faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+            faulthandler.dump_traceback_later(timeout_s + LATE_S / 2, file=stack_file)
             out = fn(ps, *args)
             outbox.put((rank, task, "finished", None))
             # Pickled by value: torch's queue would share tensors through file descriptors that vanish when this
@@ -259,6 +263,7 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
         except BaseException:  # report every failure to the parent, which re-raises it
             reply = (rank, task, "error", traceback.format_exc())
         finally:
+            faulthandler.cancel_dump_traceback_later()
             os.environ.clear()
             os.environ.update(saved)
         outbox.put(reply)
