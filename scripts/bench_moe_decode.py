@@ -23,7 +23,8 @@ weights.
 
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
 capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
-warm-up (and capture); the slowest rank's median. Floor: the bytes one rank must read in the step (its attention,
+warm-up (and capture); the slowest rank's median. "back to back": --iters steps launched with no host wait between
+them (the engine's run-ahead overlaps a step's host preparation with the last step on the device), per step. Floor: the bytes one rank must read in the step (its attention,
 norm and LM-head weights, the weights of its experts that the step's tokens are actually routed to, measured on
 one eager step over its EP group, and the K/V its sequences attend over) over the measured device copy bandwidth (a copy's read +
 written bytes per second); "% of floor" is floor / step. Adapters' bytes are not in the floor. --prefill N also times
@@ -194,7 +195,22 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
             times.append(1e3 * (time.perf_counter() - t0))
         return max(comm.all_gather_object(statistics.median(times), ps.world)), replayed
 
+    def back_to_back(run: ModelRunner, s: StepBatch) -> float:
+        """Slowest rank's ms per step of --iters steps launched one after another, no host wait between them: the
+        host prepares a step while the device runs the last, as the engine's run-ahead does (EP over DP replicas
+        still read their agreed counts each step)."""
+        comm.all_reduce(torch.zeros(1, device=device), ps.world)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            execute(run, model, s, cache)
+        if cuda:
+            torch.cuda.synchronize()
+        return max(comm.all_gather_object(1e3 * (time.perf_counter() - t0) / args.iters, ps.world))
+
     ms, replayed = timed(runner, step)
+    ahead_ms = back_to_back(runner, step)
     floor, nbytes = max(comm.all_gather_object((floor, nbytes), ps.world))
     mixed = {}
     if args.prefill:  # batch - 1 decodes + one prefill chunk from position 0, graphed (where the layout allows) / eager
@@ -214,6 +230,8 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
                 fully_sharded=bool(n_adapters) and fully_sharded, rank=args.rank if n_adapters else 0,
                 batch_per_replica=args.batch,
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
+                back_to_back_ms=round(ahead_ms, 3),
+                pct_of_floor_back_to_back=round(100 * floor / ahead_ms, 1) if floor else None,
                 floor_mb=round(nbytes / 2**20, 1), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
                 peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed,
                 **(dict(kernels=kernels) if kernels else {}))
@@ -414,7 +432,8 @@ def mixed_cell(r: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| model | layers | layout | weights | adapters | graphs | batch/replica | ms/step | tokens/s | "
-            "floor MB/rank | floor ms | % of floor | peak MB | mixed step ms (graph / eager) |")
+            "floor MB/rank | floor ms | % of floor | back to back ms (% of floor) | peak MB | "
+            "mixed step ms (graph / eager) |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         pct = "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.1f}%"
@@ -422,7 +441,8 @@ def table(rows: list[dict]) -> str:
         adapters = f"{r['adapters']} x r{r['rank']}" + (" fully sharded" if r["fully_sharded"] else "")
         lines.append(f"| {r['model']} | {r['layers']} | {layout} | {r['weights']} | {adapters} | "
                      f"{'yes' if r['graphs'] else 'no'} | {r['batch_per_replica']} | {r['ms']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | {r['peak_mb']} | "
+                     f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | "
+                     f"{r['back_to_back_ms']:.3f} ({r['pct_of_floor_back_to_back'] or 0:.1f}%) | {r['peak_mb']} | "
                      f"{mixed_cell(r)} |")
     return "\n".join(lines)
 

@@ -28,6 +28,8 @@
 #   decode step at context 8192 with bf16 weights + KV and with fp8 weights + KV, the decode attention rows at tp
 #   head counts.
 #   `gemm70` (issue 36, one GPU, ~3 minutes): the 70B shape's tp4 decode GEMMs at 32 rows against their floor.
+#   `ws70` (issue 36, 2-4 GPUs, ~6 minutes): the 70B-shaped 8-layer stack at the host's tp with cuBLAS's workspace
+#   off and on, a kernel table each, side by side.
 #   `fp8_moe` (issue 38 item 5, one GPU, ~3 minutes): the Qwen3-30B-A3B-shaped decode (24 layers) with bf16 against
 #   fp8 experts and layers, with and without adapters.
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
@@ -274,6 +276,16 @@ for what in "${@:-all}"; do
       step "issue 36: the 70B shape's per-rank decode GEMMs at tp4 (cuBLAS and our split-K GEMM against the floor)"
       run gemm70 240 16 python3 scripts/bench_decode_gemm.py --model llama3-70b --tp 4 --rows 32 \
         --out "$RES/gemm70" ;;
+    ws70)
+      step "issue 36: 8 layers of the Llama-3-70B shape at tp$NGPU, batch 32: cuBLAS without a workspace (the default"
+      step "  of CUDA runs) against CUBLAS_WORKSPACE_CONFIG=:4096:8 (split-K allowed), a kernel table each"
+      for ws in :0:0 :4096:8; do
+        CUBLAS_WORKSPACE_CONFIG=$ws run step70_ws${ws//:/_} 170 6 torchrun --nproc_per_node=$NGPU scripts/bench_step.py \
+          --tp $NGPU --shapes llama3-70b-8l --batches 32 --contexts 128,2048 --prefix-caching off --no-adapters-only \
+          --reps 1 --kernels --out "$RES/step70_ws${ws//:/_}"
+      done
+      python3 scripts/bench_step.py --kernel-compare "$RES"/step70_ws_0_0/bench_step.json \
+        "$RES"/step70_ws_4096_8/bench_step.json | tee -a "$OUT/summary.log" ;;
     fp8_moe)
       step "issue 38 item 5: Qwen3-30B-A3B shape (24 layers), one GPU, bf16 against fp8 experts and layers"
       run moe_decode_fp8 300 12 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \
