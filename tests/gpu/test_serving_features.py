@@ -83,18 +83,23 @@ def test_n_siblings_draw_what_separate_seeded_requests_draw(model, prompt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_device_draw_equals_the_host_one(sel, dtype):
     """draw on the device (the race kernel, the bitmask copied from pinned memory) picks what the CPU path picks:
-    grammar rows among their bits only (the padding words' bits past the vocabulary ignored), greedy and hot rows,
-    seeded and not, top-p rows, the model's logits left as they were."""
+    grammar rows among their bits and the printable tokens only (the padding words' bits past the vocabulary
+    ignored; a row allowing none takes a stop token), greedy and hot rows, seeded and not, top-p rows, the model's
+    logits left as they were."""
+    from tp_lora.engine.grammar import pack
     from tp_lora.engine.sampler import draw
     gen = torch.Generator().manual_seed(len(sel))
     logits = (torch.randn(6, 1003, generator=gen) * 3).to(dtype)
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(sel), 32), dtype=torch.int32, generator=gen)
+    bits[0] = 0  # a dead end
+    allow = torch.stack([pack(list(range(0, 1003, 2)), 1003), pack([5, 7], 1003)])  # even ids printable; 5, 7 stop
     args = ([0.0, 1.0, 0.7, 0.0, 1.3, 1.0], [1.0, 1.0, 0.8, 1.0, 1.0, 0.5])
     seeds, steps = [None, 3, None, 4, 5, None], [0, 2, 0, 7, 1, 0]
-    want = draw(logits, *args, torch.Generator().manual_seed(9), seeds, steps, grammar=(sel, bits))
+    want = draw(logits, *args, torch.Generator().manual_seed(9), seeds, steps, grammar=(sel, bits, allow))
+    assert int(want[0, sel[0]]) in (5, 7)
     dev = logits.to(DEVICE)
     got = draw(dev, *args, torch.Generator().manual_seed(9), seeds, steps,
-               grammar=(sel, bits.pin_memory().to(DEVICE, non_blocking=True)))
+               grammar=(sel, bits.pin_memory().to(DEVICE, non_blocking=True), allow.to(DEVICE)))
     assert torch.equal(got[0].cpu(), want[0])
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(dev.cpu(), logits)

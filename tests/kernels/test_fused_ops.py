@@ -274,15 +274,24 @@ def test_moe_topk_takes_the_lowest_index_among_ties(device):
 
 def _race_inputs(gen, rows, vocab, device, dtype=torch.float32):
     """Logits with a clear winner in a later block than the first, raw logits, temperatures (greedy and hot rows),
-    noise keys, two bitmask rows and rows taking them (-1: none)."""
+    noise keys, three grammar bitmask rows (the last allows nothing: its row takes the stop tokens), rows taking them
+    (-1: none), and the allow rows (printable tokens: most; stop tokens: two)."""
     logits = _randn(gen, rows, vocab, device=device, std=4.0)
     logits[0, vocab // 2] = 50.0
     raw = _randn(gen, rows, vocab, device=device, std=2.0)
     temps = torch.tensor([(0.0, 0.7, 1.0, 1.9)[i % 4] for i in range(rows)], device=device)
     keys = torch.randint(0, 1 << 32, (rows,), generator=gen).to(device)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
-    where = torch.tensor([(-1, 0, 1)[i % 3] for i in range(rows)], dtype=torch.int32, device=device)
-    return logits.to(dtype), raw.to(dtype), temps, keys, words.to(device), where
+    width = (vocab + 31) // 32
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, width), dtype=torch.int32, generator=gen)
+    words[2] = 0
+    where = torch.tensor([(-1, 0, 1, 2)[i % 4] for i in range(rows)], dtype=torch.int32, device=device)
+    printable = torch.randint(-2 ** 31, 2 ** 31 - 1, (4, width), dtype=torch.int32, generator=gen)
+    printable = printable[0] | printable[1] | printable[2]  # 7 of 8 bits set
+    stops = torch.zeros(width, dtype=torch.int32)
+    for t in (1, vocab - 1):
+        stops[t // 32] |= 1 << (t % 32) if t % 32 != 31 else -2 ** 31
+    allow = torch.stack([printable, stops]).to(device)
+    return logits.to(dtype), raw.to(dtype), temps, keys, words.to(device), where, allow
 
 
 @pytest.mark.parametrize("rows, vocab", [
@@ -296,23 +305,30 @@ def _race_inputs(gen, rows, vocab, device, dtype=torch.float32):
 def test_race(device, rows, vocab, grammar, dtype):
     from tp_lora.ops.triton.sampling import race
     gen = torch.Generator().manual_seed(rows * vocab + grammar)
-    logits, raw, temps, keys, words, where = _race_inputs(gen, rows, vocab, device, dtype)
-    for args in ((logits, None, temps, keys, None, None), (logits, raw, temps, keys, None, None),
-                 (logits, raw, temps, keys, words, where)) if grammar else ((logits, None, temps, keys, None, None),):
+    logits, raw, temps, keys, words, where, allow = _race_inputs(gen, rows, vocab, device, dtype)
+    cases = [(logits, None, temps, keys, None, None, None)]
+    if grammar:
+        cases += [(logits, raw, temps, keys, None, None, None), (logits, raw, temps, keys, words, where, allow)]
+    for args in cases:
         got, want = race(*args), sampling.race_ref(*args)
         assert got.dtype == torch.float64 and got.shape == (2, rows)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-    # the reference against independent formulas: greedy rows take the argmax, grammar rows an allowed token, every
-    # row's log-probability is log_softmax of raw at its token
+    # the reference against independent formulas: greedy rows take the argmax, grammar rows a token their bits and
+    # the printable set allow (a row allowing none: a stop token), every row's log-probability is log_softmax of
+    # raw at its token
     toks = want[0].long()
     if not grammar:
         assert toks[0] == vocab // 2
     shifts = torch.arange(32, device=device, dtype=torch.int32)
+    bits = lambda w: ((w[:, None] >> shifts) & 1).bool().flatten()[:vocab]  # noqa: E731
     for i in range(rows):
         allowed = torch.ones(vocab, dtype=torch.bool, device=device)
         if args[4] is not None and where[i] >= 0:
-            allowed = ((words[where[i]][:, None] >> shifts) & 1).bool().flatten()[:vocab]
+            allowed = bits(words[where[i]]) & bits(allow[0])
+            if not allowed.any():
+                allowed = bits(allow[1])
+                assert where[i] == 2 and int(toks[i]) in (1, vocab - 1)
         assert allowed[toks[i]]
         if temps[i] == 0:
             assert toks[i] == int(torch.where(allowed, logits[i].float(), -float("inf")).argmax())
@@ -326,7 +342,8 @@ def test_race_greedy_rows_take_the_lowest_index_among_ties(device):
     logits[0, [5, 70, 4100, 8999]] = 1.0  # ties in three blocks (two in the first): the first block's first wins
     logits[1, [4200, 4300, 8300]] = 2.0  # ties in later blocks only (two in one)
     logits[1, :4096] = -float("inf")  # a first block masked out whole
-    args = (logits, None, torch.zeros(2, device=device), torch.zeros(2, dtype=torch.long, device=device), None, None)
+    args = (logits, None, torch.zeros(2, device=device), torch.zeros(2, dtype=torch.long, device=device), None, None,
+            None)
     got = race(*args)
     assert got[0].tolist() == [5.0, 4200.0] and not got[1].isnan().any()
     torch.testing.assert_close(got[1], sampling.race_ref(*args)[1], rtol=1e-5, atol=1e-5)

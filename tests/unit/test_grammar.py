@@ -15,6 +15,7 @@ from tp_lora.engine.requests import Request, Result, set_rules
 from tp_lora.engine.response_format import ANY_OBJECT, parse_response_format, schema_error
 from tp_lora.engine.sampler import Sampler, draw
 from tp_lora.engine.tokenizer import TextTokenizer
+from tp_lora.ops.sampling import grammar_allowed, unpack
 from tp_lora.request_files import parse_request
 
 xgr = pytest.importorskip("xgrammar")
@@ -79,10 +80,11 @@ def test_the_draw_masks_grammar_rows_only_as_xgrammars_kernel():
     full[[1, 3]] = bits
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, full)
-    toks, lps = draw(logits, [0.0] * 4, 1.0, None, grammar=([1, 3], bits))
+    every = torch.stack([pack(list(range(VOCAB)), VOCAB), pack([EOS], VOCAB)])  # every token printable; EOS stops
+    toks, lps = draw(logits, [0.0] * 4, 1.0, None, grammar=([1, 3], bits, every))
     assert toks.tolist() == want.argmax(-1).double().tolist() and toks[1] != logits[1].argmax()
     torch.testing.assert_close(lps, torch.log_softmax(logits, -1).gather(-1, toks.long()[:, None]).flatten().double())
-    hot, _ = draw(logits, [1.0] * 4, 1.0, torch.Generator().manual_seed(1), grammar=([1, 3], bits))
+    hot, _ = draw(logits, [1.0] * 4, 1.0, torch.Generator().manual_seed(1), grammar=([1, 3], bits, every))
     assert all(want[i, int(t)] > -float("inf") for i, t in enumerate(hot.tolist()))
     assert pack([0, 31, 32, 295], VOCAB).tolist()[:2] == [-2 ** 31 + 1, 1]
 
@@ -136,7 +138,9 @@ def test_a_dead_end_allows_only_the_stop_tokens(tokenizer):
             bits.zero_()
     g.batches = {1: Nothing()}  # the one-row fill's batch matcher
     sel, bits = g.fill([req(1), r], pin=False)
-    assert sel == [1] and torch.equal(g.finish(bits)[0], pack([EOS], VOCAB))
+    _, words, allow = g.on_device((sel, bits, None), torch.device("cpu"))
+    stops = unpack(pack([EOS], VOCAB)[None], VOCAB)[0]
+    assert sel == [1] and torch.equal(grammar_allowed(words, allow, VOCAB)[0], stops)
 
 
 def test_bounded_repetitions_are_written_out_as_rules_and_nothing_else_changes():

@@ -78,7 +78,7 @@ class Grammars:
         self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
         self.batches: dict[int, object] = {}  # xgrammar's batch matchers, by fill threads
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
-        self.finishing: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # printable, stops' bitmask
+        self.allow: dict[torch.device, torch.Tensor] = {}  # [printable tokens, stop tokens] bitmasks per device
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why `req`'s grammar cannot run on a model of `vocab` logits, or None; compiles it into the cache."""
@@ -122,7 +122,8 @@ class Grammars:
 
     def fill(self, reqs: list[Request], pin: bool) -> Optional[tuple[list[int], torch.Tensor]]:
         """(the rows of reqs with a grammar, xgrammar's int32 bitmask [rows, ceil(vocab / 32)] of their next token on
-        the host, pinned where `pin`; finish() makes it the mask), filled in line, or None when no row has one."""
+        the host, pinned where `pin`; tp_lora.ops.sampling.grammar_allowed reads it), filled in line, or None when
+        no row has one."""
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not sel:
             return None
@@ -164,12 +165,15 @@ class Grammars:
                 bits[rest] = self.fill([reqs[sel[j]] for j in rest], False)[1]
         return (sel, bits, None), time.perf_counter() - t0 - device_wait
 
-    def on_device(self, masks: tuple, device: torch.device) -> tuple[list[int], torch.Tensor]:
-        """masks()'s (rows, bitmask) with the bitmask finished on `device` (behind the wait it names): for draw()."""
+    def on_device(self, masks: tuple, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """masks()'s (rows, bitmask) with the bitmask copied to `device` (behind the wait it names), and the
+        vocabulary's allow rows there (printable tokens, stop tokens): draw()'s grammar."""
         sel, bits, after = masks
         if after is not None:
             after[0].wait(torch.cuda.current_stream(device), after[1])
-        return sel, self.finish(bits.to(device, non_blocking=True))
+        if device not in self.allow:
+            self.allow[device] = torch.stack([self.printable, pack(self.stop_ids, self.vocab)]).to(device)
+        return sel, bits.to(device, non_blocking=True), self.allow[device]
 
     def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
                device: torch.device) -> None:
@@ -238,7 +242,7 @@ class Grammars:
 
     def _fill(self, matchers: list, bits: torch.Tensor, complete: list[bool]) -> torch.Tensor:
         """`bits` [len(matchers), ceil(vocab / 32)] (int32, on the host) as xgrammar's bitmask of each matcher's next
-        token, zeros for a complete matcher (complete[i]); finish() makes it the mask."""
+        token, zeros for a complete matcher (complete[i]); tp_lora.ops.sampling.grammar_allowed reads it."""
         live = [i for i, done in enumerate(complete) if not done]
         threads = fill_threads(len(live))
         batch = self.batches.get(threads)
@@ -251,17 +255,6 @@ class Grammars:
             if live:
                 batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, indices=live)
         return bits
-
-    def finish(self, bits: torch.Tensor) -> torch.Tensor:
-        """xgrammar's bitmask (any device) as the mask, a new tensor: tokens JSON may hold only; a row allowing
-        nothing (a complete matcher's, or the tokenizer cannot go on: the output ends) allows the stop tokens. No
-        host sync."""
-        if bits.device not in self.finishing:
-            self.finishing[bits.device] = (self.printable.to(bits.device),
-                                           pack(self.stop_ids, self.vocab).to(bits.device))
-        printable, stops = self.finishing[bits.device]
-        words = bits & printable
-        return torch.where(words.any(1, keepdim=True), words, stops)
 
     def _matcher(self, req: Request):
         m = self.matchers.get(req.index)

@@ -15,7 +15,7 @@ from tp_lora.engine.logit_rules import LogitRules
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
 from tp_lora.hostcopy import to_device
-from tp_lora.ops.sampling import MASK32, mix32, race, unpack
+from tp_lora.ops.sampling import MASK32, grammar_allowed, mix32, race
 
 
 # Temperatures below this are greedy: float32 logits divided by a tinier one overflow (NaN probabilities), and the
@@ -31,21 +31,22 @@ def seed_key(seed: int, step: int) -> int:
 def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Sequence[float]],
          generator: Optional[torch.Generator], seeds: Optional[list[Optional[int]]] = None,
          steps: Optional[list[int]] = None, raw: Optional[torch.Tensor] = None,
-         grammar: Optional[tuple[list[int], torch.Tensor]] = None) -> torch.Tensor:
+         grammar: Optional[tuple[list[int], torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """logits [N, V] -> [2, N] float64 on logits' device: each row's token id (exact in float64) and its
     log-probability under `raw` (the model's logits before any logit rule; default: logits) unscaled by temperature,
     so one device->host copy reads both, with no host sync on the way (tp_lora.ops.sampling.race, one launch). A
     temperature below GREEDY_BELOW (0 included) is greedy; the others draw by the exponential race, their noise keyed
     by (seed, steps[i]) where seeds[i] is set (seed_key), else by a key from `generator` (CPU; None: torch's; the keys
-    travel with the rows' parameters). top_p is one for all rows or one per row; grammar: (rows, their bitmasks on
-    logits' device [len(rows), ceil(V / 32)] int32) limits those rows to the tokens their bits allow."""
+    travel with the rows' parameters). top_p is one for all rows or one per row; grammar: (rows, their bitmasks and
+    the vocabulary's allow rows on logits' device, tp_lora.ops.sampling.grammar_allowed) limits those rows to the
+    tokens their grammars allow."""
     n = len(temperatures)
     temps = [t if t >= GREEDY_BELOW else 0.0 for t in temperatures]
     tops = [top_p] * n if isinstance(top_p, (int, float)) else list(top_p)
     keys = torch.randint(0, 1 << 32, (n,), generator=generator).tolist()
     if seeds is not None:
         keys = [k if s is None else seed_key(s, step) for k, s, step in zip(keys, seeds, steps)]
-    sel, words = grammar if grammar is not None else ([], None)
+    sel, words, allow = grammar if grammar is not None else ([], None, None)
     where = [-1] * n
     for k, i in enumerate(sel):
         where[i] = k
@@ -58,19 +59,19 @@ def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Se
     if nucleus:
         if raw is None:
             raw = logits
-        logits = top_p_filter(logits, nucleus_t, temps_t, tops_t, words, where_t)
-    return race(logits, raw, temps_t, keys_t, words, where_t if words is not None else None)
+        logits = top_p_filter(logits, nucleus_t, temps_t, tops_t, words, where_t, allow)
+    return race(logits, raw, temps_t, keys_t, words, where_t if words is not None else None, allow)
 
 
 def top_p_filter(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, tops: torch.Tensor,
-                 words: Optional[torch.Tensor], where: torch.Tensor) -> torch.Tensor:
+                 words: Optional[torch.Tensor], where: torch.Tensor, allow: Optional[torch.Tensor]) -> torch.Tensor:
     """logits as float32 with rows `rows` set to -inf outside the smallest prefix of their tokens, most likely first
     under softmax(logits / temps), that reaches tops (per row; tokens their grammar bits forbid count as
     impossible). A new tensor; the race over it draws from each row's renormalized nucleus."""
     x = logits[rows].float()
     if words is not None:
         own = where[rows]
-        allowed = unpack(words, x.shape[1])[own.clamp(min=0)] | (own < 0)[:, None]
+        allowed = grammar_allowed(words, allow, x.shape[1])[own.clamp(min=0)] | (own < 0)[:, None]
         x = x.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(x / temps[rows][:, None], -1)
     sorted_p, idx = probs.sort(-1, descending=True)

@@ -22,10 +22,11 @@ def _mix32(x):
 
 
 @triton.jit
-def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, out_ptr, s_x, s_raw, s_w, n, V, HAS_WORDS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """One row per program: the running best score and its first index; the running max of the raw logits and the
-    sum of exp(raw - max), rescaled as the max grows; then the chosen token's raw logit."""
+def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s_x, s_raw, s_w, s_a, n, V,
+                 HAS_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: the running best score and its first index among the tokens the row allows (and, for
+    a grammar row, among its stop tokens, taken where it allows none); the running max of the raw logits and the sum
+    of exp(raw - max), rescaled as the max grows; then the chosen token's raw logit."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     temp = tl.load(t_ptr + r)
@@ -40,6 +41,9 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, out_ptr, s_x, s_r
     none = -float("inf")
     best = none
     arg = 0
+    best_stop = none
+    arg_stop = 0
+    alive = 0
     top = none
     total = 0.0
     for start in range(0, V, BLOCK):
@@ -51,9 +55,16 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, out_ptr, s_x, s_r
         e = -tl.log(((h >> 8).to(tl.float32) + 0.5) / 16777216.0)  # Exp(1)
         s = tl.where(hot, x / scale - tl.log(e), x)
         if HAS_WORDS:
-            w = tl.load(w_ptr + tl.maximum(g, 0).to(tl.int64) * s_w + i // 32, mask=inside, other=-1)
-            w = tl.where(g >= 0, w, -1)  # a row without a grammar allows every token
-            s = tl.where(((w >> (i % 32)) & 1) != 0, s, none)
+            w = tl.load(w_ptr + tl.maximum(g, 0).to(tl.int64) * s_w + i // 32, mask=inside, other=0)
+            w = w & tl.load(a_ptr + i // 32, mask=inside, other=0)  # tokens a grammar may emit
+            bit = tl.where(g >= 0, (w >> (i % 32)) & 1, 1) & inside.to(tl.int32)  # no grammar: every token
+            stop = (tl.load(a_ptr + s_a + i // 32, mask=inside, other=0) >> (i % 32)) & 1
+            alive = tl.maximum(alive, tl.max(bit, 0))
+            ss = tl.where(stop != 0, s, none)
+            ms = tl.max(ss, 0)
+            arg_stop = tl.where(ms > best_stop, tl.min(tl.where(ss == ms, i, V), 0), arg_stop)
+            best_stop = tl.maximum(best_stop, ms)
+            s = tl.where(bit != 0, s, none)
         m = tl.max(s, 0)
         j = tl.min(tl.where(s == m, i, V), 0)  # the lowest index of this block's best
         arg = tl.where(m > best, j, arg)
@@ -62,19 +73,22 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, out_ptr, s_x, s_r
         kept = tl.sum(tl.where(y > none, tl.exp(y - new), 0.0), 0)  # masked-out logits add nothing, never a NaN
         total = total * tl.where(top > none, tl.exp(top - new), 0.0) + kept
         top = new
+    if HAS_WORDS:
+        arg = tl.where(alive > 0, arg, arg_stop)  # a row allowing nothing ends: its stop tokens
     chosen = tl.load(raw_ptr + r * s_raw + arg).to(tl.float32)
     tl.store(out_ptr + r, arg.to(tl.float64))
     tl.store(out_ptr + n + r, (chosen - top - tl.log(total)).to(tl.float64))
 
 
 def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor, keys: torch.Tensor,
-         words: Optional[torch.Tensor], grammar_rows: Optional[torch.Tensor]) -> torch.Tensor:
+         words: Optional[torch.Tensor], grammar_rows: Optional[torch.Tensor],
+         allow: Optional[torch.Tensor]) -> torch.Tensor:
     x = as_rows(logits, "race's logits")
     y = x if raw is None else as_rows(raw, "race's raw logits")
     n, v = x.shape
     out = torch.empty(2, n, dtype=torch.float64, device=x.device)
     has_words = words is not None
-    w = words if has_words else temps  # an unread pointer without words
-    _race_kernel[(n,)](x, y, temps, keys, w, grammar_rows if has_words else temps, out, x.stride(0), y.stride(0),
-                       w.stride(0) if has_words else 0, n, v, HAS_WORDS=has_words, BLOCK=RACE_BLOCK)
+    w, g, a = (words, grammar_rows, allow) if has_words else (temps, temps, temps)  # unread without a grammar
+    _race_kernel[(n,)](x, y, temps, keys, w, g, a, out, x.stride(0), y.stride(0), w.stride(0), a.stride(0), n, v,
+                       HAS_WORDS=has_words, BLOCK=RACE_BLOCK)
     return out
