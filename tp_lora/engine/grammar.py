@@ -7,8 +7,8 @@ their next bitmask on a worker thread (follow(): once the step's tokens reach th
 runs the next step's forward, launched ahead); the next sample takes those masks (masks()). On a CUDA device whose
 driver lets a stream wait on host memory (tp_lora.streamwait) the host does not wait for them: the masks' copy and
 the draw are queued behind a device-side wait for the job's number, which the worker raises once its pinned bitmask
-is written, and the host waits for the job only at the next follow(), once the draw is queued. Elsewhere masks()
-waits for what is left of the job (StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a
+is written; the host queues each step's job behind the last without waiting for it, and knows a row's end from its
+token (a stop token ends a grammar). Elsewhere masks() waits for what is left of the jobs (StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a
 resumed sequence) are filled in line. The bitmask goes to the device in one copy and is finished there
 (on_device(): JSON bytes only, a dead row's stop tokens); the draw's kernel reads it for those rows only.
 The worker waits for the tokens without the GIL and runs few Python steps (one batched accept, one batched fill
@@ -74,8 +74,9 @@ class Grammars:
         self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens its matcher took, grammar complete)
         self.worker: Optional[Worker] = None  # follow()'s thread, from the first follow()
         self.flag: Optional[HostFlag] = None  # what the device waits on for the worker's masks, where it can
-        self.job: Optional[Ahead] = None  # the last follow()'s work, until joined
+        self.pending: list[Ahead] = []  # follow()'s work handed to the worker, in order, until joined
         self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
+        self.followed: dict[int, int] = {}  # request index -> the last token number handed to the worker
         self.batches: dict[int, object] = {}  # xgrammar's batch matchers, by fill threads
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
         self.allow: dict[torch.device, torch.Tensor] = {}  # [printable tokens, stop tokens] bitmasks per device
@@ -142,7 +143,7 @@ class Grammars:
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not sel:
             return None, 0.0
-        job = self.job
+        job = self.pending[-1] if self.pending else None
         if job is not None and job.number and list(job.numbers) == [reqs[i].index for i in sel] and all(
                 job.numbers[reqs[i].index] == drawn[i] for i in sel):
             return (sel, job.bits, (self.flag, job.number)), 0.0
@@ -179,10 +180,10 @@ class Grammars:
                device: torch.device) -> None:
         """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once wait()
         returns (None: there already): on the worker thread, the grammar rows' matchers take those tokens and fill
-        their next bitmask (pinned for a CUDA device), for the next masks() and advance(). Waits for the job before
-        (the worker holds one job's matchers at a time)."""
-        self._join()
-        rows = [(j, r.index, self.matchers[r.index], drawn[j], self.matchers[r.index].is_terminated())
+        their next bitmask (pinned for a CUDA device), for the next masks(). Queued behind the jobs before it
+        (the worker runs them in order, so the matchers see their tokens in order); the host does not wait here."""
+        self._reap()
+        rows = [(j, r.index, self.matchers[r.index], drawn[j])
                 for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.matchers]
         if not rows:
             return
@@ -195,8 +196,10 @@ class Grammars:
             self.flag = host_flag(device)
         bits = torch.empty(len(rows), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
         number = self.flag.take() if self.flag is not None else 0
-        self.job = Ahead({r[1]: r[3] for r in rows}, bits, number,
-                         self.worker.submit(self._ahead, rows, host, wait, bits, number))
+        for r in rows:
+            self.followed[r[1]] = r[3]
+        self.pending.append(Ahead({r[1]: r[3] for r in rows}, bits, number,
+                                  self.worker.submit(self._ahead, rows, host, wait, bits, number)))
 
     def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], bits: torch.Tensor,
                number: int) -> tuple[dict[int, tuple[int, bool]], float]:
@@ -210,7 +213,8 @@ class Grammars:
                 wait()
             tokens_at = time.perf_counter()
             toks = host[0].tolist()
-            live = [r for r in rows if not r[4]]  # a finished row of a step launched ahead: its token is dropped
+            live = [r for r in rows if not r[2].is_terminated()]  # a finished row of a step launched ahead: its
+            # token is dropped
             tokens = [int(toks[r[0]]) for r in live]
             accepted = library().BatchGrammarMatcher.batch_accept_token([r[2] for r in live], tokens)
             stops = set(self.stop_ids)  # a matcher that takes a stop token is complete (terminated)
@@ -226,11 +230,18 @@ class Grammars:
                 self.flag.raise_to(number)
 
     def _join(self) -> Optional[Ahead]:
-        """The last follow()'s work, done (the host waits for it here), its results kept for masks() and advance()
-        while their matchers live; None when nothing was followed since."""
-        job, self.job = self.job, None
-        if job is None:
-            return self.joined
+        """Every job handed to the worker, done (the host waits for them here), their results kept for masks() and
+        advance() while their matchers live; the last one joined (None before any)."""
+        while self.pending:
+            self._absorb(self.pending.pop(0))
+        return self.joined
+
+    def _reap(self) -> None:
+        """The jobs the worker has finished, joined without waiting (a failed one raises here)."""
+        while self.pending and self.pending[0].future.done():
+            self._absorb(self.pending.pop(0))
+
+    def _absorb(self, job: Ahead) -> None:
         took, job.tokens_at = job.future.result()
         job.rows = {}
         for k, (index, got) in enumerate(took.items()):
@@ -238,7 +249,6 @@ class Grammars:
                 self.took[index] = got
                 job.rows[index] = (got[0], k)
         self.joined = job
-        return job
 
     def _fill(self, matchers: list, bits: torch.Tensor, complete: list[bool]) -> torch.Tensor:
         """`bits` [len(matchers), ceil(vocab / 32)] (int32, on the host) as xgrammar's bitmask of each matcher's next
@@ -265,13 +275,15 @@ class Grammars:
         return m
 
     def advance(self, index: int, tok: int, number: int) -> bool:
-        """Request `index`'s matcher takes `tok`, its `number`-th token (unless follow()'s worker did); whether its
-        grammar is now complete and stopped (True for a stop token). Requests without a grammar: False."""
+        """Request `index`'s matcher takes `tok`, its `number`-th token (unless follow()'s worker does); whether its
+        grammar is now complete and stopped. Requests without a grammar: False. A token handed to the worker ends
+        the grammar exactly when it is a stop token (its mask allowed one only where the grammar may end, or where
+        nothing else was left), so the host does not wait for the worker to know."""
         m = self.matchers.get(index)
         if m is None:
             return False
-        if self.job is not None and self.job.numbers.get(index) == number:
-            self._join()
+        if self.followed.get(index, -1) >= number:
+            return tok in self.stop_ids
         got = self.took.get(index)
         if got is not None and got[0] >= number:
             return got[0] == number and got[1]
@@ -283,12 +295,15 @@ class Grammars:
     def forget(self, index: int) -> None:
         self.matchers.pop(index, None)
         self.took.pop(index, None)
+        self.followed.pop(index, None)
 
     def reset(self) -> None:
         """Drop every matcher, and the worker's last results (its work, if any, runs on over dropped matchers)."""
         self.matchers.clear()
         self.took.clear()
-        self.job = self.joined = None
+        self.followed.clear()
+        self.pending.clear()
+        self.joined = None
 
 
 @dataclass
