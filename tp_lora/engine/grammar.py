@@ -8,9 +8,10 @@ runs the next step's forward, launched ahead); the next sample takes those masks
 driver lets a stream wait on host memory (tp_lora.streamwait) the host does not wait for them: the masks' copy and
 the draw are queued behind a device-side wait for the job's number, which the worker raises once its pinned bitmask
 is written; the host queues each step's job behind the last without waiting for it, and knows a row's end from its
-token (a stop token ends a grammar). Elsewhere masks() waits for what is left of the jobs (StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a
-resumed sequence) are filled in line. The bitmask goes to the device in one copy and is finished there
-(on_device(): JSON bytes only, a dead row's stop tokens); the draw's kernel reads it for those rows only.
+token (a stop token ends a grammar). Elsewhere masks() waits for what is left of the jobs
+(StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a resumed sequence) are filled in line.
+The bitmask goes to the device in one copy as filled; the draw's kernel reads it for those rows only, within the
+printable tokens, and takes a dead row's stop tokens (tp_lora.ops.sampling.grammar_allowed).
 The worker waits for the tokens without the GIL and runs few Python steps (one batched accept, one batched fill
 over several threads); the interpreter's switch interval is cut so that it gets the GIL within SWITCH_INTERVAL_S
 while the host thread runs Python (Python's default, 5 ms, held the fill back until the host blocked in masks()).
