@@ -223,7 +223,8 @@ for what in "${@:-all}"; do
       ;;&
     pending_a|serve39|sampling)
       step "n and structured output (#31, #39): tokens/s, documents parsed / cut / malformed, mask wait per step"
-      run sampling 170 14 python3 scripts/bench_sampling.py --shape llama-2048 --reps 5 --out "$RES/sampling" ;;&
+      run sampling 170 20 python3 scripts/bench_sampling.py --shape llama-2048 --reps 5 --timeline \
+        --out "$RES/sampling" ;;&
     serve39)
       step "#39 on CUDA: grammar rows ahead, n siblings' fork, the device mask, no host sync in the draw"
       run pytest_serving_features 100 12 python3 -m pytest -q -rs -s tests/gpu/test_serving_features.py ;;&
