@@ -3,7 +3,8 @@ refused naming it) on CPU; with TP_LORA_TEST_DEVICE=cuda, the symmetric-memory a
 and 4 GPUs (1 element to 2 MiB, odd sizes, bf16 and fp32, eager and inside CUDA graphs) and greedy decoding at tp2
 through it against NCCL, CUDA graphs on; the all-reduce fused with the residual add + RMSNorm after it and the peer
 all-gather against NCCL + the add_rms_norm kernel / NCCL's all-gather at 2 GPUs (odd sizes, bf16 and fp32, eager and
-in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm; a CUDA run's cuBLAS gets no workspace unless the
+in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm; a second set of groups over the same ranks (its
+own peer buffers) reduces as NCCL, used between the first's calls; a CUDA run's cuBLAS gets no workspace unless the
 user gave one."""
 import os
 import subprocess
@@ -117,6 +118,27 @@ def test_symm_mem_matches_nccl(world):
         pytest.skip(f"{world} ranks need {world} GPUs")
     got = run_ranks(_against_nccl, world, True, timeout_s=240)
     assert any(peer for peer, _ in got.values()) and any(not peer for peer, _ in got.values())
+    bad = {k: d for k, (_, d) in got.items() if d != 0}
+    assert not bad, f"differs from NCCL: {bad}"
+
+
+def _second_group(ps: comm.ParallelState):
+    """A second init_parallel over the same ranks with another timeout (its own process groups and peer buffers, as
+    the rank pool's task groups and a test's own init_parallel make): the first group's peer path, then the
+    second's in CUDA graphs, then the first's again, each against NCCL."""
+    second = comm.init_parallel(ps.tp.size, str(ps.device), timeout_s=97.0)
+    assert second.tp.peer is not None and second.tp.peer is not ps.tp.peer
+    runs = [_against_nccl(ps, False), _against_nccl(second, True), _against_nccl(ps, True)]
+    return {(i, *k): v for i, run in enumerate(runs) for k, v in run.items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_second_group_over_the_same_ranks_reduces_as_nccl(world):
+    if not CUDA:
+        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
+    if not enough_devices(world):
+        pytest.skip(f"{world} ranks need {world} GPUs")
+    got = run_ranks(_second_group, world, timeout_s=120)
     bad = {k: d for k, (_, d) in got.items() if d != 0}
     assert not bad, f"differs from NCCL: {bad}"
 
