@@ -110,16 +110,22 @@ def _against_nccl(ps: comm.ParallelState, graphs: bool):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_symm_mem_matches_nccl(world):
+def _peer_runs(fn, world: int, *args, timeout_s: float) -> dict:
+    """fn's {case: (peer path taken, largest difference from NCCL)} on `world` GPU ranks, every difference 0."""
     if not CUDA:
         pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
     if not enough_devices(world):
         pytest.skip(f"{world} ranks need {world} GPUs")
-    got = run_ranks(_against_nccl, world, True, timeout_s=240)
-    assert any(peer for peer, _ in got.values()) and any(not peer for peer, _ in got.values())
+    got = run_ranks(fn, world, *args, timeout_s=timeout_s)
     bad = {k: d for k, (_, d) in got.items() if d != 0}
     assert not bad, f"differs from NCCL: {bad}"
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_symm_mem_matches_nccl(world):
+    got = _peer_runs(_against_nccl, world, True, timeout_s=240)
+    assert any(peer for peer, _ in got.values()) and any(not peer for peer, _ in got.values())
 
 
 def _second_group(ps: comm.ParallelState):
@@ -134,13 +140,7 @@ def _second_group(ps: comm.ParallelState):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_second_group_over_the_same_ranks_reduces_as_nccl(world):
-    if not CUDA:
-        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
-    if not enough_devices(world):
-        pytest.skip(f"{world} ranks need {world} GPUs")
-    got = run_ranks(_second_group, world, timeout_s=120)
-    bad = {k: d for k, (_, d) in got.items() if d != 0}
-    assert not bad, f"differs from NCCL: {bad}"
+    _peer_runs(_second_group, world, timeout_s=120)
 
 
 def _greedy(ps: comm.ParallelState, model: str, choice: str):

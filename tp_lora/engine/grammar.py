@@ -72,7 +72,7 @@ class Grammars:
         self.vocab = 0
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.matchers: dict[int, object] = {}
-        self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens its matcher took, grammar complete)
+        self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens taken in line, grammar complete)
         self.worker: Optional[Worker] = None  # follow()'s thread, from the first follow()
         self.flag: Optional[HostFlag] = None  # what the device waits on for the worker's masks, where it can
         self.pending: list[Ahead] = []  # follow()'s work handed to the worker, in order, until joined
@@ -231,8 +231,8 @@ class Grammars:
                 self.flag.raise_to(number)
 
     def _join(self) -> Optional[Ahead]:
-        """Every job handed to the worker, done (the host waits for them here), their results kept for masks() and
-        advance() while their matchers live; the last one joined (None before any)."""
+        """Every job handed to the worker, done (the host waits for them here), their rows kept for masks() while
+        their matchers live; the last one joined (None before any)."""
         while self.pending:
             self._absorb(self.pending.pop(0))
         return self.joined
@@ -247,7 +247,6 @@ class Grammars:
         job.rows = {}
         for k, (index, got) in enumerate(took.items()):
             if index in self.matchers:  # not forgotten (ended or cancelled) meanwhile
-                self.took[index] = got
                 job.rows[index] = (got[0], k)
         self.joined = job
 
