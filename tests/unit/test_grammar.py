@@ -289,11 +289,12 @@ def test_masks_filled_ahead_equal_masks_filled_in_line(tokenizer):
     assert fills.count(True) == 1 and fills.count(False) >= max(len(want[i]) for i in range(6)) - 1
 
 
-@pytest.mark.parametrize("kv_blocks", [0, 6])
-def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_path, kv_blocks):
+@pytest.mark.parametrize("kv_blocks, ignore_eos", [(0, False), (6, False), (0, True)])
+def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_path, kv_blocks, ignore_eos):
     """Through the engine on the CPU: grammar rows no longer make it read each step before launching the next
     (run_ahead forced on, as on CUDA), and give the tokens of reading every step; with a KV budget of a few blocks
-    too (preempted grammar rows resume with masks filled in line)."""
+    too (preempted grammar rows resume with masks filled in line); with ignore_eos, a complete document still ends
+    its sequence (the grammar's end, known from the token the worker's mask allowed)."""
     from tp_lora import distributed as comm
     from tp_lora.assets import write_tiny_llama
     from tp_lora.config import RunConfig
@@ -318,7 +319,7 @@ def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_
             engine.cfg.scheduler.kv_cache_mb = (kv_blocks + 1.5) * block_bytes / 2**20  # + the scratch block
         engine.run_ahead = run_ahead
         reqs = [Request(i, id=i, prompt_token_ids=[1, 5 + i, 9], max_new_tokens=12 if kv_blocks else 40,
-                        temperature=1.0, seed=i) for i in range(8)]
+                        temperature=1.0, seed=i, ignore_eos=ignore_eos) for i in range(8)]
         for r in reqs:  # every row a grammar row: steps launched ahead are steps with grammar rows
             r.grammar = ("json_schema", json.dumps(SCHEMAS[r.index % 3]))
         out = engine.generate(reqs)
