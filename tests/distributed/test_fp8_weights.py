@@ -63,6 +63,7 @@ def _cfg(tp: int, ep: int, fully: bool, quantization) -> RunConfig:
     cfg.parallel.tp_size, cfg.parallel.ep_size = tp, ep
     cfg.lora.fully_sharded, cfg.lora.max_loras, cfg.lora.max_rank = fully, 4, 16
     cfg.device, cfg.dtype, cfg.quantization, cfg.cuda_graphs = device_under_test(), "float32", quantization, False
+    cfg.scheduler.kv_cache_mb = 64  # a few blocks hold these runs (on CUDA the default is 80% of the free memory)
     return cfg
 
 

@@ -31,6 +31,9 @@ def _engine(model, adapters, tp: int, ep: int, attn: str, graphs: bool) -> Engin
     cfg.parallel.tp_size, cfg.parallel.ep_size, cfg.parallel.ep_attention = tp, ep, attn
     cfg.lora.max_loras, cfg.lora.max_rank = 4, 16
     cfg.generation.ignore_eos = True
+    # A few blocks hold these runs: the default budget (80% of the free memory, all of it the prefix cache's) had
+    # each of the test's engines allocate and free ~100 GB
+    cfg.scheduler.kv_cache_mb = 64
     ps = comm.single_process("cuda") if tp * ep == 1 else comm.init_parallel(tp, "cuda")
     return Engine(cfg, ps, model, adapters)
 
