@@ -78,7 +78,7 @@ class Timeline:
     worker's, wrapped by name (wall seconds, each call's thread). Diagnosis only: the wrappers add microseconds."""
     PHASES = {"engine.core.EngineCore": ["_launch", "_read", "_schedule"], "engine.runner.ModelRunner": ["execute"],
               "engine.sampler.Sampler": ["sample"],
-              "engine.grammar.Grammars": ["masks", "follow", "_ahead", "_fill", "finish", "advance"]}
+              "engine.grammar.Grammars": ["masks", "follow", "_ahead", "_fill", "advance"]}
 
     def __init__(self):
         import importlib

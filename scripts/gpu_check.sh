@@ -131,11 +131,12 @@ for what in "${@:-all}"; do
       # tp_lora.testing.share_gpus). -v with a clock on every line: each test's end time survives a run cut short.
       export XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4 --dist loadfile")
       # The files whose multi-rank jobs spin on peer memory for long (MoE graph steps in every layout, the adapter
-      # kinds at tp2 / tp4) run first, alone on the GPUs: beside other workers' jobs they did not finish in 6 minutes.
+      # kinds at tp2 / tp4) run after the others, alone on the GPUs: beside other workers' jobs they did not finish
+      # in 6 minutes (and one that stalls then costs the call only its own part).
       ALONE="tests/gpu/test_moe_graphs.py tests/parity/test_adapter_kinds_parity.py"
       export ALONE
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton TP_LORA_TEST_FAILURES="$RES/pytest_suite_failures.log" \
-        run pytest_suite 540 45 bash -c 'for part in alone shared; do
+        run pytest_suite 540 45 bash -c 'for part in shared alone; do
           if [ $part = shared ]; then args="$XDIST tests/distributed tests/gpu tests/parity/test_families_parity.py"
             for f in $ALONE; do args="$args --ignore=$f"; done
           else args="$ALONE"; fi

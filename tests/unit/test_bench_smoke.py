@@ -60,7 +60,8 @@ def test_bench_routing_small(tmp_path):
 
 def test_bench_sampling_smoke(tmp_path):
     pytest.importorskip("xgrammar")
-    _run(tmp_path, "bench_sampling.py", "--smoke", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"))
+    _run(tmp_path, "bench_sampling.py", "--smoke", "--timeline", "--cache", str(tmp_path / "cache"),
+         "--out", str(tmp_path / "out"))
     rows = _report(tmp_path / "out" / "bench_sampling.json")["rows"]
     assert set(rows) == {"n", "separate", "no_grammar", "grammar_nested", "grammar_free_text"} and all(r["tokens"] > 0 for r in rows.values())
 
