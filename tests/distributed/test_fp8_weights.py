@@ -100,7 +100,8 @@ def test_fp8_one_process_equals_dequantized(bundle):
     ps = comm.single_process(device_under_test())
     for name, (model, quantization, _, adapters) in cases.items():
         got = _run(ps, _cfg(1, 1, False, quantization), model, adapters, requests[_kind(name)])
-        _check(got, refs[name], name, 1e-5)
+        # float32 throughout; on CUDA the kernels sum in other orders (4x H200: 1.05e-5 on the MoE's at_load case)
+        _check(got, refs[name], name, 1e-5 if device_under_test() == "cpu" else 3e-5)
 
 
 def test_fp8_tp2_and_ep2(bundle):
