@@ -165,7 +165,11 @@ class AdapterRegistry:
             return None
 
     def copy_into_slot(self, slot: int, image) -> None:
-        """Copy a read adapter into `slot`, on the side stream where there is one (sync() orders it before use)."""
+        """Copy a read adapter into `slot`, on the side stream where there is one (sync() orders it before use). A
+        DoRA image's load runs collectives over the TP group (its g's norms): on the side stream they first wait for
+        the compute stream's work, so no two kernels over the group's peer buffer ever run at once."""
+        if self.copy_stream is not None and image.dora and self.tp.size > 1:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         self.cache.load_slot(self.slots, slot, image, self.copy_stream)
         self.copies_pending = self.copy_stream is not None
 
