@@ -4,11 +4,13 @@ and 4 GPUs (1 element to 2 MiB, odd sizes, bf16 and fp32, eager and inside CUDA 
 through it against NCCL, CUDA graphs on; the all-reduce fused with the residual add + RMSNorm after it and the peer
 all-gather against NCCL + the add_rms_norm kernel / NCCL's all-gather at 2 GPUs (odd sizes, bf16 and fp32, eager and
 in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm; a second set of groups over the same ranks (its
-own peer buffers) reduces as NCCL, used between the first's calls; a CUDA run's cuBLAS gets no workspace unless the
-user gave one."""
+own peer buffers) reduces as NCCL, used between the first's calls; a peer kernel waiting for a call its peer skipped
+gives up at its group's timeout and the host's error names the peer and the call (polling and flags); a CUDA run's
+cuBLAS gets no workspace unless the user gave one."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -141,6 +143,36 @@ def _second_group(ps: comm.ParallelState):
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_second_group_over_the_same_ranks_reduces_as_nccl(world):
     _peer_runs(_second_group, world, timeout_s=120)
+
+
+def _skipped_call(ps: comm.ParallelState, flags: bool):
+    """Rank 1 skips a peer collective rank 0 makes: rank 0's kernel gives up after its group's 2 s and fails the
+    device; the host, waiting up to 60 s, raises CollectiveTimeout with the kernel's report (not its own deadline)."""
+    fast = comm.init_parallel(ps.tp.size, "cuda", timeout_s=2.0)  # its peer kernels' deadline
+    comm.init_parallel(ps.tp.size, "cuda", timeout_s=60.0)  # the host's wait
+    comm.all_reduce(torch.ones(8, dtype=torch.bfloat16, device=ps.device), fast.tp)  # the bf16 buffer's call 1
+    comm.wait_device(ps.device)
+    if ps.rank == 0:
+        if flags:  # 2 MiB gathered: more than POLL_MAX_BYTES, so the exchange waits on flags
+            comm.all_gather(torch.ones(512, 1024, dtype=torch.bfloat16, device=ps.device), fast.tp, dim=0)
+        else:
+            comm.all_reduce(torch.ones(64, dtype=torch.bfloat16, device=ps.device), fast.tp)
+        comm.wait_device(ps.device)
+    else:
+        time.sleep(30)
+
+
+@pytest.mark.parametrize("flags", [False, True])
+def test_a_peer_kernel_gives_up_on_a_skipped_call_naming_it(flags):
+    if not CUDA:
+        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"CollectiveTimeout: rank 0 of the group waited more than "
+                                           r"parallel.timeout_s=2s for rank 1's data in peer-memory collective call 2"):
+        run_ranks(_skipped_call, 2, flags, timeout_s=90)
+    assert time.monotonic() - t0 < 50
 
 
 def _greedy(ps: comm.ParallelState, model: str, choice: str):

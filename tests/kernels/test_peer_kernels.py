@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tp_lora.distributed import peer
-from tp_lora.distributed.peer import EMPTY, POLL_MAX_BYTES, PeerBuffer
+from tp_lora.distributed.peer import EMPTY, POLL_MAX_BYTES, PeerBuffer, PeerReport
 from tp_lora.distributed.peer_kernels import all_gather, all_reduce
 from tp_lora.ops.fused import add_rms_norm_ref
 from tp_lora.ops.triton.fused import add_rms_norm
@@ -19,8 +19,11 @@ def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs:
     """(buffer, pads, PeerBuffer) of a group of one: its own buffer (2 halves of one slot, marked empty) and pad."""
     buf = torch.full((2 * slot,), EMPTY[dtype][1], dtype=EMPTY[dtype][0], device=device).view(dtype)
     pads = torch.zeros(programs, dtype=torch.int32, device=device)
+    report = PeerReport(torch.device(device))
     ptr = PeerBuffer(torch.tensor([buf.data_ptr()], device=device), torch.tensor([pads.data_ptr()], device=device),
-                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot)
+                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot, report.address,
+                     int(60e9))
+    ptr.keep = report  # the report words live as long as the buffer
     return buf, pads, ptr
 
 
@@ -110,3 +113,22 @@ def test_all_gather_of_one_is_x(device, shape, dim, exchange):
         all_gather(torch.ones(2, 3, 4, device=device), 1, buf)
     with pytest.raises(ValueError, match=r"3 x 6000 elements exceed a slot of 16384"):
         all_gather(torch.ones(3, 6000, device=device), -1, buf)
+
+
+class _FailedDevice:
+    """A recorded event whose query fails, as every CUDA call does once a kernel has trapped."""
+
+    def query(self):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+
+def test_a_device_failed_by_a_peer_kernel_raises_collective_timeout_naming_the_peer(monkeypatch):
+    from tp_lora import distributed as comm
+    report = PeerReport(torch.device("cpu"))
+    monkeypatch.setitem(comm._PEERS, "group", type("Peer", (), {"failure": lambda self: report.failure(0, 2.0)})())
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):  # no report written: the device's error
+        comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
+    report.words.copy_(torch.tensor([1, 1, 7, 3], dtype=torch.int32))  # as give_up writes it
+    with pytest.raises(comm.CollectiveTimeout, match=r"rank 0 of the group waited more than parallel.timeout_s=2s "
+                                                     r"for rank 1's data in peer-memory collective call 7 \(program 3\)"):
+        comm.wait_event(_FailedDevice(), torch.device("cuda", 0))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tp_lora.distributed.mesh import expert_mesh_groups, mesh_groups
 from tp_lora.distributed.peer import (PEER_MAX_BYTES, PeerAllReduce, PeerBuffer, gather_max_bytes,  # noqa: F401
                                      ours_max_bytes)
 
@@ -159,7 +160,7 @@ def use_allreduce(group: Group, device: torch.device, choice: str = "auto") -> s
     if choice != "nccl" and why_not is None:
         name = group.pg.group_name
         if name not in _PEERS:
-            _PEERS[name] = PeerAllReduce(group.pg, device)
+            _PEERS[name] = PeerAllReduce(group.pg, device, _SETTINGS["timeout_s"])
         group.peer = _PEERS[name]
         _PEER_GROUPS.append(group)
         p = group.peer
@@ -196,12 +197,23 @@ def wait_event(done: torch.cuda.Event, device: torch.device) -> None:
     host sync (.tolist(), .cpu()) would then wait forever. Waiting on an event with a deadline turns that into an
     error the caller can report. Gloo collectives block and time out on their own, so CPU needs nothing."""
     start = time.monotonic()
-    while not done.query():
+    while not _done(done):
         waited = time.monotonic() - start
         if waited > _SETTINGS["timeout_s"]:
             raise CollectiveTimeout(f"collectives on {device} did not complete within parallel.timeout_s="
                                     f"{_SETTINGS['timeout_s']:g}s: a peer rank died or stalled")
         time.sleep(0 if waited < 0.01 else 1e-3)  # spin through a normal step, then back off
+
+
+def _done(event: torch.cuda.Event) -> bool:
+    """event.query(); a device failed by a peer kernel that gave up waiting raises CollectiveTimeout saying why."""
+    try:
+        return event.query()
+    except RuntimeError as e:
+        why = next((w for p in _PEERS.values() if (w := p.failure())), None)
+        if why is None:
+            raise
+        raise CollectiveTimeout(why) from e
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -296,16 +308,6 @@ def single_process(device: str | torch.device = "cpu") -> ParallelState:
     return ParallelState(world=Group("world"), tp=Group("tp"), dp=Group("dp"), device=torch.device(device))
 
 
-def mesh_groups(world_size: int, tp_size: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Rank lists of every tp group (consecutive ranks, so TP stays inside a node) and every dp group."""
-    if world_size % tp_size:
-        raise ValueError(f"world size {world_size} is not divisible by parallel.tp_size={tp_size}")
-    dp_size = world_size // tp_size
-    tp_groups = [tuple(range(d * tp_size, (d + 1) * tp_size)) for d in range(dp_size)]
-    dp_groups = [tuple(range(t, world_size, tp_size)) for t in range(tp_size)]
-    return tp_groups, dp_groups
-
-
 def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0,
                   allreduce: str = "auto") -> ParallelState:
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
@@ -378,29 +380,6 @@ def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu",
     STATS.record("counts", group, t)
     got = _gathered(t, group)
     return got[:, 0].tolist(), bool(got[:, 1].any())
-
-
-def expert_mesh_groups(world_size: int, tp_size: int, ep_size: int, ep_attention: str) -> list[tuple[int, ...]]:
-    """Rank lists of every expert-parallel group.
-
-    ep_attention="dp": runs of ep_size consecutive members of each dp group (ranks with the same tp rank, different
-    requests); the moe-tp group is then the tp group, so ep x tp is a 2D mesh. ep_attention="tp": the tp groups.
-    """
-    tp_groups, dp_groups = mesh_groups(world_size, tp_size)
-    if ep_size == 1:
-        return [(r,) for r in range(world_size)]
-    if ep_attention == "tp":
-        if ep_size != tp_size:
-            raise ValueError(f"parallel.ep_attention=tp splits the experts over the attention TP group: "
-                             f"parallel.ep_size={ep_size} must equal parallel.tp_size={tp_size}")
-        return tp_groups
-    if ep_attention != "dp":
-        raise ValueError(f"parallel.ep_attention={ep_attention!r}: expected dp or tp")
-    dp_size = world_size // tp_size
-    if dp_size % ep_size:
-        raise ValueError(f"parallel.ep_size={ep_size} must divide the {dp_size} data-parallel replicas "
-                         f"({world_size} ranks / tp_size {tp_size}) when parallel.ep_attention=dp")
-    return [g[i:i + ep_size] for g in dp_groups for i in range(0, dp_size, ep_size)]
 
 
 _EXPERT_LAYOUT: dict[int, ParallelState] = {}  # id(tp group) -> its state, for model builders that get only tp

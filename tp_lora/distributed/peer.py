@@ -9,7 +9,10 @@ writes its share of the message into slot i of every rank's staging buffer (post
 every element holds until pushed, and marks what it read empty again. A call in which a rank takes more than
 POLL_MAX_BYTES exchanges by flags instead (the two-shot all-reduce always polls): each program, once its pushes are
 done, sets its flag in every rank's signal pad to the call's number (a release store at system scope) and waits
-for every rank's (acquire loads), then reads and marks empty as above. Calls alternate between the two halves of the
+for every rank's (acquire loads), then reads and marks empty as above. Every wait has a deadline, the group's
+collective timeout: past it the kernel writes what it waited for into page-locked report words (PeerReport) and
+traps, so a peer that died, stalled or skipped a call fails the device with an error the host names
+(distributed.CollectiveTimeout) instead of spinning for ever. Calls alternate between the two halves of the
 buffer, so a rank writes into a half only after every rank has started the next call, hence finished reading (and
 emptying) that half. The call numbers live in device memory (`epochs`, one per program), so CUDA graphs replay the
 exchange; every kernel over the buffer launches the same fixed number of programs, so every program of every rank
@@ -62,7 +65,9 @@ EMPTY = {torch.bfloat16: (torch.int16, -0x8000), torch.float32: (torch.int32, -0
 class PeerBuffer:
     """One symmetric staging buffer as a Triton kernel sees it: ptrs / pads are int64 tensors on the device holding
     every rank's buffer / signal pad address (rank order); epochs: int32 [programs], each program's calls so far;
-    the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot."""
+    the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot. A wait for a peer
+    longer than `limit` ns gives up: what it waited for goes into the 4 int32 report words at address `report`
+    (page-locked host memory: PeerReport) and the kernel traps (on CUDA; the interpreter never waits)."""
     ptrs: torch.Tensor
     pads: torch.Tensor
     epochs: torch.Tensor
@@ -70,6 +75,8 @@ class PeerBuffer:
     world: int
     programs: int
     slot: int
+    report: int
+    limit: int
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot
@@ -77,6 +84,28 @@ class PeerBuffer:
     def polls(self, received: int) -> bool:
         """Whether a call in which a rank takes `received` bytes from the slots exchanges by polling the data."""
         return received <= POLL_MAX_BYTES
+
+
+class PeerReport:
+    """The words a peer kernel that gave up waiting writes before it traps: [1, the rank it waited for, the call's
+    number, the program], in page-locked host memory the device writes at the same address (unified addressing),
+    readable once the device has failed."""
+
+    def __init__(self, device: torch.device):
+        self.words = torch.zeros(4, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+
+    @property
+    def address(self) -> int:
+        return self.words.data_ptr()
+
+    def failure(self, rank: int, timeout_s: float) -> str | None:
+        """What a kernel of this rank gave up on, or None."""
+        gave_up, peer, call, program = self.words.tolist()
+        if not gave_up:
+            return None
+        return (f"rank {rank} of the group waited more than parallel.timeout_s={timeout_s:g}s for rank {peer}'s data "
+                f"in peer-memory collective call {call} (program {program}): that rank died, stalled or skipped the "
+                f"call")
 
 
 class PeerAllReduce:
@@ -87,13 +116,14 @@ class PeerAllReduce:
     for ours (all_reduce, all_gather, the fused reduce + norm), allocated and exchanged here (collective), so calls
     allocate nothing and capture in CUDA graphs."""
 
-    def __init__(self, pg, device: torch.device | str, max_bytes: int = PEER_MAX_BYTES):
+    def __init__(self, pg, device: torch.device | str, timeout_s: float, max_bytes: int = PEER_MAX_BYTES):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
         device = torch.device(device)
         if symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
-        self.name, self.max_bytes = pg.group_name, max_bytes
+        self.name, self.max_bytes, self.timeout_s = pg.group_name, max_bytes, timeout_s
+        self.report = PeerReport(device)  # shared by the staging buffers: one kernel over them runs at a time
         self.bufs = {dt: symm_mem.empty(max_bytes // dt.itemsize, dtype=dt, device=device) for dt in PEER_DTYPES}
         for buf in self.bufs.values():
             symm_mem.rendezvous(buf, self.name)
@@ -116,10 +146,15 @@ class PeerAllReduce:
             epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
             buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
-                                                slot_bytes // dt.itemsize))
+                                                slot_bytes // dt.itemsize, self.report.address,
+                                                int(timeout_s * 1e9)))
         torch.cuda.synchronize(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         dist.barrier(group=pg, device_ids=[index])  # every buffer marked empty before any rank pushes
+
+    def failure(self) -> str | None:
+        """Why a kernel over this group's buffers gave up waiting for a peer (PeerReport), or None."""
+        return self.report.failure(self.staging[PEER_DTYPES[0]][1].rank, self.timeout_s)
 
     def takes(self, t: torch.Tensor) -> bool:
         return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.nbytes <= self.max_bytes

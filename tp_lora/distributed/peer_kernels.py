@@ -34,8 +34,8 @@ def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
     # out[row, rank * cols + c] (last dim) or out[rank * rows + row, c] (dim 0)
     s_row, s_rank = (buf.world * cols, cols) if last else (cols, rows * cols)
     _all_gather_kernel[(buf.programs,)](
-        x, out, buf.ptrs, buf.pads, buf.epochs, rows, cols, x.stride(0), s_row, s_rank, buf.slot, RANK=buf.rank,
-        WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, POLL=buf.polls(out.nbytes))
+        x, out, buf.ptrs, buf.pads, buf.epochs, buf.report, buf.limit, rows, cols, x.stride(0), s_row, s_rank,
+        buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, POLL=buf.polls(out.nbytes))
     return out
 
 
@@ -53,10 +53,12 @@ def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
         raise ValueError(f"peer all_reduce: {n} elements exceed a slot of {buf.slot}"
                          + (f" in two chunks of {chunk}" if two_shot else ""))
     if n and two_shot:
-        _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, n, chunk, buf.slot, RANK=buf.rank,
-                                                     WORLD=buf.world, BLOCK=REDUCE_BLOCK)
+        _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, buf.report, buf.limit, n, chunk,
+                                                     buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=REDUCE_BLOCK,
+                                                     ASM=ASM)
     elif n:
-        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, n, buf.slot, RANK=buf.rank,
+        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, buf.report, buf.limit, n, buf.slot,
+                                            RANK=buf.rank,
                                             WORLD=buf.world, BLOCK=REDUCE_BLOCK, ASM=ASM,
                                             POLL=buf.polls(t.nbytes * buf.world))
     return t
@@ -69,6 +71,33 @@ def next_call(epochs, program, slot, WORLD: tl.constexpr):
     tl.debug_barrier()  # every thread has read the count before one stores it
     tl.store(epochs + program, e)
     return e, (e % 2).to(tl.int64) * WORLD * slot
+
+
+@triton.jit
+def clock(x, ASM: tl.constexpr):
+    """The GPU's global timer (ns); 0 under the interpreter, where no wait has a deadline (a group of one never
+    waits). x: any int32 scalar (the inline assembly's operand)."""
+    if ASM:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    else:
+        t = x.to(tl.int64) * 0
+    return t
+
+
+@triton.jit
+def give_up(report, r, e, program, ASM: tl.constexpr):
+    """A wait past its deadline (a peer that never pushed: it died, stalled or skipped the call): [1, the rank waited
+    for, the call's number, the program] into the report words (page-locked host memory at address `report`, which
+    the host reads once the device fails), then a trap: the device's work fails with an error instead of spinning."""
+    if ASM:
+        at = report.to(tl.pointer_type(tl.int32))
+        tl.store(at + 1, e * 0 + r)
+        tl.store(at + 2, e)
+        tl.store(at + 3, program)
+        tl.store(at, e * 0 + 1)
+        tl.inline_asm_elementwise("membar.sys;\n trap;\n mov.u32 $0, 0;", "=r,r", [e], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -101,27 +130,37 @@ def publish(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.c
 
 
 @triton.jit
-def wait_peers(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr):
+def wait_peers(pads, program, e, report, limit, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr):
     """Spin (every thread, acquire loads at system scope) until every rank's flag for this program in this rank's
-    pad has reached call e (a rank may already be one call ahead: compared as a wrapping difference)."""
+    pad has reached call e (a rank may already be one call ahead: compared as a wrapping difference); past `limit` ns
+    of waiting for one, give_up."""
     mine = tl.load(pads + RANK) + 4 * program * WORLD
     for r in tl.static_range(WORLD):
         if not ASM:
             while tl.atomic_add((mine + 4 * r).to(tl.pointer_type(tl.int32)), 0, sem="acquire", scope="sys") - e < 0:
                 pass
         else:
-            tl.inline_asm_elementwise(
+            got = tl.inline_asm_elementwise(
                 """{
                 .reg .u32 %t;
                 .reg .s32 %d;
+                .reg .u64 %t0, %t1;
                 .reg .pred %p;
+                mov.u64 %t0, %globaltimer;
                 wait_flag:
                 ld.acquire.sys.global.u32 %t, [$1];
                 sub.s32 %d, %t, $2;
-                setp.lt.s32 %p, %d, 0;
+                setp.ge.s32 %p, %d, 0;
+                @%p bra flag_in;
+                mov.u64 %t1, %globaltimer;
+                sub.u64 %t1, %t1, %t0;
+                setp.lt.u64 %p, %t1, $3;
                 @%p bra wait_flag;
+                flag_in:
                 mov.u32 $0, %t;
-                }""", "=r,l,r", [mine + 4 * r, e], dtype=tl.int32, is_pure=False, pack=1)
+                }""", "=r,l,r,l", [mine + 4 * r, e, limit], dtype=tl.int32, is_pure=False, pack=1)
+            if got - e < 0:
+                give_up(report, r, e, program, ASM)
 
 
 @triton.jit
@@ -145,15 +184,20 @@ def unset(v):
 
 
 @triton.jit
-def take_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.constexpr, POLL: tl.constexpr):
+def take_row(ptrs, half, slot, offset, i, ok, r, report, limit, e, program, RANK: tl.constexpr, DT: tl.constexpr,
+             POLL: tl.constexpr, ASM: tl.constexpr):
     """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere), marked empty
-    again once read. POLL: volatile loads until no element holds the empty mark (else the flags said they are in)."""
+    again once read. POLL: volatile loads until no element holds the empty mark (else the flags said they are in);
+    past `limit` ns of polling, give_up (call e, this program)."""
     base = tl.multiple_of(tl.load(ptrs + RANK).to(tl.pointer_type(DT)), 16)
     at = base + half + r * slot + offset + i
     if POLL:
         v = tl.load(at, mask=ok, other=0.0, volatile=True)
+        t0 = clock(e, ASM)
         while tl.sum(tl.where(ok & unset(v), 1, 0)) > 0:
             v = tl.load(at, mask=ok, other=0.0, volatile=True)
+            if clock(e, ASM) - t0 > limit:
+                give_up(report, r, e, program, ASM)
     else:
         v = tl.load(at, mask=ok, other=0.0)
     tl.store(at, empty_mark(v), mask=ok)
@@ -161,15 +205,16 @@ def take_row(ptrs, half, slot, offset, i, ok, r, RANK: tl.constexpr, DT: tl.cons
 
 
 @triton.jit
-def exchange(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr):
+def exchange(pads, program, e, report, limit, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr,
+             POLL: tl.constexpr):
     """Between a program's pushes and its take_row calls: nothing when polling, else publish + wait_peers."""
     if not POLL:
         publish(pads, program, e, RANK, WORLD, ASM)
-        wait_peers(pads, program, e, RANK, WORLD, ASM)
+        wait_peers(pads, program, e, report, limit, RANK, WORLD, ASM)
 
 
 @triton.jit
-def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, rows, cols, s_x, s_row, s_rank, slot,
+def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, report, limit, rows, cols, s_x, s_row, s_rank, slot,
                        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr,
                        POLL: tl.constexpr):
     p = tl.program_id(0)
@@ -181,17 +226,17 @@ def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, rows, cols, s_x, s_ro
         row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
         push_row(ptrs, half, slot, row * cols, c, tl.load(x_ptr + row * s_x + c, mask=ok), ok, RANK, WORLD)
-    exchange(pads, p, e, RANK, WORLD, ASM, POLL)
+    exchange(pads, p, e, report, limit, RANK, WORLD, ASM, POLL)
     for u in range(p, rows * chunks, step):
         row, c = tl.cast(u // chunks, tl.int64), (u % chunks) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
         for r in tl.static_range(WORLD):
-            tl.store(out_ptr + row * s_row + r * s_rank + c, take_row(ptrs, half, slot, row * cols, c, ok, r, RANK, dt,
-                                                                       POLL), mask=ok)
+            got = take_row(ptrs, half, slot, row * cols, c, ok, r, report, limit, e, p, RANK, dt, POLL, ASM)
+            tl.store(out_ptr + row * s_row + r * s_rank + c, got, mask=ok)
 
 
 @triton.jit
-def _all_reduce_kernel(x_ptr, ptrs, pads, epochs, n, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
+def _all_reduce_kernel(x_ptr, ptrs, pads, epochs, report, limit, n, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
                        BLOCK: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr):
     p = tl.program_id(0)
     step = tl.num_programs(0)
@@ -201,26 +246,26 @@ def _all_reduce_kernel(x_ptr, ptrs, pads, epochs, n, slot, RANK: tl.constexpr, W
         c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = c < n
         push_row(ptrs, half, slot, 0, c, tl.load(x_ptr + c, mask=ok), ok, RANK, WORLD)
-    exchange(pads, p, e, RANK, WORLD, ASM, POLL)
+    exchange(pads, p, e, report, limit, RANK, WORLD, ASM, POLL)
     for u in range(p, tl.cdiv(n, BLOCK), step):
         c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = c < n
         h = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
-            h += take_row(ptrs, half, slot, 0, c, ok, r, RANK, dt, POLL).to(tl.float32)
+            h += take_row(ptrs, half, slot, 0, c, ok, r, report, limit, e, p, RANK, dt, POLL, ASM).to(tl.float32)
         tl.store(x_ptr + c, h.to(dt), mask=ok)
 
 
 @triton.jit
-def _all_reduce_two_shot_kernel(x_ptr, ptrs, epochs, n, chunk, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                BLOCK: tl.constexpr):
+def _all_reduce_two_shot_kernel(x_ptr, ptrs, epochs, report, limit, n, chunk, slot, RANK: tl.constexpr,
+                                WORLD: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):
     """Chunk j = x[j * chunk:(j + 1) * chunk]. Program p takes blocks u = p, p + programs, .. of every chunk: pushes
     block u of chunk j into slot RANK of rank j (at 0), sums block u of its own chunk over the ranks and pushes the
     sum into slot RANK of every rank (at chunk), then writes every rank's summed block u into x."""
     p = tl.program_id(0)
     step = tl.num_programs(0)
     dt = x_ptr.dtype.element_ty
-    _, half = next_call(epochs, p, slot, WORLD)
+    e, half = next_call(epochs, p, slot, WORLD)
     blocks = tl.cdiv(chunk, BLOCK)
     for u in range(p, blocks, step):
         c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -232,10 +277,11 @@ def _all_reduce_two_shot_kernel(x_ptr, ptrs, epochs, n, chunk, slot, RANK: tl.co
         ok = (c < chunk) & (RANK * chunk + c < n)
         h = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
-            h += take_row(ptrs, half, slot, 0, c, ok, r, RANK, dt, True).to(tl.float32)
+            h += take_row(ptrs, half, slot, 0, c, ok, r, report, limit, e, p, RANK, dt, True, ASM).to(tl.float32)
         push_row(ptrs, half, slot, chunk, c, h.to(dt), ok, RANK, WORLD)
     for u in range(p, blocks, step):
         c = tl.cast(u, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         for j in tl.static_range(WORLD):
             ok = (c < chunk) & (j * chunk + c < n)
-            tl.store(x_ptr + j * chunk + c, take_row(ptrs, half, slot, chunk, c, ok, j, RANK, dt, True), mask=ok)
+            got = take_row(ptrs, half, slot, chunk, c, ok, j, report, limit, e, p, RANK, dt, True, ASM)
+            tl.store(x_ptr + j * chunk + c, got, mask=ok)

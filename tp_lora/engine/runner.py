@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from tp_lora import distributed as comm
 from tp_lora.engine.graph_inputs import DecodeInputs, MixedInputs, pad_decode_step, pad_mixed_step
 from tp_lora.hostcopy import Staging, to_device
 from tp_lora.models.attention import KVCache, build_attn_meta
@@ -198,8 +199,7 @@ class ModelRunner:
             step = StepBatch()
             step.add([0] * t, list(range(-(-t // bs))), 0, 0 if self.rt is not None else -1)
             self.execute(step, cache)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        comm.wait_device(self.device)  # with a deadline: warm-up steps run the model's collectives
 
     def copy_blocks(self, cache: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy KV block src into block dst, for each (src, dst) of `pairs`, in every layer of `cache` (on the

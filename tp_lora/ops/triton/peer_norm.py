@@ -18,8 +18,8 @@ from tp_lora.ops.triton.fused import add_norm_row, as_rows
 
 
 @triton.jit
-def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, ptrs, pads, epochs, rows, s_x,
-                                s_r, s_o, s_ro, n, eps, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
+def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, ptrs, pads, epochs, report,
+                                limit, rows, s_x, s_r, s_o, s_ro, n, eps, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
                                 BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr,
                                 OFFSET: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr):
     p = tl.program_id(0)
@@ -31,12 +31,12 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_
     for row in range(p, rows, step):
         t = tl.cast(row, tl.int64)
         push_row(ptrs, half, slot, t * n, i, tl.load(x_ptr + t * s_x + i, mask=ok), ok, RANK, WORLD)
-    exchange(pads, p, e, RANK, WORLD, ASM, POLL)
+    exchange(pads, p, e, report, limit, RANK, WORLD, ASM, POLL)
     for row in range(p, rows, step):
         t = tl.cast(row, tl.int64)
         h = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
-            h += take_row(ptrs, half, slot, t * n, i, ok, r, RANK, dt, POLL).to(tl.float32)
+            h += take_row(ptrs, half, slot, t * n, i, ok, r, report, limit, e, p, RANK, dt, POLL, ASM).to(tl.float32)
         h = h.to(dt)
         if not HAS_RES:  # the stream is the reduced x itself
             tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
@@ -59,8 +59,8 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     if t:
         _reduce_add_rms_norm_kernel[(buf.programs,)](
             rows, res, weight, weight if x_weight is None else x_weight, out, res_out, buf.ptrs, buf.pads,
-            buf.epochs, t, rows.stride(0), res.stride(0), n, n, n, float(eps), buf.slot, RANK=buf.rank,
-            WORLD=buf.world, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
+            buf.epochs, buf.report, buf.limit, t, rows.stride(0), res.stride(0), n, n, n, float(eps), buf.slot,
+            RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
             NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM, POLL=buf.polls(x.nbytes * buf.world),
             num_warps=4 if n <= 4096 else 8)
     return out, res_out
