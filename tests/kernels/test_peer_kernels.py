@@ -19,11 +19,9 @@ def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs:
     """(buffer, pads, PeerBuffer) of a group of one: its own buffer (2 halves of one slot, marked empty) and pad."""
     buf = torch.full((2 * slot,), EMPTY[dtype][1], dtype=EMPTY[dtype][0], device=device).view(dtype)
     pads = torch.zeros(programs, dtype=torch.int32, device=device)
-    report = PeerReport(torch.device(device))
     ptr = PeerBuffer(torch.tensor([buf.data_ptr()], device=device), torch.tensor([pads.data_ptr()], device=device),
-                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot, report.address,
-                     int(60e9))
-    ptr.keep = report  # the report words live as long as the buffer
+                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot,
+                     PeerReport(torch.device(device)), int(60e9))
     return buf, pads, ptr
 
 

@@ -66,8 +66,8 @@ class PeerBuffer:
     """One symmetric staging buffer as a Triton kernel sees it: ptrs / pads are int64 tensors on the device holding
     every rank's buffer / signal pad address (rank order); epochs: int32 [programs], each program's calls so far;
     the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot. A wait for a peer
-    longer than `limit` ns gives up: what it waited for goes into the 4 int32 report words at address `report`
-    (page-locked host memory: PeerReport) and the kernel traps (on CUDA; the interpreter never waits)."""
+    longer than `limit` ns gives up: what it waited for goes into `report`'s words (page-locked host memory) and the
+    kernel traps (on CUDA; the interpreter never waits)."""
     ptrs: torch.Tensor
     pads: torch.Tensor
     epochs: torch.Tensor
@@ -75,7 +75,7 @@ class PeerBuffer:
     world: int
     programs: int
     slot: int
-    report: int
+    report: "PeerReport"
     limit: int
 
     def fits(self, t: torch.Tensor) -> bool:
@@ -93,10 +93,7 @@ class PeerReport:
 
     def __init__(self, device: torch.device):
         self.words = torch.zeros(4, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
-
-    @property
-    def address(self) -> int:
-        return self.words.data_ptr()
+        self.address = self.words.data_ptr()  # what the kernels take
 
     def failure(self, rank: int, timeout_s: float) -> str | None:
         """What a kernel of this rank gave up on, or None."""
@@ -146,8 +143,7 @@ class PeerAllReduce:
             epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
             buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
-                                                slot_bytes // dt.itemsize, self.report.address,
-                                                int(timeout_s * 1e9)))
+                                                slot_bytes // dt.itemsize, self.report, int(timeout_s * 1e9)))
         torch.cuda.synchronize(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         dist.barrier(group=pg, device_ids=[index])  # every buffer marked empty before any rank pushes

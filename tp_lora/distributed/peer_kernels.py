@@ -34,7 +34,7 @@ def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
     # out[row, rank * cols + c] (last dim) or out[rank * rows + row, c] (dim 0)
     s_row, s_rank = (buf.world * cols, cols) if last else (cols, rows * cols)
     _all_gather_kernel[(buf.programs,)](
-        x, out, buf.ptrs, buf.pads, buf.epochs, buf.report, buf.limit, rows, cols, x.stride(0), s_row, s_rank,
+        x, out, buf.ptrs, buf.pads, buf.epochs, buf.report.address, buf.limit, rows, cols, x.stride(0), s_row, s_rank,
         buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, POLL=buf.polls(out.nbytes))
     return out
 
@@ -53,12 +53,12 @@ def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
         raise ValueError(f"peer all_reduce: {n} elements exceed a slot of {buf.slot}"
                          + (f" in two chunks of {chunk}" if two_shot else ""))
     if n and two_shot:
-        _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, buf.report, buf.limit, n, chunk,
+        _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, buf.report.address, buf.limit, n, chunk,
                                                      buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=REDUCE_BLOCK,
                                                      ASM=ASM)
     elif n:
-        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, buf.report, buf.limit, n, buf.slot,
-                                            RANK=buf.rank,
+        _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, buf.report.address, buf.limit, n,
+                                            buf.slot, RANK=buf.rank,
                                             WORLD=buf.world, BLOCK=REDUCE_BLOCK, ASM=ASM,
                                             POLL=buf.polls(t.nbytes * buf.world))
     return t

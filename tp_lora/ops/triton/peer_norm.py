@@ -59,7 +59,7 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     if t:
         _reduce_add_rms_norm_kernel[(buf.programs,)](
             rows, res, weight, weight if x_weight is None else x_weight, out, res_out, buf.ptrs, buf.pads,
-            buf.epochs, buf.report, buf.limit, t, rows.stride(0), res.stride(0), n, n, n, float(eps), buf.slot,
+            buf.epochs, buf.report.address, buf.limit, t, rows.stride(0), res.stride(0), n, n, n, float(eps), buf.slot,
             RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
             NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM, POLL=buf.polls(x.nbytes * buf.world),
             num_warps=4 if n <= 4096 else 8)
