@@ -193,10 +193,12 @@ def take_row(ptrs, half, slot, offset, i, ok, r, report, limit, e, program, RANK
     at = base + half + r * slot + offset + i
     if POLL:
         v = tl.load(at, mask=ok, other=0.0, volatile=True)
-        t0 = clock(e, ASM)
+        t0 = e.to(tl.int64) * 0  # the clock is read only once the values were not all in
         while tl.sum(tl.where(ok & unset(v), 1, 0)) > 0:
             v = tl.load(at, mask=ok, other=0.0, volatile=True)
-            if clock(e, ASM) - t0 > limit:
+            now = clock(e, ASM)
+            t0 = tl.where(t0 == 0, now, t0)
+            if now - t0 > limit:
                 give_up(report, r, e, program, ASM)
     else:
         v = tl.load(at, mask=ok, other=0.0)
