@@ -1,11 +1,12 @@
 """The fp8 GEMM paths against bf16 (F.linear) and against the FP8 weight-bytes floor, on one GPU, at Llama-3-8B
 layer shapes, per-channel and [128, 128]-block scales (each W8A8 path's time includes its activation quantization):
 
-    fp8_linear    what the layers run (tp_lora.ops.fp8.fp8_linear, blocks of whole 128 rows: w8a16_mm up to
-                  small_rows(w, block_k) rows; past them W8A8: per-channel torch._scaled_mm with fast accumulation,
+    fp8_linear    what the layers run (tp_lora.ops.fp8.fp8_linear, blocks of whole 128 rows: w8a16_mm with the
+                  activations quantized in the kernel (ACT8) up to ACT8_ROWS rows, weight-only up to
+                  small_rows(w, block_k); past them W8A8: per-channel torch._scaled_mm with fast accumulation,
                   block scales cuBLAS's block-scaled GEMM where torch has it, else w8a8_mm)
-    w8a16         tp_lora.ops.triton.fp8_gemm.w8a16_mm (weight-only split-K), rows <= 64 (what the layers ran
-                  before: scripts/tune_fp8_gemm.py's grouped_mm column)
+    w8a16         tp_lora.ops.triton.fp8_gemm.w8a16_mm weight-only (split-K), rows <= 64 (what the layers ran
+                  before ACT8)
     w8a8          block scales: per-group quantization kernel + w8a8_mm (Triton, fp8 tensor cores)
     scaled_mm     per-channel: per-token quantization kernel + torch._scaled_mm (rowwise scales)
     scaled_fast   the same with use_fast_accum

@@ -1,7 +1,8 @@
 """Sweep of the fp8 GEMM kernels' launch configurations (tp_lora.ops.triton.fp8_gemm) at Llama-3-8B layer shapes on
 one GPU, beside bf16 F.linear, torch._scaled_mm (W8A8 per channel) and the FP8 weight-bytes floor:
 
-    w8a16_mm  at --small-rows (decode): every (BLOCK_N, BLOCK_K, warps, stages, SWAP) x SPLIT_K; the best few then at
+    w8a16_mm  at --small-rows (decode): every (BLOCK_N, BLOCK_K, warps, stages, SWAP) x SPLIT_K, weight-only and
+              ACT8 (the activations quantized per (row, 128 columns) in the kernel); the best few then at
               --check-rows; the weight-only grouped GEMM the layers ran before (grouped_mm, one expert) beside it
     w8a8_mm   at --prefill-rows: every (BLOCK_M, BLOCK_N, warps, stages), [128, 128]-block scales, with the
               activations' quantization kernel in the time (per-channel prefill: scripts/bench_fp8_gemm.py)
@@ -38,6 +39,8 @@ SMALL = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, SWAP=swap)
          for (bn, bk), nw, ns, swap in itertools.product(
              [(16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128), (128, 256)],
              (4, 8), (3, 5), (False, True))]
+SMALL += [dict(BLOCK_N=bn, BLOCK_K=128, num_warps=nw, num_stages=ns, SWAP=True, ACT8=True)  # bf16 activations
+          for bn, nw, ns in itertools.product((64, 128, 256), (4, 8), (3, 4))]
 PREFILL = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw, num_stages=ns)
            for (bm, bn, nw), ns in itertools.product(
                [(64, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 256, 4), (128, 256, 8)], (3, 4))]
@@ -101,7 +104,6 @@ def small_sweep(k, block_k, m, cfgs, splits, q):
     """Every (cfg, split) of w8a16_mm at m rows over the weight copies q: {"cfg", "us"} rows, fastest first."""
     fp8_gemm, _ = kernels()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    want = w8a16_mm_ref(x, *q[0], block_k)
     out = []
     for cfg in cfgs:
         for split in splits:
@@ -109,7 +111,8 @@ def small_sweep(k, block_k, m, cfgs, splits, q):
             if not runs(lambda: fp8_gemm.w8a16_mm(x, *q[0], block_k, c)):
                 break
             t = graph_time([lambda q_=q_: fp8_gemm.w8a16_mm(x, *q_, block_k, c) for q_ in q], repeat=4)
-            err = rel_err(fp8_gemm.w8a16_mm(x, *q[0], block_k, c), want)  # after the replays: counters reset
+            # after the replays (counters reset); against the reference of the same configuration (ACT8 or not)
+            err = rel_err(fp8_gemm.w8a16_mm(x, *q[0], block_k, c), w8a16_mm_ref(x, *q[0], block_k, c))
             out.append(dict(cfg=c, us=t * 1e6, rel_err=err))
     out.sort(key=lambda r: r["us"])
     return out
@@ -161,7 +164,9 @@ def smoke(out_dir: str) -> None:
     for block_k in (None, 128):
         (w, s), _ = weights(128, 256, block_k, "cpu")
         x = torch.randn(5, 256, dtype=torch.bfloat16)
-        for cfg in SMALL[:1] + SMALL[-1:]:
+        # weight-only tiles: ACT8's rounding under the interpreter is off on random rows (the kernel tests use
+        # exactly representable ones)
+        for cfg in SMALL[:1] + [c for c in SMALL if not c.get("ACT8")][-1:]:
             for split in SPLITS[:2]:
                 got = fp8_gemm.w8a16_mm(x, w, s, block_k, dict(cfg, SPLIT_K=split))
                 errs[f"w8a16/{block_k}/{fmt_cfg(cfg)}/{split}"] = rel_err(got, w8a16_mm_ref(x, w, s, block_k))

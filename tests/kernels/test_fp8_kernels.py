@@ -1,7 +1,7 @@
 """The fp8 GEMM kernels against their references on the device under test (CUDA, or the interpreter):
 
-- the weight-only grouped GEMM (tp_lora.ops.triton.grouped_mm with fp8 weights) against grouped_mm_ref, which
-  dequantises: per-channel and per-block scales (blocks narrower and wider than the kernel's K tile, K not a
+- the grouped GEMM (tp_lora.ops.triton.grouped_mm with fp8 weights; bf16 rows quantized per (row, 128 columns)
+  in it, act8) against grouped_mm_ref, which dequantises (and quantizes the rows the same way): per-channel and per-block scales (blocks narrower and wider than the kernel's K tile, K not a
   multiple of the block), empty experts, prefill sizes (more rows per expert than a row block), float32 and bf16
   activations;
 - the base layers' fp8 GEMMs (tp_lora.ops.triton.fp8_gemm) against their references: the weight-only split-K
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tp_lora.ops import fused
-from tp_lora.ops.fp8 import (SMALL_ROWS, SMALL_ROWS_DEEP, SMALL_ROWS_WIDE, dequantize, fp8_linear,
+from tp_lora.ops.fp8 import (ACT8_ROWS, SMALL_ROWS, SMALL_ROWS_DEEP, SMALL_ROWS_WIDE, dequantize, fp8_linear,
                               quantize_fp8_per_channel, quantize_per_group, quantize_per_token, small_rows, w8a8_mm_ref,
                               w8a16_mm_ref)
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref
@@ -42,14 +42,39 @@ def test_fp8_grouped_mm_matches_the_dequantised_loop(device, monkeypatch, dtype,
     gen = torch.Generator().manual_seed(sum(counts) * 7 + k + (block_k or 0))
     w, scale = fp8_weights(gen, len(counts), n, k, block_k)
     used = sum(counts)
-    x = torch.randn(used + 2, k, generator=gen).to(dtype).to(device)
+    # bf16 rows are quantized per (row, 128 columns) in the kernel where the scales allow (act8): on the CPU rows
+    # exact under it (the interpreter rounds some values to fp8 wrongly)
+    act8 = dtype == torch.bfloat16 and (block_k is None or block_k % 128 == 0)
+    x = representable(gen, used + 2, k, 128) if act8 and device == "cpu" else torch.randn(used + 2, k, generator=gen)
+    x = x.to(dtype).to(device)
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
     w, scale = w.to(device), scale.to(device)
     got = grouped_mm(x, w, ends, scale, block_k)
-    want = grouped_mm_ref(x.float(), w, ends, scale, block_k)  # float32 over the dequantised weights
+    want = grouped_mm_ref(x if act8 else x.float(), w, ends, scale, block_k, act8)  # float32, dequantised weights
     assert got.shape == (used + 2, n) and got.dtype == dtype
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[:used].float(), want[:used], **tol)
+
+
+@pytest.mark.parametrize("block_k", [None, 64, 256])
+def test_fp8_grouped_mm_act8_quantizes_each_rows_k_tile(device, block_k):
+    """The grouped kernel's act8: each row's K tile (128 columns, or the narrower scale block) rounded to e4m3, the
+    fp8 product scaled back: equal to the reference that quantizes first (float32 rows, exact under that rounding on
+    the CPU), not to the exact product (CUDA's random rows); refused for 16-bit weights."""
+    from tp_lora.ops.grouped_mm import grouped_mm_triton
+    counts, k, n = [3, 0, 9, 4], 320, 40
+    gen = torch.Generator().manual_seed(k + (block_k or 0))
+    w, scale = fp8_weights(gen, len(counts), n, k, block_k)
+    x = representable(gen, 18, k, min(128, block_k or 128)) if device == "cpu" else torch.randn(18, k, generator=gen)
+    x, w, scale = x.to(device), w.to(device), scale.to(device)
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
+    got = grouped_mm_triton(x, w, ends, scale, block_k, 4, act8=True)
+    want = grouped_mm_ref(x, w, ends, scale, block_k, act8=True)
+    assert rel_err(got[:16], want[:16]) < 1e-5
+    if device == "cuda":
+        assert rel_err(got[:16], grouped_mm_ref(x, w, ends, scale, block_k)[:16]) > 5e-3
+    with pytest.raises(ValueError, match="act8 multiplies fp8 weights with their scales, got torch.float32"):
+        grouped_mm_triton(x, w.float(), ends, None, None, 4, act8=True)
 
 
 def rel_err(got, want) -> float:
@@ -95,6 +120,54 @@ def test_w8a16_mm_takes_16bit_weights_without_scales(device, rows, n, k, split, 
         fp8_gemm.w8a16_mm(x, w.to(torch.float8_e4m3fn), None, None)
 
 
+@pytest.mark.parametrize("rows,n,k,block_k,cfg", [
+    (1, 40, 96, None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)),
+    (5, 72, 200, None, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=3)),      # ragged K: the last tile 8 columns wide
+    (16, 48, 320, 128, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),      # block scales wider than the tile
+    (33, 24, 256, 256, dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=16))])   # more splits than tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a16_mm_act8_quantizes_each_rows_k_tile(device, dtype, rows, n, k, block_k, cfg):
+    """ACT8: x quantized per (row, K tile) to e4m3 in the kernel, then the fp8 product: equal to the reference that
+    quantizes first (quantize_per_group), and not the weight-only product (random rows on CUDA; on the CPU rows
+    exact under that quantization, the interpreter rounding some values wrongly)."""
+    from tp_lora.ops.triton import fp8_gemm
+    from tp_lora.ops.triton.tickets import tickets
+    cfg = dict(cfg, ACT8=True)
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w, scale = fp8_weights(gen, 1, n, k, block_k)
+    w, scale = w[0].to(device), scale[0].to(device)
+    tile = min(cfg["BLOCK_K"], block_k or k)
+    x = representable(gen, rows, k, tile) if device == "cpu" else torch.randn(rows, k, generator=gen) * 3
+    x = x.to(dtype).to(device)
+    got = fp8_gemm.w8a16_mm(x, w, scale, block_k, cfg)
+    want = w8a16_mm_ref(x, w, scale, block_k, cfg)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert not tickets(x.device, 1).any()
+    if device == "cuda":  # the e4m3 rounding of random rows shows against the exact product
+        assert rel_err(got, w8a16_mm_ref(x, w, scale, block_k)) > 5e-3
+    with pytest.raises(ValueError, match=f"ACT8 multiplies fp8 weights with their scales, got {dtype} weights"):
+        fp8_gemm.w8a16_mm(x, x.contiguous(), None, None, cfg)
+
+
+def test_fp8_linear_quantizes_16bit_activations_at_decode_only(device, monkeypatch):
+    """Which decode GEMM fp8_linear runs: ACT8 for bf16 rows up to ACT8_ROWS (per-channel scales and 128-column
+    blocks), weight-only for float32 rows and for blocks narrower than 128 columns."""
+    from tp_lora.ops.triton import fp8_gemm
+    monkeypatch.setattr(fused, "KERNELS", True)
+    seen = []
+    kernel = fp8_gemm.w8a16_mm
+    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a: seen.append(a[4]["ACT8"]) or kernel(*a))
+    gen = torch.Generator().manual_seed(3)
+    for dtype, block_k, rows, act8 in [(torch.bfloat16, None, ACT8_ROWS, True), (torch.bfloat16, 128, 1, True),
+                                       (torch.bfloat16, 64, 4, False), (torch.float32, None, 4, False),
+                                       (torch.bfloat16, None, ACT8_ROWS + 1, False)]:  # deep: weight-only rows
+        w, scale = fp8_weights(gen, 1, 64, 256, block_k)
+        x = representable(gen, rows, 256, 128).to(dtype).to(device)
+        fp8_linear(x, w[0].to(device), scale[0].to(device), block_k)
+        assert seen[-1] == act8, (dtype, block_k, rows)
+
+
 def test_w8a16_mm_refuses_more_rows_than_one_block(device):
     from tp_lora.ops.triton import fp8_gemm
     w = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)
@@ -131,19 +204,19 @@ def test_fp8_linear_with_kernels_matches_the_dequantised_gemm(device, monkeypatc
     gen = torch.Generator().manual_seed(rows + (block_k or 1))
     w, scale = fp8_weights(gen, 1, n, k, block_k)
     w, scale = w[0].to(device), scale[0].to(device)
-    # exact under the activations' per-group quantization on the CPU, whose interpreter rounds some values to fp8
-    # wrongly (per-channel weights past SMALL_ROWS take the dequantised GEMM there)
-    x = representable(gen, rows, k, block_k) if device == "cpu" else torch.randn(rows, k, generator=gen)
+    # exact under the activations' quantization per (row, 128 columns) on the CPU, whose interpreter rounds some
+    # values to fp8 wrongly (per-channel weights past the decode rows take the dequantised GEMM there)
+    x = representable(gen, rows, k, 128) if device == "cpu" else torch.randn(rows, k, generator=gen)
     x = x.to(torch.bfloat16).to(device)
     if block_n is not None:  # the layers' layout of [128, 128] blocks: a block's scale row on each of its rows
         scale = scale[::block_n].repeat_interleave(block_n, 0)[:n]
     got = fp8_linear(x, w, scale, block_k, block_n)
     want = x.float() @ dequantize(w, scale, block_k).t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    # Past the weight-only GEMM's rows on CUDA the activations are quantized too (W8A8): e4m3 rounding of x adds up
-    # to 2^-4 relative per element, a few percent of the output's scale over K terms.
-    w8a8 = device == "cuda" and rows > small_rows(w, block_k)
-    assert rel_err(got, want) < (0.08 if w8a8 else 0.02)
+    # On CUDA the bf16 activations are quantized to e4m3 (in the decode GEMM up to ACT8_ROWS, W8A8 past the
+    # weight-only rows): up to 2^-4 relative per element, a few percent of the output's scale over K terms.
+    weight_only = ACT8_ROWS < rows <= small_rows(w, block_k)
+    assert rel_err(got, want) < (0.08 if device == "cuda" and not weight_only else 0.02)
 
 
 @pytest.mark.parametrize("block_k", [None, 128])

@@ -4,10 +4,13 @@ layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation qua
     fp8_linear(x [T, K], w [N, K] fp8, scale, block_k, block_n=None) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
-With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter): up to small_rows(w, block_k)
-rows (decode) the weight-only split-K GEMM (tp_lora.ops.triton.fp8_gemm.w8a16_mm: fp8 tiles widened in registers,
-scales on the partial sums; it reads only the fp8 bytes and quantizes nothing). More rows, W8A8 on the fp8 tensor
-cores with the activations quantized by one Triton kernel: per-channel weights through torch._scaled_mm (rowwise
+With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter), at decode the split-K GEMM
+tp_lora.ops.triton.fp8_gemm.w8a16_mm, which reads only the fp8 bytes: for 16-bit activations up to ACT8_ROWS rows
+(scales per channel or per blocks of a multiple of 128 columns) it quantizes them per (row, 128 columns) in its main
+loop and multiplies on the fp8 tensor cores (ACT8: the activations' quantization of transformers' fine-grained fp8
+layers); otherwise, up to small_rows(w, block_k) rows, weight-only (fp8 tiles widened in registers, scales on the
+partial sums; float32 activations are never quantized). More rows, W8A8 on the fp8 tensor cores with the
+activations quantized by one Triton kernel: per-channel weights through torch._scaled_mm (rowwise
 scales, fast accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where
 the layer's rows lie in whole blocks, else the Triton w8a8_mm (scales per K tile in its main loop). Elsewhere (the
 CPU): the weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare
@@ -95,8 +98,18 @@ def quantize_per_group(x: torch.Tensor, group: int, rows_to: int = 1) -> tuple[t
 def w8a16_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
                  cfg: dict | None = None) -> torch.Tensor:
     """x [M, K] @ the dequantised w [N, K]^T in float32, rounded once to x's dtype (scale None: w in x's dtype, no
-    scales; cfg: the kernel's launch configuration, unused here)."""
-    return (x.float() @ (w.float() if scale is None else dequantize(w, scale, block_k)).t()).to(x.dtype)
+    scales). cfg: the kernel's launch configuration; with ACT8 x is first quantized per (row, K tile of
+    min(BLOCK_K, block_k) columns) as the kernel does (quantize_per_group), else it does not matter here."""
+    xf = x.float()
+    if cfg and cfg.get("ACT8"):
+        xf = act8_rows(x, cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k))
+    return (xf @ (w.float() if scale is None else dequantize(w, scale, block_k)).t()).to(x.dtype)
+
+
+def act8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [T, K] rounded to e4m3 per (row, group columns) and back, float32: what the ACT8 kernels multiply."""
+    xq, xs = quantize_per_group(x, group)
+    return xq.float() * xs.repeat_interleave(group, -1)[:, :x.shape[1]]
 
 
 def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int,
@@ -107,6 +120,7 @@ def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torc
     return (a @ dequantize(w, scale, block_k).t()).to(out_dtype)
 
 
+ACT8_ROWS = 32  # rows up to which 16-bit activations take the decode GEMM quantizing them per (row, 128 columns)
 SMALL_ROWS = 32  # rows up to which the kernels run the weight-only GEMM (past them W8A8 is faster)
 SMALL_ROWS_WIDE = 16  # the same for wide layers (out >= 4 x in, gate_up): W8A8 wins from fewer rows there
 SMALL_ROWS_DEEP = 64  # the same for per-channel layers no wider than deep (out <= in: o, down): the kernel's limit
@@ -173,18 +187,21 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
     None where they may not."""
     rows = x.shape[0]
-    # Past the weight-only GEMM's rows the activations are quantized to fp8 (W8A8): 16-bit activations only, float32
-    # layers ask for the dequantized weights' exact product.
-    w8a8 = block_k is not None and x.dtype in (torch.bfloat16, torch.float16)
+    # 16-bit activations are quantized to fp8 (W8A8): per (row, 128 columns) inside the decode GEMM up to ACT8_ROWS
+    # rows, past them by a kernel of their own; float32 layers ask for the dequantized weights' exact product.
+    half = x.dtype in (torch.bfloat16, torch.float16)
     small = small_rows(w, block_k)
-    if rows and (rows <= small or w8a8) and kernels_take(x, block_k):
+    if rows and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
+        if half and rows <= ACT8_ROWS and (block_k is None or block_k % 128 == 0):
+            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True))
         if rows <= small:
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))
-        if blockwise_ok(x, w, block_k, block_n):
-            return blockwise_mm(x, w, scale)
-        xq, xs = fp8_quant.quantize_per_group(x, block_k)
-        return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype)
+        if half and block_k is not None:
+            if blockwise_ok(x, w, block_k, block_n):
+                return blockwise_mm(x, w, scale)
+            xq, xs = fp8_quant.quantize_per_group(x, block_k)
+            return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype)
     if rows and scaled_mm_ok(x, w, block_k):
         if use_kernels(x):
             from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415

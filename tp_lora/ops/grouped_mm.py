@@ -8,7 +8,8 @@ w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, 
 
 Rows past ends[-1] are left undefined (the plan never reads them). On CUDA with few rows per expert (decode), and
 for fp8 weights at any row count (a dequantised copy of every expert would cost more memory than the experts), our
-Triton kernel (tp_lora/ops/triton/grouped_mm.py: one pass over the routed experts' weights); otherwise torch's
+Triton kernel (tp_lora/ops/triton/grouped_mm.py: one pass over the routed experts' weights; with fp8 weights,
+16-bit activations are quantized per (row, 128 columns) in it and multiplied on the fp8 tensor cores); otherwise torch's
 grouped GEMM (`F.grouped_mm`) where the installed torch runs it for the device and dtype (CUDA: bf16 on sm90+; CPU
 builds that have it), else the per-expert loop `grouped_mm_ref`, which reads the offsets on the host (a sync: eager
 only); fp8 weights there are dequantised to x's dtype first.
@@ -20,13 +21,17 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from tp_lora.ops.fp8 import dequantize, kernels_take
+from tp_lora.ops.fp8 import act8_rows, dequantize, kernels_take
 from tp_lora.ops.fused import use_kernels
 
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
-                   block_k: int | None = None) -> torch.Tensor:
-    """The per-expert loop (reference and fallback); rows past ends[-1] are 0."""
+                   block_k: int | None = None, act8: bool = False) -> torch.Tensor:
+    """The per-expert loop (reference and fallback); rows past ends[-1] are 0. act8: x first rounded to e4m3 per
+    (row, K tile) as the Triton kernel's act8 does (float32 out)."""
+    if act8:
+        from tp_lora.ops.triton.grouped_mm import BLOCK_K  # noqa: PLC0415 - the kernel's tile: its scale groups
+        x = act8_rows(x, BLOCK_K if block_k is None else min(BLOCK_K, block_k))
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
     out = x.new_zeros(x.shape[0], w.shape[1])
@@ -44,7 +49,9 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                block_k: int | None = None) -> torch.Tensor:
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
-        return grouped_mm_triton(x, w, ends, scale, block_k, -(-x.shape[0] // max(w.shape[0], 1)))
+        # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
+        act8 = x.dtype in (torch.bfloat16, torch.float16) and (block_k is None or block_k % 128 == 0)
+        return grouped_mm_triton(x, w, ends, scale, block_k, -(-x.shape[0] // max(w.shape[0], 1)), act8)
     if scale is None and use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0]:
         return grouped_mm_triton(x, w, ends)
     if scale is not None:
@@ -60,10 +67,11 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> to
 
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
-                      block_k: int | None = None, rows_per_expert: int = SMALL_ROWS) -> torch.Tensor:
+                      block_k: int | None = None, rows_per_expert: int = SMALL_ROWS,
+                      act8: bool = False) -> torch.Tensor:
     """Our Triton kernel (CUDA, or the interpreter)."""
     from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
-    return kernel(x, w, ends, scale, block_k, rows_per_expert)
+    return kernel(x, w, ends, scale, block_k, rows_per_expert, act8)
 
 
 

@@ -25,6 +25,12 @@ def _interpreting() -> bool:
     return type(mm).__name__ == "InterpretedFunction"
 
 
+def fp8_dot():
+    """The operand type of an fp8 x fp8 tile product: e4m3 on the GPU's fp8 tensor cores, float32 under the
+    interpreter (the same values)."""
+    return tl.float32 if _interpreting() else tl.float8e4nv
+
+
 def compute_types(act: torch.dtype, weight: torch.dtype):
     """(operand rounding type, dot operand type, dot precision) for activations `act` times weights `weight`."""
     if weight in FP8:

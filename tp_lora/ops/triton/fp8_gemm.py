@@ -6,13 +6,16 @@ references in tp_lora.ops.fp8:
 
 scale: [N] per output channel (block_k None) or [N, ceil(K / block_k)] per block of block_k columns; xs: [M,
 ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant.quantize_per_group). w8a16_mm also
-takes 16-bit weights in x's dtype with scale None (tp_lora.ops.decode_mm: the LM head at decode).
+takes 16-bit weights in x's dtype with scale None (tp_lora.ops.head_mm: the LM head at decode).
 
-w8a16_mm: weight-only. Few rows make the GEMM a stream of the weights, so programs own BLOCK_N output columns and a
-1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight; the fp8 tile is widened to x's dtype in
-registers (exact) and block scales multiply each K tile's float32 partial sum. SWAP computes the transposed tile
-(w [BLOCK_N, BLOCK_K] @ x^T): the weight rows fill the MMA's 64-row side, so Hopper runs its warp-group MMA with the
-widened weights from registers where BLOCK_M (the rows, 16 to 64) would be too few for it. With SPLIT_K > 1 each
+w8a16_mm: the decode GEMM. Few rows make the GEMM a stream of the weights, so programs own BLOCK_N output columns
+and a 1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight. Weight-only: the fp8 tile is widened
+to x's dtype in registers (exact) and block scales multiply each K tile's float32 partial sum. SWAP computes the
+transposed tile (w [BLOCK_N, BLOCK_K] @ x^T): the weight rows fill the MMA's 64-row side, so Hopper runs its
+warp-group MMA with the widened weights from registers where BLOCK_M (the rows, 16 to 64) would be too few for it.
+ACT8 (transposed tile, fp8 weights): each row's K tile of x is quantized to e4m3 in the kernel, scale amax / 448
+(per row and BLOCK_K columns: what quantize_per_group computes), and the tile product runs on the fp8 tensor cores,
+scaled per row: no widening of the weights, whose conversion bounds the weight-only form's speed. With SPLIT_K > 1 each
 program stores its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on its column block's
 counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight at a time (the
 output does not depend on arrival order), applies the channel scales (loaded before the main loop), writes the
@@ -29,28 +32,24 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.dot import compute_types, mm
+from tp_lora.ops.triton.dot import FP8, compute_types, fp8_dot, mm
 from tp_lora.ops.triton.tickets import tickets
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2  # w8a16_mm's scale layouts
 MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
 REDUCE = tl.constexpr(4)  # partial tiles the last split loads at once
 
-W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3)
+W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, ACT8=False, num_warps=4, num_stages=3)
 # 16-bit weights of a vocabulary shard (tens of thousands of rows): one program streams all of K for 64 rows
 HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
-def _interpreting() -> bool:
-    return type(_w8a16_kernel).__name__ == "InterpretedFunction"
-
-
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
-                  PREC: tl.constexpr, SWAP: tl.constexpr):
+                  PREC: tl.constexpr, SWAP: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -75,7 +74,13 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
         k_mask = offs_k < k_hi - k0
         if SWAP:
             wv = tl.load(w_blk + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            part = mm(wv, tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0), CDT, DOT, PREC)
+            xv = tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+            if ACT8:  # each row's K tile to fp8 (scale: its amax / 448), the product on the fp8 tensor cores
+                xv = xv.to(tl.float32)
+                xs = tl.maximum(tl.max(tl.abs(xv), axis=0) / 448.0, 1e-12)
+                part = tl.dot(wv.to(DOT8), (xv / xs[None, :]).to(tl.float8e4nv).to(DOT8)) * xs[None, :]
+            else:
+                part = mm(wv, xv, CDT, DOT, PREC)
         else:
             xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             part = mm(xv, tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0), CDT, DOT, PREC)
@@ -111,8 +116,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
 
 def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block_k: int | None,
              cfg: dict | None = None) -> torch.Tensor:
-    """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, num_warps, num_stages.
-    scale None: w holds x's dtype (16-bit weights, no scales)."""
+    """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, ACT8 (implies SWAP),
+    num_warps, num_stages. scale None: w holds x's dtype (16-bit weights, no scales)."""
     cfg = {**W8A16_DEFAULT, **(cfg or {})}
     x = x.contiguous()
     m, k = x.shape
@@ -123,10 +128,13 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
         raise ValueError(f"w8a16_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
     if scale is None and w.dtype != x.dtype:
         raise ValueError(f"w8a16_mm: {w.dtype} weights need scales (without them, w must have x's {x.dtype})")
+    bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
+    if cfg["ACT8"] and (scale is None or w.dtype not in FP8):
+        raise ValueError(f"w8a16_mm: ACT8 multiplies fp8 weights with their scales, got {w.dtype} weights"
+                         f"{' without scales' if scale is None else ''}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
     tiles = triton.cdiv(k, bk)
     split = max(1, min(cfg["SPLIT_K"], tiles))
     k_split = triton.cdiv(tiles, split) * bk
@@ -141,7 +149,9 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     _w8a16_kernel[(grid_n, split)](
         x, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"],
+        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"],
+        ACT8=cfg["ACT8"],
+        DOT8=fp8_dot(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -200,19 +210,27 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
     _w8a8_kernel[grid](
         xq, xs, w, scale, out, m, n, k, xq.stride(0), xs.stride(1), w.stride(0), scale.stride(0), out.stride(0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], block_k),
-        GROUP_M=cfg["GROUP_M"], SCALE_K=block_k, DOT=tl.float32 if _interpreting() else tl.float8e4nv,
+        GROUP_M=cfg["GROUP_M"], SCALE_K=block_k, DOT=fp8_dot(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
-def w8a16_config(m: int, n: int, k: int) -> dict:
-    """The launch configuration of w8a16_mm for m rows and a weight [n, k]: 64 columns x 128 K per tile, 4 warps, 3
-    stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least 1024 wide) that
-    keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen with
-    scripts/bench_decode_gemm.py --weights fp8."""
-    blocks = triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"])
-    budget = 512 if m <= 32 else 256
+def w8a16_config(m: int, n: int, k: int, act8: bool = False) -> dict:
+    """The launch configuration of w8a16_mm for m rows and a weight [n, k]. Weight-only: 64 columns x 128 K per
+    tile, 4 warps, 3 stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least
+    1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
+    with scripts/bench_decode_gemm.py --weights fp8. act8 (ACT8, rows up to 32): 128 x 128 tiles, 8 warps, 4
+    stages, the programs within 256; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows)."""
+    if act8:
+        return dict(W8A16_DEFAULT, BLOCK_N=128, num_warps=8, num_stages=4, ACT8=True, SWAP=True,
+                    SPLIT_K=_splits(triton.cdiv(n, 128), k, 256))
+    return dict(W8A16_DEFAULT, SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 512 if m <= 32 else 256),
+                SWAP=m > 16)
+
+
+def _splits(blocks: int, k: int, budget: int) -> int:
+    """The most K shares (up to 8, each at least 1024 wide) that keep blocks x shares programs within budget."""
     split = 1
     while split < 8 and blocks * split * 2 <= budget and k // (split * 2) >= 1024:
         split *= 2
-    return dict(W8A16_DEFAULT, SPLIT_K=split, SWAP=m > 16)
+    return split

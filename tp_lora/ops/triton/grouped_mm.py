@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.dot import compute_types, mm
+from tp_lora.ops.triton.dot import FP8, compute_types, fp8_dot, mm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -32,7 +32,8 @@ SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, C, N, K, s_xm, s_we, s_wn, s_om, s_se, s_sn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
-                       CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                       CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr,
+                       DOT8: tl.constexpr):
     e = tl.program_id(0)
     if ENDS:
         start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
@@ -54,11 +55,15 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, C, N, K, s_xm, s_
             k_mask = offs_k < K - k0
             xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             wv = tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if SCALES == 2:  # one scale per (row, SCALE_K columns); BLOCK_K divides SCALE_K
-                sc = tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)
-                acc += mm(xv, wv, CDT, DOT, PREC) * sc[None, :]
+            if ACT8:  # each row's K tile to fp8 (scale: its amax / 448), the product on the fp8 tensor cores
+                xv = xv.to(tl.float32)
+                xs = tl.maximum(tl.max(tl.abs(xv), axis=1) / 448.0, 1e-12)
+                part = tl.dot((xv / xs[:, None]).to(tl.float8e4nv).to(DOT8), wv.to(DOT8)) * xs[:, None]
             else:
-                acc += mm(xv, wv, CDT, DOT, PREC)
+                part = mm(xv, wv, CDT, DOT, PREC)
+            if SCALES == 2:  # one scale per (row, SCALE_K columns); BLOCK_K divides SCALE_K
+                part *= tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[None, :]
+            acc += part
         if SCALES == 1:
             acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
         o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
@@ -66,9 +71,10 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, C, N, K, s_xm, s_
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scale: torch.Tensor | None = None,
-               block_k: int | None = None, rows_per_expert: int = BLOCK_M) -> torch.Tensor:
+               block_k: int | None = None, rows_per_expert: int = BLOCK_M, act8: bool = False) -> torch.Tensor:
     """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
-    row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks."""
+    row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks. act8 (fp8 weights): x
+    quantized per (row, K tile of min(BLOCK_K, block_k) columns) in the kernel, the product on fp8 tensor cores."""
     x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError(f"grouped_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
@@ -81,6 +87,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     out = torch.empty(c, n, dtype=x.dtype, device=x.device)
     if c == 0 or e == 0:
         return out
+    if act8 and (scale is None or w.dtype not in FP8):
+        raise ValueError(f"grouped_mm: act8 multiplies fp8 weights with their scales, got {w.dtype} weights"
+                         f"{' without scales' if scale is None else ''}")
     if scale is None:
         mode, scale, s_se, s_sn, bk = SCALE_NONE, out, 0, 0, BLOCK_K  # scale_ptr unused
     else:
@@ -95,6 +104,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
         x, w, x if ends is None else ends, out, scale, c, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
         s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode, SCALE_K=block_k or 1,
-        ENDS=ends is not None, CDT=cdt, DOT=dot,
-        PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
+        DOT8=fp8_dot(), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
