@@ -24,6 +24,7 @@ from tp_lora.ops.triton.dot import FP8, compute_types, fp8_dot, mm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
+ACT8_STAGES = 3  # the pipeline's depth with act8 (BENCHMARKS.md: the grouped GEMM's act8 sweep)
 MAX_BLOCK_M = 64  # one row block of up to this many rows (a dense GEMM's decode batch reads its weights once)
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
@@ -105,5 +106,5 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         x, w, x if ends is None else ends, out, scale, c, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
         s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode, SCALE_K=block_k or 1,
         ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
-        DOT8=fp8_dot(), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        DOT8=fp8_dot(), num_warps=NUM_WARPS, num_stages=ACT8_STAGES if act8 else NUM_STAGES)
     return out
