@@ -1,15 +1,17 @@
 """The fp8 GEMM kernels against their references on the device under test (CUDA, or the interpreter):
 
 - the grouped GEMM (tp_lora.ops.triton.grouped_mm with fp8 weights; bf16 rows quantized per (row, 128 columns)
-  in it, act8) against grouped_mm_ref, which dequantises (and quantizes the rows the same way): per-channel and per-block scales (blocks narrower and wider than the kernel's K tile, K not a
-  multiple of the block), empty experts, prefill sizes (more rows per expert than a row block), float32 and bf16
-  activations;
+  in it, act8) against grouped_mm_ref, which dequantises (and quantizes the rows the same way): per-channel and
+  per-block scales (blocks narrower and wider than the kernel's K tile, K not a multiple of the block), empty
+  experts, prefill sizes (more rows per expert than a row block), float32 and bf16 activations;
 - the base layers' fp8 GEMMs (tp_lora.ops.triton.fp8_gemm) against their references: the weight-only split-K
   w8a16_mm in both tile orientations (splits that do not divide K's tiles, more splits than tiles, ragged N and K,
   block scales narrower than the tile; the split counters back at 0 and a second call equal to the first; 16-bit
-  weights without scales), W8A8 w8a8_mm with block scales (ragged M, N, K; the activation scales token-major or
-  row-major);
-- fp8_linear with the kernels on, at decode rows (w8a16_mm) and past them (block scales: per-group quantization +
+  weights without scales), its ACT8 form (each row's K tile quantized to e4m3 in the kernel: against the reference
+  that quantizes first, refused for 16-bit weights), W8A8 w8a8_mm with block scales (ragged M, N, K; the
+  activation scales token-major or row-major);
+- fp8_linear with the kernels on, at decode rows (w8a16_mm, ACT8 for 16-bit rows up to ACT8_ROWS: which form runs
+  is checked) and past them (block scales: per-group quantization +
   cuBLAS's block-scaled GEMM on an sm90 GPU when the rows lie in whole blocks, else w8a8_mm; per-channel: W8A8
   through torch._scaled_mm on CUDA, the dequantised GEMM elsewhere), against x @ dequantize(w)^T;
 - the per-token and per-group activation quantization kernels against quantize_per_token / quantize_per_group (rows

@@ -15,11 +15,13 @@ transposed tile (w [BLOCK_N, BLOCK_K] @ x^T): the weight rows fill the MMA's 64-
 warp-group MMA with the widened weights from registers where BLOCK_M (the rows, 16 to 64) would be too few for it.
 ACT8 (transposed tile, fp8 weights): each row's K tile of x is quantized to e4m3 in the kernel, scale amax / 448
 (per row and BLOCK_K columns: what quantize_per_group computes), and the tile product runs on the fp8 tensor cores,
-scaled per row: no widening of the weights, whose conversion bounds the weight-only form's speed. With SPLIT_K > 1 each
-program stores its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on its column block's
-counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight at a time (the
-output does not depend on arrival order), applies the channel scales (loaded before the main loop), writes the
-output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA graph (tp_lora.ops.triton.tickets).
+scaled per row: no widening of the weights, whose conversion bounds the weight-only form's speed.
+
+With SPLIT_K > 1 each program stores its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on
+its column block's counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight
+at a time (the output does not depend on arrival order), applies the channel scales (loaded before the main loop),
+writes the output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA graph
+(tp_lora.ops.triton.tickets).
 
 w8a8_mm: both operands fp8 on the fp8 tensor cores, float32 accumulation, the block scales (activations per token
 and block_k columns, weights per row and block) multiplying each K tile's product in the main loop. Tiles are
@@ -44,6 +46,7 @@ W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, ACT8=False,
 HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
@@ -150,9 +153,7 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
         x, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
         SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"],
-        ACT8=cfg["ACT8"],
-        DOT8=fp8_dot(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        ACT8=cfg["ACT8"], DOT8=fp8_dot(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
