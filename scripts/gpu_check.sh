@@ -245,7 +245,9 @@ for what in "${@:-all}"; do
         --adapters 1,100,1000 --out "$RES/serving_http" ;;
     fp8_tune)
       step "issue 38: the fp8 GEMM kernels' configuration sweep (w8a16_mm at 32 rows then 1 / 16 / 64, w8a8_mm at 2048)"
-      run fp8_tune 420 80 python3 scripts/tune_fp8_gemm.py --out "$RES/fp8_tune" ;;
+      run fp8_tune 420 80 python3 scripts/tune_fp8_gemm.py --out "$RES/fp8_tune"
+      step "  the grouped expert GEMM's act8 sweep (fp8 experts, Qwen3-30B-A3B layer, 32 / 128 tokens)"
+      run fp8_tune_experts 150 12 python3 scripts/tune_fp8_gemm.py --experts --out "$RES/fp8_tune_experts" ;;
     fp8)
       step "issue 38 (one GPU, one call): fp8 GEMM paths per layer vs bf16 and the fp8 floor, MoE experts; greedy"
       step "  agreement; Llama-3-8B decode step b32, bf16 / fp8 weights / + fp8 KV at ctx 128 and 8192, adapters"

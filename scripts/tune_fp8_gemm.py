@@ -7,7 +7,11 @@ one GPU, beside bf16 F.linear, torch._scaled_mm (W8A8 per channel) and the FP8 w
     w8a8_mm   at --prefill-rows: every (BLOCK_M, BLOCK_N, warps, stages), [128, 128]-block scales, with the
               activations' quantization kernel in the time (per-channel prefill: scripts/bench_fp8_gemm.py)
 
+    experts   (--experts, alone) the grouped expert GEMM (tp_lora.ops.triton.grouped_mm) with fp8 experts and act8:
+              every (BLOCK_N, warps, stages) of EXPERTS over a Qwen3-30B-A3B layer's w13 + w2 at 32 and 128 tokens
+
     python scripts/tune_fp8_gemm.py [--small-rows 32] [--check-rows 1,16,64] [--prefill-rows 2048] [--out DIR]
+    python scripts/tune_fp8_gemm.py --experts [--out DIR]
     python scripts/tune_fp8_gemm.py --smoke [--out DIR]   (CPU / interpreter: tiny shapes, a few configs, no timing)
 
 Kernels compile in a pool of processes first (Triton's on-disk cache then serves this one). Times: CUDA graph
@@ -30,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fp8_gemm import L2_BYTES, SHAPES, block_scales, copy_bandwidth, graph_time  # noqa: E402
+from bench_fp8_gemm import L2_BYTES, SHAPES, block_scales, copy_bandwidth, graph_time, moe_experts  # noqa: E402
 
 from tp_lora.ops.fp8 import quantize_fp8_per_channel, quantize_per_group, w8a8_mm_ref, w8a16_mm_ref  # noqa: E402
 
@@ -156,6 +160,56 @@ def prefill(n, k, block_k, m, q, wb, bw):
     return row
 
 
+# the grouped expert GEMM's (BLOCK_N, num_warps, ACT8_STAGES) for fp8 experts
+EXPERTS = list(itertools.product((64, 128, 256), (4, 8), (3, 4, 5)))
+
+
+def experts_sweep(bw: float, cfgs=EXPERTS, tokens=(32, 128), timer=graph_time, **sizes) -> list[dict]:
+    """Every (BLOCK_N, warps, stages) of the grouped GEMM's act8 path (module constants, restored after) over the
+    expert GEMMs of bench_fp8_gemm.moe_experts at each token count: rows {tokens, experts, cfg, us, floor_us,
+    bf16_us}, fastest first per (tokens, experts); a configuration that does not compile is left out."""
+    from tp_lora.ops.triton import grouped_mm as kernel  # noqa: PLC0415 - after TRITON_INTERPRET is settled
+    saved = kernel.BLOCK_N, kernel.NUM_WARPS, kernel.ACT8_STAGES
+    out = []
+    try:
+        for t in tokens:
+            bf16 = None
+            for cfg in cfgs:
+                kernel.BLOCK_N, kernel.NUM_WARPS, kernel.ACT8_STAGES = cfg
+                try:
+                    rows = moe_experts(bw, tokens=t, timer=timer, **sizes)
+                except Exception as e:  # noqa: BLE001 - out of shared memory: left out
+                    print(f"  experts {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                if cfg[0] == saved[0] and cfg[1] == saved[1]:  # bf16 experts at the module's own tile
+                    bf16 = rows[0]["us"]
+                out += [dict(tokens=t, experts=r["experts"], cfg=cfg, us=r["us"], floor_us=r["floor_us"])
+                        for r in rows[1:]]
+            for r in out:
+                if r["tokens"] == t:
+                    r["bf16_us"] = bf16
+    finally:
+        kernel.BLOCK_N, kernel.NUM_WARPS, kernel.ACT8_STAGES = saved
+    out.sort(key=lambda r: (r["tokens"], r["experts"], r["us"]))
+    return out
+
+
+def experts(out_dir: str) -> None:
+    """--experts: the sweep on this GPU, a table of the three fastest per (tokens, scales), tune_fp8_gemm.json."""
+    bw = copy_bandwidth()
+    swept = experts_sweep(bw)
+    print(f"{torch.cuda.get_device_name()}: grouped expert GEMM, act8, (BLOCK_N, warps, stages), us")
+    print("| tokens | scales | bf16 us | floor us | fastest three |")
+    print("|---|---|---|---|---|")
+    for key in dict.fromkeys((r["tokens"], r["experts"]) for r in swept):
+        rows = [r for r in swept if (r["tokens"], r["experts"]) == key]
+        best = ", ".join(f"{r['cfg']} {r['us']:.1f}" for r in rows[:3])
+        print(f"| {key[0]} | {key[1]} | {rows[0]['bf16_us']:.1f} | {rows[0]['floor_us']:.1f} | {best} |")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tune_fp8_gemm.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, experts=swept), f, indent=1)
+
+
 def smoke(out_dir: str) -> None:
     """The sweep's calls on tiny shapes on the CPU (interpreter): catches typos before a GPU call. Writes each
     call's relative error against its reference into tune_fp8_gemm.json."""
@@ -175,9 +229,16 @@ def smoke(out_dir: str) -> None:
             got = fp8_gemm.w8a8_mm(xq, xs, w, s, block_k, x.dtype, dict(PREFILL[0], BLOCK_M=16, BLOCK_N=32))
             errs[f"w8a8/{block_k}"] = rel_err(got, w8a8_mm_ref(xq, xs, w, s, block_k, x.dtype))
     assert max(errs.values()) < 2e-2, errs
+    from tp_lora.ops import fused  # noqa: PLC0415 - the grouped GEMM's kernel on the CPU
+
+    def once(calls, repeat=1):  # no timing on the CPU: each call runs once
+        calls[0]()
+        return 1e-6
+    fused.KERNELS = True
+    swept = experts_sweep(1e12, EXPERTS[:2], (4,), once, e=4, h=256, inter=128, topk=2, device="cpu")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "tune_fp8_gemm.json"), "w") as f:
-        json.dump(dict(device="cpu", smoke=errs), f, indent=1)
+        json.dump(dict(device="cpu", smoke=errs, experts=swept), f, indent=1)
     print("smoke ok", max(errs.values()))
 
 
@@ -219,9 +280,12 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out", default="bench_results")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--experts", action="store_true", help="the grouped expert GEMM's act8 sweep alone")
     args = p.parse_args()
     if args.smoke:
         return smoke(args.out)
+    if args.experts:
+        return experts(args.out)
     scales = (None, 128)
     check_rows = [int(r) for r in args.check_rows.split(",") if r]
     shapes = args.shapes.split(",")

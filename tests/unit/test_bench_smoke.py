@@ -96,5 +96,9 @@ def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights, modes):
 
 def test_tune_fp8_gemm_smoke(tmp_path):
     _run(tmp_path, "tune_fp8_gemm.py", "--smoke", "--out", str(tmp_path / "out"))
-    errs = _report(tmp_path / "out" / "tune_fp8_gemm.json")["smoke"]
+    report = _report(tmp_path / "out" / "tune_fp8_gemm.json")
+    errs = report["smoke"]
     assert len(errs) == 9 and max(errs.values()) < 2e-2
+    # the experts' sweep: 2 configurations x (per channel, per block), each run
+    assert [(r["experts"], tuple(r["cfg"])) for r in report["experts"]] == [
+        (s, c) for s in ("block128", "channel") for c in [(64, 4, 3), (64, 4, 4)]], report["experts"]

@@ -24,7 +24,7 @@ from tp_lora.ops.triton.dot import FP8, compute_types, fp8_dot, mm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
-ACT8_STAGES = 3  # the pipeline's depth with act8 (BENCHMARKS.md: the grouped GEMM's act8 sweep)
+ACT8_STAGES = 3  # the pipeline's depth with act8 (scripts/tune_fp8_gemm.py --experts)
 MAX_BLOCK_M = 64  # one row block of up to this many rows (a dense GEMM's decode batch reads its weights once)
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
