@@ -58,8 +58,7 @@ def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
                                                      ASM=ASM)
     elif n:
         _all_reduce_kernel[(buf.programs,)](t, buf.ptrs, buf.pads, buf.epochs, buf.report.address, buf.limit, n,
-                                            buf.slot, RANK=buf.rank,
-                                            WORLD=buf.world, BLOCK=REDUCE_BLOCK, ASM=ASM,
+                                            buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=REDUCE_BLOCK, ASM=ASM,
                                             POLL=buf.polls(t.nbytes * buf.world))
     return t
 

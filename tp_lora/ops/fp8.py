@@ -102,22 +102,16 @@ def w8a16_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k:
     min(BLOCK_K, block_k) columns) as the kernel does (quantize_per_group), else it does not matter here."""
     xf = x.float()
     if cfg and cfg.get("ACT8"):
-        xf = act8_rows(x, cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k))
+        group = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
+        xf = dequantize(*quantize_per_group(x, group), group)
     return (xf @ (w.float() if scale is None else dequantize(w, scale, block_k)).t()).to(x.dtype)
-
-
-def act8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [T, K] rounded to e4m3 per (row, group columns) and back, float32: what the ACT8 kernels multiply."""
-    xq, xs = quantize_per_group(x, group)
-    return xq.float() * xs.repeat_interleave(group, -1)[:, :x.shape[1]]
 
 
 def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int,
                 out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
     """Activations quantized per group, xq [M, K] fp8 with xs [M, ceil(K / block_k)], times the dequantised
     block-scaled w [N, K]^T, in float32, rounded once to out_dtype."""
-    a = xq.float() * xs.repeat_interleave(block_k, -1)[:, :xq.shape[1]]
-    return (a @ dequantize(w, scale, block_k).t()).to(out_dtype)
+    return (dequantize(xq, xs, block_k) @ dequantize(w, scale, block_k).t()).to(out_dtype)
 
 
 ACT8_ROWS = 32  # rows up to which 16-bit activations take the decode GEMM quantizing them per (row, 128 columns)
@@ -134,6 +128,12 @@ def small_rows(w: torch.Tensor, block_k: int | None = None) -> int:
     if n >= 4 * k:
         return SMALL_ROWS_WIDE
     return SMALL_ROWS_DEEP if n <= k and block_k is None else SMALL_ROWS
+
+
+def act8_takes(x: torch.Tensor, block_k: int | None) -> bool:
+    """Whether the fp8 kernels quantize activations x per (row, 128 columns) themselves (ACT8): 16-bit x, scales
+    per channel (block_k None) or per blocks of a multiple of 128 columns."""
+    return x.dtype in (torch.bfloat16, torch.float16) and (block_k is None or block_k % 128 == 0)
 
 
 def kernels_take(x: torch.Tensor, block_k: int | None) -> bool:
@@ -193,7 +193,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     small = small_rows(w, block_k)
     if rows and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
-        if half and rows <= ACT8_ROWS and (block_k is None or block_k % 128 == 0):
+        if rows <= ACT8_ROWS and act8_takes(x, block_k):
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True))
         if rows <= small:
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from tp_lora.ops.fp8 import act8_rows, dequantize, kernels_take
+from tp_lora.ops.fp8 import act8_takes, dequantize, kernels_take, quantize_per_group
 from tp_lora.ops.fused import use_kernels
 
 
@@ -31,7 +31,8 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: 
     (row, K tile) as the Triton kernel's act8 does (float32 out)."""
     if act8:
         from tp_lora.ops.triton.grouped_mm import BLOCK_K  # noqa: PLC0415 - the kernel's tile: its scale groups
-        x = act8_rows(x, BLOCK_K if block_k is None else min(BLOCK_K, block_k))
+        group = BLOCK_K if block_k is None else min(BLOCK_K, block_k)
+        x = dequantize(*quantize_per_group(x, group), group)
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
     out = x.new_zeros(x.shape[0], w.shape[1])
@@ -50,8 +51,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
                block_k: int | None = None) -> torch.Tensor:
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
-        act8 = x.dtype in (torch.bfloat16, torch.float16) and (block_k is None or block_k % 128 == 0)
-        return grouped_mm_triton(x, w, ends, scale, block_k, -(-x.shape[0] // max(w.shape[0], 1)), act8)
+        return grouped_mm_triton(x, w, ends, scale, block_k, -(-x.shape[0] // max(w.shape[0], 1)),
+                                 act8_takes(x, block_k))
     if scale is None and use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0]:
         return grouped_mm_triton(x, w, ends)
     if scale is not None:

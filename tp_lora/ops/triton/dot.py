@@ -31,6 +31,14 @@ def fp8_dot():
     return tl.float32 if _interpreting() else tl.float8e4nv
 
 
+def check_act8(option: str, w: torch.Tensor, scale) -> None:
+    """An ACT8 option (activations quantized in the kernel: "kernel: its name") multiplies fp8 weights with their
+    scales: ValueError otherwise."""
+    if scale is None or w.dtype not in FP8:
+        raise ValueError(f"{option} multiplies fp8 weights with their scales, got {w.dtype} weights"
+                         f"{' without scales' if scale is None else ''}")
+
+
 def compute_types(act: torch.dtype, weight: torch.dtype):
     """(operand rounding type, dot operand type, dot precision) for activations `act` times weights `weight`."""
     if weight in FP8:

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.dot import FP8, compute_types, fp8_dot, mm
+from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
 from tp_lora.ops.triton.tickets import tickets
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2  # w8a16_mm's scale layouts
@@ -132,9 +132,8 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     if scale is None and w.dtype != x.dtype:
         raise ValueError(f"w8a16_mm: {w.dtype} weights need scales (without them, w must have x's {x.dtype})")
     bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
-    if cfg["ACT8"] and (scale is None or w.dtype not in FP8):
-        raise ValueError(f"w8a16_mm: ACT8 multiplies fp8 weights with their scales, got {w.dtype} weights"
-                         f"{' without scales' if scale is None else ''}")
+    if cfg["ACT8"]:
+        check_act8("w8a16_mm: ACT8", w, scale)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out

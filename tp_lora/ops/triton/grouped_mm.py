@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.dot import FP8, compute_types, fp8_dot, mm
+from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -88,9 +88,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     out = torch.empty(c, n, dtype=x.dtype, device=x.device)
     if c == 0 or e == 0:
         return out
-    if act8 and (scale is None or w.dtype not in FP8):
-        raise ValueError(f"grouped_mm: act8 multiplies fp8 weights with their scales, got {w.dtype} weights"
-                         f"{' without scales' if scale is None else ''}")
+    if act8:
+        check_act8("grouped_mm: act8", w, scale)
     if scale is None:
         mode, scale, s_se, s_sn, bk = SCALE_NONE, out, 0, 0, BLOCK_K  # scale_ptr unused
     else:
