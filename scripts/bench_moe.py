@@ -85,7 +85,7 @@ def routed_floors(block, ps, x: torch.Tensor, slots: list[int], bandwidth: float
     LoRA)."""
     ex = block.base_experts
     with torch.no_grad():
-        ids, _, _ = block.gate(x)
+        ids, _ = block.gate(x)
     tags = torch.tensor(slots)[:, None].expand_as(ids.cpu())
     if ps.ep.size > 1 and ps.ep_attention == "dp":  # every replica's tokens reach this rank's experts
         ids = torch.cat([torch.as_tensor(i) for i in comm.all_gather_object(ids.cpu(), ps.ep)])

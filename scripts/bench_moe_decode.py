@@ -394,8 +394,8 @@ KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")), ("expert groupe
                                                             "AllReduce")),
          ("fused all-reduce + add + RMSNorm", ("_reduce_add_rms",)),
          ("attention", ("_decode_kernel", "_varlen")),
-         ("dense GEMMs (qkv, o, router, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass", "_w8a16")),
-         ("routing (router, top-k, the plan)", ("_route_kernel", "_moe_topk", "_plan_kernel", "searchsorted")),
+         ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass", "_w8a16")),
+         ("routing (top-k, the plan)", ("_moe_topk", "_plan_kernel", "searchsorted")),
          ("pack, combine, act, norms, rope (Triton)", ("_pack_kernel", "_moe_combine", "_act_mul", "_add_rms_norm",
                                                        "_rope_write")))
 OTHER = "torch elementwise / copies / fills / gathers"

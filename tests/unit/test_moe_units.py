@@ -176,9 +176,8 @@ def test_router_normalisation_follows_the_model():
     for renorm in (True, False):
         r = Router(16, 8, 2, renorm, weights_in_model_dtype=False)
         r.weight.data.normal_()
-        ids, w, plan = r(x)
+        ids, w = r(x)
         probs = torch.softmax(x @ r.weight.t(), -1)
-        assert plan is None  # no experts named to plan for
         top, want_ids = probs.topk(2, -1)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(w, top / top.sum(-1, keepdim=True) if renorm else top)
@@ -351,7 +350,7 @@ def _expected(block, lora, x, slots):
     """Per token, per top-k pair: the expert MLP with the token's adapter merged into the expert's weights."""
     ex = block.experts.base
     il = ex.inter
-    ids, w, _ = block.gate(x)
+    ids, w = block.gate(x)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):

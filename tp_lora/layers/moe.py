@@ -17,10 +17,9 @@ from tp_lora import distributed as comm
 from tp_lora.layers.linear import column_spec, row_spec, store_rows
 from tp_lora.layers.quant import FP8Scheme
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
-from tp_lora.ops.fused import act_mul
+from tp_lora.ops.fused import act_mul, moe_topk
 from tp_lora.ops.grouped_mm import grouped_mm
 from tp_lora.ops.moe_layout import MoEPlan
-from tp_lora.ops.moe_plan import Local, route
 from tp_lora.sharding import even_range, expert_range, take, take_nd
 
 
@@ -37,12 +36,11 @@ class Router(nn.Module):
         self.top_k, self.renormalize, self.round_weights = top_k, renormalize, weights_in_model_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None, first: int = 0, local: Local | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, MoEPlan | None]:
-        """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32 and, with `local` (the experts that follow on
-        this rank), the routing plan of the pairs (else None); rows first + i >= valid[0] (a CUDA graph's padding)
-        get ids -1."""
-        return route(x, self.weight, self.top_k, self.renormalize, self.round_weights, valid, first, local)
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None, first: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32; rows first + i >= valid[0] (a CUDA graph's
+        padding) get ids -1."""
+        return moe_topk(F.linear(x, self.weight), self.top_k, self.renormalize, self.round_weights, valid, first)
 
 
 class Experts(nn.Module):

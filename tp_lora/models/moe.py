@@ -47,7 +47,7 @@ from tp_lora.ops.batch import LoRABatch, build_lora_batch
 from tp_lora.ops.fused import moe_combine
 from tp_lora.ops.grouped_mm import torch_grouped_available
 from tp_lora.ops.moe_pack import pack_tokens, unpack_tokens
-from tp_lora.ops.moe_plan import Local, build_plan
+from tp_lora.ops.moe_plan import build_plan
 from tp_lora.sharding import token_chunk
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -219,12 +219,9 @@ class SparseMoE(nn.Module):
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
-        tags = step.slots
-        max_loras = self.rt.max_loras if self.rt is not None else 0
-        # a graph's padding rows route nowhere; without EP the plan of the pairs comes with the routing
-        local = None if self.ep.size > 1 else Local(tags, ex.e0, ex.num_local, max_loras, self._expert_lora(tags))
-        ids, w, plan = self.gate(xs, step.valid, c0, local)
+        ids, w = self.gate(xs, step.valid, c0)  # a graph's padding rows route nowhere
         shared = self._shared(xs) if self.shared_gate_up is not None else None
+        tags = step.slots
         if self.chunked:  # hidden states are replicated: gather the chunks' routing only
             packed = comm.all_gather(pack_tokens(None, ids, w, tags, step.rows), self.ep, dim=0)[:x.shape[0]]
             _, ids, w, tags = unpack_tokens(packed, 0, xs.dtype, self.shape.top_k, tags is not None)
@@ -234,8 +231,8 @@ class SparseMoE(nn.Module):
             xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
         else:
             xg = xs
-        if plan is None:
-            plan = build_plan(ids, w, tags, ex.e0, ex.num_local, max_loras, self._expert_lora(tags))
+        plan = build_plan(ids, w, tags, ex.e0, ex.num_local, self.rt.max_loras if self.rt is not None else 0,
+                          self._expert_lora(tags))
         yp = self.experts(xg[plan.token], plan) if plan.num_pairs else xg[:0]
         y = moe_combine(yp, plan.pos, plan.weight)
         if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention

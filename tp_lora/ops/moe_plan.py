@@ -5,44 +5,12 @@ graph. Shapes and pair order: see tp_lora.ops.moe_layout.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 
-from tp_lora.ops.fused import moe_topk, use_kernels
+from tp_lora.ops.fused import use_kernels
 from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan, num_lora_blocks
 
 SMALL_SORT = 4096  # pairs (N * k) up to which CUDA builds the plan in one Triton launch (else torch.sort and co.)
-
-
-class Local(NamedTuple):
-    """The experts of the rank that routes, computed right after routing (no EP dispatch between): build_plan's
-    arguments after the pairs."""
-    token_slot: torch.Tensor | None
-    expert_start: int
-    num_local: int
-    max_loras: int = 0
-    lora: bool = False
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
-          valid: torch.Tensor | None = None, first: int = 0, local: Local | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor, MoEPlan | None]:
-    """The MoE router of x [n, H] by weight [E, H]: logits in x's dtype, moe_topk's rules -> topk ids [n, k] int64,
-    weights [n, k] float32 and, with `local`, build_plan's plan of those pairs (else None). A decode batch on CUDA
-    takes one launch for all of it (tp_lora.ops.triton.moe_route)."""
-    n = x.shape[0]
-    if use_kernels(x) and (local is None or n * k <= SMALL_SORT):
-        from tp_lora.ops.triton import moe_route  # noqa: PLC0415 - CUDA / forced only
-        if moe_route.takes(n, weight.shape[0]):
-            L = local.max_loras if (local is not None and local.lora and local.token_slot is not None) else 0
-            ids, w, bufs = moe_route.route(x, weight, k, renormalize, round_weights, valid, first,
-                                           local.token_slot if L else None,
-                                           None if local is None else (local.expert_start, local.num_local, L))
-            return ids, w, None if bufs is None else _plan(*bufs, w, L)
-    ids, w = moe_topk(F.linear(x, weight), k, renormalize, round_weights, valid, first)
-    return ids, w, None if local is None else build_plan(ids, w, *local)
 
 
 def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: torch.Tensor | None,
@@ -62,12 +30,8 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
         ends = torch.searchsorted(sorted_key, bounds, out_int32=True)
         groups = (lora_blocks_ref(sorted_key, E, L) if L else
                   torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device))
-    return _plan(token, pos, sorted_key, ends, groups, topk_weights, L)
-
-
-def _plan(token, pos, sorted_key, ends, groups, weights: torch.Tensor, max_loras: int) -> MoEPlan:
-    return MoEPlan(token=token, pos=pos, weight=weights.float(), sorted_key=sorted_key, expert_ends=ends,
-                   groups=groups, keys_per_expert=max_loras + 1)
+    return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), sorted_key=sorted_key, expert_ends=ends,
+                   groups=groups, keys_per_expert=L + 1)
 
 
 def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,

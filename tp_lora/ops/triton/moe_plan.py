@@ -3,9 +3,9 @@ the results of tp_lora.ops.moe_plan's references (sort_pairs_ref, the expert end
 
 - The sort: each pair's place in the stable (key, index) order is the count of pairs before it (an all-pairs
   comparison, cheap for a few thousand pairs); the program that ranked a pair writes its rows of the plan there.
-- Then each program takes a ticket (tp_lora.ops.triton.tickets); the last to finish writes the expert ends (counted
-  from the keys) and, with adapter slots, the LoRA block table of the sorted keys (group starts by a running max,
-  block rows by a running sum).
+- Then each program takes a ticket (tp_lora.ops.triton.tickets); the last to finish reads the sorted keys and writes
+  the expert ends (a binary search per expert) and, with adapter slots, the LoRA block table (group starts by a
+  running max, block rows by a running sum).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ BLOCK_I, BLOCK_J = 64, 256
 
 
 @triton.jit
-def keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr):
+def _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """(key, mine) of flat pairs i: key = local expert * PER_EXPERT + slot + 1, E * PER_EXPERT for pairs of other
     ranks, and past the last pair (masked) larger still."""
     local = tl.load(ids_ptr + i, mask=ok, other=-1).to(tl.int32) - e0
@@ -34,22 +34,20 @@ def keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT: tl.constexpr, HAS_SLOT
 
 
 @triton.jit
-def rank_pairs(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, i, P, K, e0, E, cap, PER_EXPERT: tl.constexpr,
-               HAS_SLOTS: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Pairs i (a block of the P flat pairs) ranked in the stable (key, index) order: their rows of the plan (pos,
-    and token / sorted key at the rank, for ranks below the capacity)."""
-    ok = i < P
-    key, mine = keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT, HAS_SLOTS)
-    rank = tl.zeros(i.shape, dtype=tl.int32)
-    for j0 in range(0, P, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        kj, _ = keys(ids_ptr, slots_ptr, j, j < P, K, e0, E, PER_EXPERT, HAS_SLOTS)
-        before = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum(before.to(tl.int32), 1)
-    tl.store(pos_ptr + i, tl.where(mine, rank, -1), mask=ok)
-    kept = ok & (rank < cap)
-    tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
-    tl.store(skey_ptr + rank, key, mask=kept)
+def _expert_ends(skey_ptr, ends_ptr, C, E, PER_EXPERT: tl.constexpr, E_PAD: tl.constexpr, STEPS: tl.constexpr):
+    """ends[e] = how many of the C sorted keys are below expert e + 1's first key (searchsorted, left)."""
+    e = tl.arange(0, E_PAD)
+    bound = (e + 1) * PER_EXPERT
+    lo = tl.zeros((E_PAD,), dtype=tl.int32)
+    hi = lo + C
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(skey_ptr + mid, mask=active, other=0, cache_modifier=".cg")
+        right = active & (v < bound)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (v >= bound), mid, hi)
+    tl.store(ends_ptr + e, lo, mask=e < E)
 
 
 @triton.jit
@@ -86,52 +84,28 @@ def _lora_block_rows(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr
 
 
 @triton.jit
-def finish_plan(ids_ptr, slots_ptr, skey_ptr, ends_ptr, groups_ptr, P, K, e0, E, cap, B, PER_EXPERT: tl.constexpr,
-                HAS_SLOTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_C: tl.constexpr, C_PAD: tl.constexpr,
-                LORA_BLOCK: tl.constexpr):
-    """The expert ends (every rank's pairs of a key below expert e + 1's first: the sorted keys' searchsorted, counted
-    from the ids, no dependent loads) and, with adapter slots, the LoRA block table of the sorted keys (every pair
-    ranked first)."""
-    e = tl.arange(0, E_PAD)
-    bound = (e + 1) * PER_EXPERT
-    ends = tl.zeros((E_PAD,), dtype=tl.int32)
-    for i0 in range(0, P, BLOCK_C):
-        i = i0 + tl.arange(0, BLOCK_C)
-        key, _ = keys(ids_ptr, slots_ptr, i, i < P, K, e0, E, PER_EXPERT, HAS_SLOTS)
-        ends += tl.sum((key[None, :] < bound[:, None]).to(tl.int32), 1)
-    tl.store(ends_ptr + e, ends, mask=e < E)
-    if HAS_SLOTS:
-        _lora_block_rows(skey_ptr, groups_ptr, cap, B, E * PER_EXPERT, PER_EXPERT, C_PAD, LORA_BLOCK)
-
-
-@triton.jit
 def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, e0, E, cap,
                  B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-                 E_PAD: tl.constexpr, BLOCK_C: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr):
+                 E_PAD: tl.constexpr, STEPS: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
-    rank_pairs(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, i, P, K, e0, E, cap, PER_EXPERT, HAS_SLOTS, BLOCK_J)
+    ok = i < P
+    key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT, HAS_SLOTS)
+    rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
+    for j0 in range(0, P, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        kj, _ = _keys(ids_ptr, slots_ptr, j, j < P, K, e0, E, PER_EXPERT, HAS_SLOTS)
+        before = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum(before.to(tl.int32), 1)
+    tl.store(pos_ptr + i, tl.where(mine, rank, -1), mask=ok)
+    kept = ok & (rank < cap)
+    tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
+    tl.store(skey_ptr + rank, key, mask=kept)
     tl.debug_barrier()  # every thread's keys stored before the ticket publishes them
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        finish_plan(ids_ptr, slots_ptr, skey_ptr, ends_ptr, groups_ptr, P, K, e0, E, cap, B, PER_EXPERT, HAS_SLOTS,
-                    E_PAD, BLOCK_C, C_PAD, LORA_BLOCK)
+        _expert_ends(skey_ptr, ends_ptr, cap, E, PER_EXPERT, E_PAD, STEPS)
+        if HAS_SLOTS:
+            _lora_block_rows(skey_ptr, groups_ptr, cap, B, E * PER_EXPERT, PER_EXPERT, C_PAD, LORA_BLOCK)
         tl.atomic_xchg(cnt_ptr, 0)
-
-
-def plan_constants(cap: int, num_local: int, max_loras: int) -> dict:
-    """The constexprs of finish_plan for a plan of capacity cap over num_local experts and max_loras slots."""
-    e_pad = triton.next_power_of_2(num_local)
-    return dict(PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), E_PAD=e_pad, BLOCK_C=max(16, 8192 // e_pad),
-                C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
-
-
-def plan_buffers(n: int, k: int, num_local: int, max_loras: int, device) -> tuple[torch.Tensor, ...]:
-    """Empty (token [C] int64, pos [n, k] int32, sorted_key [C] int32, expert_ends [E] int32, LoRA blocks [B, 4]
-    int32) of a plan of n tokens' top k over num_local experts; C = n * min(k, E)."""
-    cap = n * min(k, num_local)
-    blocks = num_lora_blocks(cap, num_local, max_loras) if max_loras else 0
-    return (torch.empty(cap, dtype=torch.int64, device=device), torch.empty(n, k, dtype=torch.int32, device=device),
-            torch.empty(cap, dtype=torch.int32, device=device), torch.empty(num_local, dtype=torch.int32, device=device),
-            torch.empty(blocks, 4, dtype=torch.int32, device=device))
 
 
 def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
@@ -140,12 +114,19 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     and, with max_loras, the LoRA block table [B, 4] (lora_blocks_ref's used rows first, then rows of 0; [0, 4]
     without), for topk_ids [N, k] with N * k > 0."""
     n, k = topk_ids.shape
-    out = plan_buffers(n, k, num_local, max_loras, topk_ids.device)
-    token, pos, skey, ends, groups = out
+    E, p = num_local, n * k
+    cap = n * min(k, E)
+    dev = topk_ids.device
+    token = torch.empty(cap, dtype=torch.int64, device=dev)
+    pos = torch.empty(n, k, dtype=torch.int32, device=dev)
+    skey = torch.empty(cap, dtype=torch.int32, device=dev)
+    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
+    groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
-    p = n * k
     _plan_kernel[(triton.cdiv(p, BLOCK_I),)](
-        ids, ids if slots is None else slots.contiguous(), token, pos, skey, ends, groups, tickets(ids.device, 1), p,
-        k, expert_start, num_local, token.shape[0], groups.shape[0], BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J,
-        **plan_constants(token.shape[0], num_local, max_loras))
-    return out
+        ids, ids if slots is None else slots.contiguous(), token, pos, skey, ends, groups, tickets(dev, 1), p, k,
+        expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I,
+        BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E), STEPS=cap.bit_length() + 1,
+        C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
+    return token, pos, skey, ends, groups
