@@ -19,6 +19,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 from test_moe import V, moe_config, write_adapters, write_moe  # noqa: E402  (the tiny MoE checkpoints)
 
 HEAD_DIM = 16  # the smallest the Triton attention kernels (and so the mixed-step graphs) take
+# The engines' collective timeout, so the peer kernels' deadline: a stalled collective fails naming its call and
+# program well before the rank pool gives up on the task (run_ranks' timeout_s + LATE_S)
+STALL_S = 60.0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs CUDA sm90+")]
@@ -34,7 +37,8 @@ def _engine(model, adapters, tp: int, ep: int, attn: str, graphs: bool) -> Engin
     # A few blocks hold these runs: the default budget (80% of the free memory, all of it the prefix cache's) had
     # each of the test's engines allocate and free ~100 GB
     cfg.scheduler.kv_cache_mb = 64
-    ps = comm.single_process("cuda") if tp * ep == 1 else comm.init_parallel(tp, "cuda")
+    cfg.parallel.timeout_s = STALL_S
+    ps = comm.single_process("cuda") if tp * ep == 1 else comm.init_parallel(tp, "cuda", STALL_S)
     return Engine(cfg, ps, model, adapters)
 
 
@@ -84,7 +88,7 @@ def _layouts(ps, world, model, adapters):
     from tp_lora import distributed as comm
     out = {}
     for name, (tp, ep, attn) in LAYOUTS[world].items():
-        dp = comm.init_parallel(tp, "cuda").dp
+        dp = comm.init_parallel(tp, "cuda", STALL_S).dp
         out[name] = _compare(model, adapters, tp, ep, attn, 1,
                              lambda reqs: [q for q in reqs if q.index % dp.size == dp.rank])
     return out
