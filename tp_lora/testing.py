@@ -152,7 +152,8 @@ class RankPool:
                 # Poll rather than block: a rank killed from outside (NCCL's watchdog aborts it) never reports.
                 dead = [r for r, p in enumerate(self.procs) if r not in reported and p.exitcode is not None]
                 if dead and self.outbox.empty():
-                    errors += [f"rank {r}: exited with code {self.procs[r].exitcode} before reporting" for r in dead]
+                    errors += [f"rank {r}: exited with code {self.procs[r].exitcode} before reporting"
+                               + self._last_words(r) for r in dead]
                     reported.update(dead)
                 continue
             if task not in (self.task, None):  # None: the rank failed to start
@@ -187,8 +188,21 @@ class RankPool:
             time.sleep(0.2)
         out = ""
         for r, path in paths.items():
-            text = open(path).read()[-4000:] if os.path.exists(path) else ""
+            text = _tail(path)
             out += f"\nrank {r} stack:\n{text or '(none written: the rank did not take SIGUSR1)'}"
+            out += self._last_words(r, stacks=False)
+        return out
+
+    def _last_words(self, rank: int, stacks: bool = True) -> str:
+        """The tail of a rank's stderr and, with `stacks`, the stacks it wrote at a fatal signal (where it was when
+        NCCL's watchdog or a CUDA error aborted it)."""
+        out = ""
+        err = _tail(os.path.join(self.stacks, f"rank{rank}.err"))
+        if err:
+            out += f"\nrank {rank} stderr (its end):\n{err}"
+        text = _tail(os.path.join(self.stacks, f"rank{rank}.txt")) if stacks else ""
+        if text:
+            out += f"\nrank {rank} stacks at its end:\n{text}"
         return out
 
     def close(self, kill: bool = False) -> None:
@@ -213,6 +227,13 @@ class RankPool:
         self.procs = []
 
 
+def _tail(path: str, chars: int = 4000) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:].strip()
+
+
 def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
     try:  # end with the test process (Linux): a killed pytest leaves no rank behind
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -220,6 +241,10 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
         pass
     stack_file = open(os.path.join(stacks, f"rank{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # a fatal signal (NCCL's watchdog aborts) writes them too
+    # stderr (NCCL's watchdog, CUDA's errors, warnings) goes to a file whose tail a failure report carries
+    err_file = open(os.path.join(stacks, f"rank{rank}.err"), "w")
+    os.dup2(err_file.fileno(), 2)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share two cores in CI

@@ -2,6 +2,7 @@
 state of its own, and a task that fails, hangs or loses a rank ends in an error naming the rank, within a bound,
 after which the next task runs on new ranks."""
 import os
+import sys
 import time
 
 import pytest
@@ -58,13 +59,23 @@ def _leaves(ps: comm.ParallelState):
         os._exit(3)
 
 
+def _aborts(ps: comm.ParallelState):
+    """As NCCL's watchdog ends a rank: last words on stderr, then SIGABRT."""
+    if ps.rank == 1:
+        sys.stderr.write("planted last words\n")
+        sys.stderr.flush()
+        os.abort()
+
+
 @pytest.mark.skipif(device_under_test() == "cuda", reason="the harness's handling, the same on CUDA: restarts cost more")
 @pytest.mark.parametrize("fn, message", [
     (_fails_on_rank_1, r"rank 1:\n(.|\n)*ValueError: planted failure"),
     (_sleeps_forever, r"ranks \[1\]: no result within 3 s\nrank 1 stack:\n(.|\n)*_sleeps_forever(.|\n)*"
                       r"ranks \[0\]: finished the task, then waited"),
     (_leaves, r"rank 1: exited with code 3 before reporting"),
-], ids=["raises", "hangs", "exits"])
+    (_aborts, r"rank 1: exited with code -6 before reporting\nrank 1 stderr \(its end\):\n(.|\n)*planted last words"
+              r"(.|\n)*rank 1 stacks at its end:\n(.|\n)*_aborts"),
+], ids=["raises", "hangs", "exits", "aborts"])
 def test_a_failed_task_names_its_rank_and_the_next_runs_on_new_ranks(monkeypatch, fn, message):
     before = run_ranks(_pids, 2)
     monkeypatch.setattr(testing, "LATE_S", 2.0)
