@@ -31,7 +31,9 @@ def launch(cfg: RunConfig, job: Job) -> int:
     if "WORLD_SIZE" in os.environ or world == 1:
         return job(cfg)
     import torch.multiprocessing as mp
-    port = rendezvous_port(avoid=cfg.server.port)
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     ranks = [ctx.Process(target=_rank, args=(rank, world, port, job, cfg), name=f"rank{rank}")
              for rank in range(world)]
@@ -49,17 +51,6 @@ def launch(cfg: RunConfig, job: Job) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def rendezvous_port(avoid: int) -> int:
-    """A free port for the ranks' rendezvous other than `avoid`, the port the job itself listens on (server.port): the
-    system may hand out that one too while it is free, and the server could then not bind it."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port != avoid:
-            return port
 
 
 def _wait(ranks: list, timeout_s: float) -> int:

@@ -19,6 +19,7 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
+import random
 import signal
 import socket
 import sys
@@ -40,6 +41,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listen_port() -> int:
+    """A free port for a server to listen on, below the system's ephemeral range: the ports bind(0) hands out (the
+    ranks' rendezvous, gloo's and NCCL's sockets) come from that range, so none of them can take this one before the
+    server binds it (free_port's could, and a server then failed with 'Address already in use')."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
 
 
 def device_under_test() -> str:

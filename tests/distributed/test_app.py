@@ -112,26 +112,3 @@ def test_bad_requests_and_adapters_fail_alone(home, tmp_path):
               "line-9": "malformed JSON"}
     for rid, text in expect.items():
         assert text in got[rid].get("error", ""), (rid, got[rid])
-
-
-def test_rendezvous_port_is_never_the_servers(monkeypatch):
-    """The self-spawned ranks' rendezvous port is drawn from the free ports, which may include server.port while the
-    server has not bound it yet: that draw is refused (a CI run saw the server fail with 'Address already in use')."""
-    from tp_lora import spawn
-    drawn = iter([8000, 8000, 8001])
-
-    class FakeSocket:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def bind(self, addr):
-            self.port = next(drawn)
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
-
-    monkeypatch.setattr(spawn.socket, "socket", FakeSocket)
-    assert spawn.rendezvous_port(avoid=8000) == 8001

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tp_lora.testing import free_port
+from tp_lora.testing import free_port, listen_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE = os.path.join(ROOT, "launch", "serve.py")
@@ -45,7 +45,7 @@ class Server:
     """launch/serve.py in a process group of its own (so a failed test can end every rank it started)."""
 
     def __init__(self, args, env, log_path, nproc: int = 1):
-        self.port = free_port()
+        self.port = listen_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = list(args) + [f"server.port={self.port}"]
         if nproc == 1:
