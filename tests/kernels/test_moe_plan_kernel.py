@@ -47,3 +47,32 @@ def test_plan_kernel_matches_torch_stable_sort(device, name, lora):
     else:
         assert got[4].shape == (0, 4)
     assert not tickets(got[0].device, 1).any()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_plan_and_combine_read_the_dispatch_views_where_they_lie(device, lora):
+    """The EP dispatch's unpacked ids, weights and slots are strided column views of the packed rows
+    (tp_lora.ops.moe_pack): the plan kernel and the combine read them in place and give what contiguous copies give,
+    and nothing writes to the packed rows."""
+    from tp_lora.ops import fused
+    from tp_lora.ops.moe_pack import pack_tokens_ref, unpack_tokens
+    from tp_lora.ops.triton.fused import moe_combine
+    from tp_lora.ops.triton.moe_plan import plan_pairs
+    n, k, h, e_all, e0, e_local = 21, 4, 24, 16, 4, 8
+    g = torch.Generator().manual_seed(41 + lora)
+    x = torch.randn(n, h, generator=g)
+    ids = torch.rand(n, e_all, generator=g).topk(k, -1).indices
+    w = torch.rand(n, k, generator=g)
+    L = 3 if lora else 0
+    tags = torch.randint(-1, L, (n,), generator=g, dtype=torch.int32) if lora else None
+    packed = pack_tokens_ref(x, ids, w, tags, n + 3).to(device)
+    before = packed.clone()
+    _, uids, uw, utags = unpack_tokens(packed, h, torch.float32, k, lora)
+    assert uids.stride(0) > k and uw.stride(0) > k, "the test needs strided views"
+    got = plan_pairs(uids, utags, e0, e_local, L)
+    want = plan_pairs(uids.contiguous(), None if utags is None else utags.contiguous(), e0, e_local, L)
+    for field, a, b in zip(("token", "pos", "sorted_key", "expert_ends", "groups"), want, got, strict=True):
+        assert torch.equal(a, b), f"{field} differs"
+    yp = torch.randn(got[0].shape[0], h, generator=g).to(device)
+    torch.testing.assert_close(moe_combine(yp, got[1], uw), fused.moe_combine_ref(yp, got[1], uw.contiguous()))
+    assert torch.equal(packed.view(torch.uint8), before.view(torch.uint8))

@@ -209,14 +209,14 @@ def embedding_shard(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torc
 
 
 @triton.jit
-def _moe_combine_kernel(yp_ptr, pos_ptr, w_ptr, out_ptr, s_y, s_o, n, K: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_combine_kernel(yp_ptr, pos_ptr, w_ptr, out_ptr, s_y, s_w, s_o, n, K: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
         p = tl.load(pos_ptr + t * K + j)
-        w = tl.load(w_ptr + t * K + j)
+        w = tl.load(w_ptr + t * s_w + j)
         row = tl.load(yp_ptr + tl.maximum(p, 0).to(tl.int64) * s_y + i, mask=ok & (i * 0 + p >= 0), other=0.0)
         acc += row.to(tl.float32) * w
     tl.store(out_ptr + t * s_o + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -228,8 +228,10 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
     h = yp.shape[1]
     out = torch.empty(n, h, dtype=yp.dtype, device=yp.device)
     grid = (n, triton.cdiv(h, COMBINE_BLOCK))
-    _moe_combine_kernel[grid](yp, pos.contiguous(), weight.float().contiguous(), out, yp.stride(0), out.stride(0), h,
-                              K=k, BLOCK=COMBINE_BLOCK)
+    w = weight.float()  # float32 rows are read where they lie (the EP dispatch's unpacked view)
+    w = w if w.stride(1) == 1 else w.contiguous()
+    _moe_combine_kernel[grid](yp, pos.contiguous(), w, out, yp.stride(0), w.stride(0), out.stride(0), h, K=k,
+                              BLOCK=COMBINE_BLOCK)
     return out
 
 

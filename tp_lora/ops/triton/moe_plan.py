@@ -20,13 +20,14 @@ BLOCK_I, BLOCK_J = 64, 256
 
 
 @triton.jit
-def _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """(key, mine) of flat pairs i: key = local expert * PER_EXPERT + slot + 1, E * PER_EXPERT for pairs of other
-    ranks, and past the last pair (masked) larger still."""
-    local = tl.load(ids_ptr + i, mask=ok, other=-1).to(tl.int32) - e0
+def _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """(key, mine) of flat pairs i (token i // K's (i % K)-th expert; rows s_ids apart, slots s_slot apart): key =
+    local expert * PER_EXPERT + slot + 1, E * PER_EXPERT for pairs of other ranks, and past the last pair (masked)
+    larger still."""
+    local = tl.load(ids_ptr + (i // K) * s_ids + i % K, mask=ok, other=-1).to(tl.int32) - e0
     mine = (local >= 0) & (local < E)
     if HAS_SLOTS:
-        slot = tl.load(slots_ptr + i // K, mask=ok, other=-1).to(tl.int32)
+        slot = tl.load(slots_ptr + (i // K) * s_slot, mask=ok, other=-1).to(tl.int32)
     else:
         slot = tl.full(i.shape, -1, tl.int32)
     key = tl.where(mine, local * PER_EXPERT + slot + 1, E * PER_EXPERT)
@@ -84,16 +85,16 @@ def _lora_block_rows(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr
 
 
 @triton.jit
-def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, e0, E, cap,
-                 B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, s_ids, s_slot,
+                 e0, E, cap, B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
                  E_PAD: tl.constexpr, STEPS: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
-    key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, e0, E, PER_EXPERT, HAS_SLOTS)
+    key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT, HAS_SLOTS)
     rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
     for j0 in range(0, P, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
-        kj, _ = _keys(ids_ptr, slots_ptr, j, j < P, K, e0, E, PER_EXPERT, HAS_SLOTS)
+        kj, _ = _keys(ids_ptr, slots_ptr, j, j < P, K, s_ids, s_slot, e0, E, PER_EXPERT, HAS_SLOTS)
         before = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
         rank += tl.sum(before.to(tl.int32), 1)
     tl.store(pos_ptr + i, tl.where(mine, rank, -1), mask=ok)
@@ -112,7 +113,8 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
                max_loras: int):
     """(token, pos, sorted_key) as sort_pairs_ref, expert_ends [E] int32 (searchsorted of each expert's end key)
     and, with max_loras, the LoRA block table [B, 4] (lora_blocks_ref's used rows first, then rows of 0; [0, 4]
-    without), for topk_ids [N, k] with N * k > 0."""
+    without), for topk_ids [N, k] with N * k > 0 (rows of unit-stride columns: the EP dispatch's unpacked views are
+    read where they lie, as are the slots)."""
     n, k = topk_ids.shape
     E, p = num_local, n * k
     cap = n * min(k, E)
@@ -123,10 +125,10 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     ends = torch.empty(E, dtype=torch.int32, device=dev)
     blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
     groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
-    ids = topk_ids.contiguous()
+    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     _plan_kernel[(triton.cdiv(p, BLOCK_I),)](
-        ids, ids if slots is None else slots.contiguous(), token, pos, skey, ends, groups, tickets(dev, 1), p, k,
-        expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I,
+        ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1), p, k, ids.stride(0),
+        0 if slots is None else slots.stride(0), expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I,
         BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E), STEPS=cap.bit_length() + 1,
         C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
     return token, pos, skey, ends, groups
