@@ -49,7 +49,9 @@ def hydra_job(cfg, job) -> None:
 def is_comm_failure(e: BaseException) -> bool:
     """An error raised by a collective or the rendezvous store: a peer is gone or too slow."""
     import torch.distributed as dist
-    if isinstance(e, getattr(dist, "DistError", ())):
+
+    from tp_lora.distributed import peer_failure
+    if isinstance(e, getattr(dist, "DistError", ())) or peer_failure():  # a peer kernel that gave up failed the device
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(w in text for w in (
@@ -61,11 +63,13 @@ def report_lost_ranks(rank: int, timeout_s: float, e: BaseException, outcome: st
     """Say on stderr that this rank lost its peers, and why; `outcome` ends the line with what that means for the
     front end's work (where finished results are, or that the server stops). gone: the ranks known dead
     (gone_ranks)."""
+    from tp_lora.distributed import peer_failure
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     who = f"rank {', '.join(map(str, gone))} died" if gone else "a rank died"
+    why = peer_failure()
     print(f"[tp_lora] rank {rank}: error: lost the other ranks: {who} or a collective did not complete within "
-          f"parallel.timeout_s={timeout_s:g}s ({type(e).__name__}: {first[:300]}){outcome}", file=sys.stderr,
-          flush=True)
+          f"parallel.timeout_s={timeout_s:g}s ({type(e).__name__}: {first[:300]}"
+          f"{'; ' + why if why else ''}){outcome}", file=sys.stderr, flush=True)
 
 
 def whereabouts() -> tuple[str, int]:

@@ -112,3 +112,16 @@ def test_bad_requests_and_adapters_fail_alone(home, tmp_path):
               "line-9": "malformed JSON"}
     for rid, text in expect.items():
         assert text in got[rid].get("error", ""), (rid, got[rid])
+
+
+def test_a_failed_device_is_reported_as_lost_ranks_naming_the_peer_kernels_words(monkeypatch, capsys):
+    """A peer kernel that gave up waiting fails the device; whichever CUDA call then raises (here a kernel's load),
+    the rank counts it as a lost peer and says what the kernel recorded."""
+    from tp_lora import distributed, lifecycle
+    error = RuntimeError("Triton Error [CUDA]: an illegal instruction was encountered")
+    assert not lifecycle.is_comm_failure(error)
+    monkeypatch.setattr(distributed, "peer_failure", lambda: "rank 0 of the group waited for rank 1's data in call 7")
+    assert lifecycle.is_comm_failure(error)
+    lifecycle.report_lost_ranks(0, 60.0, error, ": the server stops")
+    line = capsys.readouterr().err
+    assert "illegal instruction" in line and "waited for rank 1's data in call 7" in line and "server stops" in line

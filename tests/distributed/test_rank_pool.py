@@ -59,6 +59,13 @@ def _leaves(ps: comm.ParallelState):
         os._exit(3)
 
 
+def _device_failed(ps: comm.ParallelState):
+    """As a peer kernel that gave up waiting fails the device: its words recorded, then some CUDA call raises."""
+    if ps.rank == 1:
+        comm.peer_failure = lambda: "planted: rank 1 waited for rank 0's data in call 7"
+        raise RuntimeError("CUDA error: an illegal instruction was encountered")
+
+
 def _aborts(ps: comm.ParallelState):
     """As NCCL's watchdog ends a rank: last words on stderr, then SIGABRT."""
     if ps.rank == 1:
@@ -73,9 +80,10 @@ def _aborts(ps: comm.ParallelState):
     (_sleeps_forever, r"ranks \[1\]: no result within 3 s\nrank 1 stack:\n(.|\n)*_sleeps_forever(.|\n)*"
                       r"ranks \[0\]: finished the task, then waited"),
     (_leaves, r"rank 1: exited with code 3 before reporting"),
+    (_device_failed, r"rank 1:\n(.|\n)*illegal instruction(.|\n)*the device failed: planted: rank 1 waited"),
     (_aborts, r"rank 1: exited with code -6 before reporting\nrank 1 stderr \(its end\):\n(.|\n)*planted last words"
               r"(.|\n)*rank 1 stacks at its end:\n(.|\n)*_aborts"),
-], ids=["raises", "hangs", "exits", "aborts"])
+], ids=["raises", "hangs", "exits", "device_failed", "aborts"])
 def test_a_failed_task_names_its_rank_and_the_next_runs_on_new_ranks(monkeypatch, fn, message):
     before = run_ranks(_pids, 2)
     monkeypatch.setattr(testing, "LATE_S", 2.0)

@@ -210,10 +210,16 @@ def _done(event: torch.cuda.Event) -> bool:
     try:
         return event.query()
     except RuntimeError as e:
-        why = next((w for p in _PEERS.values() if (w := p.failure())), None)
+        why = peer_failure()
         if why is None:
             raise
         raise CollectiveTimeout(why) from e
+
+
+def peer_failure() -> str | None:
+    """Why a peer-memory kernel of this process gave up waiting for another rank (and so failed the device), or None:
+    read from page-locked host memory, so it can be asked after any CUDA call failed (a kernel's load, a copy)."""
+    return next((w for p in _PEERS.values() if (w := p.failure())), None)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
