@@ -50,7 +50,7 @@ def is_comm_failure(e: BaseException) -> bool:
     """An error raised by a collective or the rendezvous store: a peer is gone or too slow."""
     import torch.distributed as dist
 
-    from tp_lora.distributed import peer_failure
+    from tp_lora.distributed import peer_failure  # torch's import cost stays off this module's import
     if isinstance(e, getattr(dist, "DistError", ())) or peer_failure():  # a peer kernel that gave up failed the device
         return True
     text = str(e).lower()

@@ -81,8 +81,8 @@ def _aborts(ps: comm.ParallelState):
                       r"ranks \[0\]: finished the task, then waited"),
     (_leaves, r"rank 1: exited with code 3 before reporting"),
     (_device_failed, r"rank 1:\n(.|\n)*illegal instruction(.|\n)*the device failed: planted: rank 1 waited"),
-    (_aborts, r"rank 1: exited with code -6 before reporting\nrank 1 stderr \(its end\):\n(.|\n)*planted last words"
-              r"(.|\n)*rank 1 stacks at its end:\n(.|\n)*_aborts"),
+    (_aborts, r"rank 1: exited with code -6 before reporting\nrank 1 stderr \(its end\):\n(.|\n)*"
+              r"planted last words(.|\n)*rank 1 stacks at its end:\n(.|\n)*_aborts"),
 ], ids=["raises", "hangs", "exits", "device_failed", "aborts"])
 def test_a_failed_task_names_its_rank_and_the_next_runs_on_new_ranks(monkeypatch, fn, message):
     before = run_ranks(_pids, 2)

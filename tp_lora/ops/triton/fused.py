@@ -128,6 +128,12 @@ def as_rows(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, N] with a unit column stride: itself where it has one (a strided view's rows are read where they lie,
+    the EP dispatch's unpacked columns), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = as_rows(x, "add_rms_norm's x")
@@ -228,8 +234,7 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
     h = yp.shape[1]
     out = torch.empty(n, h, dtype=yp.dtype, device=yp.device)
     grid = (n, triton.cdiv(h, COMBINE_BLOCK))
-    w = weight.float()  # float32 rows are read where they lie (the EP dispatch's unpacked view)
-    w = w if w.stride(1) == 1 else w.contiguous()
+    w = unit_rows(weight.float())
     _moe_combine_kernel[grid](yp, pos.contiguous(), w, out, yp.stride(0), w.stride(0), out.stride(0), h, K=k,
                               BLOCK=COMBINE_BLOCK)
     return out

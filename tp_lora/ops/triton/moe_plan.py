@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.moe_layout import LORA_BLOCK, num_lora_blocks
+from tp_lora.ops.triton.fused import unit_rows
 from tp_lora.ops.triton.tickets import tickets
 
 BLOCK_I, BLOCK_J = 64, 256
@@ -86,8 +87,9 @@ def _lora_block_rows(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr
 
 @triton.jit
 def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, s_ids, s_slot,
-                 e0, E, cap, B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-                 E_PAD: tl.constexpr, STEPS: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr):
+                 e0, E, cap, B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
+                 BLOCK_J: tl.constexpr, E_PAD: tl.constexpr, STEPS: tl.constexpr, C_PAD: tl.constexpr,
+                 LORA_BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
     key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT, HAS_SLOTS)
@@ -125,10 +127,10 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     ends = torch.empty(E, dtype=torch.int32, device=dev)
     blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
     groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
-    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
+    ids = unit_rows(topk_ids)
     _plan_kernel[(triton.cdiv(p, BLOCK_I),)](
         ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1), p, k, ids.stride(0),
-        0 if slots is None else slots.stride(0), expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I,
-        BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E), STEPS=cap.bit_length() + 1,
-        C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
+        0 if slots is None else slots.stride(0), expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1,
+        HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E),
+        STEPS=cap.bit_length() + 1, C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
     return token, pos, skey, ends, groups
