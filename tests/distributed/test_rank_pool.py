@@ -44,6 +44,7 @@ def test_ranks_are_started_once_and_tasks_do_not_see_each_other(monkeypatch):
 
 
 def _fails_on_rank_1(ps: comm.ParallelState):
+    comm.all_reduce(torch.ones(3, 5, device=ps.device), ps.tp)  # the report lists it among the rank's last calls
     if ps.rank == 1:
         raise ValueError("planted failure")
     return "rank 0 done"
@@ -76,7 +77,8 @@ def _aborts(ps: comm.ParallelState):
 
 @pytest.mark.skipif(device_under_test() == "cuda", reason="the harness's handling, the same on CUDA: restarts cost more")
 @pytest.mark.parametrize("fn, message", [
-    (_fails_on_rank_1, r"rank 1:\n(.|\n)*ValueError: planted failure"),
+    (_fails_on_rank_1, r"rank 1:\n(.|\n)*ValueError: planted failure\nlast collectives of this rank: (.|\n)*"
+                       r"#\d+ all_reduce:tp \(\S+\) \[3, 5\] float32\n"),
     (_sleeps_forever, r"ranks \[1\]: no result within 3 s\nrank 1 stack:\n(.|\n)*_sleeps_forever(.|\n)*"
                       r"ranks \[0\]: finished the task, then waited"),
     (_leaves, r"rank 1: exited with code 3 before reporting"),

@@ -89,8 +89,11 @@ def _layouts(ps, world, model, adapters):
     out = {}
     for name, (tp, ep, attn) in LAYOUTS[world].items():
         dp = comm.init_parallel(tp, "cuda", STALL_S).dp
-        out[name] = _compare(model, adapters, tp, ep, attn, 1,
-                             lambda reqs: [q for q in reqs if q.index % dp.size == dp.rank])
+        try:
+            out[name] = _compare(model, adapters, tp, ep, attn, 1,
+                                 lambda reqs: [q for q in reqs if q.index % dp.size == dp.rank])
+        except Exception as e:
+            raise RuntimeError(f"layout {name} failed") from e
     return out
 
 

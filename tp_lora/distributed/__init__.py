@@ -17,7 +17,7 @@ import os
 import pickle
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,16 +39,31 @@ class Group:
     peer: PeerAllReduce | None = None  # the symmetric-memory all-reduce, where parallel.allreduce chose it
 
 
+RECENT_CALLS = 12  # collectives a failure report lists (recent())
+
+
 @dataclass
 class CommStats:
-    """Calls and bytes per (primitive, group name); reset() between the steps a test wants to count."""
+    """Calls and bytes per (primitive, group name); reset() between the steps a test wants to count. Also this
+    process's count of collectives issued from Python (a CUDA graph's once, at its capture) and the last RECENT_CALLS
+    of them, never reset: where the ranks' sequences part, a failure report shows it (last_calls)."""
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
+    launched: int = 0
+    last: deque = field(default_factory=lambda: deque(maxlen=RECENT_CALLS))
 
     def record(self, op: str, group: Group, t: torch.Tensor) -> None:
         key = f"{op}:{group.name}"
         self.calls[key] += 1
         self.bytes[key] += t.numel() * t.element_size()
+        self.launched += 1
+        self.last.append((self.launched, key, group.pg, t.shape, t.dtype))
+
+    def recent(self) -> str:
+        """The collectives this process launched last (number, primitive:group, process group, shape, dtype), oldest
+        first: compared across ranks, the first where they differ is where their sequences part."""
+        return "; ".join(f"#{n} {key} ({getattr(pg, 'group_name', pg)}) {list(shape)} {str(dt).split('.')[-1]}"
+                         for n, key, pg, shape, dt in self.last)
 
     def reset(self) -> None:
         self.calls.clear()
@@ -201,7 +216,7 @@ def wait_event(done: torch.cuda.Event, device: torch.device) -> None:
         waited = time.monotonic() - start
         if waited > _SETTINGS["timeout_s"]:
             raise CollectiveTimeout(f"collectives on {device} did not complete within parallel.timeout_s="
-                                    f"{_SETTINGS['timeout_s']:g}s: a peer rank died or stalled")
+                                    f"{_SETTINGS['timeout_s']:g}s: a peer rank died or stalled ({last_calls()})")
         time.sleep(0 if waited < 0.01 else 1e-3)  # spin through a normal step, then back off
 
 
@@ -213,7 +228,16 @@ def _done(event: torch.cuda.Event) -> bool:
         why = peer_failure()
         if why is None:
             raise
-        raise CollectiveTimeout(why) from e
+        raise CollectiveTimeout(f"{why} ({last_calls()})") from e
+
+
+def last_calls() -> str:
+    """What this rank launched last, for a failure report: its last collectives (CommStats.recent) and the peer
+    kernels launched on each staging buffer (the count a peer kernel's call number follows, graph replays aside)."""
+    counts = ", ".join(f"{name} {str(dt).split('.')[-1]} {buf.launched}" for name, p in _PEERS.items()
+                       for dt, (_, buf) in p.staging.items())
+    return f"last collectives of this rank: {STATS.recent() or 'none'}" + (
+        f"; peer kernels launched per staging buffer: {counts}" if counts else "")
 
 
 def peer_failure() -> str | None:

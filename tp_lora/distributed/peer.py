@@ -56,6 +56,7 @@ def fused_max_bytes(ranks: int) -> int:
 # The most bytes a rank takes in one call by polling the data; above, by flags after the pushes: a bandwidth-bound
 # call pays more for the polling's volatile loads than for a flag's round trip (BENCHMARKS.md, issue 36).
 POLL_MAX_BYTES = 1 << 20
+NOTE_AFTER = 8  # a wait longer than its deadline / NOTE_AFTER leaves a note in the report words (note_wait)
 PEER_PROGRAMS = 32  # programs of every kernel over a staging buffer (decode rows: one each)
 # dtype -> (integer view, -0.0's bits in it): the empty mark of a staging buffer's elements
 EMPTY = {torch.bfloat16: (torch.int16, -0x8000), torch.float32: (torch.int32, -0x80000000)}
@@ -77,6 +78,7 @@ class PeerBuffer:
     slot: int
     report: "PeerReport"
     limit: int
+    launched: int = 0  # kernels launched over this buffer from Python (a CUDA graph's once, at its capture)
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot
@@ -97,8 +99,12 @@ class PeerReport:
 
     def failure(self, rank: int, timeout_s: float) -> str | None:
         """What a kernel of this rank gave up on, or None."""
-        gave_up, peer, call, program = self.words.tolist()
-        if not gave_up:
+        state, peer, call, program = self.words.tolist()
+        if state == 2:  # a note (peer_kernels.note_wait): still waiting when the device failed
+            return (f"rank {rank} of the group was waiting for rank {peer}'s data in peer-memory collective call "
+                    f"{call} (program {program}) when its device failed, longer than a {NOTE_AFTER}th of "
+                    f"parallel.timeout_s={timeout_s:g}s")
+        if not state:
             return None
         return (f"rank {rank} of the group waited more than parallel.timeout_s={timeout_s:g}s for rank {peer}'s data "
                 f"in peer-memory collective call {call} (program {program}): that rank died, stalled or skipped the "

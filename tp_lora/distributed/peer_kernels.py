@@ -10,8 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.distributed import peer
+
 GATHER_BLOCK = 2048  # elements per program and step of the all-gather kernel
 REDUCE_BLOCK = 2048  # elements per program and step of the all-reduce kernel
+NOTE_AFTER = tl.constexpr(peer.NOTE_AFTER)
 # PTX release stores / acquire loads for the flags; the interpreter (no PTX) takes atomics of the same semantics.
 ASM = os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -33,6 +36,7 @@ def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
     out = torch.empty(shape, dtype=t.dtype, device=t.device)
     # out[row, rank * cols + c] (last dim) or out[rank * rows + row, c] (dim 0)
     s_row, s_rank = (buf.world * cols, cols) if last else (cols, rows * cols)
+    buf.launched += 1
     _all_gather_kernel[(buf.programs,)](
         x, out, buf.ptrs, buf.pads, buf.epochs, buf.report.address, buf.limit, rows, cols, x.stride(0), s_row, s_rank,
         buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, POLL=buf.polls(out.nbytes))
@@ -52,6 +56,7 @@ def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
     if (2 * chunk if two_shot else n) > buf.slot:
         raise ValueError(f"peer all_reduce: {n} elements exceed a slot of {buf.slot}"
                          + (f" in two chunks of {chunk}" if two_shot else ""))
+    buf.launched += n > 0
     if n and two_shot:
         _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, buf.report.address, buf.limit, n, chunk,
                                                      buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=REDUCE_BLOCK,
@@ -97,6 +102,20 @@ def give_up(report, r, e, program, ASM: tl.constexpr):
         tl.store(at, e * 0 + 1)
         tl.inline_asm_elementwise("membar.sys;\n trap;\n mov.u32 $0, 0;", "=r,r", [e], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def note_wait(report, r, e, program, ASM: tl.constexpr):
+    """A wait past 1 / NOTE_AFTER of its deadline: [2, the rank waited for, the call's number, the program] into the
+    report words, unless a kernel gave up already; no trap. A rank whose device fails because a peer gave up first
+    (its mappings of that peer's memory die with it) still tells what it was waiting for."""
+    if ASM:
+        at = report.to(tl.pointer_type(tl.int32))
+        if tl.load(at, volatile=True) != 1:
+            tl.store(at + 1, e * 0 + r)
+            tl.store(at + 2, e)
+            tl.store(at + 3, program)
+            tl.store(at, e * 0 + 2)
 
 
 @triton.jit
@@ -199,6 +218,8 @@ def take_row(ptrs, half, slot, offset, i, ok, r, report, limit, e, program, RANK
             t0 = tl.where(t0 == 0, now, t0)
             if now - t0 > limit:
                 give_up(report, r, e, program, ASM)
+            elif now - t0 > limit // NOTE_AFTER:
+                note_wait(report, r, e, program, ASM)
     else:
         v = tl.load(at, mask=ok, other=0.0)
     tl.store(at, empty_mark(v), mask=ok)
