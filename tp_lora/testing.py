@@ -314,6 +314,8 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
             os.environ.clear()
             os.environ.update(saved)
         outbox.put(reply)
+        if reply[2] == "error":  # the pool ends every rank after a failure; a failed device would abort this one in
+            continue  # the cleanup below (C++ terminate) before the queue's thread has sent the report
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
