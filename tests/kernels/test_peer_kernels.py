@@ -123,16 +123,18 @@ class _FailedDevice:
 def test_a_device_failed_by_a_peer_kernel_raises_collective_timeout_naming_the_peer(monkeypatch):
     from tp_lora import distributed as comm
     report = PeerReport(torch.device("cpu"))
-    monkeypatch.setitem(comm._PEERS, "group", type("Peer", (), {"failure": lambda self: report.failure(0, 2.0),
-                                                                "staging": {}})())
+    failure = lambda self: report.failure(0, 2.0, torch.float32)  # noqa: E731
+    monkeypatch.setitem(comm._PEERS, "group", type("Peer", (), {"failure": failure, "staging": {}})())
     with pytest.raises(RuntimeError, match="unspecified launch failure"):  # no report written: the device's error
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
     report.words.copy_(torch.tensor([2, 1, 6, 5], dtype=torch.int32))  # as note_wait writes it: still waiting
     with pytest.raises(comm.CollectiveTimeout, match=r"rank 0 of the group was waiting for rank 1's data in "
-                                                     r"peer-memory collective call 6 \(program 5\) when its device "
-                                                     r"failed(.|\n)*last collectives of this rank"):
+                                                     r"peer-memory collective call 6 \(program 5\) over the float32 "
+                                                     r"buffer when its device failed(.|\n)*last collectives of this "
+                                                     r"rank"):
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
     report.words.copy_(torch.tensor([1, 1, 7, 3], dtype=torch.int32))  # as give_up writes it
     with pytest.raises(comm.CollectiveTimeout, match=r"rank 0 of the group waited more than parallel.timeout_s=2s "
-                                                     r"for rank 1's data in peer-memory collective call 7 \(program 3\)"):
+                                                     r"for rank 1's data in peer-memory collective call 7 \(program 3\) "
+                                                     r"over the float32 buffer"):
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))

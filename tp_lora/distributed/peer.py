@@ -97,18 +97,17 @@ class PeerReport:
         self.words = torch.zeros(4, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
         self.address = self.words.data_ptr()  # what the kernels take
 
-    def failure(self, rank: int, timeout_s: float) -> str | None:
-        """What a kernel of this rank gave up on, or None."""
+    def failure(self, rank: int, timeout_s: float, dtype: torch.dtype) -> str | None:
+        """What a kernel of this rank over the staging buffer of `dtype` gave up on (or still waited for), or None."""
         state, peer, call, program = self.words.tolist()
+        where = f"peer-memory collective call {call} (program {program}) over the {str(dtype).split('.')[-1]} buffer"
         if state == 2:  # a note (peer_kernels.note_wait): still waiting when the device failed
-            return (f"rank {rank} of the group was waiting for rank {peer}'s data in peer-memory collective call "
-                    f"{call} (program {program}) when its device failed, longer than a {NOTE_AFTER}th of "
-                    f"parallel.timeout_s={timeout_s:g}s")
+            return (f"rank {rank} of the group was waiting for rank {peer}'s data in {where} when its device failed, "
+                    f"longer than a {NOTE_AFTER}th of parallel.timeout_s={timeout_s:g}s")
         if not state:
             return None
         return (f"rank {rank} of the group waited more than parallel.timeout_s={timeout_s:g}s for rank {peer}'s data "
-                f"in peer-memory collective call {call} (program {program}): that rank died, stalled or skipped the "
-                f"call")
+                f"in {where}: that rank died, stalled or skipped the call")
 
 
 class PeerAllReduce:
@@ -126,7 +125,6 @@ class PeerAllReduce:
         if symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver, not NVSHMEM
         self.name, self.max_bytes, self.timeout_s = pg.group_name, max_bytes, timeout_s
-        self.report = PeerReport(device)  # shared by the staging buffers: one kernel over them runs at a time
         self.bufs = {dt: symm_mem.empty(max_bytes // dt.itemsize, dtype=dt, device=device) for dt in PEER_DTYPES}
         for buf in self.bufs.values():
             symm_mem.rendezvous(buf, self.name)
@@ -149,14 +147,15 @@ class PeerAllReduce:
             epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
             buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
-                                                slot_bytes // dt.itemsize, self.report, int(timeout_s * 1e9)))
+                                                slot_bytes // dt.itemsize, PeerReport(device), int(timeout_s * 1e9)))
         torch.cuda.synchronize(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         dist.barrier(group=pg, device_ids=[index])  # every buffer marked empty before any rank pushes
 
     def failure(self) -> str | None:
         """Why a kernel over this group's buffers gave up waiting for a peer (PeerReport), or None."""
-        return self.report.failure(self.staging[PEER_DTYPES[0]][1].rank, self.timeout_s)
+        return next((w for dt, (_, b) in self.staging.items() if (w := b.report.failure(b.rank, self.timeout_s, dt))),
+                    None)
 
     def takes(self, t: torch.Tensor) -> bool:
         return t.is_cuda and t.dtype in self.bufs and t.is_contiguous() and 0 < t.nbytes <= self.max_bytes
