@@ -135,6 +135,6 @@ def test_a_device_failed_by_a_peer_kernel_raises_collective_timeout_naming_the_p
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
     report.words.copy_(torch.tensor([1, 1, 7, 3], dtype=torch.int32))  # as give_up writes it
     with pytest.raises(comm.CollectiveTimeout, match=r"rank 0 of the group waited more than parallel.timeout_s=2s "
-                                                     r"for rank 1's data in peer-memory collective call 7 \(program 3\) "
-                                                     r"over the float32 buffer"):
+                                                     r"for rank 1's data in peer-memory collective call 7 "
+                                                     r"\(program 3\) over the float32 buffer"):
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
