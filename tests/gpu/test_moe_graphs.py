@@ -82,30 +82,35 @@ LAYOUTS = {2: {"tp2": (2, 1, "dp"), "tp2_ep2": (2, 2, "tp"), "ep2": (1, 2, "dp")
            4: {"tp4": (4, 1, "dp"), "tp4_ep4": (4, 4, "tp"), "ep4": (1, 4, "dp"), "ep2_tp2": (2, 2, "dp")}}
 
 
-def _layouts(ps, world, model, adapters):
-    """Every layout of this world size; DP replica d of D serves requests d, d + D, ... (the last batches leave
-    replicas idle)."""
+CASES = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+
+
+def _layout(ps, world, name, model, adapters):
+    """One layout of this world size: (graph steps, mixed ones) of its graphed engine; DP replica d of D serves
+    requests d, d + D, ... (the last batches leave replicas idle)."""
     from tp_lora import distributed as comm
-    out = {}
-    for name, (tp, ep, attn) in LAYOUTS[world].items():
-        dp = comm.init_parallel(tp, "cuda", STALL_S).dp
-        try:
-            out[name] = _compare(model, adapters, tp, ep, attn, 1,
-                                 lambda reqs: [q for q in reqs if q.index % dp.size == dp.rank])
-        except Exception as e:
-            raise RuntimeError(f"layout {name} failed") from e
-    return out
+    tp, ep, attn = LAYOUTS[world][name]
+    dp = comm.init_parallel(tp, "cuda", STALL_S).dp
+    return _compare(model, adapters, tp, ep, attn, 1, lambda reqs: [q for q in reqs if q.index % dp.size == dp.rank])
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_moe_graph_steps_match_eager_every_layout(tmp_path, monkeypatch, world):
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """The tiny Mixtral checkpoint and its adapters, written once for every layout."""
+    root = tmp_path_factory.mktemp("mixtral")
+    return (str(write_moe(root / "model", "mixtral", seed=5, head_dim=HEAD_DIM)),
+            str(write_adapters(root / "adapters", moe_config("mixtral", HEAD_DIM), seed=15)))
+
+
+@pytest.mark.parametrize("world, layout", CASES, ids=[name for _, name in CASES])
+def test_moe_graph_steps_match_eager(mixtral, monkeypatch, world, layout):
+    """Each layout a test of its own (one task on the world size's ranks): a failure names its layout, and one
+    layout runs alone with -k."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")  # the spawned ranks run NCCL, one GPU each
-    model = write_moe(tmp_path / "mixtral", "mixtral", seed=5, head_dim=HEAD_DIM)
-    adapters = write_adapters(tmp_path / "adapters", moe_config("mixtral", HEAD_DIM), seed=15)
-    steps = run_ranks(_layouts, world, world, str(model), str(adapters), tp_size=world, timeout_s=180)
-    assert all(s > 0 and m > 0 for s, m in steps.values()), f"(graph steps, mixed ones) per layout: {steps}"
+    steps, mixed = run_ranks(_layout, world, world, layout, *mixtral, tp_size=world, timeout_s=120)
+    assert steps > 0 and mixed > 0, f"{layout}: graph steps {steps}, of them mixed {mixed}"
 
 
 def _ep_collectives(ps, hidden: int):
