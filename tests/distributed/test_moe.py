@@ -595,4 +595,6 @@ def test_moe_prefix_cache_gives_the_tokens_of_computing(bundle):
     assert hits > 0
     for (gt, gl), (wt, wl) in zip(got, want):
         assert gt == wt
-        torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), rtol=0, atol=1e-5)
+        # CUDA's kernels sum a cached prefix's attention in another order than one whole prefill
+        torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), rtol=0,
+                                   atol=1e-5 if device_under_test() == "cpu" else 1e-4)
