@@ -127,13 +127,13 @@ def test_a_device_failed_by_a_peer_kernel_raises_collective_timeout_naming_the_p
     monkeypatch.setitem(comm._PEERS, "group", type("Peer", (), {"failure": failure, "staging": {}})())
     with pytest.raises(RuntimeError, match="unspecified launch failure"):  # no report written: the device's error
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
-    report.words.copy_(torch.tensor([2, 1, 6, 5], dtype=torch.int32))  # as note_wait writes it: still waiting
+    report.words.copy_(torch.tensor([2, 1, 6, 5, 7500], dtype=torch.int32))  # as note_wait writes it: still waiting
     with pytest.raises(comm.CollectiveTimeout, match=r"rank 0 of the group was waiting for rank 1's data in "
                                                      r"peer-memory collective call 6 \(program 5\) over the float32 "
-                                                     r"buffer when its device failed(.|\n)*last collectives of this "
-                                                     r"rank"):
+                                                     r"buffer when its device failed \(for 7.5s at least(.|\n)*last "
+                                                     r"collectives of this rank"):
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
-    report.words.copy_(torch.tensor([1, 1, 7, 3], dtype=torch.int32))  # as give_up writes it
+    report.words.copy_(torch.tensor([1, 1, 7, 3, 0], dtype=torch.int32))  # as give_up writes it
     with pytest.raises(comm.CollectiveTimeout, match=r"rank 0 of the group waited more than parallel.timeout_s=2s "
                                                      r"for rank 1's data in peer-memory collective call 7 "
                                                      r"\(program 3\) over the float32 buffer"):

@@ -56,7 +56,6 @@ def fused_max_bytes(ranks: int) -> int:
 # The most bytes a rank takes in one call by polling the data; above, by flags after the pushes: a bandwidth-bound
 # call pays more for the polling's volatile loads than for a flag's round trip (BENCHMARKS.md, issue 36).
 POLL_MAX_BYTES = 1 << 20
-NOTE_AFTER = 8  # a wait longer than its deadline / NOTE_AFTER leaves a note in the report words (note_wait)
 PEER_PROGRAMS = 32  # programs of every kernel over a staging buffer (decode rows: one each)
 # dtype -> (integer view, -0.0's bits in it): the empty mark of a staging buffer's elements
 EMPTY = {torch.bfloat16: (torch.int16, -0x8000), torch.float32: (torch.int32, -0x80000000)}
@@ -89,21 +88,21 @@ class PeerBuffer:
 
 
 class PeerReport:
-    """The words a peer kernel that gave up waiting writes before it traps: [1, the rank it waited for, the call's
-    number, the program], in page-locked host memory the device writes at the same address (unified addressing),
-    readable once the device has failed."""
+    """The words a peer kernel that gave up waiting writes before it traps, [1, the rank it waited for, the call's
+    number, the program, 0], or that a long wait notes, [2, .., the milliseconds waited so far]: in page-locked host
+    memory the device writes at the same address (unified addressing), readable once the device has failed."""
 
     def __init__(self, device: torch.device):
-        self.words = torch.zeros(4, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        self.words = torch.zeros(5, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
         self.address = self.words.data_ptr()  # what the kernels take
 
     def failure(self, rank: int, timeout_s: float, dtype: torch.dtype) -> str | None:
         """What a kernel of this rank over the staging buffer of `dtype` gave up on (or still waited for), or None."""
-        state, peer, call, program = self.words.tolist()
+        state, peer, call, program, waited_ms = self.words.tolist()
         where = f"peer-memory collective call {call} (program {program}) over the {str(dtype).split('.')[-1]} buffer"
         if state == 2:  # a note (peer_kernels.note_wait): still waiting when the device failed
-            return (f"rank {rank} of the group was waiting for rank {peer}'s data in {where} when its device failed, "
-                    f"longer than a {NOTE_AFTER}th of parallel.timeout_s={timeout_s:g}s")
+            return (f"rank {rank} of the group was waiting for rank {peer}'s data in {where} when its device failed "
+                    f"(for {waited_ms / 1e3:g}s at least; parallel.timeout_s={timeout_s:g}s)")
         if not state:
             return None
         return (f"rank {rank} of the group waited more than parallel.timeout_s={timeout_s:g}s for rank {peer}'s data "

@@ -10,11 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.distributed import peer
-
 GATHER_BLOCK = 2048  # elements per program and step of the all-gather kernel
 REDUCE_BLOCK = 2048  # elements per program and step of the all-reduce kernel
-NOTE_AFTER = tl.constexpr(peer.NOTE_AFTER)
+NOTE_AFTER = tl.constexpr(8)  # a wait past its deadline / NOTE_AFTER leaves a note in the report words (note_wait)
 # PTX release stores / acquire loads for the flags; the interpreter (no PTX) takes atomics of the same semantics.
 ASM = os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -105,16 +103,17 @@ def give_up(report, r, e, program, ASM: tl.constexpr):
 
 
 @triton.jit
-def note_wait(report, r, e, program, ASM: tl.constexpr):
-    """A wait past 1 / NOTE_AFTER of its deadline: [2, the rank waited for, the call's number, the program] into the
-    report words, unless a kernel gave up already; no trap. A rank whose device fails because a peer gave up first
-    (its mappings of that peer's memory die with it) still tells what it was waiting for."""
+def note_wait(report, r, e, program, waited, ASM: tl.constexpr):
+    """A wait past 1 / NOTE_AFTER of its deadline, `waited` ns so far: [2, the rank waited for, the call's number, the
+    program, waited ms] into the report words, unless a kernel gave up already; no trap. A rank whose device fails
+    because a peer gave up first (its mappings of that peer's memory die with it) still tells what it waited for."""
     if ASM:
         at = report.to(tl.pointer_type(tl.int32))
         if tl.load(at, volatile=True) != 1:
             tl.store(at + 1, e * 0 + r)
             tl.store(at + 2, e)
             tl.store(at + 3, program)
+            tl.store(at + 4, (waited // 1000000).to(tl.int32))
             tl.store(at, e * 0 + 2)
 
 
@@ -219,7 +218,7 @@ def take_row(ptrs, half, slot, offset, i, ok, r, report, limit, e, program, RANK
             if now - t0 > limit:
                 give_up(report, r, e, program, ASM)
             elif now - t0 > limit // NOTE_AFTER:
-                note_wait(report, r, e, program, ASM)
+                note_wait(report, r, e, program, now - t0, ASM)
     else:
         v = tl.load(at, mask=ok, other=0.0)
     tl.store(at, empty_mark(v), mask=ok)
