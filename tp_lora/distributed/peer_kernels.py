@@ -54,7 +54,8 @@ def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
     if (2 * chunk if two_shot else n) > buf.slot:
         raise ValueError(f"peer all_reduce: {n} elements exceed a slot of {buf.slot}"
                          + (f" in two chunks of {chunk}" if two_shot else ""))
-    buf.launched += n > 0
+    if n:
+        buf.launched += 1
     if n and two_shot:
         _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, buf.report.address, buf.limit, n, chunk,
                                                      buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=REDUCE_BLOCK,
