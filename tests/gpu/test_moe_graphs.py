@@ -117,21 +117,24 @@ def test_moe_graph_steps_match_eager(mixtral, monkeypatch, world, layout):
 
 # The EP-over-attention-TP layout at 2 ranks with one suspect of the stall its graphed engine's warm-up shows now and
 # then taken away each (BENCHMARKS.md): gpu_check.sh moe_stall runs them (TP_LORA_TEST_STALL_BISECT=1).
-VARIANTS = ("nccl", "no_adapters", "no_side_stream")
+VARIANTS = ("nccl", "no_adapters", "no_side_stream", "flags")
 
 
 def _variant(ps, variant, model, adapters):
+    from tp_lora.distributed import peer
     from tp_lora.lora import layers
-    side = layers.SIDE_STREAM_MAX_ROWS
+    side, poll = layers.SIDE_STREAM_MAX_ROWS, peer.POLL_MAX_BYTES
     if variant == "no_side_stream":
         layers.SIDE_STREAM_MAX_ROWS = -1  # every LoRA shrink on the main stream
+    if variant == "flags":
+        peer.POLL_MAX_BYTES = 0  # every peer exchange by flags, none by polling the data
     try:
         if variant == "no_adapters":
             return _compare(model, None, 2, 2, "tp", 1, lambda reqs: [dataclasses.replace(q, adapter=None)
                                                                       for q in reqs])
         return _compare(model, adapters, 2, 2, "tp", 1, allreduce="nccl" if variant == "nccl" else "auto")
     finally:
-        layers.SIDE_STREAM_MAX_ROWS = side  # the ranks serve the next tests
+        layers.SIDE_STREAM_MAX_ROWS, peer.POLL_MAX_BYTES = side, poll  # the ranks serve the next tests
 
 
 @pytest.mark.skipif(os.environ.get("TP_LORA_TEST_STALL_BISECT") != "1", reason="the stall's bisection (gpu_check.sh "

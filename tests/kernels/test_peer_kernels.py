@@ -138,3 +138,31 @@ def test_a_device_failed_by_a_peer_kernel_raises_collective_timeout_naming_the_p
                                                      r"for rank 1's data in peer-memory collective call 7 "
                                                      r"\(program 3\) over the float32 buffer"):
         comm.wait_event(_FailedDevice(), torch.device("cuda", 0))
+
+
+class _BusyDevice:
+    """A recorded event that never passes: a device still running (a kernel that never ends)."""
+
+    def query(self):
+        return False
+
+
+def test_a_device_that_never_finishes_reports_the_calls_its_programs_entered(device, monkeypatch):
+    """The host's deadline passes on a device that has not failed: the report lists each staging buffer's last
+    launches and the calls the device's programs entered there (read beside the busy device), so a stalled rank
+    shows whether it stopped before, or inside, the call its peers waited in."""
+    from tp_lora import distributed as comm
+    staging, _, buf = group_of_one(torch.float32, device)
+    x = torch.ones(3, 5, device=device)
+    all_reduce(x, buf)
+    all_gather(x, -1, buf)
+    reduce_add_rms_norm(x, None, torch.ones(5, device=device), 1e-6, False, None, buf)
+    assert buf.entered() == (3, 3)
+    buf.epochs[1] = 2  # program 1 has not entered call 3 yet
+    monkeypatch.setitem(comm._PEERS, "tp", type("Peer", (), {"staging": {torch.float32: (staging, buf)}})())
+    monkeypatch.setitem(comm._SETTINGS, "timeout_s", 0.05)
+    with pytest.raises(comm.CollectiveTimeout, match=r"did not complete within parallel.timeout_s=0.05s(.|\n)*tp "
+                                                     r"float32: 3 launched \(last: #1 all_reduce \[3, 5\], #2 "
+                                                     r"all_gather \[3, 5\], #3 all_reduce \+ norm \[3, 5\]\), the "
+                                                     r"device's programs entered 2-3"):
+        comm.wait_event(_BusyDevice(), torch.device("cuda", 0))

@@ -182,7 +182,8 @@ def wait_event(done: torch.cuda.Event, device: torch.device) -> None:
         waited = time.monotonic() - start
         if waited > _SETTINGS["timeout_s"]:
             raise CollectiveTimeout(f"collectives on {device} did not complete within parallel.timeout_s="
-                                    f"{_SETTINGS['timeout_s']:g}s: a peer rank died or stalled ({last_calls()})")
+                                    f"{_SETTINGS['timeout_s']:g}s: a peer rank died or stalled "
+                                    f"({last_calls(probe=True)})")
         time.sleep(0 if waited < 0.01 else 1e-3)  # spin through a normal step, then back off
 
 
@@ -197,13 +198,18 @@ def _done(event: torch.cuda.Event) -> bool:
         raise CollectiveTimeout(f"{why} ({last_calls()})") from e
 
 
-def last_calls() -> str:
-    """What this rank launched last, for a failure report: its last collectives (CommStats.recent) and the peer
-    kernels launched on each staging buffer (the count a peer kernel's call number follows, graph replays aside)."""
-    counts = ", ".join(f"{name} {str(dt).split('.')[-1]} {buf.launched}" for name, p in _PEERS.items()
-                       for dt, (_, buf) in p.staging.items())
+def last_calls(probe: bool = False) -> str:
+    """What this rank launched last, for a failure report: its last collectives (CommStats.recent) and per staging
+    buffer the peer kernels launched (their count is what a peer kernel's call number follows, graph replays aside).
+    probe (a device still running, not failed): also the calls its programs have entered on each buffer."""
+    def buffer(name, dt, buf):
+        at = buf.entered() if probe else None
+        return (f"{name} {str(dt).split('.')[-1]}: {buf.launches()}"
+                + ("" if not probe else ", the device's programs entered " + ("? (not readable)" if at is None else
+                                                                              "-".join(map(str, sorted(set(at)))))))
+    counts = "; ".join(buffer(name, dt, buf) for name, p in _PEERS.items() for dt, (_, buf) in p.staging.items())
     return f"last collectives of this rank: {STATS.recent() or 'none'}" + (
-        f"; peer kernels launched per staging buffer: {counts}" if counts else "")
+        f"; peer kernels per staging buffer: {counts}" if counts else "")
 
 
 def peer_failure() -> str | None:

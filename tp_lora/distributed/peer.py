@@ -20,7 +20,9 @@ counts the same calls. Never NVLink multicast (multimem): only peer loads and st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +61,7 @@ POLL_MAX_BYTES = 1 << 20
 PEER_PROGRAMS = 32  # programs of every kernel over a staging buffer (decode rows: one each)
 # dtype -> (integer view, -0.0's bits in it): the empty mark of a staging buffer's elements
 EMPTY = {torch.bfloat16: (torch.int16, -0x8000), torch.float32: (torch.int32, -0x80000000)}
+RECENT_LAUNCHES = 6  # kernels per staging buffer a failure report lists (PeerBuffer.launches)
 
 
 @dataclass
@@ -78,6 +81,41 @@ class PeerBuffer:
     report: "PeerReport"
     limit: int
     launched: int = 0  # kernels launched over this buffer from Python (a CUDA graph's once, at its capture)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_LAUNCHES))
+
+    def launch(self, kind: str, t: torch.Tensor) -> None:
+        """Count a kernel over this buffer about to launch (kind, its input t), for failure reports."""
+        self.launched += 1
+        self.recent.append((self.launched, kind, tuple(t.shape)))
+
+    def launches(self) -> str:
+        """The count and the last kernels launched over this buffer: (call number, kind, input shape)."""
+        return f"{self.launched} launched (last: " + ", ".join(f"#{n} {kind} {list(shape)}"
+                                                             for n, kind, shape in self.recent) + ")"
+
+    def entered(self, wait_s: float = 2.0) -> tuple[int, int] | None:
+        """(fewest, most) calls the device's programs have entered over this buffer (epochs), read on a stream of its
+        own beside whatever the device runs: against `launched`, where a busy device stands. None when not read
+        within wait_s or the device has failed."""
+        if not self.epochs.is_cuda:
+            got = self.epochs.tolist()
+            return min(got), max(got)
+        try:
+            host = torch.empty(self.epochs.shape, dtype=self.epochs.dtype, pin_memory=True)
+            stream = torch.cuda.Stream(self.epochs.device)
+            with torch.cuda.stream(stream):
+                host.copy_(self.epochs, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            deadline = time.monotonic() + wait_s
+            while not done.query():
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(1e-3)
+        except RuntimeError:
+            return None
+        got = host.tolist()
+        return min(got), max(got)
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot

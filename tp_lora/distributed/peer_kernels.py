@@ -34,7 +34,7 @@ def all_gather(t: torch.Tensor, dim: int, buf) -> torch.Tensor:
     out = torch.empty(shape, dtype=t.dtype, device=t.device)
     # out[row, rank * cols + c] (last dim) or out[rank * rows + row, c] (dim 0)
     s_row, s_rank = (buf.world * cols, cols) if last else (cols, rows * cols)
-    buf.launched += 1
+    buf.launch("all_gather", x)
     _all_gather_kernel[(buf.programs,)](
         x, out, buf.ptrs, buf.pads, buf.epochs, buf.report.address, buf.limit, rows, cols, x.stride(0), s_row, s_rank,
         buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=GATHER_BLOCK, ASM=ASM, POLL=buf.polls(out.nbytes))
@@ -55,7 +55,7 @@ def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
         raise ValueError(f"peer all_reduce: {n} elements exceed a slot of {buf.slot}"
                          + (f" in two chunks of {chunk}" if two_shot else ""))
     if n:
-        buf.launched += 1
+        buf.launch("all_reduce two-shot" if two_shot else "all_reduce", t)
     if n and two_shot:
         _all_reduce_two_shot_kernel[(buf.programs,)](t, buf.ptrs, buf.epochs, buf.report.address, buf.limit, n, chunk,
                                                      buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=REDUCE_BLOCK,
@@ -148,37 +148,45 @@ def publish(pads, program, e, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.c
 
 
 @triton.jit
+def wait_flag(flag, e, limit):
+    """Spin (acquire loads at system scope) until the flag at address `flag` has reached call e (a wrapping
+    difference: a rank may be one call ahead) or `limit` ns have passed; -> the flag's last value."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .u32 %t;
+        .reg .s32 %d;
+        .reg .u64 %t0, %t1;
+        .reg .pred %p;
+        mov.u64 %t0, %globaltimer;
+        wait_flag:
+        ld.acquire.sys.global.u32 %t, [$1];
+        sub.s32 %d, %t, $2;
+        setp.ge.s32 %p, %d, 0;
+        @%p bra flag_in;
+        mov.u64 %t1, %globaltimer;
+        sub.u64 %t1, %t1, %t0;
+        setp.lt.u64 %p, %t1, $3;
+        @%p bra wait_flag;
+        flag_in:
+        mov.u32 $0, %t;
+        }""", "=r,l,r,l", [flag, e, limit], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def wait_peers(pads, program, e, report, limit, RANK: tl.constexpr, WORLD: tl.constexpr, ASM: tl.constexpr):
     """Spin (every thread, acquire loads at system scope) until every rank's flag for this program in this rank's
-    pad has reached call e (a rank may already be one call ahead: compared as a wrapping difference); past `limit` ns
-    of waiting for one, give_up."""
+    pad has reached call e; past limit / NOTE_AFTER ns of waiting for one, note_wait, past `limit`, give_up."""
     mine = tl.load(pads + RANK) + 4 * program * WORLD
     for r in tl.static_range(WORLD):
         if not ASM:
             while tl.atomic_add((mine + 4 * r).to(tl.pointer_type(tl.int32)), 0, sem="acquire", scope="sys") - e < 0:
                 pass
         else:
-            got = tl.inline_asm_elementwise(
-                """{
-                .reg .u32 %t;
-                .reg .s32 %d;
-                .reg .u64 %t0, %t1;
-                .reg .pred %p;
-                mov.u64 %t0, %globaltimer;
-                wait_flag:
-                ld.acquire.sys.global.u32 %t, [$1];
-                sub.s32 %d, %t, $2;
-                setp.ge.s32 %p, %d, 0;
-                @%p bra flag_in;
-                mov.u64 %t1, %globaltimer;
-                sub.u64 %t1, %t1, %t0;
-                setp.lt.u64 %p, %t1, $3;
-                @%p bra wait_flag;
-                flag_in:
-                mov.u32 $0, %t;
-                }""", "=r,l,r,l", [mine + 4 * r, e, limit], dtype=tl.int32, is_pure=False, pack=1)
-            if got - e < 0:
-                give_up(report, r, e, program, ASM)
+            first = limit // NOTE_AFTER
+            if wait_flag(mine + 4 * r, e, first) - e < 0:
+                note_wait(report, r, e, program, first, ASM)
+                if wait_flag(mine + 4 * r, e, limit - first) - e < 0:
+                    give_up(report, r, e, program, ASM)
 
 
 @triton.jit

@@ -57,7 +57,7 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     res_out = torch.empty_like(out)
     res = rows if residual is None else as_rows(residual, "reduce_add_rms_norm's residual")
     if t:
-        buf.launched += 1
+        buf.launch("all_reduce + norm", rows)
         _reduce_add_rms_norm_kernel[(buf.programs,)](
             rows, res, weight, weight if x_weight is None else x_weight, out, res_out, buf.ptrs, buf.pads,
             buf.epochs, buf.report.address, buf.limit, t, rows.stride(0), res.stride(0), n, n, n, float(eps), buf.slot,
