@@ -168,9 +168,9 @@ for what in "${@:-all}"; do
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_moe 560 8 python3 -m pytest -q -rs \
         tests/gpu/test_moe_graphs.py tests/distributed/test_moe.py ;;
     moe_stall)
-      step "issues 36 / 37: the MoE graph test's stall, hunted: tp2_ep2 (where it showed; the reports now give where each"
-      step "  device stands), then tp2_ep2 with one suspect taken out each (NCCL collectives, no adapters, no LoRA side"
-      step "  stream, exchanges by flags only), then tp2_ep2 again while time is left; failures in full"
+      step "issues 36 / 37: the MoE graph test's stall, hunted: tp2_ep2 (where it showed; the reports now give where"
+      step "  each device stands), then tp2_ep2 with one suspect taken out each (NCCL collectives, no adapters, no LoRA"
+      step "  side stream, exchanges by flags only), then tp2_ep2 again while time is left; failures in full"
       start=$SECONDS
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton TP_LORA_TEST_FAILURES="$RES/moe_stall_1.log" \
         run moe_stall_1 150 4 python3 -m pytest -v -rs tests/gpu/test_moe_graphs.py -k tp2_ep2
