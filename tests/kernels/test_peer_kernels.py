@@ -20,7 +20,7 @@ def group_of_one(dtype: torch.dtype, device: str, slot: int = 1 << 12, programs:
     buf = torch.full((2 * slot,), EMPTY[dtype][1], dtype=EMPTY[dtype][0], device=device).view(dtype)
     pads = torch.zeros(programs, dtype=torch.int32, device=device)
     ptr = PeerBuffer(torch.tensor([buf.data_ptr()], device=device), torch.tensor([pads.data_ptr()], device=device),
-                     torch.zeros(programs, dtype=torch.int32, device=device), 0, 1, programs, slot,
+                     torch.zeros(2 * programs, dtype=torch.int32, device=device), 0, 1, programs, slot,
                      PeerReport(torch.device(device)), int(60e9))
     return buf, pads, ptr
 
@@ -34,9 +34,9 @@ def exchange(request, monkeypatch):
 
 
 def check_exchange(staging: torch.Tensor, pads: torch.Tensor, buf: PeerBuffer, call: int, exchange: str):
-    """After call number `call`: every program counted it, the pad holds it where the call exchanged by flags (is
+    """After call number `call`: every program counted it (entered and finished), the pad holds it where the call exchanged by flags (is
     untouched where it polled), and the whole buffer is marked empty again."""
-    assert buf.epochs.tolist() == [call] * buf.programs
+    assert buf.epochs.tolist() == [call] * (2 * buf.programs), "every program entered and finished the call"
     assert pads.tolist() == [call if exchange == "flags" else 0] * buf.programs
     ints = staging.view(EMPTY[staging.dtype][0])
     assert torch.equal(ints, torch.full_like(ints, EMPTY[staging.dtype][1])), "read elements are marked empty"
@@ -157,12 +157,13 @@ def test_a_device_that_never_finishes_reports_the_calls_its_programs_entered(dev
     all_reduce(x, buf)
     all_gather(x, -1, buf)
     reduce_add_rms_norm(x, None, torch.ones(5, device=device), 1e-6, False, None, buf)
-    assert buf.entered() == (3, 3)
+    assert buf.progress() == "entered 3, finished 3"
     buf.epochs[1] = 2  # program 1 has not entered call 3 yet
+    buf.epochs[buf.programs + 2] = 2  # program 2 has not finished it
     monkeypatch.setitem(comm._PEERS, "tp", type("Peer", (), {"staging": {torch.float32: (staging, buf)}})())
     monkeypatch.setitem(comm._SETTINGS, "timeout_s", 0.05)
     with pytest.raises(comm.CollectiveTimeout, match=r"did not complete within parallel.timeout_s=0.05s(.|\n)*tp "
                                                      r"float32: 3 launched \(last: #1 all_reduce \[3, 5\], #2 "
                                                      r"all_gather \[3, 5\], #3 all_reduce \+ norm \[3, 5\]\), the "
-                                                     r"device's programs entered 2-3"):
+                                                     r"device's programs entered 2-3, finished 2-3"):
         comm.wait_event(_BusyDevice(), torch.device("cuda", 0))

@@ -201,12 +201,10 @@ def _done(event: torch.cuda.Event) -> bool:
 def last_calls(probe: bool = False) -> str:
     """What this rank launched last, for a failure report: its last collectives (CommStats.recent) and per staging
     buffer the peer kernels launched (their count is what a peer kernel's call number follows, graph replays aside).
-    probe (a device still running, not failed): also the calls its programs have entered on each buffer."""
+    probe (a device still running, not failed): also the calls its programs have entered and finished there."""
     def buffer(name, dt, buf):
-        at = buf.entered() if probe else None
         return (f"{name} {str(dt).split('.')[-1]}: {buf.launches()}"
-                + ("" if not probe else ", the device's programs entered " + ("? (not readable)" if at is None else
-                                                                              "-".join(map(str, sorted(set(at)))))))
+                + (f", the device's programs {buf.progress()}" if probe else ""))
     counts = "; ".join(buffer(name, dt, buf) for name, p in _PEERS.items() for dt, (_, buf) in p.staging.items())
     return f"last collectives of this rank: {STATS.recent() or 'none'}" + (
         f"; peer kernels per staging buffer: {counts}" if counts else "")

@@ -14,7 +14,7 @@ collective timeout: past it the kernel writes what it waited for into page-locke
 traps, so a peer that died, stalled or skipped a call fails the device with an error the host names
 (distributed.CollectiveTimeout) instead of spinning for ever. Calls alternate between the two halves of the
 buffer, so a rank writes into a half only after every rank has started the next call, hence finished reading (and
-emptying) that half. The call numbers live in device memory (`epochs`, one per program), so CUDA graphs replay the
+emptying) that half. The call numbers live in device memory (`epochs`, per program), so CUDA graphs replay the
 exchange; every kernel over the buffer launches the same fixed number of programs, so every program of every rank
 counts the same calls. Never NVLink multicast (multimem): only peer loads and stores.
 """
@@ -67,7 +67,8 @@ RECENT_LAUNCHES = 6  # kernels per staging buffer a failure report lists (PeerBu
 @dataclass
 class PeerBuffer:
     """One symmetric staging buffer as a Triton kernel sees it: ptrs / pads are int64 tensors on the device holding
-    every rank's buffer / signal pad address (rank order); epochs: int32 [programs], each program's calls so far;
+    every rank's buffer / signal pad address (rank order); epochs: int32 [2, programs], each program's calls entered
+    so far, then finished;
     the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot. A wait for a peer
     longer than `limit` ns gives up: what it waited for goes into `report`'s words (page-locked host memory) and the
     kernel traps (on CUDA; the interpreter never waits)."""
@@ -93,13 +94,19 @@ class PeerBuffer:
         return f"{self.launched} launched (last: " + ", ".join(f"#{n} {kind} {list(shape)}"
                                                              for n, kind, shape in self.recent) + ")"
 
-    def entered(self, wait_s: float = 2.0) -> tuple[int, int] | None:
-        """(fewest, most) calls the device's programs have entered over this buffer (epochs), read on a stream of its
-        own beside whatever the device runs: against `launched`, where a busy device stands. None when not read
-        within wait_s or the device has failed."""
+    def progress(self, wait_s: float = 2.0) -> str:
+        """The calls the device's programs have entered and finished over this buffer (epochs; "a-b": fewest to
+        most), read on a stream of its own beside whatever the device runs: where a busy device stands."""
+        got = self._epochs(wait_s)
+        if got is None:
+            return "? (not readable)"
+        spans = ["-".join(map(str, sorted({min(c), max(c)}))) for c in (got[:self.programs], got[self.programs:])]
+        return f"entered {spans[0]}, finished {spans[1]}"
+
+    def _epochs(self, wait_s: float) -> list[int] | None:
+        """The epochs on the host; None when not read within wait_s, or the device has failed."""
         if not self.epochs.is_cuda:
-            got = self.epochs.tolist()
-            return min(got), max(got)
+            return self.epochs.tolist()
         try:
             host = torch.empty(self.epochs.shape, dtype=self.epochs.dtype, pin_memory=True)
             stream = torch.cuda.Stream(self.epochs.device)
@@ -114,8 +121,7 @@ class PeerBuffer:
                 time.sleep(1e-3)
         except RuntimeError:
             return None
-        got = host.tolist()
-        return min(got), max(got)
+        return host.tolist()
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= self.slot
@@ -181,7 +187,7 @@ class PeerAllReduce:
             off = getattr(hdl, "offset", 0)  # the tensor's place in its allocation (0 from symm_mem.empty)
             ptrs = torch.tensor([p + off for p in hdl.buffer_ptrs], dtype=torch.int64, device=device)
             pads = torch.tensor(hdl.signal_pad_ptrs, dtype=torch.int64, device=device)
-            epochs = torch.zeros(PEER_PROGRAMS, dtype=torch.int32, device=device)
+            epochs = torch.zeros(2 * PEER_PROGRAMS, dtype=torch.int32, device=device)
             buf.view(EMPTY[dt][0]).fill_(EMPTY[dt][1])
             self.staging[dt] = (buf, PeerBuffer(ptrs, pads, epochs, hdl.rank, world, PEER_PROGRAMS,
                                                 slot_bytes // dt.itemsize, PeerReport(device), int(timeout_s * 1e9)))

@@ -69,11 +69,19 @@ def all_reduce(t: torch.Tensor, buf, two_shot: bool = False) -> torch.Tensor:
 
 @triton.jit
 def next_call(epochs, program, slot, WORLD: tl.constexpr):
-    """This program's call number e (counted in epochs[program]) and the offset (elements) of the half it uses."""
+    """This program's call number e (counted as entered in epochs[program]) and the offset (elements) of the half it
+    uses."""
     e = tl.load(epochs + program) + 1
     tl.debug_barrier()  # every thread has read the count before one stores it
     tl.store(epochs + program, e)
     return e, (e % 2).to(tl.int64) * WORLD * slot
+
+
+@triton.jit
+def done_call(epochs, program, e):
+    """Count call e as finished by this program (epochs[programs + program]), once every thread's work is done."""
+    tl.debug_barrier()
+    tl.store(epochs + tl.num_programs(0) + program, e)
 
 
 @triton.jit
@@ -116,6 +124,8 @@ def note_wait(report, r, e, program, waited, ASM: tl.constexpr):
             tl.store(at + 3, program)
             tl.store(at + 4, (waited // 1000000).to(tl.int32))
             tl.store(at, e * 0 + 2)
+            tl.inline_asm_elementwise("membar.sys;\n mov.u32 $0, 0;", "=r,r", [e], dtype=tl.int32, is_pure=False,
+                                      pack=1)  # out to host memory now, not when the kernel ends
 
 
 @triton.jit
@@ -263,6 +273,7 @@ def _all_gather_kernel(x_ptr, out_ptr, ptrs, pads, epochs, report, limit, rows, 
         for r in tl.static_range(WORLD):
             got = take_row(ptrs, half, slot, row * cols, c, ok, r, report, limit, e, p, RANK, dt, POLL, ASM)
             tl.store(out_ptr + row * s_row + r * s_rank + c, got, mask=ok)
+    done_call(epochs, p, e)
 
 
 @triton.jit
@@ -284,6 +295,7 @@ def _all_reduce_kernel(x_ptr, ptrs, pads, epochs, report, limit, n, slot, RANK: 
         for r in tl.static_range(WORLD):
             h += take_row(ptrs, half, slot, 0, c, ok, r, report, limit, e, p, RANK, dt, POLL, ASM).to(tl.float32)
         tl.store(x_ptr + c, h.to(dt), mask=ok)
+    done_call(epochs, p, e)
 
 
 @triton.jit
@@ -315,3 +327,4 @@ def _all_reduce_two_shot_kernel(x_ptr, ptrs, epochs, report, limit, n, chunk, sl
             ok = (c < chunk) & (j * chunk + c < n)
             got = take_row(ptrs, half, slot, chunk, c, ok, j, report, limit, e, p, RANK, dt, True, ASM)
             tl.store(x_ptr + j * chunk + c, got, mask=ok)
+    done_call(epochs, p, e)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.distributed.peer import PeerBuffer
-from tp_lora.distributed.peer_kernels import ASM, exchange, next_call, push_row, take_row
+from tp_lora.distributed.peer_kernels import ASM, done_call, exchange, next_call, push_row, take_row
 from tp_lora.ops.triton.fused import add_norm_row, as_rows
 
 
@@ -42,6 +42,7 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_
             tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
         add_norm_row(h.to(tl.float32), res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro,
                      i, ok, n, eps, HAS_RES, NORM_X, OFFSET)
+    done_call(epochs, p, e)
 
 
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
