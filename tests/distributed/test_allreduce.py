@@ -5,8 +5,9 @@ through it against NCCL, CUDA graphs on; the all-reduce fused with the residual 
 all-gather against NCCL + the add_rms_norm kernel / NCCL's all-gather at 2 GPUs (odd sizes, bf16 and fp32, eager and
 in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm; a second set of groups over the same ranks (its
 own peer buffers) reduces as NCCL, used between the first's calls; a peer kernel waiting for a call its peer skipped
-gives up at its group's timeout and the host's error names the peer and the call (polling and flags); a CUDA run's
-cuBLAS gets no workspace unless the user gave one."""
+gives up at its group's timeout and the host's error names the peer and the call (polling and flags); the fused
+kernel over rows narrower than its threads never stalls with the ranks skewed; a CUDA run's cuBLAS gets no workspace
+unless the user gave one."""
 import os
 import subprocess
 import sys
@@ -173,6 +174,42 @@ def test_a_peer_kernel_gives_up_on_a_skipped_call_naming_it(flags):
                                            r"parallel.timeout_s=2s for rank 1's data in peer-memory collective call 2"):
         run_ranks(_skipped_call, 2, flags, timeout_s=90)
     assert time.monotonic() - t0 < 50
+
+
+def _narrow_rows(ps: comm.ParallelState, calls: int):
+    """The fused all-reduce + norm of rows narrower than its program's threads (hidden 32 and 64: warps hold copies of
+    the same elements and poll on their own copies), `calls` times with the ranks skewed by a random device sleep
+    before each, so data lands while the other rank polls; every 50th call against NCCL + the add_rms_norm kernel.
+    A warp that emptied elements another warp still polled for stalled the call: its kernel gives up after 5 s."""
+    from tp_lora.ops.fused import reduce_add_rms_norm
+    from tp_lora.ops.triton.fused import add_rms_norm
+    fast = comm.init_parallel(ps.tp.size, "cuda", timeout_s=5.0)  # the peer kernels' deadline
+    comm.init_parallel(ps.tp.size, "cuda", timeout_s=60.0)  # the host's wait
+    assert comm.use_allreduce(fast.tp, ps.device, "symm_mem") == "symm_mem"
+    nccl = comm.Group("tp", ps.tp.rank, ps.tp.size, ps.tp.ranks, ps.tp.pg)
+    gen = torch.Generator().manual_seed(300 + ps.rank)
+    same = torch.Generator(device=ps.device).manual_seed(9)
+    worst = 0.0
+    for i in range(calls):
+        n = 32 if i % 2 else 64
+        x = torch.randn(5, n, device=ps.device).to(torch.bfloat16)
+        res, w = (torch.randn(5, n, generator=same, device=ps.device).to(torch.bfloat16),
+                  torch.randn(n, generator=same, device=ps.device).to(torch.bfloat16))
+        torch.cuda._sleep(int(torch.randint(0, 4000, (1,), generator=gen)))
+        got = reduce_add_rms_norm(x, res, w, 1e-5, False, None, fast.tp)
+        if i % 50 == 0:
+            want = add_rms_norm(comm.all_reduce(x.clone(), nccl), res, w, 1e-5, False, None)
+            worst = max(worst, max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want)))
+    comm.wait_device(ps.device)
+    return worst
+
+
+def test_fused_reduce_norm_of_rows_narrower_than_its_threads_never_stalls():
+    if not CUDA:
+        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
+    if not enough_devices(2):
+        pytest.skip("2 ranks need 2 GPUs")
+    assert run_ranks(_narrow_rows, 2, 4000, timeout_s=90) == 0.0
 
 
 def _greedy(ps: comm.ParallelState, model: str, choice: str):

@@ -97,16 +97,23 @@ def clock(x, ASM: tl.constexpr):
 
 
 @triton.jit
+def put_word(at, value):
+    """An int32 `value` into host memory at address `at` (int64), stored by every thread that runs it: a scalar
+    tl.store is left to the program's first thread, whose warp may not be the one waiting."""
+    tl.inline_asm_elementwise("st.volatile.global.u32 [$1], $2;\n mov.u32 $0, 0;", "=r,l,r", [at, value],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def give_up(report, r, e, program, ASM: tl.constexpr):
     """A wait past its deadline (a peer that never pushed: it died, stalled or skipped the call): [1, the rank waited
     for, the call's number, the program] into the report words (page-locked host memory at address `report`, which
     the host reads once the device fails), then a trap: the device's work fails with an error instead of spinning."""
     if ASM:
-        at = report.to(tl.pointer_type(tl.int32))
-        tl.store(at + 1, e * 0 + r)
-        tl.store(at + 2, e)
-        tl.store(at + 3, program)
-        tl.store(at, e * 0 + 1)
+        put_word(report + 4, e * 0 + r)
+        put_word(report + 8, e)
+        put_word(report + 12, e * 0 + program)
+        put_word(report, e * 0 + 1)
         tl.inline_asm_elementwise("membar.sys;\n trap;\n mov.u32 $0, 0;", "=r,r", [e], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
@@ -117,13 +124,12 @@ def note_wait(report, r, e, program, waited, ASM: tl.constexpr):
     program, waited ms] into the report words, unless a kernel gave up already; no trap. A rank whose device fails
     because a peer gave up first (its mappings of that peer's memory die with it) still tells what it waited for."""
     if ASM:
-        at = report.to(tl.pointer_type(tl.int32))
-        if tl.load(at, volatile=True) != 1:
-            tl.store(at + 1, e * 0 + r)
-            tl.store(at + 2, e)
-            tl.store(at + 3, program)
-            tl.store(at + 4, (waited // 1000000).to(tl.int32))
-            tl.store(at, e * 0 + 2)
+        if tl.load(report.to(tl.pointer_type(tl.int32)), volatile=True) != 1:
+            put_word(report + 4, e * 0 + r)
+            put_word(report + 8, e)
+            put_word(report + 12, e * 0 + program)
+            put_word(report + 16, (waited // 1000000).to(tl.int32))
+            put_word(report, e * 0 + 2)
             tl.inline_asm_elementwise("membar.sys;\n mov.u32 $0, 0;", "=r,r", [e], dtype=tl.int32, is_pure=False,
                                       pack=1)  # out to host memory now, not when the kernel ends
 
@@ -224,7 +230,9 @@ def take_row(ptrs, half, slot, offset, i, ok, r, report, limit, e, program, RANK
              POLL: tl.constexpr, ASM: tl.constexpr):
     """Rank r's pushed values at `offset` of this rank's buffer (columns i, masked by ok; 0 elsewhere), marked empty
     again once read. POLL: volatile loads until no element holds the empty mark (else the flags said they are in);
-    past `limit` ns of polling, give_up (call e, this program)."""
+    past `limit` ns of polling, give_up (call e, this program). Where i has fewer elements than the program has
+    threads, warps hold copies of the same elements and each ends its polling on its own copy: the barrier before
+    marking them empty keeps a warp from emptying what another still waits to see."""
     base = tl.multiple_of(tl.load(ptrs + RANK).to(tl.pointer_type(DT)), 16)
     at = base + half + r * slot + offset + i
     if POLL:
@@ -240,6 +248,7 @@ def take_row(ptrs, half, slot, offset, i, ok, r, report, limit, e, program, RANK
                 note_wait(report, r, e, program, now - t0, ASM)
     else:
         v = tl.load(at, mask=ok, other=0.0)
+    tl.debug_barrier()
     tl.store(at, empty_mark(v), mask=ok)
     return v
 
