@@ -30,8 +30,6 @@
 #   `gemm70` (issue 36, one GPU, ~3 minutes): the 70B shape's tp4 decode GEMMs at 32 rows against their floor.
 #   `ws70` (issue 36, 2-4 GPUs, ~6 minutes): the 70B-shaped 8-layer stack at the host's tp with cuBLAS's workspace
 #   off and on, a kernel table each, side by side.
-#   `moe_stall` (issues 36 / 37, 2-4 GPUs, ~9 minutes): the MoE graph test's tp2_ep2 layout, then tp2_ep2 with one
-#   suspect taken away each, then tp2_ep2 again while time is left; failures in full under results/.
 #   `fp8_moe` (issue 38 item 5, one GPU, ~3 minutes): the Qwen3-30B-A3B-shaped decode (24 layers) with bf16 against
 #   fp8 experts and layers, with and without adapters.
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
@@ -167,20 +165,6 @@ for what in "${@:-all}"; do
       step "  layout of the GPUs present); MoE parity over NCCL + peer memory against one process"
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton run pytest_moe 560 8 python3 -m pytest -q -rs \
         tests/gpu/test_moe_graphs.py tests/distributed/test_moe.py ;;
-    moe_stall)
-      step "issues 36 / 37: the MoE graph test's stall, hunted: tp2_ep2 (where it showed; the reports now give where"
-      step "  each device stands), then tp2_ep2 with one suspect taken out each (NCCL collectives, no adapters, no LoRA"
-      step "  side stream, exchanges by flags only), then tp2_ep2 again while time is left; failures in full"
-      start=$SECONDS
-      TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton TP_LORA_TEST_FAILURES="$RES/moe_stall_1.log" \
-        run moe_stall_1 150 4 python3 -m pytest -v -rs tests/gpu/test_moe_graphs.py -k tp2_ep2
-      TP_LORA_TEST_STALL_BISECT=1 TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton \
-        TP_LORA_TEST_FAILURES="$RES/moe_bisect.log" run moe_bisect 330 6 python3 -m pytest -v -rs \
-        tests/gpu/test_moe_graphs.py -k without_a_suspect
-      if [ $((SECONDS - start)) -lt 400 ]; then
-        TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton TP_LORA_TEST_FAILURES="$RES/moe_stall_2.log" \
-          run moe_stall_2 120 4 python3 -m pytest -v -rs tests/gpu/test_moe_graphs.py -k tp2_ep2
-      fi ;;
     moe_decode_hf)
       step "bench_moe_decode tp1 with transformers + PEFT beside ours: Qwen3-30B-A3B shape, 24 layers"
       run moe_decode_hf 300 12 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \

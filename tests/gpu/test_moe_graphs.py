@@ -4,7 +4,6 @@ shared expert) and, over NCCL, on 2 GPUs TP (tp2), EP over the attention TP grou
 and the 2D mesh ep2_tp2 (EP over 2 DP replicas of tp2 attention). Decode and prefill steps (mixed-step graphs, their
 padded rows routed nowhere; over EP over DP replicas every rank replays the EP group's agreed rows) in every layout.
 Adapters on attention and every expert, mixed with requests without one. bf16 (torch's grouped GEMM on sm90+)."""
-import dataclasses
 import os
 import sys
 
@@ -28,10 +27,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs CUDA sm90+")]
 
 
-def _engine(model, adapters, tp: int, ep: int, attn: str, graphs: bool, allreduce: str = "auto") -> Engine:
+def _engine(model, adapters, tp: int, ep: int, attn: str, graphs: bool) -> Engine:
     from tp_lora import distributed as comm
     cfg = RunConfig()
-    cfg.parallel.allreduce = allreduce
     cfg.device, cfg.dtype, cfg.cuda_graphs, cfg.lora.backend = "cuda", "bfloat16", graphs, "triton"
     cfg.parallel.tp_size, cfg.parallel.ep_size, cfg.parallel.ep_attention = tp, ep, attn
     cfg.lora.max_loras, cfg.lora.max_rank = 4, 16
@@ -40,7 +38,7 @@ def _engine(model, adapters, tp: int, ep: int, attn: str, graphs: bool, allreduc
     # each of the test's engines allocate and free ~100 GB
     cfg.scheduler.kv_cache_mb = 64
     cfg.parallel.timeout_s = STALL_S
-    ps = comm.single_process("cuda") if tp * ep == 1 else comm.init_parallel(tp, "cuda", STALL_S, allreduce)
+    ps = comm.single_process("cuda") if tp * ep == 1 else comm.init_parallel(tp, "cuda", STALL_S)
     return Engine(cfg, ps, model, adapters)
 
 
@@ -54,11 +52,11 @@ def _requests(seed: int):
     return batches
 
 
-def _compare(model, adapters, tp, ep, attn, seed, mine=lambda reqs: reqs, allreduce: str = "auto"):
+def _compare(model, adapters, tp, ep, attn, seed, mine=lambda reqs: reqs):
     """Eager vs graphed tokens for every batch (this rank's share: `mine`); returns the graphed engine's graph step
     count and how many of them were mixed (prefill) steps."""
-    eager = _engine(model, adapters, tp, ep, attn, False, allreduce)
-    graphed = _engine(model, adapters, tp, ep, attn, True, allreduce)
+    eager = _engine(model, adapters, tp, ep, attn, False)
+    graphed = _engine(model, adapters, tp, ep, attn, True)
     assert graphed.runner.use_graphs, f"tp={tp} ep={ep} {attn}: CUDA graphs not enabled for this MoE layout"
     for reqs in map(mine, _requests(seed)):
         for w, g in zip(eager.generate(reqs), graphed.generate(reqs)):
@@ -113,39 +111,6 @@ def test_moe_graph_steps_match_eager(mixtral, monkeypatch, world, layout):
     monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")  # the spawned ranks run NCCL, one GPU each
     steps, mixed = run_ranks(_layout, world, world, layout, *mixtral, tp_size=world, timeout_s=120)
     assert steps > 0 and mixed > 0, f"{layout}: graph steps {steps}, of them mixed {mixed}"
-
-
-# The EP-over-attention-TP layout at 2 ranks with one suspect of the stall its graphed engine's warm-up shows now and
-# then taken away each (BENCHMARKS.md): gpu_check.sh moe_stall runs them (TP_LORA_TEST_STALL_BISECT=1).
-VARIANTS = ("nccl", "no_adapters", "no_side_stream", "flags")
-
-
-def _variant(ps, variant, model, adapters):
-    from tp_lora.distributed import peer
-    from tp_lora.lora import layers
-    side, poll = layers.SIDE_STREAM_MAX_ROWS, peer.POLL_MAX_BYTES
-    if variant == "no_side_stream":
-        layers.SIDE_STREAM_MAX_ROWS = -1  # every LoRA shrink on the main stream
-    if variant == "flags":
-        peer.POLL_MAX_BYTES = 0  # every peer exchange by flags, none by polling the data
-    try:
-        if variant == "no_adapters":
-            return _compare(model, None, 2, 2, "tp", 1, lambda reqs: [dataclasses.replace(q, adapter=None)
-                                                                      for q in reqs])
-        return _compare(model, adapters, 2, 2, "tp", 1, allreduce="nccl" if variant == "nccl" else "auto")
-    finally:
-        layers.SIDE_STREAM_MAX_ROWS, peer.POLL_MAX_BYTES = side, poll  # the ranks serve the next tests
-
-
-@pytest.mark.skipif(os.environ.get("TP_LORA_TEST_STALL_BISECT") != "1", reason="the stall's bisection (gpu_check.sh "
-                                                                              "moe_stall)")
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_chunked_layout_without_a_suspect(mixtral, monkeypatch, variant):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    monkeypatch.setenv("TP_LORA_TEST_DEVICE", "cuda")
-    steps, mixed = run_ranks(_variant, 2, variant, *mixtral, tp_size=2, timeout_s=120)
-    assert steps > 0 and mixed > 0, f"{variant}: graph steps {steps}, of them mixed {mixed}"
 
 
 def _ep_collectives(ps, hidden: int):

@@ -337,8 +337,11 @@ def init_parallel(tp_size: int, device: str = "cpu", timeout_s: float = 300.0,
         _GROUP_CACHE.clear()
         _PEERS.clear()
         _PEER_GROUPS.clear()
-        # Async error handling makes a stuck NCCL collective abort the process after the timeout.
+        # Async error handling makes a stuck NCCL collective abort the process after the timeout. A device failed by
+        # a peer kernel that gave up is this process's to report (peer_failure): NCCL's watchdog must not end the
+        # process on seeing that CUDA error first.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        os.environ.setdefault("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
