@@ -127,21 +127,17 @@ for what in "${@:-all}"; do
       step "issue 36: the multi-GPU suite over NCCL + triton ($NGPU GPUs): tests/distributed, tests/gpu, multi-rank parity"
       start=$SECONDS
       # Files spread over 4 pytest workers where pytest-xdist is installed (each file's tests stay in one worker, so
-      # its module fixtures and rank pools are made once; each process takes a bounded share of every GPU:
-      # tp_lora.testing.share_gpus). -v with a clock on every line: each test's end time survives a run cut short.
-      export XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4 --dist loadfile")
-      # The files whose multi-rank jobs spin on peer memory for long (MoE graph steps in every layout, the adapter
-      # kinds at tp2 / tp4) run after the others, alone on the GPUs: beside other workers' jobs they did not finish
-      # in 6 minutes (and one that stalls then costs the call only its own part).
-      ALONE="tests/gpu/test_moe_graphs.py tests/parity/test_adapter_kinds_parity.py"
-      export ALONE
+      # its module fixtures and rank pools are made once, unless a test names a group of its own: tests/conftest.py;
+      # each process takes a bounded share of every GPU: tp_lora.testing.share_gpus). -v with a clock on every line:
+      # each test's end time survives a run cut short.
+      export XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4 --dist loadgroup")
+      suite() {
+        python3 -m pytest -v -rs --durations=15 $XDIST tests/distributed tests/gpu tests/parity/test_families_parity.py \
+          tests/parity/test_adapter_kinds_parity.py 2>&1 | while IFS= read -r l; do printf "%s %s\n" "$(date +%T)" "$l"; done
+      }
+      export -f suite
       TP_LORA_TEST_DEVICE=cuda TP_LORA_TEST_BACKEND=triton TP_LORA_TEST_FAILURES="$RES/pytest_suite_failures.log" \
-        run pytest_suite 540 45 bash -c 'for part in shared alone; do
-          if [ $part = shared ]; then args="$XDIST tests/distributed tests/gpu tests/parity/test_families_parity.py"
-            for f in $ALONE; do args="$args --ignore=$f"; done
-          else args="$ALONE"; fi
-          python3 -m pytest -v -rs --durations=15 $args 2>&1 | while IFS= read -r l; do printf "%s %s\n" "$(date +%T)" "$l"
-          done; done'
+        run pytest_suite 540 45 bash -c suite
       echo "gpu_suite: $((SECONDS - start)) s wall on $NGPU GPUs" | tee -a "$OUT/summary.log" ;;
     moe_decode_2gpu)
       step "bench_moe_decode on 2 GPUs: Qwen3-30B-A3B (48 layers) and Mixtral (16 layers), mixed steps too"

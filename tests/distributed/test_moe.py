@@ -399,7 +399,8 @@ def _all(ps, world, seed, cases, requests, ref):
     return blocks, engines
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# Each world size a pytest-xdist group of its own (tests/conftest.py): the two longest multi-GPU tests run side by side.
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.xdist_group(f"moe_layouts_{w}")) for w in (2, 4)])
 def test_moe_layouts_match_single_process(bundle, world):
     if not enough_devices(world):
         pytest.skip(f"{world} ranks need {world} GPUs")
