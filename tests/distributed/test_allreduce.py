@@ -178,8 +178,9 @@ def test_a_peer_kernel_gives_up_on_a_skipped_call_naming_it(flags):
 
 def _narrow_rows(ps: comm.ParallelState, calls: int):
     """The fused all-reduce + norm of rows narrower than its program's threads (hidden 32 and 64: warps hold copies of
-    the same elements and poll on their own copies), `calls` times with the ranks skewed by a random device sleep
-    before each, so data lands while the other rank polls; every 50th call against NCCL + the add_rms_norm kernel.
+    the same elements and poll on their own copies; 29-32 rows, one per program), `calls` times with the ranks skewed
+    by a random device sleep before each, so data lands while the other rank polls; every 50th call against NCCL +
+    the add_rms_norm kernel.
     A warp that emptied elements another warp still polled for stalled the call: its kernel gives up after 5 s."""
     from tp_lora.ops.fused import reduce_add_rms_norm
     from tp_lora.ops.triton.fused import add_rms_norm
@@ -191,9 +192,9 @@ def _narrow_rows(ps: comm.ParallelState, calls: int):
     same = torch.Generator(device=ps.device).manual_seed(9)
     worst = 0.0
     for i in range(calls):
-        n = 32 if i % 2 else 64
-        x = torch.randn(5, n, device=ps.device).to(torch.bfloat16)
-        res, w = (torch.randn(5, n, generator=same, device=ps.device).to(torch.bfloat16),
+        t, n = (32, 32) if i % 2 else (29, 64)  # a row per program: every program polls in every call
+        x = torch.randn(t, n, device=ps.device).to(torch.bfloat16)
+        res, w = (torch.randn(t, n, generator=same, device=ps.device).to(torch.bfloat16),
                   torch.randn(n, generator=same, device=ps.device).to(torch.bfloat16))
         torch.cuda._sleep(int(torch.randint(0, 4000, (1,), generator=gen)))
         got = reduce_add_rms_norm(x, res, w, 1e-5, False, None, fast.tp)
