@@ -67,8 +67,8 @@ RECENT_LAUNCHES = 6  # kernels per staging buffer a failure report lists (PeerBu
 @dataclass
 class PeerBuffer:
     """One symmetric staging buffer as a Triton kernel sees it: ptrs / pads are int64 tensors on the device holding
-    every rank's buffer / signal pad address (rank order); epochs: int32 [2, programs], each program's calls entered
-    so far, then finished;
+    every rank's buffer / signal pad address (rank order); epochs: int32 [2 * programs], each program's calls entered
+    so far, then each program's calls finished;
     the buffer is 2 halves x world slots of `slot` elements, a rank's message at most one slot. A wait for a peer
     longer than `limit` ns gives up: what it waited for goes into `report`'s words (page-locked host memory) and the
     kernel traps (on CUDA; the interpreter never waits)."""
