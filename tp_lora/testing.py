@@ -307,8 +307,10 @@ def _pool_rank(rank, world_size, port, device, stacks, inbox, outbox):
                 raise RuntimeError(f"the ranks ran different tasks: {ran}")
         except BaseException:  # report every failure to the parent, which re-raises it
             why = distributed.peer_failure()  # whatever CUDA call surfaced the failed device
+            calls = "" if isinstance(sys.exc_info()[1], distributed.CollectiveTimeout) else (  # it lists them itself
+                distributed.last_calls() + "\n")
             reply = (rank, task, "error", traceback.format_exc() + (f"the device failed: {why}\n" if why else "")
-                     + distributed.last_calls() + "\n")
+                     + calls)
         finally:
             faulthandler.cancel_dump_traceback_later()
             os.environ.clear()

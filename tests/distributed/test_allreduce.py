@@ -113,12 +113,17 @@ def _against_nccl(ps: comm.ParallelState, graphs: bool):
     return out
 
 
-def _peer_runs(fn, world: int, *args, timeout_s: float) -> dict:
-    """fn's {case: (peer path taken, largest difference from NCCL)} on `world` GPU ranks, every difference 0."""
+def _needs_peer_gpus(world: int) -> None:
+    """Skip unless the tests run on CUDA with `world` GPUs: peer memory's tests."""
     if not CUDA:
         pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
     if not enough_devices(world):
         pytest.skip(f"{world} ranks need {world} GPUs")
+
+
+def _peer_runs(fn, world: int, *args, timeout_s: float) -> dict:
+    """fn's {case: (peer path taken, largest difference from NCCL)} on `world` GPU ranks, every difference 0."""
+    _needs_peer_gpus(world)
     got = run_ranks(fn, world, *args, timeout_s=timeout_s)
     bad = {k: d for k, (_, d) in got.items() if d != 0}
     assert not bad, f"differs from NCCL: {bad}"
@@ -165,10 +170,7 @@ def _skipped_call(ps: comm.ParallelState, flags: bool):
 
 @pytest.mark.parametrize("flags", [False, True])
 def test_a_peer_kernel_gives_up_on_a_skipped_call_naming_it(flags):
-    if not CUDA:
-        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
-    if not enough_devices(2):
-        pytest.skip("2 ranks need 2 GPUs")
+    _needs_peer_gpus(2)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"CollectiveTimeout: rank 0 of the group waited more than "
                                            r"parallel.timeout_s=2s for rank 1's data in peer-memory collective call 2"):
@@ -206,10 +208,7 @@ def _narrow_rows(ps: comm.ParallelState, calls: int):
 
 
 def test_fused_reduce_norm_of_rows_narrower_than_its_threads_never_stalls():
-    if not CUDA:
-        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
-    if not enough_devices(2):
-        pytest.skip("2 ranks need 2 GPUs")
+    _needs_peer_gpus(2)
     assert run_ranks(_narrow_rows, 2, 4000, timeout_s=90) == 0.0
 
 
@@ -232,10 +231,7 @@ def _greedy(ps: comm.ParallelState, model: str, choice: str):
 
 
 def test_engine_tp2_symm_mem_matches_nccl(tmp_path):
-    if not CUDA:
-        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
-    if not enough_devices(2):
-        pytest.skip("2 ranks need 2 GPUs")
+    _needs_peer_gpus(2)
     from tp_lora.assets import write_tiny_llama
     write_tiny_llama(tmp_path / "m", num_hidden_layers=2, hidden_size=256, intermediate_size=512, seed=5)
     ref_tokens, ref_lp, _ = run_ranks(_greedy, 2, str(tmp_path / "m"), "nccl")
@@ -323,10 +319,7 @@ def _fused_against_nccl(ps: comm.ParallelState):
 
 
 def test_fused_reduce_norm_and_gather_match_nccl():
-    if not CUDA:
-        pytest.skip("peer memory needs CUDA (TP_LORA_TEST_DEVICE=cuda)")
-    if not enough_devices(2):
-        pytest.skip("2 ranks need 2 GPUs")
+    _needs_peer_gpus(2)
     got = run_ranks(_fused_against_nccl, 2, timeout_s=240)
     assert all(peer for k, (peer, _) in got.items() if k[0] == "gather")
     assert all(peer for k, (peer, _) in got.items() if k[0] == "fused" and k[2] * k[3] * 4 <= 256 << 10)
