@@ -191,14 +191,15 @@ def forced_tokens(tok, vocab: int, docs: int = 20, steps: int = 64) -> dict:
 
 
 def batch_fill(tok, vocab: int, threads: list[int], rows: int = 32, steps: int = 64) -> dict:
-    """The engine's per-step grammar work at `rows` rows (Grammars._ahead): one batched accept of the step's tokens
-    and one batched fill of the next bitmasks, on each thread count, for each schema compiled by xgrammar and by the
-    runtime (tp_lora.engine.grammar.compile_schema: bounded repetitions written out); the same random walks (tokens
-    drawn uniformly from what the mask allows) for every count and compile. Per schema, compile and count: ms per
+    """The engine's per-step grammar work at `rows` rows (mask_process.Matchers.job): one batched accept of the step's
+    tokens and one batched fill of the next bitmasks, on each thread count, for each schema compiled by xgrammar and by
+    the runtime (tp_lora.engine.mask_process.compile_schema: bounded repetitions written out); the same random walks
+    (tokens drawn uniformly from what the mask allows) for every count and compile. Per schema, compile and count: ms per
     step (p50, mean, max) of the fill and of the accept, and whether both compiles drew the same tokens."""
     import random
     import xgrammar as xgr
-    from tp_lora.engine.grammar import compile_schema, tokenizer_info
+    from tp_lora.engine.grammar import tokenizer_info
+    from tp_lora.engine.mask_process import compile_schema
     info = tokenizer_info(tok, vocab, [2])
     ok = torch.tensor([bool(b) and min(b) >= 0x20 for b in info.decoded_vocab] + [False] * (vocab - len(
         info.decoded_vocab)))

@@ -6,8 +6,9 @@
   grammar  --batch requests with response_format json_schema (each of --schemas, bench_grammar.py's) against the
            same requests without one: generated tokens/s; target: the grammar costs at most 10%. Its documents:
            parsed, cut by max_tokens (finish_reason "length") and malformed, apart; and the host's wait for masks per
-           step (StepStats.mask_wait_seconds over the grammar runs). "nested" bounds its strings (maxLength), where
-           xgrammar's fill takes milliseconds per row; "free_text" has unbounded strings.
+           step (StepStats.mask_wait_seconds over the grammar runs) and the device's (mask_device_wait_seconds).
+           "nested" bounds its strings (maxLength), where xgrammar's fill takes milliseconds per row; "free_text" has
+           unbounded strings.
 
 Model: bench_step.py's random-weight shape (written once under --cache, rank-16 adapters beside it) with a
 byte-level BPE tokenizer trained here on Python's standard library (bench_grammar.py's), so grammars find tokens
@@ -78,7 +79,7 @@ class Timeline:
     worker's, wrapped by name (wall seconds, each call's thread). Diagnosis only: the wrappers add microseconds."""
     PHASES = {"engine.core.EngineCore": ["_launch", "_read", "_schedule"], "engine.runner.ModelRunner": ["execute"],
               "engine.sampler.Sampler": ["sample"],
-              "engine.grammar.Grammars": ["masks", "follow", "_ahead", "_fill", "advance"]}
+              "engine.grammar.Grammars": ["masks", "follow", "_send_job", "fill", "advance"]}
 
     def __init__(self):
         import importlib
@@ -179,7 +180,7 @@ def main() -> None:
     schemas = {name: {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name][0]}}
                for name in args.schemas.split(",")}
     runs: dict[str, list[dict]] = {"no_grammar": [], **{f"grammar_{name}": [] for name in schemas}}
-    st, waits = llm.engine.stats, {name: [0, 0.0] for name in schemas}
+    st, waits = llm.engine.stats, {name: [0, 0.0, 0.0] for name in schemas}
     def batch_run(name: str) -> dict:
         return one(prompts=batch_prompts, adapters=batch_adapters, **free,
                    **({"response_format": schemas[name]} if name in schemas else {}))
@@ -188,11 +189,12 @@ def main() -> None:
     for _ in range(args.reps):
         for key, got in runs.items():
             name = key.removeprefix("grammar_")
-            steps0, wait0 = st.mask_steps, st.mask_wait_seconds
+            steps0, wait0, device0 = st.mask_steps, st.mask_wait_seconds, st.mask_device_wait_seconds
             got.append(batch_run(name))
             if name in schemas:
                 waits[name][0] += st.mask_steps - steps0
                 waits[name][1] += st.mask_wait_seconds - wait0
+                waits[name][2] += st.mask_device_wait_seconds - device0
     for key, got in runs.items():
         rows[key] = sorted(got, key=lambda r: r["seconds"])[len(got) // 2]
     for name in schemas:
@@ -204,7 +206,8 @@ def main() -> None:
         report["grammars"][name] = {
             "cost": costs[len(costs) // 2], "cost_per_round": costs, "parsed": parsed, "truncated": truncated,
             "malformed": args.batch - parsed - truncated, "mask_steps": waits[name][0],
-            "mask_wait_ms_per_step": 1e3 * waits[name][1] / max(1, waits[name][0])}
+            "mask_wait_ms_per_step": 1e3 * waits[name][1] / max(1, waits[name][0]),
+            "mask_device_wait_ms_per_step": 1e3 * waits[name][2] / max(1, waits[name][0])}
     report["rows"] = {k: {x: v for x, v in r.items() if x != "out"} for k, r in rows.items()}
     print(f"device {report['device']}, shape {args.shape}, {args.prompts} prompts of {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens")
@@ -222,7 +225,8 @@ def main() -> None:
         print(f"grammar {name}: costs {g['cost']:.1%} of tokens/s, median of the rounds "
               f"{', '.join(f'{x:.1%}' for x in g['cost_per_round'])} (target <= 10%); documents: {g['parsed']} parse, "
               f"{g['truncated']} cut by max_tokens, {g['malformed']} malformed; the host waited "
-              f"{g['mask_wait_ms_per_step']:.3f} ms per step for masks ({g['mask_steps']} steps)")
+              f"{g['mask_wait_ms_per_step']:.3f} ms per step for masks, the device "
+              f"{g['mask_device_wait_ms_per_step']:.3f} ({g['mask_steps']} steps)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_sampling.json"), "w") as f:
         json.dump(report, f, indent=2)

@@ -31,11 +31,12 @@ def _cuda_driver():
 
 
 class HostFlag:
-    """One int32 in pinned host memory, read by the device at its device address."""
+    """One int32 in pinned host memory (`value`, page-locked and mapped; default: a new one), read by the device at
+    its device address."""
 
-    def __init__(self, driver):
+    def __init__(self, driver, value: Optional[torch.Tensor] = None):
         self.driver = driver
-        self.value = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.value = torch.zeros(1, dtype=torch.int32, pin_memory=True) if value is None else value
         ptr = ctypes.c_uint64()
         code = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), self.value.data_ptr(), 0)
         if code != 0:
@@ -59,15 +60,15 @@ class HostFlag:
         self.value[0] = number
 
 
-def host_flag(device: torch.device) -> Optional[HostFlag]:
-    """A HostFlag for CUDA `device`, or None where the driver cannot make one (the caller then waits on the host).
-    Checked once on a side stream: a wait for what is already raised returns at once."""
+def host_flag(device: torch.device, value: Optional[torch.Tensor] = None) -> Optional[HostFlag]:
+    """A HostFlag for CUDA `device` (over `value`, HostFlag's), or None where the driver cannot make one (the caller
+    then waits on the host). Checked once on a side stream: a wait for what is already raised returns at once."""
     driver = _cuda_driver() if device.type == "cuda" else None
     if driver is None:
         return None
     try:
         with torch.cuda.device(device):
-            flag = HostFlag(driver)
+            flag = HostFlag(driver, value)
             side = torch.cuda.Stream(device)
             flag.wait(side, 0)
             side.synchronize()

@@ -10,7 +10,8 @@ import torch
 
 from tp_lora.config import GenerationConfig
 from tp_lora.engine.ebnf import expand_repetitions
-from tp_lora.engine.grammar import Grammars, compile_schema, pack, tokenizer_info
+from tp_lora.engine.grammar import Grammars, pack, tokenizer_info
+from tp_lora.engine.mask_process import compile_schema
 from tp_lora.engine.requests import Request, Result, set_rules
 from tp_lora.engine.response_format import ANY_OBJECT, parse_response_format, schema_error
 from tp_lora.engine.sampler import Sampler, draw
@@ -132,15 +133,12 @@ def test_a_dead_end_allows_only_the_stop_tokens(tokenizer):
     g = Grammars(tokenizer, {EOS})
     r = req(0, ("json_object", ANY_OBJECT))
     assert g.check(r, VOCAB) is None
-
-    class Nothing:  # a matcher state whose next character no token spells
-        def batch_fill_next_token_bitmask(self, matchers, bits):
-            bits.zero_()
-    g.batches = {1: Nothing()}  # the one-row fill's batch matcher
     sel, bits = g.fill([req(1), r], pin=False)
-    _, words, allow = g.on_device((sel, bits, None), torch.device("cpu"))
+    assert sel == [1] and bool(bits.any())
+    # a matcher state whose next character no token spells: a row of no bits
+    _, words, allow = g.on_device((sel, torch.zeros_like(bits), None), torch.device("cpu"))
     stops = unpack(pack([EOS], VOCAB)[None], VOCAB)[0]
-    assert sel == [1] and torch.equal(grammar_allowed(words, allow, VOCAB)[0], stops)
+    assert torch.equal(grammar_allowed(words, allow, VOCAB)[0], stops)
 
 
 def test_bounded_repetitions_are_written_out_as_rules_and_nothing_else_changes():
@@ -237,7 +235,7 @@ def _run_sampler(tokenizer, ahead: bool):
     results = {r.index: Result(r) for r in reqs}
     masks, fills = {}, []
     g = s.grammars
-    take, fill = g.masks, g._fill
+    take, fill, job = g.masks, g.fill, g._send_job
 
     def masks_seen(rs, drawn, pin):
         got, waited = take(rs, drawn, pin)
@@ -245,10 +243,14 @@ def _run_sampler(tokenizer, ahead: bool):
             masks[(rs[i].index, drawn[i])] = got[1][j].clone()
         return got, waited
 
-    def fill_counted(matchers, pin, complete):
+    def fill_counted(rs, pin):  # in line, on the calling thread
+        fills.append(True)
+        return fill(rs, pin)
+
+    def job_counted(*a):  # ahead: sent on from the worker thread
         fills.append(threading.current_thread() is threading.main_thread())
-        return fill(matchers, pin, complete)
-    g.masks, g._fill = masks_seen, fill_counted
+        return job(*a)
+    g.masks, g.fill, g._send_job = masks_seen, fill_counted, job_counted
 
     def read(batch, out):
         for r, tok in zip(batch, out[0].tolist()):
@@ -340,7 +342,7 @@ def test_the_worker_runs_calls_in_order_hands_back_errors_and_ends_with_its_owne
     import time
     from tp_lora.engine.grammar import Worker
     before = set(threading.enumerate())
-    w, seen = Worker(torch.device("cpu")), []
+    w, seen = Worker(), []
     futures = [w.submit(seen.append, i) for i in range(5)]
     failed = w.submit(lambda: 1 / 0)
     assert [f.result() for f in futures] == [None] * 5 and seen == list(range(5))
@@ -353,3 +355,33 @@ def test_the_worker_runs_calls_in_order_hands_back_errors_and_ends_with_its_owne
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threads and not any(t.is_alive() for t in threads)
+
+
+def test_the_fill_spread_over_threads_equals_one_threads(tokenizer, monkeypatch):
+    """The matchers' process fills a step's rows on several threads where the host has the cores: the same bitmask
+    as one thread's, rows of complete grammars zero, on random walks of three schemas (the process's code, run
+    here in line)."""
+    from tp_lora.engine import mask_process
+    info = tokenizer_info(tokenizer.tok, VOCAB, [EOS])
+    words = (VOCAB + 31) // 32
+    region = torch.zeros(mask_process.HEADER + (mask_process.SLOTS + 1) * 16 * words, dtype=torch.int32)
+    state = mask_process.Matchers(info.serialize_json(), words, 16, region)
+    keys = [("json_schema", json.dumps(SCHEMAS[i % 3])) for i in range(13)]
+    ms = [state.matcher(i, k) for i, k in enumerate(keys)]
+    g = torch.Generator().manual_seed(5)
+    for step in range(12):
+        monkeypatch.setattr(mask_process, "fill_threads", lambda rows: 1)
+        one = torch.full((13, words), 7, dtype=torch.int32)
+        state.fill(ms, one)
+        monkeypatch.setattr(mask_process, "fill_threads", lambda rows: 4)
+        four = torch.full((13, words), 7, dtype=torch.int32)
+        state.fill(ms, four)
+        assert torch.equal(one, four), step
+        allowed = unpack(one, VOCAB)
+        for k, m in enumerate(ms):
+            if m.is_terminated():
+                assert not allowed[k].any()
+            else:
+                choices = allowed[k].nonzero().flatten()
+                m.accept_token(int(choices[torch.randint(len(choices), (1,), generator=g)]))
+    assert state.pool is not None and any(m.is_terminated() for m in ms)

@@ -84,7 +84,7 @@ class Engine(EngineCore):
         eos = self.hf.get("eos_token_id")
         self.tokenizer = load_tokenizer(model_dir)
         sampler = Sampler(cfg.generation, set(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-                          self.tokenizer)
+                          self.tokenizer, cfg.scheduler.max_batch_size)
         # MoE models say whether their decode step is free of host syncs (capturable) in their layout and dtype;
         # modules_to_save copies pick their slots' tokens on the host (not capturable).
         saved = any(getattr(m, "saved_table", None) is not None for m in self.model.modules())

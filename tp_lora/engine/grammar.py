@@ -1,22 +1,19 @@
 """Structured output: a request's response_format (any JSON object, or a JSON schema) as a grammar whose matcher
 masks the logits of the request's rows, through xgrammar (the optional `structured` extra).
 
-A grammar is compiled once per schema text (an LRU cache) when its request is checked, on every rank alike. Each
-request then holds a matcher from its first sample to its end. A step's grammar rows take their tokens and fill
-their next bitmask on a worker thread (follow(): once the step's tokens reach the host, while the device already
-runs the next step's forward, launched ahead); the next sample takes those masks (masks()). On a CUDA device whose
-driver lets a stream wait on host memory (tp_lora.streamwait) the host does not wait for them: the masks' copy and
-the draw are queued behind a device-side wait for the job's number, which the worker raises once its pinned bitmask
-is written; the host queues each step's job behind the last without waiting for it, and knows a row's end from its
-token (a stop token ends a grammar). Elsewhere masks() waits for what is left of the jobs
-(StepStats.mask_wait_seconds). Rows the worker did not cover (a first token, a resumed sequence) are filled in line.
-The bitmask goes to the device in one copy as filled; the draw's kernel reads it for those rows only, within the
-printable tokens, and takes a dead row's stop tokens (tp_lora.ops.sampling.grammar_allowed).
-The worker waits for the tokens without the GIL and runs few Python steps (one batched accept, one batched fill
-over several threads); the interpreter's switch interval is cut so that it gets the GIL within SWITCH_INTERVAL_S
-while the host thread runs Python (Python's default, 5 ms, held the fill back until the host blocked in masks()).
-Matchers are deterministic, so every TP rank, advanced with the same tokens, applies the same masks, wherever they
-were filled.
+A grammar is compiled once per schema text (an LRU cache) when its request is checked, on every rank alike; that
+check starts the matchers' process (tp_lora.engine.mask_process), which holds each request's matcher from its first
+sample to its end. A step's grammar rows take their tokens and fill their next bitmask there (follow(): once the
+step's tokens reach the host, while the device already runs the next step's forward, launched ahead); the next
+sample takes those masks (masks()). A worker thread here waits for each step's tokens without the GIL and sends
+them on, so the host thread never waits for them. On a CUDA device whose driver lets a stream wait on host memory
+(tp_lora.streamwait) the host does not wait for the masks either: the masks' copy and the draw are queued behind a
+device-side wait for the job's number, which the process raises once its bitmask is written; the host knows a
+row's end from its token (a stop token ends a grammar). Elsewhere masks() waits for what is left of the jobs
+(StepStats.mask_wait_seconds). Rows the process did not fill ahead (a first token, a resumed sequence) are filled in
+line. The bitmask goes to the device in one copy as filled; the draw's kernel reads it for those rows only, within
+the printable tokens, and takes a dead row's stop tokens (tp_lora.ops.sampling.grammar_allowed). Matchers are
+deterministic, so every TP rank, advanced with the same tokens, applies the same masks.
 
 JSON is compact (no whitespace outside strings): a random or weak model cannot spend its tokens on whitespace.
 A complete grammar allows only the stop tokens (EOS); a grammar that allows no token the tokenizer can spell
@@ -24,7 +21,6 @@ allows the stop tokens too (the output ends, cut short, finish_reason "stop"); m
 short (finish_reason "length")."""
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
@@ -37,14 +33,13 @@ from typing import Callable, Optional
 
 import torch
 
-from tp_lora.engine.ebnf import expand_repetitions
+from tp_lora.engine.mask_process import SLOTS, MaskProcess, compile_schema
 from tp_lora.engine.requests import Request
-from tp_lora.engine.response_format import SEPARATORS, field_of, library, message, schema_error
-from tp_lora.streamwait import HostFlag, host_flag
+from tp_lora.engine.response_format import field_of, library, message, schema_error
+from tp_lora.streamwait import HostFlag
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
 SWITCH_INTERVAL_S = 5e-5  # the longest the grammar worker waits for the GIL (Python's default: 5 ms)
-ROWS_PER_THREAD = 64  # rows of a batched fill per thread: xgrammar's threads cost more than they save on fewer
 
 
 def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
@@ -56,31 +51,27 @@ def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
                                               stop_token_ids=stop_ids)
 
 
-def compile_schema(compiler, text: str):
-    """A JSON schema (text) compiled by an xgrammar GrammarCompiler, compact, its bounded repetitions written out as
-    rules (tp_lora.engine.ebnf: the same language, faster masks)."""
-    grammar = library().Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS)
-    return compiler.compile_grammar(expand_repetitions(str(grammar)))
-
-
 class Grammars:
-    """The compiled grammars (by schema text) and the matchers of the requests that have one."""
+    """The compiled grammars (by schema text), and the requests whose matcher the matchers' process holds; a step's
+    grammar rows are at most `max_rows`."""
 
-    def __init__(self, tokenizer, eos: set[int]):
-        self.tokenizer, self.stop_ids = tokenizer, sorted(eos)
+    def __init__(self, tokenizer, eos: set[int], max_rows: int = 64):
+        self.tokenizer, self.stop_ids, self.max_rows = tokenizer, sorted(eos), max_rows
         self.compiler = None  # built at the first grammar: the tokenizer's view is computed once
         self.vocab = 0
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self.matchers: dict[int, object] = {}
+        self.proc: Optional[MaskProcess] = None  # the matchers' process, from the first grammar checked
+        self.worker: Optional[Worker] = None  # the one thread that sends to it
+        self.started: set[int] = set()  # request indices whose matcher the process holds
         self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens taken in line, grammar complete)
-        self.worker: Optional[Worker] = None  # follow()'s thread, from the first follow()
-        self.flag: Optional[HostFlag] = None  # what the device waits on for the worker's masks, where it can
-        self.pending: list[Ahead] = []  # follow()'s work handed to the worker, in order, until joined
+        self.flag: Optional[HostFlag] = None  # what the device waits on for the process's masks, where it can
+        self.pending: list[Ahead] = []  # follow()'s work handed on, in order, until joined
         self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
-        self.followed: dict[int, int] = {}  # request index -> the last token number handed to the worker
-        self.batches: dict[int, object] = {}  # xgrammar's batch matchers, by fill threads
+        self.followed: dict[int, int] = {}  # request index -> the last token number handed on
+        self.next_slot = 0  # the slot of the next follow()'s bitmask
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
         self.allow: dict[torch.device, torch.Tensor] = {}  # [printable tokens, stop tokens] bitmasks per device
+        self.waits: list[tuple] = []  # CUDA events around each device-side wait for masks, until read
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why `req`'s grammar cannot run on a model of `vocab` logits, or None; compiles it into the cache."""
@@ -104,6 +95,12 @@ class Grammars:
             printable = [i for i, b in enumerate(info.decoded_vocab) if b and min(b) >= 0x20]
             self.printable = pack(printable + self.stop_ids, vocab)
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self.proc = MaskProcess(info.serialize_json(), (vocab + 31) // 32, self.max_rows)
+            self.worker = Worker()
+            # The worker needs the GIL for a moment of each step's work while the host thread runs Python (the
+            # next step's scheduling and launch); by default it would get it only after 5 ms (or once the host
+            # blocks), which held the masks back behind the host's work.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         if req.grammar in self.compiled:
             self.compiled.move_to_end(req.grammar)
             return None
@@ -129,16 +126,18 @@ class Grammars:
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not sel:
             return None
-        self._join()  # the worker's matchers are the same objects
-        matchers = [self._matcher(reqs[i]) for i in sel]
-        bits = torch.empty(len(sel), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
-        return sel, self._fill(matchers, bits, [m.is_terminated() for m in matchers])
+        self._join()  # every step handed on, taken first
+        rows = [(reqs[i].index, reqs[i].grammar) for i in sel]
+        self.started.update(i for i, _ in rows)
+        self._call(("fill", self.proc.next_seq(), rows))
+        bits = torch.empty(len(sel), self.proc.words, dtype=torch.int32, pin_memory=pin)
+        return sel, bits.copy_(self.proc.slot(SLOTS, len(sel)))
 
     def masks(self, reqs: list[Request], drawn: list[int], pin: bool
               ) -> tuple[Optional[tuple[list[int], torch.Tensor, Optional[tuple[HostFlag, int]]]], float]:
         """For on_device(): (fill()'s rows and bitmask for reqs whose requests drew drawn[i] tokens so far, what the
         device waits for first: (flag, number) or None), or None without grammar rows; and the seconds the host
-        waited for masks (for the worker's filling and for in-line fills, not for the device's tokens). The last
+        waited for masks (for the process's filling and for in-line fills, not for the device's tokens). The last
         follow()'s job, not waited for where the device can wait for it and it holds every row in order; else
         waited for, its rows taken and the others filled in line."""
         sel = [i for i, r in enumerate(reqs) if r.grammar is not None]
@@ -156,7 +155,7 @@ class Grammars:
         ahead = [have.get(reqs[i].index, (-1, -1)) for i in sel]
         if all(n == drawn[i] for (n, _), i in zip(ahead, sel)) and [k for _, k in ahead] == list(
                 range(job.bits.shape[0])):
-            bits = job.bits  # every row, in order: the worker's buffer as it is
+            bits = job.bits  # every row, in order: the process's slot as it is
         else:
             bits = torch.empty(len(sel), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
             took = [j for j, ((n, _), i) in enumerate(zip(ahead, sel)) if n == drawn[i]]
@@ -172,115 +171,109 @@ class Grammars:
         vocabulary's allow rows there (printable tokens, stop tokens): draw()'s grammar."""
         sel, bits, after = masks
         if after is not None:
-            after[0].wait(torch.cuda.current_stream(device), after[1])
+            stream = torch.cuda.current_stream(device)
+            timed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            timed[0].record(stream)
+            after[0].wait(stream, after[1])
+            timed[1].record(stream)
+            self.waits.append(timed)
         if device not in self.allow:
             self.allow[device] = torch.stack([self.printable, pack(self.stop_ids, self.vocab)]).to(device)
         return sel, bits.to(device, non_blocking=True), self.allow[device]
 
+    def device_waited(self) -> float:
+        """Seconds the device waited for masks in the waits on_device() queued that have run since the last call."""
+        done = 0
+        while done < len(self.waits) and self.waits[done][1].query():
+            done += 1
+        seconds = sum(a.elapsed_time(b) for a, b in self.waits[:done]) / 1e3
+        del self.waits[:done]
+        return seconds
+
     def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
                device: torch.device) -> None:
         """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once wait()
-        returns (None: there already): on the worker thread, the grammar rows' matchers take those tokens and fill
-        their next bitmask (pinned for a CUDA device), for the next masks(). Queued behind the jobs before it
-        (the worker runs them in order, so the matchers see their tokens in order); the host does not wait here."""
+        returns (None: there already): the worker thread sends those tokens on, and the process's matchers take
+        them and fill their next bitmask into a slot, for the next masks(). Queued behind the work before it (in
+        order, so the matchers see their tokens in order); the host does not wait here."""
         self._reap()
-        rows = [(j, r.index, self.matchers[r.index], drawn[j])
-                for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.matchers]
+        rows = [(j, r.index, drawn[j]) for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.started]
         if not rows:
             return
-        if self.worker is None:
-            self.worker = Worker(device)
-            # The worker needs the GIL for a few moments of each step's work while the host thread runs Python
-            # (the next step's scheduling and launch); by default it would get it only after 5 ms (or once the host
-            # blocks), which serialised the fill behind the host's work.
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-            self.flag = host_flag(device)
-        bits = torch.empty(len(rows), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
+        if device.type == "cuda" and self.flag is None:
+            self.flag = self.proc.host_flag(device)
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % SLOTS
+        bits = self.proc.slot(slot, len(rows))
         number = self.flag.take() if self.flag is not None else 0
         for r in rows:
-            self.followed[r[1]] = r[3]
-        self.pending.append(Ahead({r[1]: r[3] for r in rows}, bits, number,
-                                  self.worker.submit(self._ahead, rows, host, wait, bits, number)))
+            self.followed[r[1]] = r[2]
+        seq = self.proc.next_seq()
+        self.pending.append(Ahead({r[1]: r[2] for r in rows}, bits, number, seq, self.worker.submit(
+            self._send_job, ("job", seq, number, slot, [r[1] for r in rows]), [r[0] for r in rows], host, wait,
+            device)))
 
-    def _ahead(self, rows: list[tuple], host: torch.Tensor, wait: Optional[Callable[[], None]], bits: torch.Tensor,
-               number: int) -> tuple[dict[int, tuple[int, bool]], float]:
-        """follow()'s work on the worker: ({request index: (its token's number, grammar complete)}, perf_counter()
-        when the tokens were on the host), the next bitmask written into `bits` [rows, ceil(vocab / 32)] (every
-        token, if this fails) and then the flag raised to `number` (0: none), whatever happens. Few Python steps
-        (one batched accept, one batched fill, no per-row calls): each needs the GIL, which the host thread holds
-        while it runs Python."""
+    def _send_job(self, msg: tuple, cols: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
+                  device: torch.device) -> float:
+        """follow()'s work on the worker thread: once wait() returns, the step's tokens (host[0, cols]) go to the
+        process with `msg`; -> perf_counter() when they were on the host. If this fails, the slot allows every token
+        and the flag is raised here (the device never waits for a job that was not sent)."""
         try:
+            bind_device(device)
             if wait is not None:
                 wait()
             tokens_at = time.perf_counter()
             toks = host[0].tolist()
-            live = [r for r in rows if not r[2].is_terminated()]  # a finished row of a step launched ahead: its
-            # token is dropped
-            tokens = [int(toks[r[0]]) for r in live]
-            accepted = library().BatchGrammarMatcher.batch_accept_token([r[2] for r in live], tokens)
-            stops = set(self.stop_ids)  # a matcher that takes a stop token is complete (terminated)
-            ends = {r[1]: ok and t in stops for r, t, ok in zip(live, tokens, accepted)}
-            took = {r[1]: (r[3], ends.get(r[1], True)) for r in rows}  # in row order: row k of the bitmask
-            self._fill([r[2] for r in rows], bits, [done for _, done in took.values()])
-            return took, tokens_at
+            self.proc.send(msg + ([int(toks[c]) for c in cols],))
+            return tokens_at
         except BaseException:
-            bits.fill_(-1)
+            self.proc.slot(msg[3], len(cols)).fill_(-1)
+            if msg[2]:
+                self.flag.raise_to(msg[2])
             raise
-        finally:
-            if number:
-                self.flag.raise_to(number)
+
+    def _call(self, msg: tuple) -> tuple:
+        """Send `msg` (through the worker, behind everything queued) and wait for the process's reply."""
+        self.worker.submit(self.proc.send, msg).result()
+        return self._reply(msg[1])
+
+    def _reply(self, seq: int, block: bool = True) -> Optional[tuple]:
+        """The process's reply to `seq` (MaskProcess.reply); where the process ended, the device's waits are let go
+        first."""
+        try:
+            return self.proc.reply(seq, block)
+        except RuntimeError:
+            if self.flag is not None and self.proc.proc.poll() is not None:
+                self.flag.raise_to(self.flag.number)
+            raise
 
     def _join(self) -> Optional[Ahead]:
-        """Every job handed to the worker, done (the host waits for them here), their rows kept for masks() while
-        their matchers live; the last one joined (None before any)."""
+        """Every job handed on, done (the host waits for them here), their rows kept for masks() while their
+        requests run; the last one joined (None before any)."""
         while self.pending:
             self._absorb(self.pending.pop(0))
         return self.joined
 
     def _reap(self) -> None:
-        """The jobs the worker has finished, joined without waiting (a failed one raises here)."""
-        while self.pending and self.pending[0].future.done():
-            self._absorb(self.pending.pop(0))
+        """The jobs the process has finished, joined without waiting (a failed one raises here)."""
+        while self.pending and self.pending[0].future.done() and self._reply(self.pending[0].seq, False):
+            self._absorb(self.pending.pop(0), replied=True)
 
-    def _absorb(self, job: Ahead) -> None:
-        took, job.tokens_at = job.future.result()
+    def _absorb(self, job: Ahead, replied: bool = False) -> None:
+        job.tokens_at = job.future.result()
+        if not replied:
+            self._reply(job.seq)
         job.rows = {}
-        for k, (index, got) in enumerate(took.items()):
-            if index in self.matchers:  # not forgotten (ended or cancelled) meanwhile
-                job.rows[index] = (got[0], k)
+        for k, (index, got) in enumerate(job.numbers.items()):
+            if index in self.started:  # not forgotten (ended or cancelled) meanwhile
+                job.rows[index] = (got, k)
         self.joined = job
 
-    def _fill(self, matchers: list, bits: torch.Tensor, complete: list[bool]) -> torch.Tensor:
-        """`bits` [len(matchers), ceil(vocab / 32)] (int32, on the host) as xgrammar's bitmask of each matcher's next
-        token, zeros for a complete matcher (complete[i]); tp_lora.ops.sampling.grammar_allowed reads it."""
-        live = [i for i, done in enumerate(complete) if not done]
-        threads = fill_threads(len(live))
-        batch = self.batches.get(threads)
-        if batch is None:
-            batch = self.batches[threads] = library().BatchGrammarMatcher(threads)
-        if len(live) == len(matchers):
-            batch.batch_fill_next_token_bitmask(matchers, bits)
-        else:
-            bits.zero_()
-            if live:
-                batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, indices=live)
-        return bits
-
-    def _matcher(self, req: Request):
-        m = self.matchers.get(req.index)
-        if m is None:
-            if req.grammar not in self.compiled:  # evicted from the cache since its check
-                self.check(req, self.vocab)
-            m = self.matchers[req.index] = library().GrammarMatcher(self.compiled[req.grammar])
-        return m
-
     def advance(self, index: int, tok: int, number: int) -> bool:
-        """Request `index`'s matcher takes `tok`, its `number`-th token (unless follow()'s worker does); whether its
-        grammar is now complete and stopped. Requests without a grammar: False. A token handed to the worker ends
-        the grammar exactly when it is a stop token (its mask allowed one only where the grammar may end, or where
-        nothing else was left), so the host does not wait for the worker to know."""
-        m = self.matchers.get(index)
-        if m is None:
+        """Request `index`'s matcher takes `tok`, its `number`-th token (unless follow() handed it on); whether its
+        grammar is now complete and stopped. Requests without a matcher: False. A token handed on ends the grammar
+        exactly when it is a stop token (its mask allowed one only where the grammar may end, or where nothing else
+        was left), so the host does not wait for the process to know."""
+        if index not in self.started:
             return False
         if self.followed.get(index, -1) >= number:
             return tok in self.stop_ids
@@ -288,18 +281,24 @@ class Grammars:
         if got is not None and got[0] >= number:
             return got[0] == number and got[1]
         self._join()
-        m.accept_token(tok)
-        self.took[index] = (number, m.is_terminated())
-        return m.is_terminated()
+        done = self._call(("accept", self.proc.next_seq(), index, None, tok))[1]
+        self.took[index] = (number, done)
+        return done
 
     def forget(self, index: int) -> None:
-        self.matchers.pop(index, None)
+        if index in self.started:
+            self.started.discard(index)
+            self.worker.submit(self.proc.send, ("forget", index))
         self.took.pop(index, None)
         self.followed.pop(index, None)
 
     def reset(self) -> None:
-        """Drop every matcher, and the worker's last results (its work, if any, runs on over dropped matchers)."""
-        self.matchers.clear()
+        """Drop every matcher, and the process's replies to the work still under way (it runs on over dropped
+        matchers)."""
+        if self.proc is not None:
+            self.worker.submit(self.proc.send, ("reset",))
+            self.proc.drop_replies()
+        self.started.clear()
         self.took.clear()
         self.followed.clear()
         self.pending.clear()
@@ -308,24 +307,24 @@ class Grammars:
 
 @dataclass
 class Ahead:
-    """One step's grammar rows handed to the worker (Grammars.follow)."""
+    """One step's grammar rows handed on (Grammars.follow)."""
     numbers: dict[int, int]  # request index -> the number of the token it drew in that step, in bits' row order
-    bits: torch.Tensor  # the rows' next bitmask as xgrammar fills it, written by the worker (pinned on CUDA)
-    number: int  # the flag number the worker raises once bits is written (0: no flag)
-    future: Future  # -> Grammars._ahead's results
+    bits: torch.Tensor  # the rows' next bitmask as the process fills it (its slot in the shared region)
+    number: int  # the flag number the process raises once bits is written (0: no flag)
+    seq: int  # the message's sequence number (its reply's)
+    future: Future  # -> Grammars._send_job's results
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # once joined: request index -> (its token's
     # number, its row in bits)
     tokens_at: float = 0.0  # once joined: perf_counter() when the step's tokens were on the host
 
 
 class Worker:
-    """One daemon thread running submitted calls in order, bound to `device` (its CUDA calls, the event wait and the
-    pinned bitmask, make no context on another GPU). A daemon: a call blocked on a device that never finishes (a
-    peer rank died; the host thread raises CollectiveTimeout) does not hold the process at exit."""
+    """One daemon thread running submitted calls in order. A daemon: a call blocked on a device that never finishes
+    (a peer rank died; the host thread raises CollectiveTimeout) does not hold the process at exit."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=Worker._run, args=(self.calls, device), name="tp_lora-grammar", daemon=True).start()
+        threading.Thread(target=Worker._run, args=(self.calls,), name="tp_lora-grammar", daemon=True).start()
         weakref.finalize(self, self.calls.put, None)  # the thread ends with its Worker
 
     def submit(self, fn: Callable, *args) -> Future:
@@ -334,8 +333,7 @@ class Worker:
         return future
 
     @staticmethod
-    def _run(calls: queue.SimpleQueue, device: torch.device) -> None:
-        bind_device(device)
+    def _run(calls: queue.SimpleQueue) -> None:
         while (call := calls.get()) is not None:
             future, fn, args = call
             try:
@@ -343,14 +341,6 @@ class Worker:
             except BaseException as e:  # noqa: BLE001 - handed to the caller's result()
                 future.set_exception(e)
             del call, future, fn, args  # no reference to the last call's objects while idle
-
-
-def fill_threads(rows: int) -> int:
-    """Threads of a batched bitmask fill of `rows` rows: one per ROWS_PER_THREAD rows, at most this process's CPUs
-    over the ranks on its host less one for the host's own loop (and 16)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    most = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 1
-    return max(1, min(16, most, rows // ROWS_PER_THREAD))
 
 
 def bind_device(device: torch.device) -> None:

@@ -90,12 +90,12 @@ class Sampler:
     """draw() with each request's parameters and logit rules, and the end of each sequence. Holds per-request state
     (stop-string text, tokens drawn so far, logit-rule rows) from a request's first token to its end (forget())."""
 
-    def __init__(self, gen: GenerationConfig, eos: set[int], tokenizer: Optional[TextTokenizer]):
+    def __init__(self, gen: GenerationConfig, eos: set[int], tokenizer: Optional[TextTokenizer], max_rows: int = 64):
         self.gen, self.eos, self.tokenizer = gen, eos, tokenizer
         self.generator = torch.Generator().manual_seed(gen.seed)  # unseeded rows' noise keys, on every rank alike
         self.decode_outputs = True  # finished results carry their text (a server's front end decodes on its own)
         self.rules = LogitRules(eos)
-        self.grammars = Grammars(tokenizer, eos)
+        self.grammars = Grammars(tokenizer, eos, max_rows)  # max_rows: rows per sample()
         self._text: dict[int, Detokenizer] = {}  # requests with stop strings: their text so far
         self._drawn: dict[int, int] = {}  # tokens drawn per request (its seeded noise, min_tokens)
         self._stop_ids: dict[int, frozenset[int]] = {}  # requests with stop_token_ids: them as a set
@@ -120,6 +120,7 @@ class Sampler:
             if stats is not None:
                 stats.mask_steps += 1
                 stats.mask_wait_seconds += waited
+                stats.mask_device_wait_seconds += self.grammars.device_waited()
         out = draw(chosen, temps, top_ps, self.generator, [r.seed for r in reqs], steps,
                    None if chosen is rows else rows, grammar)
         self.rules.update(out[0])
