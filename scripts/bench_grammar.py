@@ -194,8 +194,8 @@ def batch_fill(tok, vocab: int, threads: list[int], rows: int = 32, steps: int =
     """The engine's per-step grammar work at `rows` rows (mask_process.Matchers.job): one batched accept of the step's
     tokens and one batched fill of the next bitmasks, on each thread count, for each schema compiled by xgrammar and by
     the runtime (tp_lora.engine.mask_process.compile_schema: bounded repetitions written out); the same random walks
-    (tokens drawn uniformly from what the mask allows) for every count and compile. Per schema, compile and count: ms per
-    step (p50, mean, max) of the fill and of the accept, and whether both compiles drew the same tokens."""
+    (tokens drawn uniformly from what the mask allows) for every count and compile. Per schema, compile and count: ms
+    per step (p50, mean, max) of the fill and of the accept, and whether both compiles drew the same tokens."""
     import random
     import xgrammar as xgr
     from tp_lora.engine.grammar import tokenizer_info

@@ -1,6 +1,6 @@
 """A page-locked host counter that a CUDA stream waits on (the driver's cuStreamWaitValue32): work queued behind
 HostFlag.wait(stream, n) starts once a host thread has raised the counter to n (raise_to). Lets the host queue device
-work whose input another host thread is still writing into pinned memory (the grammar worker's masks) and go on.
+work whose input another host thread or process is still writing into pinned memory (the grammar masks) and go on.
 
 A number must be raised after the data it guards is written (x86 keeps stores in order), and every number take()
 hands out must be raised, also on an error, or the stream waits for ever."""

@@ -22,7 +22,7 @@ class StepStats:
     ahead_steps: int = 0  # steps launched before the previous step's tokens were read (run_ahead)
     mask_steps: int = 0  # steps that sampled grammar rows (structured output)
     mask_wait_seconds: float = 0.0  # the host's wait in those steps for their grammar masks, once the previous
-    # step's tokens were on the host (masks filled ahead on a worker thread cost none while the device runs)
+    # step's tokens were on the host (masks filled ahead cost none while the device runs)
     mask_device_wait_seconds: float = 0.0  # on CUDA, the device's wait in those steps for masks filled ahead
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache (not computed)
