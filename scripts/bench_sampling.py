@@ -79,7 +79,7 @@ class Timeline:
     worker's, wrapped by name (wall seconds, each call's thread). Diagnosis only: the wrappers add microseconds."""
     PHASES = {"engine.core.EngineCore": ["_launch", "_read", "_schedule"], "engine.runner.ModelRunner": ["execute"],
               "engine.sampler.Sampler": ["sample"],
-              "engine.grammar.Grammars": ["masks", "follow", "_send_job", "fill", "advance"]}
+              "engine.grammar.Grammars": ["masks", "follow", "hand_on", "_send", "fill", "advance"]}
 
     def __init__(self):
         import importlib

@@ -223,10 +223,10 @@ def _logits(index: int, number: int) -> torch.Tensor:
 def _run_sampler(tokenizer, ahead: bool):
     """Six concurrent grammar requests (three schemas, seeded draws) and a free one through a Sampler, stepped as
     the engine does: in line (each step's tokens read before the next step samples) or ahead (the next step samples
-    before the last one's tokens are read; follow() hands them to the worker, which sleeps first as a device would).
+    before the last one's tokens are read; follow() registers them, hand_on() sends them once their step's 2 ms have
+    passed, as a device's would).
     -> (each request's tokens, every mask the sampler applied by (request, tokens drawn), bitmask fills on the
     calling thread)."""
-    import threading
     import time
     s = Sampler(GenerationConfig(), {EOS}, tokenizer)
     reqs = [req(i, ("json_schema", json.dumps(SCHEMAS[i % 3])), temperature=1.0, seed=i) for i in range(6)]
@@ -235,7 +235,7 @@ def _run_sampler(tokenizer, ahead: bool):
     results = {r.index: Result(r) for r in reqs}
     masks, fills = {}, []
     g = s.grammars
-    take, fill, job = g.masks, g.fill, g._send_job
+    take, fill, send = g.masks, g.fill, g._send
 
     def masks_seen(rs, drawn, pin):
         got, waited = take(rs, drawn, pin)
@@ -247,10 +247,20 @@ def _run_sampler(tokenizer, ahead: bool):
         fills.append(True)
         return fill(rs, pin)
 
-    def job_counted(*a):  # ahead: sent on from the worker thread
-        fills.append(threading.current_thread() is threading.main_thread())
-        return job(*a)
-    g.masks, g.fill, g._send_job = masks_seen, fill_counted, job_counted
+    def send_counted(job):  # ahead: a step's tokens sent on
+        fills.append(False)
+        return send(job)
+    g.masks, g.fill, g._send = masks_seen, fill_counted, send_counted
+
+    class Later:  # a step's event: passed 2 ms after its launch, as a device's would
+        def __init__(self):
+            self.at = time.perf_counter() + 0.002
+
+        def query(self):
+            return time.perf_counter() >= self.at
+
+        def synchronize(self):
+            time.sleep(max(0.0, self.at - time.perf_counter()))
 
     def read(batch, out):
         for r, tok in zip(batch, out[0].tolist()):
@@ -267,8 +277,9 @@ def _run_sampler(tokenizer, ahead: bool):
         for r in batch:
             draws[r.index] += 1
         if ahead:
-            s.follow(out.clone(), lambda: time.sleep(0.002))
+            s.follow(out.clone(), Later())
             if last is not None:
+                s.hand_on()
                 read(*last)
             last = (batch, out)
         else:
@@ -280,7 +291,7 @@ def _run_sampler(tokenizer, ahead: bool):
 
 def test_masks_filled_ahead_equal_masks_filled_in_line(tokenizer):
     """The same seeded requests give the same tokens, and every mask applied in line is applied ahead too, bit for
-    bit; ahead, the calling thread fills only the first tokens' masks (the worker fills every later one)."""
+    bit; ahead, only the first tokens' masks are filled in line (the process fills every later one ahead)."""
     want, want_masks, _ = _run_sampler(tokenizer, ahead=False)
     got, got_masks, fills = _run_sampler(tokenizer, ahead=True)
     assert got == want
@@ -334,27 +345,39 @@ def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_
     assert not kv_blocks or st.preemptions > 0
 
 
-def test_the_worker_runs_calls_in_order_hands_back_errors_and_ends_with_its_owner():
-    """Grammars' worker thread: calls run one by one in submission order, an exception reaches result(), and the
-    thread ends once its Worker is dropped (an engine per test must not leave a thread behind)."""
+def test_the_matchers_process_ends_with_its_owner_and_its_end_is_an_error_not_a_hang(tokenizer):
+    """The matchers' process of a Grammars ends once the Grammars is dropped (an engine per test must not leave one
+    behind); a process that died makes the next call raise, naming it."""
     import gc
-    import threading
-    import time
-    from tp_lora.engine.grammar import Worker
-    before = set(threading.enumerate())
-    w, seen = Worker(), []
-    futures = [w.submit(seen.append, i) for i in range(5)]
-    failed = w.submit(lambda: 1 / 0)
-    assert [f.result() for f in futures] == [None] * 5 and seen == list(range(5))
-    with pytest.raises(ZeroDivisionError):
-        failed.result()
-    threads = [t for t in threading.enumerate() if t not in before and t.name == "tp_lora-grammar"]
-    del w, futures, failed
+    r = req(0, ("json_schema", json.dumps(SCHEMA)))
+    g = Grammars(tokenizer, {EOS})
+    assert g.check(r, VOCAB) is None and g.fill([r], pin=False)[0] == [0]
+    proc = g.proc.proc
+    del g
     gc.collect()
-    deadline = time.monotonic() + 5
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert threads and not any(t.is_alive() for t in threads)
+    assert proc.wait(timeout=10) == 0
+    g = Grammars(tokenizer, {EOS})
+    assert g.check(r, VOCAB) is None
+    g.proc.proc.kill()
+    g.proc.proc.wait()
+    with pytest.raises(RuntimeError, match="grammar process ended"):
+        g.fill([r], pin=False)
+
+
+def test_a_job_fills_zeros_for_a_forgotten_request_and_its_tokens_advance_the_others(tokenizer):
+    """A step's job sent after one of its requests was forgotten (its matcher gone): that row is zeros, the other
+    rows take their tokens (the process's code, run here in line)."""
+    from tp_lora.engine import mask_process
+    words = (VOCAB + 31) // 32
+    region = torch.zeros(mask_process.HEADER + (mask_process.SLOTS + 1) * 4 * words, dtype=torch.int32)
+    state = mask_process.Matchers(tokenizer_info(tokenizer.tok, VOCAB, [EOS]).serialize_json(), words, 4, region)
+    key = ("json_schema", json.dumps(SCHEMA))
+    ms = [state.matcher(i, key) for i in (0, 1)]
+    brace = tokenizer.tok.token_to_id("{")
+    state.job(7, 1, [0, 5, 1], [brace, brace, brace])
+    bits = state.slot(1, 3)
+    assert int(region[0]) == 7 and not bits[1].any() and bits[0].any() and torch.equal(bits[0], bits[2])
+    assert all(m.accept_string('"n"') for m in ms)
 
 
 def test_the_fill_spread_over_threads_equals_one_threads(tokenizer, monkeypatch):

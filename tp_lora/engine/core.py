@@ -308,9 +308,8 @@ class EngineCore:
         if self.ps.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        if sampled:  # grammar rows take their tokens and fill their next masks on a worker thread meanwhile; it
-            # waits for them without the GIL (this thread's _read waits with a deadline, and raises for a dead peer)
-            self.sampler.follow(host, None if done is None else done.synchronize)
+        if sampled:  # grammar rows: their tokens go to their matchers once on the host (_read's hand_on)
+            self.sampler.follow(host, done)
         for j, (seq, _) in enumerate(sampled):
             seq.tokens.append(pending(j))
         read_first = tops is not None
@@ -338,6 +337,7 @@ class EngineCore:
         log-probabilities), and ends when it finished."""
         if f.done is not None:
             comm.wait_event(f.done, self.ps.device)  # a peer that never joins a collective: an error, not a hang
+            self.sampler.hand_on()
         now = time.perf_counter()
         seconds = now - max(f.started, self._last_read)  # the step's share of the wall time (steps overlap)
         self._last_read = now

@@ -3,17 +3,16 @@ masks the logits of the request's rows, through xgrammar (the optional `structur
 
 A grammar is compiled once per schema text (an LRU cache) when its request is checked, on every rank alike; that
 check starts the matchers' process (tp_lora.engine.mask_process), which holds each request's matcher from its first
-sample to its end. A step's grammar rows take their tokens and fill their next bitmask there (follow(): once the
-step's tokens reach the host, while the device already runs the next step's forward, launched ahead); the next
-sample takes those masks (masks()). A worker thread here waits for each step's tokens without the GIL and sends
-them on, so the host thread never waits for them. On a CUDA device whose driver lets a stream wait on host memory
-(tp_lora.streamwait) the host does not wait for the masks either: the masks' copy and the draw are queued behind a
-device-side wait for the job's number, which the process raises once its bitmask is written; the host knows a
-row's end from its token (a stop token ends a grammar). Elsewhere masks() waits for what is left of the jobs
-(StepStats.mask_wait_seconds). Rows the process did not fill ahead (a first token, a resumed sequence) are filled in
-line. The bitmask goes to the device in one copy as filled; the draw's kernel reads it for those rows only, within
-the printable tokens, and takes a dead row's stop tokens (tp_lora.ops.sampling.grammar_allowed). Matchers are
-deterministic, so every TP rank, advanced with the same tokens, applies the same masks.
+sample to its end. A step's grammar rows take their tokens and fill their next bitmask there (follow(), then
+hand_on() once the step's tokens reach the host: the host thread sends them on while the device already runs the
+next step's forward, launched ahead); the next sample takes those masks (masks()). On a CUDA device whose driver lets
+a stream wait on host memory (tp_lora.streamwait) the host does not wait for the masks: the masks' copy and the draw
+are queued behind a device-side wait for the job's number, which the process raises once its bitmask is written;
+the host knows a row's end from its token (a stop token ends a grammar). Elsewhere masks() waits for what is left of
+the jobs (StepStats.mask_wait_seconds). Rows the process did not fill ahead (a first token, a resumed sequence) are
+filled in line. The bitmask goes to the device in one copy as filled; the draw's kernel reads it for those rows
+only, within the printable tokens, and takes a dead row's stop tokens (tp_lora.ops.sampling.grammar_allowed).
+Matchers are deterministic, so every TP rank, advanced with the same tokens, applies the same masks.
 
 JSON is compact (no whitespace outside strings): a random or weak model cannot spend its tokens on whitespace.
 A complete grammar allows only the stop tokens (EOS); a grammar that allows no token the tokenizer can spell
@@ -21,15 +20,10 @@ allows the stop tokens too (the output ends, cut short, finish_reason "stop"); m
 short (finish_reason "length")."""
 from __future__ import annotations
 
-import queue
-import sys
-import threading
 import time
-import weakref
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -39,7 +33,6 @@ from tp_lora.engine.response_format import field_of, library, message, schema_er
 from tp_lora.streamwait import HostFlag
 
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
-SWITCH_INTERVAL_S = 5e-5  # the longest the grammar worker waits for the GIL (Python's default: 5 ms)
 
 
 def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
@@ -61,7 +54,6 @@ class Grammars:
         self.vocab = 0
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.proc: Optional[MaskProcess] = None  # the matchers' process, from the first grammar checked
-        self.worker: Optional[Worker] = None  # the one thread that sends to it
         self.started: set[int] = set()  # request indices whose matcher the process holds
         self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens taken in line, grammar complete)
         self.flag: Optional[HostFlag] = None  # what the device waits on for the process's masks, where it can
@@ -96,11 +88,6 @@ class Grammars:
             self.printable = pack(printable + self.stop_ids, vocab)
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self.proc = MaskProcess(info.serialize_json(), (vocab + 31) // 32, self.max_rows)
-            self.worker = Worker()
-            # The worker needs the GIL for a moment of each step's work while the host thread runs Python (the
-            # next step's scheduling and launch); by default it would get it only after 5 ms (or once the host
-            # blocks), which held the masks back behind the host's work.
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         if req.grammar in self.compiled:
             self.compiled.move_to_end(req.grammar)
             return None
@@ -190,12 +177,12 @@ class Grammars:
         del self.waits[:done]
         return seconds
 
-    def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
+    def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, done: Optional[torch.cuda.Event],
                device: torch.device) -> None:
-        """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once wait()
-        returns (None: there already): the worker thread sends those tokens on, and the process's matchers take
-        them and fill their next bitmask into a slot, for the next masks(). Queued behind the work before it (in
-        order, so the matchers see their tokens in order); the host does not wait here."""
+        """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once `done` has
+        passed (None: there already): a job for the process, whose matchers take those tokens and fill their next
+        bitmask into a slot, for the next masks(). Sent in order once the host has them (hand_on(), or a join);
+        the host does not wait here."""
         self._reap()
         rows = [(j, r.index, drawn[j]) for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.started]
         if not rows:
@@ -203,37 +190,42 @@ class Grammars:
         if device.type == "cuda" and self.flag is None:
             self.flag = self.proc.host_flag(device)
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % SLOTS
-        bits = self.proc.slot(slot, len(rows))
         number = self.flag.take() if self.flag is not None else 0
         for r in rows:
             self.followed[r[1]] = r[2]
         seq = self.proc.next_seq()
-        self.pending.append(Ahead({r[1]: r[2] for r in rows}, bits, number, seq, self.worker.submit(
-            self._send_job, ("job", seq, number, slot, [r[1] for r in rows]), [r[0] for r in rows], host, wait,
-            device)))
+        self.pending.append(Ahead({r[1]: r[2] for r in rows}, self.proc.slot(slot, len(rows)), number, seq,
+                                  ("job", seq, number, slot, [r[1] for r in rows]), [r[0] for r in rows], host, done))
+        if done is None:
+            self._send(self.pending[-1])
 
-    def _send_job(self, msg: tuple, cols: list[int], host: torch.Tensor, wait: Optional[Callable[[], None]],
-                  device: torch.device) -> float:
-        """follow()'s work on the worker thread: once wait() returns, the step's tokens (host[0, cols]) go to the
-        process with `msg`; -> perf_counter() when they were on the host. If this fails, the slot allows every token
-        and the flag is raised here (the device never waits for a job that was not sent)."""
+    def hand_on(self) -> None:
+        """Send the jobs whose steps' tokens are on the host now, in order, without waiting."""
+        for job in self.pending:
+            if not job.sent:
+                if job.done is not None and not job.done.query():
+                    return
+                self._send(job)
+
+    def _send(self, job: Ahead) -> None:
+        """The job's tokens (waited for) to the process. If this fails, its slot allows every token and its flag is
+        raised here (the device never waits for a job that was not sent)."""
         try:
-            bind_device(device)
-            if wait is not None:
-                wait()
-            tokens_at = time.perf_counter()
-            toks = host[0].tolist()
-            self.proc.send(msg + ([int(toks[c]) for c in cols],))
-            return tokens_at
+            if job.done is not None:
+                job.done.synchronize()
+            job.tokens_at = time.perf_counter()
+            toks = job.host[0].tolist()
+            self.proc.send(job.msg + ([int(toks[c]) for c in job.cols],))
+            job.sent = True
         except BaseException:
-            self.proc.slot(msg[3], len(cols)).fill_(-1)
-            if msg[2]:
-                self.flag.raise_to(msg[2])
+            job.bits.fill_(-1)
+            if job.number:
+                self.flag.raise_to(job.number)
             raise
 
     def _call(self, msg: tuple) -> tuple:
-        """Send `msg` (through the worker, behind everything queued) and wait for the process's reply."""
-        self.worker.submit(self.proc.send, msg).result()
+        """Send `msg` (after every job before it) and wait for the process's reply."""
+        self.proc.send(msg)
         return self._reply(msg[1])
 
     def _reply(self, seq: int, block: bool = True) -> Optional[tuple]:
@@ -255,11 +247,13 @@ class Grammars:
 
     def _reap(self) -> None:
         """The jobs the process has finished, joined without waiting (a failed one raises here)."""
-        while self.pending and self.pending[0].future.done() and self._reply(self.pending[0].seq, False):
+        self.hand_on()
+        while self.pending and self.pending[0].sent and self._reply(self.pending[0].seq, False):
             self._absorb(self.pending.pop(0), replied=True)
 
     def _absorb(self, job: Ahead, replied: bool = False) -> None:
-        job.tokens_at = job.future.result()
+        if not job.sent:
+            self._send(job)
         if not replied:
             self._reply(job.seq)
         job.rows = {}
@@ -286,18 +280,21 @@ class Grammars:
         return done
 
     def forget(self, index: int) -> None:
-        if index in self.started:
+        if index in self.started:  # a job sent later with its row fills that row with zeros
             self.started.discard(index)
-            self.worker.submit(self.proc.send, ("forget", index))
+            self.proc.send(("forget", index))
         self.took.pop(index, None)
         self.followed.pop(index, None)
 
     def reset(self) -> None:
-        """Drop every matcher, and the process's replies to the work still under way (it runs on over dropped
-        matchers)."""
+        """Drop every matcher, the jobs not sent (their flags raised: nothing on the device waits for ever) and the
+        process's replies to the work still under way (it runs on over dropped matchers)."""
         if self.proc is not None:
-            self.worker.submit(self.proc.send, ("reset",))
+            self.proc.send(("reset",))
             self.proc.drop_replies()
+        unsent = [job.number for job in self.pending if not job.sent and job.number]
+        if unsent:
+            self.flag.raise_to(max(unsent))
         self.started.clear()
         self.took.clear()
         self.followed.clear()
@@ -312,41 +309,14 @@ class Ahead:
     bits: torch.Tensor  # the rows' next bitmask as the process fills it (its slot in the shared region)
     number: int  # the flag number the process raises once bits is written (0: no flag)
     seq: int  # the message's sequence number (its reply's)
-    future: Future  # -> Grammars._send_job's results
+    msg: tuple  # the message, less the tokens
+    cols: list[int]  # the rows' columns in host
+    host: torch.Tensor  # [2, N] the step's drawn tokens and log-probabilities, once done has passed
+    done: Optional[torch.cuda.Event]  # recorded after the step's copy to host (None: there already)
+    sent: bool = False
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # once joined: request index -> (its token's
     # number, its row in bits)
-    tokens_at: float = 0.0  # once joined: perf_counter() when the step's tokens were on the host
-
-
-class Worker:
-    """One daemon thread running submitted calls in order. A daemon: a call blocked on a device that never finishes
-    (a peer rank died; the host thread raises CollectiveTimeout) does not hold the process at exit."""
-
-    def __init__(self):
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=Worker._run, args=(self.calls,), name="tp_lora-grammar", daemon=True).start()
-        weakref.finalize(self, self.calls.put, None)  # the thread ends with its Worker
-
-    def submit(self, fn: Callable, *args) -> Future:
-        future = Future()
-        self.calls.put((future, fn, args))
-        return future
-
-    @staticmethod
-    def _run(calls: queue.SimpleQueue) -> None:
-        while (call := calls.get()) is not None:
-            future, fn, args = call
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's result()
-                future.set_exception(e)
-            del call, future, fn, args  # no reference to the last call's objects while idle
-
-
-def bind_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device (a no-op for others)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    tokens_at: float = 0.0  # perf_counter() when the step's tokens were on the host, once sent
 
 
 def pack(ids: list[int], vocab: int) -> torch.Tensor:

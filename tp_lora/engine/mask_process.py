@@ -71,8 +71,11 @@ class MaskProcess:
         return self.seq
 
     def send(self, msg: tuple) -> None:
-        """Send one message (from one thread only: the grammar worker's)."""
-        self.conn.send(msg)
+        """Send one message (from one thread at a time)."""
+        try:
+            self.conn.send(msg)
+        except OSError:
+            raise RuntimeError(f"the grammar process ended (exit code {self.proc.poll()})") from None
 
     def slot(self, k: int, rows: int) -> torch.Tensor:
         """Slot k's first `rows` bitmask rows [rows, words] (k == SLOTS: the fills in line)."""
@@ -164,14 +167,21 @@ class Matchers:
 
     def job(self, number: int, slot: int, indices: list[int], tokens: list[int]) -> None:
         """A step's rows (requests `indices`, in bitmask row order) take `tokens` (a finished row's is dropped) and
-        fill their next bitmask into `slot`, all allowed if this fails; then the flag is raised to `number` (0:
-        none), whatever happens."""
+        fill their next bitmask into `slot` (zeros for a forgotten request's row), all allowed if this fails; then
+        the flag is raised to `number` (0: none), whatever happens."""
         bits = self.slot(slot, len(indices))
         try:
-            ms = [self.matchers[i] for i in indices]
-            live = [k for k, m in enumerate(ms) if not m.is_terminated()]
-            self.xgr.BatchGrammarMatcher.batch_accept_token([ms[k] for k in live], [tokens[k] for k in live])
-            self.fill(ms, bits)
+            known = [k for k, i in enumerate(indices) if i in self.matchers]
+            ms = [self.matchers[indices[k]] for k in known]
+            live = [j for j, m in enumerate(ms) if not m.is_terminated()]
+            self.xgr.BatchGrammarMatcher.batch_accept_token([ms[j] for j in live], [tokens[known[j]] for j in live])
+            if len(known) < len(indices):
+                part = torch.empty(len(known), self.words, dtype=torch.int32)
+                self.fill(ms, part)
+                bits.zero_()
+                bits[known] = part
+            else:
+                self.fill(ms, bits)
         except BaseException:
             bits.fill_(-1)
             raise

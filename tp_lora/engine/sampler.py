@@ -5,7 +5,7 @@ log-probabilities are the model's (before logit rules, grammars and temperature)
 and the same generator states, so every rank picks the same token without a broadcast."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -112,7 +112,7 @@ class Sampler:
         top_ps = [r.top_p if r.top_p is not None else self.gen.top_p for r in reqs]
         steps = [self._drawn.get(r.index, 0) for r in reqs]
         chosen = self.rules.apply(rows, reqs, steps)
-        # the grammar rows' bitmask last: filled ahead on the worker (follow()) while the device runs the step
+        # the grammar rows' bitmask last: filled ahead by their matchers' process while the device runs the step
         masks, waited = self.grammars.masks(reqs, steps, pin=rows.device.type == "cuda")
         grammar = None
         if masks is not None:
@@ -129,13 +129,18 @@ class Sampler:
         self._last = (reqs, [n + 1 for n in steps], rows.device)
         return out
 
-    def follow(self, host: torch.Tensor, wait: Optional[Callable[[], None]]) -> None:
-        """The last sample()'s tokens are copied into `host` ([2, N], pinned where on CUDA), there once wait()
-        returns (None: already): its grammar rows take them and fill their next masks on a worker thread
-        (Grammars.follow), while the host prepares the next step."""
+    def follow(self, host: torch.Tensor, done: Optional[torch.cuda.Event]) -> None:
+        """The last sample()'s tokens are copied into `host` ([2, N], pinned where on CUDA), there once `done` has
+        passed (None: already): its grammar rows' matchers will take them and fill their next masks (Grammars.follow)
+        while the device runs the next step."""
         reqs, numbers, device = self._last
         if any(r.grammar is not None for r in reqs):
-            self.grammars.follow(reqs, numbers, host, wait, device)
+            self.grammars.follow(reqs, numbers, host, done, device)
+
+    def hand_on(self) -> None:
+        """A launched step's tokens reached the host: its grammar rows' tokens go on to their matchers now."""
+        if self.grammars.pending:
+            self.grammars.hand_on()
 
     def finished(self, res: Result, tok: int, generated: int) -> bool:
         """Whether the sequence of `res` ends with its `generated`-th new token `tok` (its grammar's matcher, if any,
