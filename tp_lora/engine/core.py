@@ -280,7 +280,6 @@ class EngineCore:
         the device; the tokens travel to the host in the background (self.inflight, read by _read) and stand as
         runner.pending() placeholders meanwhile."""
         started = time.perf_counter()
-        self.sampler.hand_on()  # the last step's grammar tokens, if on the host by now: their masks fill meanwhile
         step = StepBatch()
         for seq, n in work:
             step.add(seq.tokens[seq.computed:seq.computed + n], seq.blocks, seq.computed, seq.slot)
