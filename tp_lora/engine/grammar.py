@@ -27,12 +27,11 @@ from typing import Optional
 
 import torch
 
-from tp_lora.engine.mask_process import SLOTS, MaskProcess, compile_schema
+from tp_lora.engine.mask_process import CACHE_SIZE, SLOTS, MaskProcess, compile_schema
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import field_of, library, message, schema_error
 from tp_lora.streamwait import HostFlag
 
-CACHE_SIZE = 256  # compiled grammars kept, by schema text
 
 
 def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
