@@ -345,10 +345,13 @@ def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_
     assert not kv_blocks or st.preemptions > 0
 
 
-def test_the_matchers_process_ends_with_its_owner_and_its_end_is_an_error_not_a_hang(tokenizer):
+def test_the_matchers_process_ends_with_its_owner_and_its_end_is_an_error_not_a_hang(tokenizer, monkeypatch):
     """The matchers' process of a Grammars ends once the Grammars is dropped (an engine per test must not leave one
-    behind); a process that died makes the next call raise, naming it."""
+    behind); a process that died, or stopped answering, makes the next call raise, naming it."""
     import gc
+    import os
+    import signal
+    from tp_lora.engine import mask_process
     r = req(0, ("json_schema", json.dumps(SCHEMA)))
     g = Grammars(tokenizer, {EOS})
     assert g.check(r, VOCAB) is None and g.fill([r], pin=False)[0] == [0]
@@ -362,6 +365,15 @@ def test_the_matchers_process_ends_with_its_owner_and_its_end_is_an_error_not_a_
     g.proc.proc.wait()
     with pytest.raises(RuntimeError, match="grammar process ended"):
         g.fill([r], pin=False)
+    g = Grammars(tokenizer, {EOS})
+    assert g.check(r, VOCAB) is None and g.fill([r], pin=False)[0] == [0]
+    monkeypatch.setattr(mask_process, "REPLY_TIMEOUT_S", 0.5)
+    os.kill(g.proc.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError, match="did not answer in 0.5 s"):
+            g.fill([r], pin=False)
+    finally:
+        os.kill(g.proc.proc.pid, signal.SIGCONT)
 
 
 def test_a_job_fills_zeros_for_a_forgotten_request_and_its_tokens_advance_the_others(tokenizer):

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from tp_lora.engine.mask_process import CACHE_SIZE, SLOTS, MaskProcess, compile_schema
+from tp_lora.engine.mask_process import CACHE_SIZE, SLOTS, MaskProcess, ProcessLost, compile_schema
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import field_of, library, message, schema_error
 from tp_lora.streamwait import HostFlag
@@ -228,12 +228,12 @@ class Grammars:
         return self._reply(msg[1])
 
     def _reply(self, seq: int, block: bool = True) -> Optional[tuple]:
-        """The process's reply to `seq` (MaskProcess.reply); where the process ended, the device's waits are let go
+        """The process's reply to `seq` (MaskProcess.reply); where the process is lost, the device's waits are let go
         first."""
         try:
             return self.proc.reply(seq, block)
-        except RuntimeError:
-            if self.flag is not None and self.proc.proc.poll() is not None:
+        except ProcessLost:
+            if self.flag is not None:
                 self.flag.raise_to(self.flag.number)
             raise
 

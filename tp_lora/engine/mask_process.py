@@ -29,7 +29,9 @@ HEADER = 16  # int32 words before the slots: word 0 is the flag the device waits
 SLOTS = 4  # bitmask slots of the steps' jobs, taken in turn (a slot is read by the next step's draw); one more after
 # them for fills in line
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
-ROWS_PER_THREAD = 8  # rows of a fill per thread: fewer cost the thread's hand-off more than they save
+REPLY_TIMEOUT_S = 120.0  # the longest the engine waits for the process's answer (a fill of a large batch of
+# costly grammar states takes milliseconds a row)
+ROWS_PER_THREAD = 8  # rows of a fill per thread
 
 
 def compile_schema(compiler, text: str):
@@ -37,6 +39,10 @@ def compile_schema(compiler, text: str):
     rules (tp_lora.engine.ebnf: the same language, faster masks)."""
     grammar = library().Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS)
     return compiler.compile_grammar(expand_repetitions(str(grammar)))
+
+
+class ProcessLost(RuntimeError):
+    """The matchers' process ended, or did not answer in REPLY_TIMEOUT_S."""
 
 
 class MaskProcess:
@@ -75,15 +81,13 @@ class MaskProcess:
         try:
             self.conn.send(msg)
         except OSError:
-            raise RuntimeError(f"the grammar process ended (exit code {self.proc.poll()})") from None
+            raise ProcessLost(f"the grammar process ended (exit code {self.proc.poll()})") from None
 
     def slot(self, k: int, rows: int) -> torch.Tensor:
-        """Slot k's first `rows` bitmask rows [rows, words] (k == SLOTS: the fills in line)."""
         if rows > self.max_rows:
             raise RuntimeError(f"{rows} grammar rows in one step: the bitmask slots hold {self.max_rows} "
                                f"(scheduler.max_batch_size)")
-        start = HEADER + k * self.max_rows * self.words
-        return self.region[start:start + rows * self.words].view(rows, self.words)
+        return slot_view(self.region, k, rows, self.max_rows, self.words)
 
     def host_flag(self, device: torch.device) -> Optional[HostFlag]:
         """The region page-locked for CUDA `device` and its flag word as a HostFlag, or None where that cannot be
@@ -101,14 +105,16 @@ class MaskProcess:
 
     def reply(self, seq: int, block: bool = True) -> Optional[tuple]:
         """The process's reply to message `seq`: ("done",) or a value; None when not here yet and not `block`.
-        Raises RuntimeError with the process's error, or when the process ended."""
+        Raises RuntimeError with the process's error; ProcessLost when it ended, or past REPLY_TIMEOUT_S."""
         while seq not in self.replies:
-            if not block and not self.conn.poll():
-                return None
+            if not self.conn.poll(REPLY_TIMEOUT_S if block else 0):
+                if not block:
+                    return None
+                raise ProcessLost(f"the grammar process did not answer in {REPLY_TIMEOUT_S:g} s")
             try:
                 got = self.conn.recv()
             except (EOFError, OSError):
-                raise RuntimeError(f"the grammar process ended (exit code {self.proc.poll()})") from None
+                raise ProcessLost(f"the grammar process ended (exit code {self.proc.poll()})") from None
             if got[0] > self.stale:
                 self.replies[got[0]] = got[1:]
         got = self.replies.pop(seq)
@@ -130,9 +136,15 @@ class MaskProcess:
             proc.kill()
 
 
+def slot_view(region: torch.Tensor, k: int, rows: int, max_rows: int, words: int) -> torch.Tensor:
+    """Slot k's first `rows` bitmask rows [rows, words] in the region (k == SLOTS: the fills in line)."""
+    start = HEADER + k * max_rows * words
+    return region[start:start + rows * words].view(rows, words)
+
+
 def _unregister(region: torch.Tensor) -> None:
     """The region no longer page-locked (before its memory is unmapped: a later mapping may take its addresses)."""
-    if torch.cuda.cudart().cudaHostUnregister(region.data_ptr()) != 0:
+    if int(torch.cuda.cudart().cudaHostUnregister(region.data_ptr())) != 0:
         torch.cuda.cudart().cudaGetLastError()
 
 
@@ -150,8 +162,7 @@ class Matchers:
         self.pool: Optional[ThreadPoolExecutor] = None  # the fill's threads beside this one, from the first need
 
     def slot(self, k: int, rows: int) -> torch.Tensor:
-        start = HEADER + k * self.max_rows * self.words
-        return self.region[start:start + rows * self.words].view(rows, self.words)
+        return slot_view(self.region, k, rows, self.max_rows, self.words)
 
     def matcher(self, index: int, key: Optional[tuple[str, str]]):
         """Request `index`'s matcher, made for grammar `key` at its first use."""
