@@ -143,7 +143,7 @@ class Grammars:
                 range(job.bits.shape[0])):
             bits = job.bits  # every row, in order: the process's slot as it is
         else:
-            bits = torch.empty(len(sel), (self.vocab + 31) // 32, dtype=torch.int32, pin_memory=pin)
+            bits = torch.empty(len(sel), self.proc.words, dtype=torch.int32, pin_memory=pin)
             took = [j for j, ((n, _), i) in enumerate(zip(ahead, sel)) if n == drawn[i]]
             if took:
                 bits[took] = job.bits[[ahead[j][1] for j in took]]
