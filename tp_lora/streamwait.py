@@ -2,8 +2,8 @@
 HostFlag.wait(stream, n) starts once a host thread has raised the counter to n (raise_to). Lets the host queue device
 work whose input another host thread or process is still writing into pinned memory (the grammar masks) and go on.
 
-A number must be raised after the data it guards is written (x86 keeps stores in order), and every number take()
-hands out must be raised, also on an error, or the stream waits for ever."""
+A number must be raised after the data it guards is written (x86 keeps stores in order), and every number a stream
+waits for must be raised, also on an error, or the stream waits for ever. Numbers wrap within int32."""
 from __future__ import annotations
 
 import ctypes
@@ -42,12 +42,6 @@ class HostFlag:
         if code != 0:
             raise RuntimeError(f"cuMemHostGetDevicePointer failed: CUresult {code}")
         self.address = ptr.value
-        self.number = 0  # the last number take() handed out
-
-    def take(self) -> int:
-        """The next number to wait for and raise (positive, wrapping within int32)."""
-        self.number = self.number % 0x7FFFFFFF + 1
-        return self.number
 
     def wait(self, stream: torch.cuda.Stream, number: int) -> None:
         """Queue on `stream` a wait until the counter reaches `number`."""

@@ -33,8 +33,7 @@ def test_a_stream_waits_for_the_host_flag_then_reads_what_the_host_wrote():
     assert flag is not None, "the driver cannot make a stream wait on host memory here"
     src = torch.zeros(4096, dtype=torch.int32, pin_memory=True)
     dst = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
-    for _ in range(3):
-        number = flag.take()
+    for number in (1, 2, 3):
         flag.wait(torch.cuda.current_stream(), number)
         dst.copy_(src, non_blocking=True)  # queued before the host writes src: it must read it after the flag
         done = torch.cuda.Event()

@@ -220,8 +220,9 @@ def _logits(index: int, number: int) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(1000 * index + number)) * 3
 
 
-def _run_sampler(tokenizer, ahead: bool):
-    """Six concurrent grammar requests (three schemas, seeded draws) and a free one through a Sampler, stepped as
+def _run_sampler(tokenizer, ahead: bool, processes=None):
+    """Six concurrent grammar requests (three schemas, seeded draws) and a free one through a Sampler (its matchers in
+    `processes` processes; None: the host's count), stepped as
     the engine does: in line (each step's tokens read before the next step samples) or ahead (the next step samples
     before the last one's tokens are read; follow() registers them, hand_on() sends them once their step's 2 ms have
     passed, as a device's would).
@@ -229,6 +230,8 @@ def _run_sampler(tokenizer, ahead: bool):
     calling thread)."""
     import time
     s = Sampler(GenerationConfig(), {EOS}, tokenizer)
+    if processes is not None:
+        s.grammars = Grammars(tokenizer, {EOS}, processes=processes)
     reqs = [req(i, ("json_schema", json.dumps(SCHEMAS[i % 3])), temperature=1.0, seed=i) for i in range(6)]
     reqs.append(req(6, temperature=1.0, seed=6))
     assert all(s.check(r, VOCAB) is None for r in reqs)
@@ -355,68 +358,52 @@ def test_the_matchers_process_ends_with_its_owner_and_its_end_is_an_error_not_a_
     r = req(0, ("json_schema", json.dumps(SCHEMA)))
     g = Grammars(tokenizer, {EOS})
     assert g.check(r, VOCAB) is None and g.fill([r], pin=False)[0] == [0]
-    proc = g.proc.proc
+    proc = g.procs.procs[0].proc
     del g
     gc.collect()
     assert proc.wait(timeout=10) == 0
     g = Grammars(tokenizer, {EOS})
     assert g.check(r, VOCAB) is None
-    g.proc.proc.kill()
-    g.proc.proc.wait()
+    g.procs.procs[0].proc.kill()
+    g.procs.procs[0].proc.wait()
     with pytest.raises(RuntimeError, match="grammar process ended"):
         g.fill([r], pin=False)
     g = Grammars(tokenizer, {EOS})
     assert g.check(r, VOCAB) is None and g.fill([r], pin=False)[0] == [0]
     monkeypatch.setattr(mask_process, "REPLY_TIMEOUT_S", 0.5)
-    os.kill(g.proc.proc.pid, signal.SIGSTOP)
+    os.kill(g.procs.procs[0].proc.pid, signal.SIGSTOP)
     try:
         with pytest.raises(RuntimeError, match="did not answer in 0.5 s"):
             g.fill([r], pin=False)
     finally:
-        os.kill(g.proc.proc.pid, signal.SIGCONT)
+        os.kill(g.procs.procs[0].proc.pid, signal.SIGCONT)
 
 
-def test_a_job_fills_zeros_for_a_forgotten_request_and_its_tokens_advance_the_others(tokenizer):
-    """A step's job sent after one of its requests was forgotten (its matcher gone): that row is zeros, the other
-    rows take their tokens (the process's code, run here in line)."""
+def test_a_job_fills_its_rows_and_zeros_for_a_forgotten_request_and_its_tokens_advance_the_others(tokenizer):
+    """A step's job for one process (its rows at their places in the step's slot) sent after one of its requests
+    was forgotten (its matcher gone): that row is zeros, the other rows take their tokens, the rows of other
+    processes are left alone, and this process's flag is raised (the process's code, run here in line)."""
     from tp_lora.engine import mask_process
     words = (VOCAB + 31) // 32
     region = torch.zeros(mask_process.HEADER + (mask_process.SLOTS + 1) * 4 * words, dtype=torch.int32)
-    state = mask_process.Matchers(tokenizer_info(tokenizer.tok, VOCAB, [EOS]).serialize_json(), words, 4, region)
+    state = mask_process.Matchers(tokenizer_info(tokenizer.tok, VOCAB, [EOS]).serialize_json(), words, 4, region, 1)
     key = ("json_schema", json.dumps(SCHEMA))
     ms = [state.matcher(i, key) for i in (0, 1)]
     brace = tokenizer.tok.token_to_id("{")
-    state.job(7, 1, [0, 5, 1], [brace, brace, brace])
-    bits = state.slot(1, 3)
-    assert int(region[0]) == 7 and not bits[1].any() and bits[0].any() and torch.equal(bits[0], bits[2])
+    state.slot(1, 4).fill_(5)
+    state.job(7, 1, 4, [3, 0, 2], [0, 5, 1], [brace, brace, brace])
+    bits = state.slot(1, 4)
+    assert int(region[mask_process.LINE]) == 7 and int(region[0]) == 0
+    assert not bits[0].any() and (bits[1] == 5).all() and bits[3].any() and torch.equal(bits[3], bits[2])
     assert all(m.accept_string('"n"') for m in ms)
 
 
-def test_the_fill_spread_over_threads_equals_one_threads(tokenizer, monkeypatch):
-    """The matchers' process fills a step's rows on several threads where the host has the cores: the same bitmask
-    as one thread's, rows of complete grammars zero, on random walks of three schemas (the process's code, run
-    here in line)."""
-    from tp_lora.engine import mask_process
-    info = tokenizer_info(tokenizer.tok, VOCAB, [EOS])
-    words = (VOCAB + 31) // 32
-    region = torch.zeros(mask_process.HEADER + (mask_process.SLOTS + 1) * 16 * words, dtype=torch.int32)
-    state = mask_process.Matchers(info.serialize_json(), words, 16, region)
-    keys = [("json_schema", json.dumps(SCHEMAS[i % 3])) for i in range(13)]
-    ms = [state.matcher(i, k) for i, k in enumerate(keys)]
-    g = torch.Generator().manual_seed(5)
-    for step in range(12):
-        monkeypatch.setattr(mask_process, "fill_threads", lambda rows: 1)
-        one = torch.full((13, words), 7, dtype=torch.int32)
-        state.fill(ms, one)
-        monkeypatch.setattr(mask_process, "fill_threads", lambda rows: 4)
-        four = torch.full((13, words), 7, dtype=torch.int32)
-        state.fill(ms, four)
-        assert torch.equal(one, four), step
-        allowed = unpack(one, VOCAB)
-        for k, m in enumerate(ms):
-            if m.is_terminated():
-                assert not allowed[k].any()
-            else:
-                choices = allowed[k].nonzero().flatten()
-                m.accept_token(int(choices[torch.randint(len(choices), (1,), generator=g)]))
-    assert state.pool is not None and any(m.is_terminated() for m in ms)
+@pytest.mark.parametrize("ahead", [False, True])
+def test_masks_of_three_processes_equal_one_processs(tokenizer, ahead):
+    """Requests spread over three matcher processes (a host with cores to spare) get the tokens and, bit for bit, the
+    masks of one process, filled ahead and in line."""
+    want, want_masks, _ = _run_sampler(tokenizer, ahead=ahead, processes=1)
+    got, got_masks, _ = _run_sampler(tokenizer, ahead=ahead, processes=3)
+    assert got == want and set(got_masks) == set(want_masks) and len(want_masks) > 40
+    for key, bits in want_masks.items():
+        assert torch.equal(got_masks[key], bits), key

@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from tp_lora.engine.mask_process import CACHE_SIZE, SLOTS, MaskProcess, ProcessLost, compile_schema
+from tp_lora.engine.mask_process import (CACHE_SIZE, SLOTS, MaskProcess, MaskProcesses, ProcessLost, compile_schema,
+                                         processes_for_host)
 from tp_lora.engine.requests import Request
 from tp_lora.engine.response_format import field_of, library, message, schema_error
 from tp_lora.streamwait import HostFlag
@@ -44,18 +45,20 @@ def tokenizer_info(tok, vocab_size: int, stop_ids: list[int]):
 
 
 class Grammars:
-    """The compiled grammars (by schema text), and the requests whose matcher the matchers' process holds; a step's
-    grammar rows are at most `max_rows`."""
+    """The compiled grammars (by schema text), and the requests whose matcher the matchers' processes hold (as many
+    as `processes`; None: processes_for_host()); a step's grammar rows are at most `max_rows`."""
 
-    def __init__(self, tokenizer, eos: set[int], max_rows: int = 64):
+    def __init__(self, tokenizer, eos: set[int], max_rows: int = 64, processes: Optional[int] = None):
         self.tokenizer, self.stop_ids, self.max_rows = tokenizer, sorted(eos), max_rows
+        self.count = processes or processes_for_host()
         self.compiler = None  # built at the first grammar: the tokenizer's view is computed once
         self.vocab = 0
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self.proc: Optional[MaskProcess] = None  # the matchers' process, from the first grammar checked
-        self.started: set[int] = set()  # request indices whose matcher the process holds
+        self.procs: Optional[MaskProcesses] = None  # the matchers' processes, from the first grammar checked
+        self.started: set[int] = set()  # request indices whose matcher a process holds
         self.took: dict[int, tuple[int, bool]] = {}  # request index -> (tokens taken in line, grammar complete)
-        self.flag: Optional[HostFlag] = None  # what the device waits on for the process's masks, where it can
+        self.flags: Optional[list[HostFlag]] = None  # what the device waits on for each process's masks, where it can
+        self.number = 0  # the last flag number handed out
         self.pending: list[Ahead] = []  # follow()'s work handed on, in order, until joined
         self.joined: Optional[Ahead] = None  # the last joined work: masks() takes its rows
         self.followed: dict[int, int] = {}  # request index -> the last token number handed on
@@ -63,6 +66,7 @@ class Grammars:
         self.printable: Optional[torch.Tensor] = None  # the bitmask of the tokens JSON may hold
         self.allow: dict[torch.device, torch.Tensor] = {}  # [printable tokens, stop tokens] bitmasks per device
         self.waits: list[tuple] = []  # CUDA events around each device-side wait for masks, until read
+        self.spare: list[tuple] = []  # such pairs read, for the next waits
 
     def check(self, req: Request, vocab: int) -> Optional[str]:
         """Why `req`'s grammar cannot run on a model of `vocab` logits, or None; compiles it into the cache."""
@@ -86,7 +90,7 @@ class Grammars:
             printable = [i for i, b in enumerate(info.decoded_vocab) if b and min(b) >= 0x20]
             self.printable = pack(printable + self.stop_ids, vocab)
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            self.proc = MaskProcess(info.serialize_json(), (vocab + 31) // 32, self.max_rows)
+            self.procs = MaskProcesses(info.serialize_json(), (vocab + 31) // 32, self.max_rows, self.count)
         if req.grammar in self.compiled:
             self.compiled.move_to_end(req.grammar)
             return None
@@ -113,16 +117,21 @@ class Grammars:
         if not sel:
             return None
         self._join()  # every step handed on, taken first
-        rows = [(reqs[i].index, reqs[i].grammar) for i in sel]
-        self.started.update(i for i, _ in rows)
-        self._call(("fill", self.proc.next_seq(), rows))
-        bits = torch.empty(len(sel), self.proc.words, dtype=torch.int32, pin_memory=pin)
-        return sel, bits.copy_(self.proc.slot(SLOTS, len(sel)))
+        rows = [(k, reqs[i].index, reqs[i].grammar) for k, i in enumerate(sel)]
+        self.started.update(r[1] for r in rows)
+        calls = []
+        for proc, part in self._by_owner(rows):
+            calls.append((proc, proc.next_seq()))
+            proc.send(("fill", calls[-1][1], len(sel), part))
+        for proc, seq in calls:
+            self._reply(proc, seq)
+        bits = torch.empty(len(sel), self.procs.words, dtype=torch.int32, pin_memory=pin)
+        return sel, bits.copy_(self.procs.slot(SLOTS, len(sel)))
 
     def masks(self, reqs: list[Request], drawn: list[int], pin: bool
-              ) -> tuple[Optional[tuple[list[int], torch.Tensor, Optional[tuple[HostFlag, int]]]], float]:
+              ) -> tuple[Optional[tuple[list[int], torch.Tensor, Optional[tuple[list[HostFlag], int]]]], float]:
         """For on_device(): (fill()'s rows and bitmask for reqs whose requests drew drawn[i] tokens so far, what the
-        device waits for first: (flag, number) or None), or None without grammar rows; and the seconds the host
+        device waits for first: (flags, number) or None), or None without grammar rows; and the seconds the host
         waited for masks (for the process's filling and for in-line fills, not for the device's tokens). The last
         follow()'s job, not waited for where the device can wait for it and it holds every row in order; else
         waited for, its rows taken and the others filled in line."""
@@ -132,7 +141,7 @@ class Grammars:
         job = self.pending[-1] if self.pending else None
         if job is not None and job.number and list(job.numbers) == [reqs[i].index for i in sel] and all(
                 job.numbers[reqs[i].index] == drawn[i] for i in sel):
-            return (sel, job.bits, (self.flag, job.number)), 0.0
+            return (sel, job.bits, (job.flags, job.number)), 0.0
         t0 = time.perf_counter()
         job = self._join()
         t1 = time.perf_counter()
@@ -143,7 +152,7 @@ class Grammars:
                 range(job.bits.shape[0])):
             bits = job.bits  # every row, in order: the process's slot as it is
         else:
-            bits = torch.empty(len(sel), self.proc.words, dtype=torch.int32, pin_memory=pin)
+            bits = torch.empty(len(sel), self.procs.words, dtype=torch.int32, pin_memory=pin)
             took = [j for j, ((n, _), i) in enumerate(zip(ahead, sel)) if n == drawn[i]]
             if took:
                 bits[took] = job.bits[[ahead[j][1] for j in took]]
@@ -158,9 +167,11 @@ class Grammars:
         sel, bits, after = masks
         if after is not None:
             stream = torch.cuda.current_stream(device)
-            timed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            timed = self.spare.pop() if self.spare else (torch.cuda.Event(enable_timing=True),
+                                                          torch.cuda.Event(enable_timing=True))
             timed[0].record(stream)
-            after[0].wait(stream, after[1])
+            for flag in after[0]:
+                flag.wait(stream, after[1])
             timed[1].record(stream)
             self.waits.append(timed)
         if device not in self.allow:
@@ -173,28 +184,36 @@ class Grammars:
         while done < len(self.waits) and self.waits[done][1].query():
             done += 1
         seconds = sum(a.elapsed_time(b) for a, b in self.waits[:done]) / 1e3
+        self.spare += self.waits[:done]
         del self.waits[:done]
         return seconds
 
     def follow(self, reqs: list[Request], drawn: list[int], host: torch.Tensor, done: Optional[torch.cuda.Event],
                device: torch.device) -> None:
         """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once `done` has
-        passed (None: there already): a job for the process, whose matchers take those tokens and fill their next
+        passed (None: there already): a job for the processes, whose matchers take those tokens and fill their next
         bitmask into a slot, for the next masks(). Sent in order once the host has them (hand_on(), or a join);
         the host does not wait here."""
         self._reap()
         rows = [(j, r.index, drawn[j]) for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.started]
         if not rows:
             return
-        if device.type == "cuda" and self.flag is None:
-            self.flag = self.proc.host_flag(device)
+        if device.type == "cuda" and self.flags is None:
+            self.flags = self.procs.host_flags(device)
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % SLOTS
-        number = self.flag.take() if self.flag is not None else 0
+        number = 0
+        if self.flags is not None:
+            number = self.number = self.number % 0x7FFFFFFF + 1
         for r in rows:
             self.followed[r[1]] = r[2]
-        seq = self.proc.next_seq()
-        self.pending.append(Ahead({r[1]: r[2] for r in rows}, self.proc.slot(slot, len(rows)), number, seq,
-                                  ("job", seq, number, slot, [r[1] for r in rows]), [r[0] for r in rows], host, done))
+        parts = []
+        for proc, part in self._by_owner([(k, r[1], r) for k, r in enumerate(rows)]):
+            seq = proc.next_seq()
+            parts.append((proc, seq, ("job", seq, number, slot, len(rows), [k for k, _, _ in part],
+                                      [i for _, i, _ in part]), [r[0] for _, _, r in part]))
+        flags = [self.flags[proc.p] for proc, _, _, _ in parts] if number else []
+        self.pending.append(Ahead({r[1]: r[2] for r in rows}, self.procs.slot(slot, len(rows)), number, flags, parts,
+                                  host, done))
         if done is None:
             self._send(self.pending[-1])
 
@@ -207,65 +226,77 @@ class Grammars:
                 self._send(job)
 
     def _send(self, job: Ahead) -> None:
-        """The job's tokens (waited for) to the process. If this fails, its slot allows every token and its flag is
-        raised here (the device never waits for a job that was not sent)."""
+        """The job's tokens (waited for) to its processes. If this fails, its slot allows every token and its flags
+        are raised here (the device never waits for a job that was not sent)."""
         try:
             if job.done is not None:
                 job.done.synchronize()
             job.tokens_at = time.perf_counter()
             toks = job.host[0].tolist()
-            self.proc.send(job.msg + ([int(toks[c]) for c in job.cols],))
+            for proc, _, msg, cols in job.parts:
+                proc.send(msg + ([int(toks[c]) for c in cols],))
             job.sent = True
         except BaseException:
             job.bits.fill_(-1)
-            if job.number:
-                self.flag.raise_to(job.number)
+            for flag in job.flags:
+                flag.raise_to(job.number)
             raise
 
-    def _call(self, msg: tuple) -> tuple:
-        """Send `msg` (after every job before it) and wait for the process's reply."""
-        self.proc.send(msg)
-        return self._reply(msg[1])
+    def _by_owner(self, rows: list[tuple]) -> list[tuple[MaskProcess, list[tuple]]]:
+        """rows (each with its request index second) grouped by the process holding their matchers, in order."""
+        parts: dict[int, list[tuple]] = {}
+        for r in rows:
+            parts.setdefault(self.procs.owner(r[1]).p, []).append(r)
+        return [(self.procs.procs[p], part) for p, part in sorted(parts.items())]
 
-    def _reply(self, seq: int, block: bool = True) -> Optional[tuple]:
-        """The process's reply to `seq` (MaskProcess.reply); where the process is lost, the device's waits are let go
-        first."""
+    def _call(self, proc: MaskProcess, msg: tuple) -> tuple:
+        """Send `msg` to `proc` (after every job before it) and wait for its reply."""
+        proc.send(msg)
+        return self._reply(proc, msg[1])
+
+    def _reply(self, proc: MaskProcess, seq: int, block: bool = True) -> Optional[tuple]:
+        """proc's reply to `seq` (MaskProcess.reply); where a process is lost, the device's waits are let go first."""
         try:
-            return self.proc.reply(seq, block)
+            return proc.reply(seq, block)
         except ProcessLost:
-            if self.flag is not None:
-                self.flag.raise_to(self.flag.number)
+            for flag in self.flags or []:
+                flag.raise_to(self.number)
             raise
 
     def _join(self) -> Optional[Ahead]:
         """Every job handed on, done (the host waits for them here), their rows kept for masks() while their
         requests run; the last one joined (None before any)."""
         while self.pending:
-            self._absorb(self.pending.pop(0))
+            self._absorb(self.pending.pop(0), block=True)
         return self.joined
 
     def _reap(self) -> None:
-        """The jobs the process has finished, joined without waiting (a failed one raises here)."""
+        """The jobs the processes have finished, joined without waiting (a failed one raises here)."""
         self.hand_on()
-        while self.pending and self.pending[0].sent and self._reply(self.pending[0].seq, False):
-            self._absorb(self.pending.pop(0), replied=True)
+        while self.pending and self.pending[0].sent and self._absorb(self.pending[0], block=False):
+            self.pending.pop(0)
 
-    def _absorb(self, job: Ahead, replied: bool = False) -> None:
+    def _absorb(self, job: Ahead, block: bool) -> bool:
+        """Take the job's replies (sent first if it was not; waited for if `block`); whether it is joined."""
         if not job.sent:
             self._send(job)
-        if not replied:
-            self._reply(job.seq)
+        while job.waiting < len(job.parts):
+            proc, seq, _, _ = job.parts[job.waiting]
+            if self._reply(proc, seq, block) is None:
+                return False
+            job.waiting += 1
         job.rows = {}
         for k, (index, got) in enumerate(job.numbers.items()):
             if index in self.started:  # not forgotten (ended or cancelled) meanwhile
                 job.rows[index] = (got, k)
         self.joined = job
+        return True
 
     def advance(self, index: int, tok: int, number: int) -> bool:
         """Request `index`'s matcher takes `tok`, its `number`-th token (unless follow() handed it on); whether its
         grammar is now complete and stopped. Requests without a matcher: False. A token handed on ends the grammar
         exactly when it is a stop token (its mask allowed one only where the grammar may end, or where nothing else
-        was left), so the host does not wait for the process to know."""
+        was left), so the host does not wait for a process to know."""
         if index not in self.started:
             return False
         if self.followed.get(index, -1) >= number:
@@ -274,26 +305,28 @@ class Grammars:
         if got is not None and got[0] >= number:
             return got[0] == number and got[1]
         self._join()
-        done = self._call(("accept", self.proc.next_seq(), index, None, tok))[1]
+        proc = self.procs.owner(index)
+        done = self._call(proc, ("accept", proc.next_seq(), index, None, tok))[1]
         self.took[index] = (number, done)
         return done
 
     def forget(self, index: int) -> None:
         if index in self.started:  # a job sent later with its row fills that row with zeros
             self.started.discard(index)
-            self.proc.send(("forget", index))
+            self.procs.owner(index).send(("forget", index))
         self.took.pop(index, None)
         self.followed.pop(index, None)
 
     def reset(self) -> None:
         """Drop every matcher, the jobs not sent (their flags raised: nothing on the device waits for ever) and the
-        process's replies to the work still under way (it runs on over dropped matchers)."""
-        if self.proc is not None:
-            self.proc.send(("reset",))
-            self.proc.drop_replies()
-        unsent = [job.number for job in self.pending if not job.sent and job.number]
-        if unsent:
-            self.flag.raise_to(max(unsent))
+        processes' replies to the work still under way (they run on over dropped matchers)."""
+        for proc in self.procs.procs if self.procs is not None else []:
+            proc.send(("reset",))
+            proc.drop_replies()
+        for job in self.pending:
+            if not job.sent:
+                for flag in job.flags:
+                    flag.raise_to(job.number)
         self.started.clear()
         self.took.clear()
         self.followed.clear()
@@ -305,14 +338,15 @@ class Grammars:
 class Ahead:
     """One step's grammar rows handed on (Grammars.follow)."""
     numbers: dict[int, int]  # request index -> the number of the token it drew in that step, in bits' row order
-    bits: torch.Tensor  # the rows' next bitmask as the process fills it (its slot in the shared region)
-    number: int  # the flag number the process raises once bits is written (0: no flag)
-    seq: int  # the message's sequence number (its reply's)
-    msg: tuple  # the message, less the tokens
-    cols: list[int]  # the rows' columns in host
+    bits: torch.Tensor  # the rows' next bitmask as the processes fill it (its slot in the shared region)
+    number: int  # the flag number each of its processes raises once its rows of bits are written (0: no flags)
+    flags: list[HostFlag]  # those processes' flags (none without a number)
+    parts: list[tuple]  # per process: (the process, the message's sequence number, the message less the tokens,
+    # its rows' columns in host)
     host: torch.Tensor  # [2, N] the step's drawn tokens and log-probabilities, once done has passed
     done: Optional[torch.cuda.Event]  # recorded after the step's copy to host (None: there already)
     sent: bool = False
+    waiting: int = 0  # parts whose reply was taken
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # once joined: request index -> (its token's
     # number, its row in bits)
     tokens_at: float = 0.0  # perf_counter() when the step's tokens were on the host, once sent

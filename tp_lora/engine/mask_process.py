@@ -1,21 +1,26 @@
-"""The structured-output matchers in a process of their own: each step's grammar rows take their tokens and fill their
-next bitmask there, under that process's interpreter lock. In a thread of the engine's process every xgrammar call
-hands the lock to the thread that launches steps and waits to get it back, which slowed both (BENCHMARKS.md).
+"""The structured-output matchers in processes of their own: each step's grammar rows take their tokens and fill
+their next bitmask there, each process under its own interpreter lock. In a thread of the engine's process every
+xgrammar call hands the lock to the thread that launches steps and waits to get it back, which slowed both; threads
+of one process trade it the same way, and a sleeping thread or process takes long to wake (BENCHMARKS.md).
 
-MaskProcess (the engine's side) starts the process (`python -m tp_lora.engine.mask_process`), sends it work over a
-socket in order and reads one reply per job, fill or accept, by sequence number. Bitmask slots and the flag word
-the device waits on (tp_lora.streamwait) live in one shared memory region: page-locked and mapped for the device on
-CUDA, so the device's copy and its wait read what the process wrote. The process ends when its socket closes."""
+A request's matcher lives in process `index % count` (MaskProcesses.owner), so a step's rows are filled by the
+processes side by side. MaskProcess (the engine's side of one) starts it (`python -m tp_lora.engine.mask_process`),
+sends it work over a socket in order and reads one reply per job, fill or accept, by sequence number. Bitmask slots,
+and each process's flag word the device waits on (tp_lora.streamwait), live in one shared memory region: page-locked
+and mapped for the device on CUDA, so the device's copy and its waits read what the processes wrote. Where the host
+has cores to spare (more than one process), a process polls its socket for SPIN_S after each message instead of
+sleeping, so the next step's job starts at once. A process ends when its socket closes."""
 from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Optional
 
@@ -25,13 +30,16 @@ from tp_lora.engine.ebnf import expand_repetitions
 from tp_lora.engine.response_format import SEPARATORS, library, message
 from tp_lora.streamwait import HostFlag, host_flag
 
-HEADER = 16  # int32 words before the slots: word 0 is the flag the device waits on (a cache line of its own)
+LINE = 16  # int32 words of a cache line
+MOST = 4  # matcher processes per engine rank
+HEADER = LINE * MOST  # int32 words before the slots: process p's line holds its flag (word LINE * p), which the
+# device waits on, and the sequence number of its last reply, written once that is sent (word LINE * p + 1)
 SLOTS = 4  # bitmask slots of the steps' jobs, taken in turn (a slot is read by the next step's draw); one more after
 # them for fills in line
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
-REPLY_TIMEOUT_S = 120.0  # the longest the engine waits for the process's answer (a fill of a large batch of
-# costly grammar states takes milliseconds a row)
-ROWS_PER_THREAD = 8  # rows of a fill per thread
+REPLY_TIMEOUT_S = 120.0  # the longest the engine waits for a process's answer (a fill of a large batch of costly
+# grammar states takes milliseconds a row)
+SPIN_S = 0.05  # how long a process polls its socket after a message, where the host has cores to spare
 
 
 def compile_schema(compiler, text: str):
@@ -42,34 +50,72 @@ def compile_schema(compiler, text: str):
 
 
 class ProcessLost(RuntimeError):
-    """The matchers' process ended, or did not answer in REPLY_TIMEOUT_S."""
+    """A matchers' process ended, or did not answer in REPLY_TIMEOUT_S."""
 
 
-class MaskProcess:
-    """The matchers' process and the shared region [HEADER + (SLOTS + 1) * max_rows * words] int32 of its bitmasks,
-    for a tokenizer (xgrammar TokenizerInfo as JSON) whose bitmask rows are `words` wide."""
+class MaskProcesses:
+    """The matchers' processes (`count`, for a tokenizer given as xgrammar TokenizerInfo JSON whose bitmask rows are
+    `words` wide) and their shared region [HEADER + (SLOTS + 1) * max_rows * words] int32."""
 
-    def __init__(self, info_json: str, words: int, max_rows: int):
+    def __init__(self, info_json: str, words: int, max_rows: int, count: int):
+        if not 1 <= count <= MOST:
+            raise ValueError(f"{count} matcher processes: expected 1 to {MOST}")
         self.words, self.max_rows = words, max_rows
         size = 4 * (HEADER + (SLOTS + 1) * max_rows * words)
         fd = os.memfd_create("tp_lora-masks")
         os.ftruncate(fd, size)
         self.region = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.int32)
+        self.words_np = self.region.numpy()  # the same memory: a word read without a torch call
+        try:
+            self.procs = [MaskProcess(self, p, fd, size, info_json, spin=count > 1) for p in range(count)]
+        finally:
+            os.close(fd)
+        self.registered = False
+
+    def owner(self, index: int) -> MaskProcess:
+        """The process holding request `index`'s matcher."""
+        return self.procs[index % len(self.procs)]
+
+    def slot(self, k: int, rows: int) -> torch.Tensor:
+        if rows > self.max_rows:
+            raise RuntimeError(f"{rows} grammar rows in one step: the bitmask slots hold {self.max_rows} "
+                               f"(scheduler.max_batch_size)")
+        return slot_view(self.region, k, rows, self.max_rows, self.words)
+
+    def host_flags(self, device: torch.device) -> Optional[list[HostFlag]]:
+        """The region page-locked for CUDA `device` and each process's flag word as a HostFlag, or None where that
+        cannot be (the host then waits for the masks)."""
+        if not self.registered:
+            cudart = torch.cuda.cudart()
+            with torch.cuda.device(device):
+                code = cudart.cudaHostRegister(self.region.data_ptr(), 4 * self.region.numel(), 3)  # portable, mapped
+            if int(code) != 0:
+                cudart.cudaGetLastError()  # not left for torch's next check to find
+                return None
+            self.registered = True
+            weakref.finalize(self, _unregister, self.region)
+        flags = [host_flag(device, self.region[LINE * p:LINE * p + 1]) for p in range(len(self.procs))]
+        return None if None in flags else flags
+
+
+class MaskProcess:
+    """One matchers' process (number `p` of `shared`, a MaskProcesses), its socket and its replies."""
+
+    def __init__(self, shared: MaskProcesses, p: int, mem_fd: int, size: int, info_json: str, spin: bool):
+        self.p, self.words_np = p, shared.words_np
         ours, theirs = socket.socketpair()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
                    CUDA_VISIBLE_DEVICES="")  # the process never touches a GPU
         self.proc = subprocess.Popen([sys.executable, "-m", "tp_lora.engine.mask_process", str(theirs.fileno()),
-                                      str(fd), str(size)], pass_fds=(theirs.fileno(), fd), env=env,
+                                      str(mem_fd), str(size)], pass_fds=(theirs.fileno(), mem_fd), env=env,
                                      stdin=subprocess.DEVNULL)
         theirs.close()
-        os.close(fd)
         self.conn = Connection(ours.detach())
-        self.conn.send(("init", info_json, words, max_rows))
+        self.conn.send(("init", info_json, shared.words, shared.max_rows, p, spin))
         self.seq = 0  # the last sequence number handed out
         self.replies: dict[int, tuple] = {}  # replies read, not yet claimed, by sequence number
         self.stale = 0  # replies to messages up to this one are dropped unread (drop_replies)
-        self.registered = False
         weakref.finalize(self, MaskProcess._end, self.conn, self.proc)
 
     def next_seq(self) -> int:
@@ -83,33 +129,16 @@ class MaskProcess:
         except OSError:
             raise ProcessLost(f"the grammar process ended (exit code {self.proc.poll()})") from None
 
-    def slot(self, k: int, rows: int) -> torch.Tensor:
-        if rows > self.max_rows:
-            raise RuntimeError(f"{rows} grammar rows in one step: the bitmask slots hold {self.max_rows} "
-                               f"(scheduler.max_batch_size)")
-        return slot_view(self.region, k, rows, self.max_rows, self.words)
-
-    def host_flag(self, device: torch.device) -> Optional[HostFlag]:
-        """The region page-locked for CUDA `device` and its flag word as a HostFlag, or None where that cannot be
-        (the host then waits for the masks)."""
-        if not self.registered:
-            cudart = torch.cuda.cudart()
-            with torch.cuda.device(device):
-                code = cudart.cudaHostRegister(self.region.data_ptr(), 4 * self.region.numel(), 3)  # portable, mapped
-            if int(code) != 0:
-                cudart.cudaGetLastError()  # not left for torch's next check to find
-                return None
-            self.registered = True
-            weakref.finalize(self, _unregister, self.region)
-        return host_flag(device, self.region[:1])
-
     def reply(self, seq: int, block: bool = True) -> Optional[tuple]:
-        """The process's reply to message `seq`: ("done",) or a value; None when not here yet and not `block`.
-        Raises RuntimeError with the process's error; ProcessLost when it ended, or past REPLY_TIMEOUT_S."""
+        """The process's reply to message `seq`: ("done",) or a value; None when not here yet and not `block`
+        (known from its reply word, without a system call). Raises RuntimeError with the process's error;
+        ProcessLost when it ended, or past REPLY_TIMEOUT_S."""
         while seq not in self.replies:
-            if not self.conn.poll(REPLY_TIMEOUT_S if block else 0):
-                if not block:
-                    return None
+            replied = int(self.words_np[LINE * self.p + 1])
+            sent = 0 <= (replied - seq) & 0x7FFFFFFF < 1 << 30  # the replies up to seq are in the socket
+            if not sent and not block:
+                return None
+            if not sent and not self.conn.poll(REPLY_TIMEOUT_S):
                 raise ProcessLost(f"the grammar process did not answer in {REPLY_TIMEOUT_S:g} s")
             try:
                 got = self.conn.recv()
@@ -136,6 +165,14 @@ class MaskProcess:
             proc.kill()
 
 
+def processes_for_host() -> int:
+    """Matcher processes per engine rank: one per two of this host's CPUs over its ranks beyond the two that each
+    rank's host loop needs (at least one, at most MOST)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    spare = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 2
+    return max(1, min(MOST, spare // 2))
+
+
 def slot_view(region: torch.Tensor, k: int, rows: int, max_rows: int, words: int) -> torch.Tensor:
     """Slot k's first `rows` bitmask rows [rows, words] in the region (k == SLOTS: the fills in line)."""
     start = HEADER + k * max_rows * words
@@ -149,17 +186,17 @@ def _unregister(region: torch.Tensor) -> None:
 
 
 class Matchers:
-    """The process's side: compiled grammars (by schema text) and each request's matcher, over the region."""
+    """A process's side: compiled grammars (by schema text) and each of its requests' matcher, over the region; its
+    flag is the region's word LINE * p."""
 
-    def __init__(self, info_json: str, words: int, max_rows: int, region: torch.Tensor):
+    def __init__(self, info_json: str, words: int, max_rows: int, region: torch.Tensor, p: int = 0):
         xgr = library()
-        self.xgr, self.words, self.max_rows, self.region = xgr, words, max_rows, region
+        self.xgr, self.words, self.max_rows, self.region, self.p = xgr, words, max_rows, region, p
         self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1,
                                             cache_enabled=False)
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.matchers: dict[int, object] = {}
         self.batch = xgr.BatchGrammarMatcher(1)  # one thread: xgrammar starts its threads anew at every call
-        self.pool: Optional[ThreadPoolExecutor] = None  # the fill's threads beside this one, from the first need
 
     def slot(self, k: int, rows: int) -> torch.Tensor:
         return slot_view(self.region, k, rows, self.max_rows, self.words)
@@ -176,47 +213,35 @@ class Matchers:
             m = self.matchers[index] = self.xgr.GrammarMatcher(self.compiled[key])
         return m
 
-    def job(self, number: int, slot: int, indices: list[int], tokens: list[int]) -> None:
-        """A step's rows (requests `indices`, in bitmask row order) take `tokens` (a finished row's is dropped) and
-        fill their next bitmask into `slot` (zeros for a forgotten request's row), all allowed if this fails; then
-        the flag is raised to `number` (0: none), whatever happens."""
-        bits = self.slot(slot, len(indices))
+    def job(self, number: int, slot: int, rows: int, at: list[int], indices: list[int], tokens: list[int]) -> None:
+        """A step's rows of this process (requests `indices`, rows `at` of the slot's `rows`) take `tokens` (a
+        finished row's is dropped) and fill their next bitmask (zeros for a forgotten request's row), all allowed if
+        this fails; then this process's flag is raised to `number` (0: none), whatever happens."""
+        bits = self.slot(slot, rows)
         try:
             known = [k for k, i in enumerate(indices) if i in self.matchers]
             ms = [self.matchers[indices[k]] for k in known]
             live = [j for j, m in enumerate(ms) if not m.is_terminated()]
             self.xgr.BatchGrammarMatcher.batch_accept_token([ms[j] for j in live], [tokens[known[j]] for j in live])
-            if len(known) < len(indices):
-                part = torch.empty(len(known), self.words, dtype=torch.int32)
-                self.fill(ms, part)
-                bits.zero_()
-                bits[known] = part
-            else:
-                self.fill(ms, bits)
+            for k in sorted(set(range(len(indices))) - set(known)):
+                bits[at[k]].zero_()
+            self.fill(ms, bits, [at[k] for k in known])
         except BaseException:
-            bits.fill_(-1)
+            for a in at:
+                bits[a].fill_(-1)
             raise
         finally:
             if number:
-                self.region[0] = number  # after the bitmask's stores (x86 keeps stores in order)
+                self.region[LINE * self.p] = number  # after the bitmask's stores (x86 keeps stores in order)
 
-    def fill(self, ms: list, bits: torch.Tensor) -> None:
-        """`bits` [len(ms), words] as xgrammar's bitmask of each matcher's next token, zeros for a complete one."""
-        live = [i for i, m in enumerate(ms) if not m.is_terminated()]
-        if len(live) < len(ms):
-            bits.zero_()
-        parts = fill_threads(len(live))
-        chunks = [live[k::parts] for k in range(parts)]  # rows spread: a costly grammar state is often several rows'
-        if parts > 1 and self.pool is None:
-            self.pool = ThreadPoolExecutor(parts, thread_name_prefix="tp_lora-fill")
-        futures = [self.pool.submit(self._fill_rows, ms, bits, c) for c in chunks[1:]]  # each releases the GIL
-        self._fill_rows(ms, bits, chunks[0])
-        for f in futures:
-            f.result()
-
-    def _fill_rows(self, ms: list, bits: torch.Tensor, rows: list[int]) -> None:
-        if rows:
-            self.batch.batch_fill_next_token_bitmask([ms[i] for i in rows], bits, indices=rows)
+    def fill(self, ms: list, bits: torch.Tensor, at: list[int]) -> None:
+        """Rows `at` of `bits` [rows, words] as xgrammar's bitmask of matchers `ms`' next token, zeros for a complete
+        one."""
+        live = [k for k, m in enumerate(ms) if not m.is_terminated()]
+        for k in sorted(set(range(len(ms))) - set(live)):
+            bits[at[k]].zero_()
+        if live:
+            self.batch.batch_fill_next_token_bitmask([ms[k] for k in live], bits, indices=[at[k] for k in live])
 
     def handle(self, msg: tuple) -> Optional[tuple]:
         """One message -> its reply's payload (None: no reply)."""
@@ -224,9 +249,9 @@ class Matchers:
         if kind == "job":
             self.job(*msg[2:])
             return ("done",)
-        if kind == "fill":  # [(index, grammar key)] into the fills' slot
-            rows = msg[2]
-            self.fill([self.matcher(i, key) for i, key in rows], self.slot(SLOTS, len(rows)))
+        if kind == "fill":  # rows `at` of the fills' slot of `rows`: [(at, index, grammar key)]
+            _, _, rows, todo = msg
+            self.fill([self.matcher(i, key) for _, i, key in todo], self.slot(SLOTS, rows), [a for a, _, _ in todo])
             return ("done",)
         if kind == "accept":
             m = self.matcher(msg[2], msg[3])
@@ -239,23 +264,19 @@ class Matchers:
         return None
 
 
-def fill_threads(rows: int) -> int:
-    """Threads of a bitmask fill of `rows` rows: one per ROWS_PER_THREAD rows, at most this host's CPUs over its ranks
-    less two for each rank's host loop and worker (and 8)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    most = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - 2
-    return max(1, min(8, most, rows // ROWS_PER_THREAD))
-
-
 def main(sock_fd: int, mem_fd: int, size: int) -> None:
-    """The process: messages in order until the socket closes. A message that fails is answered with its error; the
-    process goes on."""
+    """A process: messages in order until the socket closes. A message that fails is answered with its error; the
+    process goes on. Spinning, it polls the socket for SPIN_S after each message before it blocks."""
     conn = Connection(sock_fd)
     region = torch.frombuffer(mmap.mmap(mem_fd, size), dtype=torch.int32)
     os.close(mem_fd)
-    _, info_json, words, max_rows = conn.recv()
-    state = Matchers(info_json, words, max_rows, region)
+    _, info_json, words, max_rows, p, spin = conn.recv()
+    state = Matchers(info_json, words, max_rows, region, p)
     while True:
+        if spin:
+            until = time.perf_counter() + SPIN_S
+            while not select.select([sock_fd], [], [], 0)[0] and time.perf_counter() < until:
+                pass
         try:
             msg = conn.recv()
         except (EOFError, OSError):
@@ -267,6 +288,7 @@ def main(sock_fd: int, mem_fd: int, size: int) -> None:
             out = ("error", message(e) or type(e).__name__)
         if seq is not None:
             conn.send((seq, *out))
+            region[LINE * p + 1] = seq & 0x7FFFFFFF
 
 
 if __name__ == "__main__":
