@@ -74,6 +74,9 @@ class Grammars:
             return None
         if req.min_tokens:
             return "'min_tokens' with 'response_format': the grammar decides where the output ends"
+        if req.grammar in self.compiled:  # checked and compiled already
+            self.compiled.move_to_end(req.grammar)
+            return None
         why = schema_error(req.grammar)
         if why:
             return why
@@ -91,9 +94,6 @@ class Grammars:
             self.printable = pack(printable + self.stop_ids, vocab)
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self.procs = MaskProcesses(info.serialize_json(), (vocab + 31) // 32, self.max_rows, self.count)
-        if req.grammar in self.compiled:
-            self.compiled.move_to_end(req.grammar)
-            return None
         kind, text = req.grammar
         try:
             compiled = compile_schema(self.compiler, text)
