@@ -350,52 +350,73 @@ def test_engine_run_ahead_with_grammar_rows_matches_step_by_step(tokenizer, tmp_
 
 def test_the_matchers_process_ends_with_its_owner_and_its_end_is_an_error_not_a_hang(tokenizer, monkeypatch):
     """The matchers' process of a Grammars ends once the Grammars is dropped (an engine per test must not leave one
-    behind); a process that died, or stopped answering, makes the next call raise, naming it."""
+    behind); a process that died, or stopped answering, makes the next call raise, naming it, for work on its socket
+    and on the board alike; a board job that fails raises its error, and the process goes on."""
     import gc
     import os
     import signal
     from tp_lora.engine import mask_process
     r = req(0, ("json_schema", json.dumps(SCHEMA)))
-    g = Grammars(tokenizer, {EOS})
+    g = Grammars(tokenizer, {EOS}, processes=1)
     assert g.check(r, VOCAB) is None and g.fill([r], pin=False)[0] == [0]
     proc = g.procs.procs[0].proc
     del g
     gc.collect()
     assert proc.wait(timeout=10) == 0
-    g = Grammars(tokenizer, {EOS})
+    g = Grammars(tokenizer, {EOS}, processes=1)
     assert g.check(r, VOCAB) is None
     g.procs.procs[0].proc.kill()
     g.procs.procs[0].proc.wait()
     with pytest.raises(RuntimeError, match="grammar process ended"):
         g.fill([r], pin=False)
-    g = Grammars(tokenizer, {EOS})
+    g = Grammars(tokenizer, {EOS}, processes=2)  # polling the board
     assert g.check(r, VOCAB) is None and g.fill([r], pin=False)[0] == [0]
+    brace = tokenizer.tok.token_to_id("{")
+    no = g.procs.post(0, mask_process.SLOTS + 7, 1, [0], [brace])  # a slot past the region: the job fails
+    with pytest.raises(RuntimeError, match="grammar: "):
+        g.procs.done(no, g.procs.procs, block=True)
+    assert g.fill([r], pin=False)[0] == [0]
     monkeypatch.setattr(mask_process, "REPLY_TIMEOUT_S", 0.5)
-    os.kill(g.procs.procs[0].proc.pid, signal.SIGSTOP)
+    pid = g.procs.procs[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)
     try:
         with pytest.raises(RuntimeError, match="did not answer in 0.5 s"):
             g.fill([r], pin=False)
+        no = g.procs.post(0, 0, 1, [0], [brace])
+        with pytest.raises(RuntimeError, match="did not answer in 0.5 s"):
+            g.procs.done(no, g.procs.procs, block=True)
     finally:
-        os.kill(g.procs.procs[0].proc.pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
+    g.procs.procs[0].proc.kill()
+    g.procs.procs[0].proc.wait()
+    with pytest.raises(RuntimeError, match="grammar process ended"):
+        g.follow([r], [2], torch.tensor([[float(brace)], [0.0]], dtype=torch.float64), None, torch.device("cpu"))
+        g.masks([r], [2], pin=False)
 
 
 def test_a_job_fills_its_rows_and_zeros_for_a_forgotten_request_and_its_tokens_advance_the_others(tokenizer):
-    """A step's job for one process (its rows at their places in the step's slot) sent after one of its requests
-    was forgotten (its matcher gone): that row is zeros, the other rows take their tokens, the rows of other
-    processes are left alone, and this process's flag is raised (the process's code, run here in line)."""
+    """A step's board job read by one of two processes: its rows (the requests it holds, at their places in the
+    step's slot) take their tokens, a request it forgot meanwhile gets zeros, the other process's rows are left alone,
+    and its flag alone is raised (the process's code, run here in line)."""
+    import mmap
     from tp_lora.engine import mask_process
     words = (VOCAB + 31) // 32
-    region = torch.zeros(mask_process.HEADER + (mask_process.SLOTS + 1) * 4 * words, dtype=torch.int32)
-    state = mask_process.Matchers(tokenizer_info(tokenizer.tok, VOCAB, [EOS]).serialize_json(), words, 4, region, 1)
+    shared = mask_process.Shared(mmap.mmap(-1, mask_process.Shared.size(words, 4)), words, 4)
+    state = mask_process.Matchers(tokenizer_info(tokenizer.tok, VOCAB, [EOS]).serialize_json(), shared, 1, 2)
     key = ("json_schema", json.dumps(SCHEMA))
-    ms = [state.matcher(i, key) for i in (0, 1)]
+    ms = [state.matcher(i, key) for i in (1, 3)]
     brace = tokenizer.tok.token_to_id("{")
-    state.slot(1, 4).fill_(5)
-    state.job(7, 1, 4, [3, 0, 2], [0, 5, 1], [brace, brace, brace])
-    bits = state.slot(1, 4)
-    assert int(region[mask_process.LINE]) == 7 and int(region[0]) == 0
-    assert not bits[0].any() and (bits[1] == 5).all() and bits[3].any() and torch.equal(bits[3], bits[2])
+    shared.slot(1, 4).fill_(5)
+    shared.board[7 % mask_process.BOARD, :mask_process.FIELDS] = (7, 9, 1, 4, 4)
+    shared.board[7 % mask_process.BOARD, mask_process.FIELDS:mask_process.FIELDS + 4] = (1, 2, 5, 3)
+    shared.board[7 % mask_process.BOARD, mask_process.FIELDS + 4:mask_process.FIELDS + 8] = (brace,) * 4
+    state.board_job(7)
+    bits = shared.slot(1, 4)
+    assert int(shared.w32[mask_process.LINE]) == 9 and int(shared.w32[0]) == 0
+    assert (bits[1] == 5).all() and not bits[2].any() and bits[0].any() and torch.equal(bits[0], bits[3])
     assert all(m.accept_string('"n"') for m in ms)
+    with pytest.raises(RuntimeError, match="holds job 7, expected 11"):
+        state.board_job(11)
 
 
 @pytest.mark.parametrize("ahead", [False, True])

@@ -2,17 +2,18 @@
 masks the logits of the request's rows, through xgrammar (the optional `structured` extra).
 
 A grammar is compiled once per schema text (an LRU cache) when its request is checked, on every rank alike; that
-check starts the matchers' process (tp_lora.engine.mask_process), which holds each request's matcher from its first
+check starts the matchers' processes (tp_lora.engine.mask_process), which hold each request's matcher from its first
 sample to its end. A step's grammar rows take their tokens and fill their next bitmask there (follow(), then
-hand_on() once the step's tokens reach the host: the host thread sends them on while the device already runs the
-next step's forward, launched ahead); the next sample takes those masks (masks()). On a CUDA device whose driver lets
-a stream wait on host memory (tp_lora.streamwait) the host does not wait for the masks: the masks' copy and the draw
-are queued behind a device-side wait for the job's number, which the process raises once its bitmask is written;
-the host knows a row's end from its token (a stop token ends a grammar). Elsewhere masks() waits for what is left of
-the jobs (StepStats.mask_wait_seconds). Rows the process did not fill ahead (a first token, a resumed sequence) are
-filled in line. The bitmask goes to the device in one copy as filled; the draw's kernel reads it for those rows
-only, within the printable tokens, and takes a dead row's stop tokens (tp_lora.ops.sampling.grammar_allowed).
-Matchers are deterministic, so every TP rank, advanced with the same tokens, applies the same masks.
+hand_on() once the step's tokens reach the host: the host thread posts them on the processes' board while the device
+already runs the next step's forward, launched ahead); the next sample takes those masks (masks()). On a CUDA device
+whose driver lets a stream wait on host memory (tp_lora.streamwait) the host does not wait for the masks: the masks'
+copy and the draw are queued behind device-side waits for the job's number, which each process raises once its
+rows are written; the host knows a row's end from its token (a stop token ends a grammar). Elsewhere masks() waits
+for what is left of the jobs (StepStats.mask_wait_seconds). Rows not filled ahead (a first token, a resumed
+sequence) are filled in line. The bitmask goes to the device in one copy as filled; the draw's kernel reads it for
+those rows only, within the printable tokens, and takes a dead row's stop tokens
+(tp_lora.ops.sampling.grammar_allowed). Matchers are deterministic, so every TP rank, advanced with the same tokens,
+applies the same masks.
 
 JSON is compact (no whitespace outside strings): a random or weak model cannot spend its tokens on whitespace.
 A complete grammar allows only the stop tokens (EOS); a grammar that allows no token the tokenizer can spell
@@ -124,7 +125,7 @@ class Grammars:
             calls.append((proc, proc.next_seq()))
             proc.send(("fill", calls[-1][1], len(sel), part))
         for proc, seq in calls:
-            self._reply(proc, seq)
+            self._lost_lets_go(proc.reply, seq)
         bits = torch.empty(len(sel), self.procs.words, dtype=torch.int32, pin_memory=pin)
         return sel, bits.copy_(self.procs.slot(SLOTS, len(sel)))
 
@@ -192,7 +193,7 @@ class Grammars:
                device: torch.device) -> None:
         """Rows reqs[i] of a launched step on `device` drew their drawn[i]-th token, in host[0, i] once `done` has
         passed (None: there already): a job for the processes, whose matchers take those tokens and fill their next
-        bitmask into a slot, for the next masks(). Sent in order once the host has them (hand_on(), or a join);
+        bitmask into a slot, for the next masks(). Posted in order once the host has them (hand_on(), or a join);
         the host does not wait here."""
         self._reap()
         rows = [(j, r.index, drawn[j]) for j, r in enumerate(reqs) if r.grammar is not None and r.index in self.started]
@@ -206,19 +207,15 @@ class Grammars:
             number = self.number = self.number % 0x7FFFFFFF + 1
         for r in rows:
             self.followed[r[1]] = r[2]
-        parts = []
-        for proc, part in self._by_owner([(k, r[1], r) for k, r in enumerate(rows)]):
-            seq = proc.next_seq()
-            parts.append((proc, seq, ("job", seq, number, slot, len(rows), [k for k, _, _ in part],
-                                      [i for _, i, _ in part]), [r[0] for _, _, r in part]))
-        flags = [self.flags[proc.p] for proc, _, _, _ in parts] if number else []
-        self.pending.append(Ahead({r[1]: r[2] for r in rows}, self.procs.slot(slot, len(rows)), number, flags, parts,
-                                  host, done))
+        owners = sorted({self.procs.owner(r[1]) for r in rows}, key=lambda proc: proc.p)
+        self.pending.append(Ahead({r[1]: r[2] for r in rows}, self.procs.slot(slot, len(rows)), number,
+                                  [self.flags[proc.p] for proc in owners] if number else [], owners, slot,
+                                  [r[0] for r in rows], host, done))
         if done is None:
             self._send(self.pending[-1])
 
     def hand_on(self) -> None:
-        """Send the jobs whose steps' tokens are on the host now, in order, without waiting."""
+        """Post the jobs whose steps' tokens are on the host now, in order, without waiting."""
         for job in self.pending:
             if not job.sent:
                 if job.done is not None and not job.done.query():
@@ -226,15 +223,15 @@ class Grammars:
                 self._send(job)
 
     def _send(self, job: Ahead) -> None:
-        """The job's tokens (waited for) to its processes. If this fails, its slot allows every token and its flags
-        are raised here (the device never waits for a job that was not sent)."""
+        """The job's tokens (waited for) on the processes' board. If this fails, its slot allows every token and its
+        flags are raised here (the device never waits for a job that was not posted)."""
         try:
             if job.done is not None:
                 job.done.synchronize()
             job.tokens_at = time.perf_counter()
             toks = job.host[0].tolist()
-            for proc, _, msg, cols in job.parts:
-                proc.send(msg + ([int(toks[c]) for c in cols],))
+            job.no = self.procs.post(job.number, job.slot, len(job.cols), list(job.numbers),
+                                     [int(toks[c]) for c in job.cols])
             job.sent = True
         except BaseException:
             job.bits.fill_(-1)
@@ -252,12 +249,12 @@ class Grammars:
     def _call(self, proc: MaskProcess, msg: tuple) -> tuple:
         """Send `msg` to `proc` (after every job before it) and wait for its reply."""
         proc.send(msg)
-        return self._reply(proc, msg[1])
+        return self._lost_lets_go(proc.reply, msg[1])
 
-    def _reply(self, proc: MaskProcess, seq: int, block: bool = True) -> Optional[tuple]:
-        """proc's reply to `seq` (MaskProcess.reply); where a process is lost, the device's waits are let go first."""
+    def _lost_lets_go(self, call, *args):
+        """call(*args); where a process is lost, the device's waits are let go first."""
         try:
-            return proc.reply(seq, block)
+            return call(*args)
         except ProcessLost:
             for flag in self.flags or []:
                 flag.raise_to(self.number)
@@ -277,14 +274,11 @@ class Grammars:
             self.pending.pop(0)
 
     def _absorb(self, job: Ahead, block: bool) -> bool:
-        """Take the job's replies (sent first if it was not; waited for if `block`); whether it is joined."""
+        """Whether the job is done (posted first if it was not; waited for if `block`); if so, joined."""
         if not job.sent:
             self._send(job)
-        while job.waiting < len(job.parts):
-            proc, seq, _, _ = job.parts[job.waiting]
-            if self._reply(proc, seq, block) is None:
-                return False
-            job.waiting += 1
+        if not self._lost_lets_go(self.procs.done, job.no, job.owners, block):
+            return False
         job.rows = {}
         for k, (index, got) in enumerate(job.numbers.items()):
             if index in self.started:  # not forgotten (ended or cancelled) meanwhile
@@ -320,9 +314,10 @@ class Grammars:
     def reset(self) -> None:
         """Drop every matcher, the jobs not sent (their flags raised: nothing on the device waits for ever) and the
         processes' replies to the work still under way (they run on over dropped matchers)."""
-        for proc in self.procs.procs if self.procs is not None else []:
-            proc.send(("reset",))
-            proc.drop_replies()
+        if self.procs is not None:
+            for proc in self.procs.procs:
+                proc.send(("reset",))
+            self.procs.drop_replies()
         for job in self.pending:
             if not job.sent:
                 for flag in job.flags:
@@ -341,15 +336,16 @@ class Ahead:
     bits: torch.Tensor  # the rows' next bitmask as the processes fill it (its slot in the shared region)
     number: int  # the flag number each of its processes raises once its rows of bits are written (0: no flags)
     flags: list[HostFlag]  # those processes' flags (none without a number)
-    parts: list[tuple]  # per process: (the process, the message's sequence number, the message less the tokens,
-    # its rows' columns in host)
+    owners: list[MaskProcess]  # the processes holding its rows' matchers
+    slot: int  # bits' slot
+    cols: list[int]  # the rows' columns in host
     host: torch.Tensor  # [2, N] the step's drawn tokens and log-probabilities, once done has passed
     done: Optional[torch.cuda.Event]  # recorded after the step's copy to host (None: there already)
     sent: bool = False
-    waiting: int = 0  # parts whose reply was taken
+    no: int = 0  # its board job number, once posted
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # once joined: request index -> (its token's
     # number, its row in bits)
-    tokens_at: float = 0.0  # perf_counter() when the step's tokens were on the host, once sent
+    tokens_at: float = 0.0  # perf_counter() when the step's tokens were on the host, once posted
 
 
 def pack(ids: list[int], vocab: int) -> torch.Tensor:
