@@ -50,8 +50,8 @@ WRAP = 0x7FFFFFFF  # job and sequence numbers in int32 words: modulo 2^31
 CACHE_SIZE = 256  # compiled grammars kept, by schema text
 REPLY_TIMEOUT_S = 120.0  # the longest the engine waits for a process's answer (a fill of a large batch of costly
 # grammar states takes milliseconds a row)
-SPIN_S = 0.05  # how long a process polls after its last work, where the host has cores to spare
-IDLE_S = 0.001  # how often such a process looks at the board once idle
+SPIN_S = 0.5  # how long a process polls after its last work, where the host has cores to spare (past a long step)
+IDLE_S = 0.01  # how often such a process looks at the board once idle (a new request's fill in line wakes it)
 WAIT_S = 20e-6  # the engine's sleep between looks at the board's done words while it waits for a job
 
 
