@@ -230,8 +230,8 @@ class Grammars:
                 job.done.synchronize()
             job.tokens_at = time.perf_counter()
             toks = job.host[0].tolist()
-            job.no = self.procs.post(job.number, job.slot, len(job.cols), list(job.numbers),
-                                     [int(toks[c]) for c in job.cols])
+            job.no = self._lost_lets_go(self.procs.post, job.number, job.slot, len(job.cols), list(job.numbers),
+                                        [int(toks[c]) for c in job.cols])
             job.sent = True
         except BaseException:
             job.bits.fill_(-1)

@@ -147,10 +147,10 @@ class MaskProcesses:
         of theirs; ProcessLost when one ended or did not finish in REPLY_TIMEOUT_S."""
         w32, deadline = self.shared.w32, None
         while behind := [p for p in procs if not reached(w32[LINE * p.p + DONE], no)]:
-            if not block:
-                return False
             for p in behind:
                 p.alive()
+            if not block:
+                return False
             deadline = deadline or time.monotonic() + REPLY_TIMEOUT_S
             if time.monotonic() > deadline:
                 raise ProcessLost(f"the grammar process did not answer in {REPLY_TIMEOUT_S:g} s")
