@@ -146,10 +146,15 @@ def test_bounded_repetitions_are_written_out_as_rules_and_nothing_else_changes()
                'item ::= (("a"))\nbig ::= ((item{0, 65}))\ndigit ::= (([0-9\\]{0, 1}]))\n')
     got = expand_repetitions(grammar)
     assert got.splitlines()[:4] == [
-        'root ::= (("[" (item__upto_2) "]") | ("x{0, 2}" [{}]{1, 2}) | ((item item) (item item__upto_2) digit{1, -1}))',
+        'root ::= (("[" (item__then0_2)) | ("x{0, 2}" [{}]{1, 2}) | ((item item) (item item__upto_2) digit{1, -1}))',
         'item ::= (("a"))', 'big ::= ((item{0, 65}))', 'digit ::= (([0-9\\]{0, 1}]))']
-    assert got.splitlines()[4:] == ['item__upto_1 ::= ("" | (item))', 'item__upto_2 ::= ("" | (item item__upto_1))']
+    assert got.splitlines()[4:] == [  # "]" after item{0, 2} folded into its chain; item{1, 3} followed by a rule
+        'item__then0_0 ::= ("]")', 'item__then0_1 ::= (("]") | (item item__then0_0))',
+        'item__then0_2 ::= (("]") | (item item__then0_1))',
+        'item__upto_1 ::= ("" | (item))', 'item__upto_2 ::= ("" | (item item__upto_1))']
     assert expand_repetitions("root ::= (a{0, 0} a{3, 1})\n") == 'root ::= ("" a{3, 1})\n'
+    assert expand_repetitions('root ::= (a{1, 1} "x" | a{0, 1} ) "y"\n') == (  # a literal of another sequence stays
+        'root ::= ((a a__then0_0) | (a__upto_1) ) "y"\na__then0_0 ::= ("x")\na__upto_1 ::= ("" | (a))\n')
 
 
 # Bounded strings, arrays, an exact length, an integer range and a free string: the bounds xgrammar writes as rule{lo,
@@ -389,9 +394,10 @@ def test_the_matchers_process_ends_with_its_owner_and_its_end_is_an_error_not_a_
         os.kill(pid, signal.SIGCONT)
     g.procs.procs[0].proc.kill()
     g.procs.procs[0].proc.wait()
-    with pytest.raises(RuntimeError, match="grammar process ended"):
-        g.follow([r], [2], torch.tensor([[float(brace)], [0.0]], dtype=torch.float64), None, torch.device("cpu"))
-        g.masks([r], [2], pin=False)
+    tokens = torch.tensor([[float(brace)], [0.0]], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="grammar process ended"):  # found by the next step's look, not a wait
+        g.follow([r], [2], tokens, None, torch.device("cpu"))
+        g.follow([r], [3], tokens, None, torch.device("cpu"))
 
 
 def test_a_job_fills_its_rows_and_zeros_for_a_forgotten_request_and_its_tokens_advance_the_others(tokenizer):
