@@ -1,7 +1,7 @@
 """Issue #39's serving features on CUDA, graphed and launched ahead, against eager steps read one by one: grammar rows
-(their masks filled on the worker thread while the device runs the next step) draw what they draw step by step, and
-n siblings joining as their prompt ends (their partial block copied on the device) draw what separate requests
-seeded like them draw, in the steps of one sequence."""
+(their masks filled by the matchers' processes while the device runs the next step) draw what they draw step by
+step, and n siblings joining as their prompt ends (their partial block copied on the device) draw what separate
+requests seeded like them draw, in the steps of one sequence."""
 import json
 import os
 import sys
@@ -106,7 +106,7 @@ def test_the_device_draw_equals_the_host_one(sel, dtype):
 
 
 def test_the_draw_launches_no_host_sync(model):
-    """After a request's first token, a step's draw (grammar rows with their worker-filled masks, seeded and unseeded
+    """After a request's first token, a step's draw (grammar rows with their masks filled ahead, seeded and unseeded
     rows at temperature 1 with top-p, logit rules) queues its work without waiting for the device: torch's sync
     debug mode raises on any blocking copy or stream sync in it."""
     engine = _engine(model, True)
