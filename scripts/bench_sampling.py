@@ -75,8 +75,8 @@ def timed(llm, prompts, adapters, **kw) -> dict:
 
 
 class Timeline:
-    """Host time per step by phase (--timeline): the engine's step phases on the host thread and the grammar
-    worker's, wrapped by name (wall seconds, each call's thread). Diagnosis only: the wrappers add microseconds."""
+    """Host time per step by phase (--timeline): the engine's step phases and its grammar calls, wrapped by name
+    (wall seconds; calls on another thread than the main one apart). Diagnosis only: the wrappers add microseconds."""
     PHASES = {"engine.core.EngineCore": ["_launch", "_read", "_schedule"], "engine.runner.ModelRunner": ["execute"],
               "engine.sampler.Sampler": ["sample"],
               "engine.grammar.Grammars": ["masks", "follow", "hand_on", "_send", "fill", "advance"]}

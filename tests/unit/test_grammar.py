@@ -155,6 +155,7 @@ def test_bounded_repetitions_are_written_out_as_rules_and_nothing_else_changes()
     assert expand_repetitions("root ::= (a{0, 0} a{3, 1})\n") == 'root ::= ("" a{3, 1})\n'
     assert expand_repetitions('root ::= (a{1, 1} "x" | a{0, 1} ) "y"\n') == (  # a literal of another sequence stays
         'root ::= ((a a__then0_0) | (a__upto_1) ) "y"\na__then0_0 ::= ("x")\na__upto_1 ::= ("" | (a))\n')
+    assert expand_repetitions('root ::= (a{1, 1} "x"* "z")\n') == 'root ::= ((a) "x"* "z")\n'  # "x" repeats: kept
 
 
 # Bounded strings, arrays, an exact length, an integer range and a free string: the bounds xgrammar writes as rule{lo,

@@ -50,6 +50,8 @@ def expand_repetitions(ebnf: str, most: int = MOST) -> str:
             continue
         found = [m for m in REPEAT.finditer(piece) if bounded(m)]
         then = pieces[i][1] if i < len(pieces) and pieces[i][1].startswith('"') else None
+        if then is not None and i + 1 < len(pieces) and pieces[i + 1][1][:1] in ("*", "+", "?", "{"):
+            then = None  # the literal has an operator of its own
         fold = found and then is not None and not piece[found[-1].end():].strip()
         at = 0
         for m in found:
