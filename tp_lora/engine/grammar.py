@@ -142,7 +142,7 @@ class Grammars:
         job = self.pending[-1] if self.pending else None
         if job is not None and job.number and list(job.numbers) == [reqs[i].index for i in sel] and all(
                 job.numbers[reqs[i].index] == drawn[i] for i in sel):
-            return (sel, job.bits, (job.flags, job.number)), 0.0
+            return (sel, job.bits, (self._flags(job), job.number)), 0.0
         t0 = time.perf_counter()
         job = self._join()
         t1 = time.perf_counter()
@@ -208,8 +208,7 @@ class Grammars:
         for r in rows:
             self.followed[r[1]] = r[2]
         owners = sorted({self.procs.owner(r[1]) for r in rows}, key=lambda proc: proc.p)
-        self.pending.append(Ahead({r[1]: r[2] for r in rows}, self.procs.slot(slot, len(rows)), number,
-                                  [self.flags[proc.p] for proc in owners] if number else [], owners, slot,
+        self.pending.append(Ahead({r[1]: r[2] for r in rows}, self.procs.slot(slot, len(rows)), number, owners, slot,
                                   [r[0] for r in rows], host, done))
         if done is None:
             self._send(self.pending[-1])
@@ -235,9 +234,13 @@ class Grammars:
             job.sent = True
         except BaseException:
             job.bits.fill_(-1)
-            for flag in job.flags:
+            for flag in self._flags(job):
                 flag.raise_to(job.number)
             raise
+
+    def _flags(self, job: Ahead) -> list[HostFlag]:
+        """The flags the device waits on for the job's masks (none without a number)."""
+        return [self.flags[proc.p] for proc in job.owners] if job.number else []
 
     def _by_owner(self, rows: list[tuple]) -> list[tuple[MaskProcess, list[tuple]]]:
         """rows (each with its request index second) grouped by the process holding their matchers, in order."""
@@ -320,7 +323,7 @@ class Grammars:
             self.procs.drop_replies()
         for job in self.pending:
             if not job.sent:
-                for flag in job.flags:
+                for flag in self._flags(job):
                     flag.raise_to(job.number)
         self.started.clear()
         self.took.clear()
@@ -335,7 +338,6 @@ class Ahead:
     numbers: dict[int, int]  # request index -> the number of the token it drew in that step, in bits' row order
     bits: torch.Tensor  # the rows' next bitmask as the processes fill it (its slot in the shared region)
     number: int  # the flag number each of its processes raises once its rows of bits are written (0: no flags)
-    flags: list[HostFlag]  # those processes' flags (none without a number)
     owners: list[MaskProcess]  # the processes holding its rows' matchers
     slot: int  # bits' slot
     cols: list[int]  # the rows' columns in host

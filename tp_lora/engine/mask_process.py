@@ -106,7 +106,6 @@ class MaskProcesses:
         fd = os.memfd_create("tp_lora-masks")
         os.ftruncate(fd, size)
         self.shared = Shared(mmap.mmap(fd, size), words, max_rows)
-        self.region = self.shared.region
         try:
             self.procs = [MaskProcess(self.shared, p, fd, size, info_json, count, self.spin) for p in range(count)]
         finally:
@@ -168,16 +167,17 @@ class MaskProcesses:
     def host_flags(self, device: torch.device) -> Optional[list[HostFlag]]:
         """The region page-locked for CUDA `device` and each process's flag word as a HostFlag, or None where that
         cannot be (the host then waits for the masks)."""
+        region = self.shared.region
         if not self.registered:
             cudart = torch.cuda.cudart()
             with torch.cuda.device(device):
-                code = cudart.cudaHostRegister(self.region.data_ptr(), 4 * self.region.numel(), 3)  # portable, mapped
+                code = cudart.cudaHostRegister(region.data_ptr(), 4 * region.numel(), 3)  # portable, mapped
             if int(code) != 0:
                 cudart.cudaGetLastError()  # not left for torch's next check to find
                 return None
             self.registered = True
-            weakref.finalize(self, _unregister, self.region)
-        flags = [host_flag(device, self.region[LINE * p + FLAG:LINE * p + FLAG + 1]) for p in range(len(self.procs))]
+            weakref.finalize(self, _unregister, region)
+        flags = [host_flag(device, region[LINE * p + FLAG:LINE * p + FLAG + 1]) for p in range(len(self.procs))]
         return None if None in flags else flags
 
 
