@@ -177,7 +177,12 @@ def run_trace(engine: Engine, args, adapters: list[str], shared: bool, seed: int
                 prefix_hit_rate=s.prefix_hit_rate, prompt_tokens=s.prompt_tokens,
                 prefix_hit_tokens=s.prefix_hit_tokens, steps=s.steps,
                 decode_step_ms=1e3 * s.decode_seconds / s.decode_steps if s.decode_steps else None,
-                blocks=blocks)
+                # the other steps (prefill chunks, mixed): graphed, captured in the run, eager; their mean wall ms
+                graph_steps=s.graph_steps, graph_captures=s.graph_captures, eager_steps=s.steps - s.graph_steps,
+                other_step_ms=(1e3 * (s.graph_seconds + s.eager_seconds - s.decode_seconds)
+                               / max(1, s.steps - s.decode_steps)),
+                eager_step_ms=1e3 * s.eager_seconds / max(1, s.steps - s.graph_steps),
+                adapter_loads=s.adapter_loads, ahead_steps=s.ahead_steps, decode_steps=s.decode_steps, blocks=blocks)
 
 
 def engine_for(model: str, adapter_dir: str, caching: bool, args, arrival_order: bool = False) -> Engine:
@@ -257,6 +262,10 @@ def main() -> None:
                       f"{1e3 * later if later is not None else float('nan'):>10.1f} {row['prefix_hit_rate']:>9.1%} "
                       f"{row['decode_step_ms'] or float('nan'):>10.3f} {row['steps']:>6} "
                       f"{steps if steps is not None else float('nan'):>11}", flush=True)
+                print(f"  steps: {row['graph_steps']} graphed ({row['graph_captures']} captured), "
+                      f"{row['eager_steps']} eager ({row['eager_step_ms']:.2f} ms each); not decode: "
+                      f"{row['steps'] - row['decode_steps']} steps, {row['other_step_ms']:.2f} ms each; {row['adapter_loads']} adapter loads, "
+                      f"{row['ahead_steps']} launched ahead", flush=True)
             engine.close()
             del engine
             gc.collect()  # the engine's reference cycles hold its KV cache until collected

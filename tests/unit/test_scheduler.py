@@ -1,5 +1,5 @@
 """The continuous-batching scheduler without a model: admission order, batch / KV-block / token-budget limits,
-chunked prefill, growth across blocks and preemption, adapter slots (never more distinct adapters than slots, loads before use, LRU + lookahead victims),
+chunked prefill, growth across blocks and preemption, adapter slots (never more distinct adapters than slots, loads before use, victims: lookahead, the recent half, popularity),
 bounded overtaking (no starvation), failing adapters, stopping."""
 import random
 
@@ -132,28 +132,55 @@ def test_victim_is_empty_then_lru_not_wanted_soon():
 
 
 def test_victim_keeps_the_adapter_admitted_most_often_lately():
-    """A hot adapter keeps its slot against more recent one-off adapters; once it stops being admitted its count
-    decays (half-life SLOT_HALF_LIFE x slots admissions) and recency decides again."""
-    st = SlotState(2)
-    st.assign(0, "hot")
-    st.assign(1, "once")
-    st.loaded(0)
-    st.loaded(1)
-    for _ in range(5):
-        st.acquire(0)
-        st.release(0)
-    st.acquire(1)
-    st.release(1)  # "once" is the most recently used, "hot" the most often
-    assert st.victim(set()) == 1
-    for _ in range(SLOT_HALF_LIFE * 2 * 6):  # six half-lives of "once" alone: now it is the hot one
+    """Outside the most recently used half of the slots a hot adapter keeps its slot against more recent one-off
+    adapters; once it stops being admitted its count decays (half-life SLOT_HALF_LIFE x slots admissions) and
+    recency decides again."""
+    st = SlotState(4)
+    for slot, name in enumerate(["hot", "x", "y", "once"]):
+        st.assign(slot, name)
+        st.loaded(slot)
+    for slot in [0] * 5 + [1, 2, 3]:  # "hot" the most often; then x, y, once: each once, in that order
+        st.acquire(slot)
+        st.release(slot)
+    assert st.victim(set()) == 1  # y and once are the recent half; x, more recent than hot, is used less
+    for _ in range(SLOT_HALF_LIFE * 4 * 6):  # six half-lives of "x" alone: now it is the hot one
         st.acquire(1)
         st.release(1)
+    for slot in (2, 3):  # the recent half: y and once
+        st.acquire(slot)
+        st.release(slot)
     assert st.victim(set()) == 0
     st.assign(0, "new")  # a slot's new adapter starts from its own count
     st.loaded(0)
     st.acquire(0)
-    st.release(0)
-    assert st.victim(set()) == 0
+    st.release(0)  # the recent half: new and once
+    assert st.victim(set()) == 2
+
+
+def test_victim_spares_the_recent_half_for_conversations_between_turns():
+    """Chat: each conversation has its own adapter and comes back after a pause. Adapters of finished conversations
+    (admitted four times) must not push out those of running conversations (admitted once so far, the most recent):
+    with more slots than twice the conversations running at once, each adapter is copied in exactly once."""
+    st = SlotState(16)
+    held, loads, clock, events = {}, 0, 0.0, []
+    for c in range(40):  # a conversation every 0.5 s, 4 turns of 0.1 s, 0.5 s apart: ~5 running at once
+        at = c * 0.5
+        for turn in range(4):
+            events += [(at, 1, c, turn), (at + 0.1, 0, c, turn)]
+            at += 0.6
+    for _, start, c, turn in sorted(events):
+        if start:
+            slot = st.slot_of(f"c{c}")
+            if slot is None:
+                slot = st.victim(set())
+                st.assign(slot, f"c{c}")
+                st.loaded(slot)
+                loads += 1
+            st.acquire(slot)
+            held[c, turn] = slot
+        else:
+            st.release(held.pop((c, turn)))
+    assert loads == 40
 
 
 def test_popularity_halves_over_its_half_life_and_renormalizes():

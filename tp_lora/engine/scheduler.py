@@ -97,15 +97,19 @@ class SlotState:
         return not self.pinned and any(u == 0 and r for u, r in zip(self.users, self.ready))
 
     def victim(self, avoid: set) -> Optional[int]:
-        """A slot no running sequence uses: empty first, then one not in `avoid` (wanted soon), and among those the
-        adapter admitted least often lately, the least recently used of equals."""
+        """A slot no running sequence uses: empty first, then one not in `avoid` (wanted soon), then one outside the
+        most recently used half of the slots (a conversation's adapter between its turns: admitted once or twice,
+        it would lose to adapters used more often long ago), and among those the adapter admitted least often
+        lately, the least recently used of equals."""
         if self.pinned:
             return None
         free = [i for i in range(len(self.names)) if self.users[i] == 0 and self.ready[i]]
         if not free:
             return None
+        held = [i for i in range(len(self.names)) if self.names[i] is not None]
+        recent = set(sorted(held, key=lambda i: -self.last_used[i])[:len(self.names) // 2])
         pop = self.popularity
-        return min(free, key=lambda i: (self.names[i] is not None, self.names[i] in avoid,
+        return min(free, key=lambda i: (self.names[i] is not None, self.names[i] in avoid, i in recent,
                                         pop[self.names[i]] if self.names[i] is not None else 0.0, self.last_used[i], i))
 
     def assign(self, slot: int, name: str) -> None:
