@@ -7,7 +7,8 @@ import pytest
 
 from tp_lora.engine.kv_pool import BlockPool, plan_blocks
 from tp_lora.engine.requests import Request
-from tp_lora.engine.scheduler import SLOT_HALF_LIFE, Scheduler, SlotState
+from tp_lora.engine.scheduler import Scheduler
+from tp_lora.engine.slot_state import SLOT_HALF_LIFE, SlotState
 from tp_lora.lora.popularity import Popularity
 
 

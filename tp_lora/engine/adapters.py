@@ -11,7 +11,8 @@ import torch
 
 from tp_lora import distributed as comm
 from tp_lora.config import ConfigError
-from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler, SlotState
+from tp_lora.engine.scheduler import LOOKAHEAD, Scheduler
+from tp_lora.engine.slot_state import SlotState
 from tp_lora.lora.adapter import AdapterError
 from tp_lora.lora.cache import AdapterCache, AdapterInfo
 from tp_lora.lora.slots import SlotTable

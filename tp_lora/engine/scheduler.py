@@ -11,8 +11,8 @@ Each step (schedule()):
    its blocks and slot are freed and it goes back to the head of the queue, to recompute its prompt and the tokens
    it generated when readmitted (the same tokens, greedy or seeded: they are kept, not sampled again).
    A request needs its adapter in a slot: if resident it joins that slot; otherwise a slot no running sequence uses is
-   reassigned (empty first, then one whose adapter none of the next waiting requests wants: the adapter admitted
-   least often lately, tp_lora.lora.popularity, the least recently used among equals) and
+   reassigned (SlotState.victim: empty first, then one whose adapter none of the next waiting requests wants, then
+   one outside the most recently used half, the adapter admitted least often lately among those) and
    returned in the plan's `loads`, which the engine copies in before the plan's step runs: the admitted request
    prefills in that same step (a separate prefill step would be one more eagerly run step per load). The engine
    names the adapters it can copy in at once (`loadable`: read into host memory); a request whose adapter is still
@@ -43,10 +43,9 @@ from typing import Callable, Optional
 from tp_lora.engine.cached_first import CachedFirst
 from tp_lora.engine.kv_pool import BlockPool
 from tp_lora.engine.requests import Request, Result
-from tp_lora.lora.popularity import Popularity
+from tp_lora.engine.slot_state import SlotState
 
 LOOKAHEAD = 64  # waiting requests whose adapters a victim choice tries not to evict
-SLOT_HALF_LIFE = 32  # admissions per slot over which an adapter's admission count halves (the slots' eviction order)
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups must not compare token lists
@@ -71,70 +70,6 @@ class Sequence:
     def prefilling(self) -> bool:
         """More than one token to compute (a prompt, or the recompute of a preempted sequence)."""
         return self.computed < len(self.tokens) - 1
-
-
-class SlotState:
-    """Which adapter each device slot holds, how many running sequences use it, whether its copy is done, when it was
-    last used, and how often each adapter was admitted lately (decayed over SLOT_HALF_LIFE x slots admissions).
-    Mirrors the engine's SlotTable; lives across generate() calls so residents are reused."""
-
-    def __init__(self, num_slots: int):
-        self.names: list[Optional[str]] = [None] * num_slots
-        self.users = [0] * num_slots
-        self.ready = [True] * num_slots
-        self.last_used = [0] * num_slots
-        self.popularity = Popularity(SLOT_HALF_LIFE * max(num_slots, 1))
-        self.pinned = False  # every adapter loaded once at start (EP over DP replicas): never reassign
-        self._clock = 0
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def slot_of(self, name: str) -> Optional[int]:
-        return self.names.index(name) if name in self.names else None
-
-    def any_free(self) -> bool:
-        return not self.pinned and any(u == 0 and r for u, r in zip(self.users, self.ready))
-
-    def victim(self, avoid: set) -> Optional[int]:
-        """A slot no running sequence uses: empty first, then one not in `avoid` (wanted soon), then one outside the
-        most recently used half of the slots (a conversation's adapter between its turns: admitted once or twice,
-        it would lose to adapters used more often long ago), and among those the adapter admitted least often
-        lately, the least recently used of equals."""
-        if self.pinned:
-            return None
-        free = [i for i in range(len(self.names)) if self.users[i] == 0 and self.ready[i]]
-        if not free:
-            return None
-        held = [i for i in range(len(self.names)) if self.names[i] is not None]
-        recent = set(sorted(held, key=lambda i: -self.last_used[i])[:len(self.names) // 2])
-        pop = self.popularity
-        return min(free, key=lambda i: (self.names[i] is not None, self.names[i] in avoid, i in recent,
-                                        pop[self.names[i]] if self.names[i] is not None else 0.0, self.last_used[i], i))
-
-    def assign(self, slot: int, name: str) -> None:
-        """slot now holds `name`, once the engine has copied it in (loaded)."""
-        if self.users[slot]:
-            raise RuntimeError(f"slot {slot} holds {self.names[slot]!r} for {self.users[slot]} running sequences")
-        self.names[slot], self.ready[slot] = name, False
-
-    def loaded(self, slot: int) -> None:
-        self.ready[slot] = True
-
-    def clear(self, slot: int) -> None:
-        self.names[slot], self.ready[slot] = None, True
-
-    def acquire(self, slot: int) -> None:
-        self._clock += 1
-        self.users[slot] += 1
-        self.last_used[slot] = self._clock
-        if self.names[slot] is not None:
-            self.popularity.use(self.names[slot])
-
-    def release(self, slot: int) -> None:
-        if self.users[slot] <= 0:
-            raise RuntimeError(f"slot {slot} released more often than acquired")
-        self.users[slot] -= 1
 
 
 @dataclass
