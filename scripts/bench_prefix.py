@@ -264,7 +264,8 @@ def main() -> None:
                       f"{steps if steps is not None else float('nan'):>11}", flush=True)
                 print(f"  steps: {row['graph_steps']} graphed ({row['graph_captures']} captured), "
                       f"{row['eager_steps']} eager ({row['eager_step_ms']:.2f} ms each); not decode: "
-                      f"{row['steps'] - row['decode_steps']} steps, {row['other_step_ms']:.2f} ms each; {row['adapter_loads']} adapter loads, "
+                      f"{row['steps'] - row['decode_steps']} steps, {row['other_step_ms']:.2f} ms each; "
+                      f"{row['adapter_loads']} adapter loads, "
                       f"{row['ahead_steps']} launched ahead", flush=True)
             engine.close()
             del engine

@@ -1,5 +1,6 @@
 """The continuous-batching scheduler without a model: admission order, batch / KV-block / token-budget limits,
-chunked prefill, growth across blocks and preemption, adapter slots (never more distinct adapters than slots, loads before use, victims: lookahead, the recent half, popularity),
+chunked prefill, growth across blocks and preemption, adapter slots (never more distinct adapters than slots, loads
+before use, victims: lookahead, the recent half, popularity),
 bounded overtaking (no starvation), failing adapters, stopping."""
 import random
 
