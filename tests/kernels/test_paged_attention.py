@@ -189,3 +189,60 @@ def test_kernel_fp8_bf16_queries_on_gpu():
     q, k8, v8, table, ctx = (t.cuda() for t in (q.bfloat16(), k8, v8, table, ctx))
     got = paged_decode(q, k8, v8, table, ctx, 128 ** -0.5)
     fp8_close(got, q, k8, v8, table, ctx, 128 ** -0.5)
+
+
+def _rope_inputs(gen, b, heads, kv, d, r, ctx, device):
+    """Projected q [b, heads, d], k / v [b, kv, d] of each sequence's new token (views of one packed row, as the qkv
+    layer's output is split), cos / sin [b, 1, r] at its position ctx - 1, and the slot of that position."""
+    qkv = torch.randn(b, (heads + 2 * kv) * d, generator=gen)
+    q, k, v = (x.view(b, -1, d) for x in qkv.split([heads * d, kv * d, kv * d], -1))
+    inv = 1.0 / 500.0 ** (torch.arange(0, r, 2).float() / r)
+    ang = (ctx.float() - 1)[:, None] * inv[None]
+    cos, sin = (f(torch.cat([ang, ang], -1))[:, None] for f in (torch.cos, torch.sin))
+    return [t.to(device) for t in (q, k, v, cos, sin)]
+
+
+@pytest.mark.parametrize("lens, bs, rep, r, norm, fp8, window, min_part", [
+    ([1, 16, 17, 40], 16, 4, 16, False, False, 0, 128),  # one position, a block, a block + 1; full rotary
+    ([70, 5, 33], 16, 3, 8, True, False, 20, 128),  # partial rotary, per-head norms (with +1), sliding window
+    ([200, 3, 77], 16, 2, 16, False, True, 0, 64),  # fp8 cache with its scales; partitions, the new one last
+])
+def test_kernel_with_rope_writes_the_new_kv_and_matches_reference(device, monkeypatch, lens, bs, rep, r, norm, fp8,
+                                                                  window, min_part):
+    """paged_decode with rope (paged_decode_rope on CUDA): RoPE on q and k in the kernel, the new K / V written at
+    their slots by the partition that reads them back, against rope_write_kv_ref + paged_decode_ref on copies of the
+    same caches: the output, and every cache entry after (the rest untouched, the poisoned block included)."""
+    from tp_lora.ops.paged_attention import paged_decode_rope_ref
+    from tp_lora.ops.triton import paged_attention as pa
+    monkeypatch.setattr(pa, "MIN_PART", min_part)
+    gen = torch.Generator().manual_seed(sum(lens) + r)
+    kv, d = 2, 16
+    make = _fp8_case if fp8 else lambda *a, **kw: _case(*a[:6], torch.float32, *a[6:], **kw)
+    _, kc, vc, table, ctx = make(gen, lens, kv * rep, kv, d, bs, device, width=16)
+    q, k, v, cos, sin = _rope_inputs(gen, len(lens), kv * rep, kv, d, r, ctx.cpu(), device)
+    last = (ctx - 1).long()
+    slots = (table.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs).to(device)
+    qw, kw = (torch.randn(d, generator=gen).to(device) for _ in range(2)) if norm else (None, None)
+    scales = (2.0, 0.5) if fp8 else (1.0, 1.0)
+    args = (slots, qw, kw, 1e-6, norm, scales)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = pa.paged_decode(q, kc, vc, table, ctx, 0.25, window, rope=(k, v, cos, sin) + args)
+    want = paged_decode_rope_ref(q, k, v, cos, sin, kc2, vc2, *args, table, ctx, 0.25, window)
+    new = torch.zeros(kc.shape[0] * bs, dtype=torch.bool, device=device)
+    new[slots] = True
+    new = new.view(kc.shape[:2])
+    for a, b in ((kc, kc2), (vc, vc2)):  # the rest bit for bit; the new entries within float32's last bits (RoPE's
+        # rounding), over fp8 within one e4m3 step (those bits may round a value across a step); the interpreter
+        # halves an fp8 value whose rounding carries into the exponent (test_fused_ops), so on the CPU: within 2x
+        a, b = a.float(), b.float()
+        assert torch.equal(a[~new].nan_to_num(7.0), b[~new].nan_to_num(7.0))
+        if fp8 and device == "cpu":
+            assert ((a[new] - b[new]).abs() <= b[new].abs() / 2 + 2.0 ** -9).all()
+        else:
+            torch.testing.assert_close(a[new], b[new], rtol=0.13 if fp8 else 1e-5, atol=2.0 ** -9 if fp8 else 1e-6)
+    if fp8:
+        from tp_lora.ops.fused import rope_write_kv_ref
+        qr = rope_write_kv_ref(q, k, v, cos, sin, kc2.clone(), vc2.clone(), *args)
+        fp8_close(got, qr, kc, vc, table, ctx, 0.25, window)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

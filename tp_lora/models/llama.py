@@ -18,9 +18,9 @@ from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spec
 from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
-from tp_lora.models.attention import AttnMeta, KVCache, attend
+from tp_lora.models.attention import AttnMeta, KVCache, rope_attend
 from tp_lora.ops.fp8 import FP8_DTYPE
-from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, reduce_add_rms_norm, rope_write_kv
+from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, reduce_add_rms_norm
 from tp_lora.sharding import unit_range
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -200,10 +200,9 @@ class Attention(nn.Module):
         q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
         norm = self.q_norm is not None
         ks, vs = self.kv_scales if cache.k[self.layer_idx].dtype == FP8_DTYPE else (1.0, 1.0)
-        q = rope_write_kv(q, k, v, cos, sin, cache.k[self.layer_idx], cache.v[self.layer_idx], meta.slots,
+        out = rope_attend(q, k, v, cos, sin, cache, self.layer_idx, meta, self.scale * ks, self.window, self.softcap,
                           self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                           self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs))
-        out = attend(q, cache, self.layer_idx, meta, self.scale * ks, self.window, self.softcap)
         out = out if vs == 1.0 else out * vs
         return self.o_proj.partial(out) if partial else self.o_proj(out)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from tp_lora.ops.fused import rope_write_kv, rope_write_kv_ref
+
 
 def paged_varlen_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      context_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, window: int = 0,
@@ -68,6 +70,34 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         from tp_lora.ops.triton.paged_attention import paged_decode as kernel  # noqa: PLC0415 - CUDA only
         return kernel(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
     return paged_decode_ref(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
+
+
+def paged_decode_rope_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool,
+                          kv_scales: tuple[float, float], block_table: torch.Tensor, context_lens: torch.Tensor,
+                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """A decode step's attention from its projected q [B, H, d], k / v [B, KV, d]: rope_write_kv_ref's RoPE and K / V
+    write (slots [B]), then paged_decode_ref."""
+    q = rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset, kv_scales)
+    return paged_decode_ref(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
+
+
+def paged_decode_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool,
+                      kv_scales: tuple[float, float], block_table: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """On CUDA one launch of the decode kernel that also applies RoPE and writes K / V (one launch less per layer);
+    elsewhere, or where the kernel does not take the shapes, rope_write_kv then paged_decode."""
+    r, d = cos.shape[-1], q.shape[-1]
+    if (q.is_cuda and kernel_takes(d) and r <= d and r % 2 == 0
+            and all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, k_cache, v_cache))):
+        from tp_lora.ops.triton.paged_attention import paged_decode as kernel  # noqa: PLC0415 - CUDA only
+        return kernel(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap,
+                      rope=(k, v, cos, sin, slots, q_weight, k_weight, eps, offset, kv_scales))
+    q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset, kv_scales)
+    return paged_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
 
 
 def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -55,7 +55,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, s_
 
 
 @triton.jit
-def _norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexpr, D: tl.constexpr,
+def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexpr, D: tl.constexpr,
                D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, DT: tl.constexpr):
     """Heads [n_rows, D] at src (head stride s_h) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
     on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
@@ -91,12 +91,12 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     cos_row, sin_row = cos_ptr + t * s_cos, sin_ptr + t * s_sin
     i = tl.arange(0, D_PAD)[None, :]
     hq = tl.arange(0, H_PAD)[:, None]
-    q = _norm_rope(q_ptr + t * s_qt, H, s_qh, cos_row, sin_row, qw_ptr, eps, H_PAD, D, D_PAD, R, NORM, OFFSET, dt)
+    q = norm_rope(q_ptr + t * s_qt, H, s_qh, cos_row, sin_row, qw_ptr, eps, H_PAD, D, D_PAD, R, NORM, OFFSET, dt)
     tl.store(q_out_ptr + t * H * D + hq * D + i, q, mask=(hq < H) & (i < D))
     hk = tl.arange(0, KV_PAD)[:, None]
     ok = (hk < KV) & (i < D)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    k = _norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, KV_PAD, D, D_PAD, R, NORM, OFFSET, dt)
+    k = norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, KV_PAD, D, D_PAD, R, NORM, OFFSET, dt)
     v = tl.load(v_ptr + t * s_vt + hk * s_vh + i, mask=ok, other=0.0)
     if SCALED:  # an fp8 cache holds k / k_scale and v / v_scale
         k = k.to(tl.float32) * k_inv

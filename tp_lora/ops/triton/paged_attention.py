@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.triton.fused import norm_rope
 from tp_lora.ops.triton.tickets import tickets
 
 BLOCK_N = 128  # positions per inner iteration over a 16-bit cache
@@ -148,9 +149,12 @@ def store_rows(out_ptr, row, heads, row_ok, acc, l_sum, s_ob, s_oh, D: tl.conste
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr,
                    scale, window, softcap, min_part,
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
+                   kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, qw_ptr, kw_ptr, eps, k_inv, v_inv,
+                   s_knb, s_knh, s_vnb, s_vnh, s_cos, s_sin,
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, PARTS: tl.constexpr, CU_Q: tl.constexpr, F32_DOT: tl.constexpr,
-                   KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr):
+                   KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                   NORM: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     part = tl.program_id(2)
@@ -160,7 +164,27 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
     r = tl.arange(0, REP_PAD)
     d = tl.arange(0, D)
     heads = g * REP + r
-    q = tl.load(q_ptr + row * s_qb + heads[:, None] * s_qh + d[None, :], mask=(r < REP)[:, None], other=0.0)
+    if ROPE:  # q, k, v of the new token as projected: RoPE (after the optional per-head norm) here
+        dt = q_ptr.dtype.element_ty
+        cos_row, sin_row = cos_ptr + row * s_cos, sin_ptr + row * s_sin
+        q = norm_rope(q_ptr + row * s_qb + g * REP * s_qh, REP, s_qh, cos_row, sin_row, qw_ptr, eps, REP_PAD, D, D,
+                      R, NORM, OFFSET, dt)
+        if hi == tl.load(ctx_ptr + b):  # the partition holding the new position writes its K and V first
+            two = tl.arange(0, 2)[:, None]  # norm_rope's rows: the head in row 0, row 1 masked
+            one = two < 1
+            k = norm_rope(kn_ptr + row * s_knb + g * s_knh, 1, s_knh, cos_row, sin_row, kw_ptr, eps, 2, D, D, R, NORM,
+                          OFFSET, dt)
+            v = tl.load(vn_ptr + row * s_vnb + g * s_vnh + two * 0 + d[None, :], mask=one, other=0.0)
+            if SCALED:  # an fp8 cache holds k / k_scale and v / v_scale
+                k = k.to(tl.float32) * k_inv
+                v = v.to(tl.float32) * v_inv
+            slot = tl.load(slots_ptr + row).to(tl.int64)
+            at = (slot // BS) * s_kb + (slot % BS) * s_ks + g * s_kh + two * 0 + d[None, :]
+            tl.store(k_ptr + at, k, mask=one)
+            tl.store(v_ptr + at, v, mask=one)
+            tl.debug_barrier()  # stored before any thread of the program reads the position back
+    else:
+        q = tl.load(q_ptr + row * s_qb + heads[:, None] * s_qh + d[None, :], mask=(r < REP)[:, None], other=0.0)
     q, scale = dot_queries(q, scale, F32_DOT, KV_FP8)
     m, l_sum, acc = softmax_start(REP_PAD, D)
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, r, k_ptr, v_ptr, bt_ptr + b * s_btb, g * s_kh, lo, hi, scale,
@@ -227,9 +251,12 @@ def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int, elem_
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
-                 cu_q: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 cu_q: torch.Tensor | None = None, out: torch.Tensor | None = None, rope: tuple | None = None
+                 ) -> torch.Tensor:
     """paged_decode_ref's attention; with cu_q (paged_varlen's), only the sequences of exactly one query, each
-    reading q row cu_q[s] and writing that row of `out` (its other rows left as they are)."""
+    reading q row cu_q[s] and writing that row of `out` (its other rows left as they are). rope: (k, v, cos, sin,
+    slots, q_weight, k_weight, eps, offset, kv_scales) as rope_write_kv takes them, q as projected: paged_decode_rope's
+    RoPE and K / V write in the same launch (without cu_q)."""
     _, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
     if d & (d - 1) or k_cache.stride(3) != 1 or q.stride(2) != 1:
@@ -249,11 +276,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_acc = part_ml = out
         cnt = context_lens  # (unread with one partition)
     cu = context_lens if cu_q is None else cu_q  # (unread without cu_q)
+    if rope is None:
+        kn = vn = cos = sin = slots = qw = kw = q  # (unread without rope)
+        eps, offset, kv_scales, r, norm = 0.0, False, (1.0, 1.0), 2, False
+    else:
+        kn, vn, cos, sin, slots, qw, kw, eps, offset, kv_scales = rope
+        r, norm = cos.shape[-1], qw is not None
+        qw, kw = (qw, kw) if norm else (q, q)
     _decode_kernel[(seqs, kv, parts)](
         q, k_cache, v_cache, block_table, context_lens, cu, out, part_acc, part_ml, cnt, scale, int(window or 0),
         float(softcap or 0.0), MIN_PART,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
+        kn, vn, cos, sin, slots, qw, kw, float(eps), 1.0 / kv_scales[0], 1.0 / kv_scales[1],
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0), sin.stride(0),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=block, PARTS=parts,
-        CU_Q=cu_q is not None, **dot_flags(q, k_cache, _decode_kernel), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        CU_Q=cu_q is not None, **dot_flags(q, k_cache, _decode_kernel), ROPE=rope is not None, R=r, NORM=norm,
+        OFFSET=bool(offset), SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
