@@ -220,8 +220,10 @@ for what in "${@:-all}"; do
       ;;&
     pending_a|serve39|sampling)
       step "n and structured output (#31, #39): tokens/s, documents parsed / cut / malformed, mask wait per step"
-      run sampling 170 20 python3 scripts/bench_sampling.py --shape llama-2048 --reps 5 --timeline \
-        --out "$RES/sampling" ;;&
+      run sampling 150 20 python3 scripts/bench_sampling.py --shape llama-2048 --reps 5 --out "$RES/sampling"
+      step "  the same, one round with the host's time per step by phase (--timeline: its wrappers cost host time)"
+      run sampling_timeline 80 12 python3 scripts/bench_sampling.py --shape llama-2048 --reps 1 --timeline \
+        --out "$RES/sampling_timeline" ;;&
     serve39)
       step "#39 on CUDA: grammar rows ahead, n siblings' fork, the device mask, no host sync in the draw"
       run pytest_serving_features 100 12 python3 -m pytest -q -rs -s tests/gpu/test_serving_features.py ;;&
