@@ -169,7 +169,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
         cos_row, sin_row = cos_ptr + row * s_cos, sin_ptr + row * s_sin
         q = norm_rope(q_ptr + row * s_qb + g * REP * s_qh, REP, s_qh, cos_row, sin_row, qw_ptr, eps, REP_PAD, D, D,
                       R, NORM, OFFSET, dt)
-        if hi == tl.load(ctx_ptr + b):  # the partition holding the new position writes its K and V first
+        if part == used - 1:  # the last partition used holds the new position: it writes its K and V first
             two = tl.arange(0, 2)[:, None]  # norm_rope's rows: the head in row 0, row 1 masked
             one = two < 1
             k = norm_rope(kn_ptr + row * s_knb + g * s_knh, 1, s_knh, cos_row, sin_row, kw_ptr, eps, 2, D, D, R, NORM,
