@@ -11,10 +11,12 @@ written bytes / time). --sweep times every (BLOCK_N, TARGET_PROGRAMS, num_warps,
 prints the best per case beside the module's defaults.
 Varlen cases (the mixed-step kernel, tp_lora.ops.triton.paged_varlen): a step's rows padded to the runner's graph
 bucket for it (32 sequences) as the runner pads them (graph_inputs.pad_mixed_step): 31 decodes at context 128 + one
-512-token chunk from position 0 at head_dim 64 and 128, and one 2048-token chunk. floor = the larger of FLOPs (4 h d
-per query and key it attends, causal) / --peak-tflops (dense bf16 peak, as bench_moe's) and (K and V of every
-sequence's context once + q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N, CHUNK_ROWS, NUM_WARPS,
-NUM_STAGES) of VARLEN_SWEEP for the VARLEN_SWEPT cases.
+512-token chunk from position 0 at head_dim 64 and 128, one 2048-token chunk, and chat turns over a cached prefix
+(7 decodes at context 1024 + 57 new tokens from position 1024; 15 / 31 decodes + 240 / 96 at 2048). floor = the
+larger of FLOPs (4 h d per query and key it attends, causal) / --peak-tflops (dense bf16 peak, as bench_moe's) and
+(K and V of every sequence's context once + q and out) bytes / copy bandwidth. --sweep times every (BLOCK_N,
+CHUNK_ROWS, NUM_WARPS, NUM_STAGES) of VARLEN_SWEEP for the VARLEN_SWEPT cases, and every case at each partition
+target of VARLEN_PART_SWEEP.
 --libs also times libraries on the same work with each sequence's K/V contiguous (no paging: a bound on what they
 could do over a paged cache, which adds an indirection): torch's scaled_dot_product_attention (its flash /
 cuDNN / efficient backends, GQA) and torch.compile'd flex_attention, for every decode case and the prefill-only
@@ -61,13 +63,17 @@ BS, CALLS = 16, 20
 def copies(kv_bytes: int) -> int:
     """Copies of a case's K and V (kv_bytes for one copy of both) to rotate over (2 on a CPU: no L2 to defeat)."""
     return max(2, -(-ROTATE_BYTES // kv_bytes)) if torch.cuda.is_available() else 2
-VARLEN_CASES = [  # (name, decodes, their context, chunk tokens (from position 0), h, kv, d)
-    ("2048", 31, 128, 512, 32, 8, 64), ("8b", 31, 128, 512, 32, 8, 128),
-    ("2048", 0, 0, 2048, 32, 8, 64), ("8b", 0, 0, 2048, 32, 8, 128),
+VARLEN_CASES = [  # (name, decodes, their context, chunk tokens, the chunk's first position, h, kv, d)
+    ("2048", 31, 128, 512, 0, 32, 8, 64), ("8b", 31, 128, 512, 0, 32, 8, 128),
+    ("2048", 0, 0, 2048, 0, 32, 8, 64), ("8b", 0, 0, 2048, 0, 32, 8, 128),
+    # a chat turn over its cached conversation beside a few decodes (prefix caching's hits)
+    ("2048", 7, 1024, 57, 1024, 32, 8, 64), ("8b", 7, 1024, 57, 1024, 32, 8, 128),
+    ("8b", 15, 2048, 240, 2048, 32, 8, 128), ("8b", 31, 2048, 96, 2048, 32, 8, 128),
 ]
 MAX_SEQS = 32  # the scheduler's batch limit the cases' graph buckets are sized for
 VARLEN_SWEEP = dict(BLOCK_N=(64, 128), CHUNK_ROWS=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3))
 VARLEN_SWEPT = {("2048", 512), ("8b", 512), ("2048", 2048)}  # (name, chunk) of the cases the sweep covers
+VARLEN_PART_SWEEP = dict(TARGET_PROGRAMS=(132, 264, 528, 1056, 2112))  # swept alone on every varlen case
 FP8_SWEEP = dict(BLOCK_N_FP8=(64, 128), NUM_STAGES=(2, 3), TARGET_PROGRAMS=(264, 528))
 TP_SWEEP = dict(MIN_PART=(64, 128, 256), TARGET_PROGRAMS=(264, 528))
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -98,10 +104,10 @@ def case_inputs(b, ctx, h, kv, d, dev, g, kv_dtype=torch.bfloat16, width=0):
     return q, caches, table, lens
 
 
-def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g, kv_dtype=torch.bfloat16):
+def varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g, kv_dtype=torch.bfloat16, chunk_start=0):
     """(q, caches, table, context_lens, cu_q) of the case padded to its graph bucket, (tokens, seqs) of the bucket, and
     (FLOPs, bytes) of its real work."""
-    starts, lens = [ctx - 1] * decodes + [0], [1] * decodes + [chunk]
+    starts, lens = [ctx - 1] * decodes + [chunk_start], [1] * decodes + [chunk]
     tokens, seqs = next(sz for sz in mixed_sizes(4096, MAX_SEQS) if sz[0] >= sum(lens))
     need = [-(-(st + n) // BS) for st, n in zip(starts, lens)]
     perm = torch.randperm(sum(need) + 1, generator=g).tolist()  # + the scratch block
@@ -273,7 +279,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     defaults = {k: getattr(kernel, k) for k in {**SWEEP, **FP8_SWEEP, **TP_SWEEP}}
     rows = []
-    varlen_defaults = {k: getattr(varlen, k) for k in VARLEN_SWEEP}
+    varlen_defaults = {k: getattr(varlen, k) for k in {**VARLEN_SWEEP, **VARLEN_PART_SWEEP}}
 
     def save():  # after every case: a run cut short keeps what it measured
         os.makedirs(args.out, exist_ok=True)
@@ -309,12 +315,14 @@ def main() -> None:
         print("| case | decodes | context | chunk | bucket | µs | flop floor µs | byte floor µs | of floor | "
               "best µs (setting) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, decodes, ctx, chunk, h, kv, d in VARLEN_CASES if args.kind in ("varlen", "all") else []:
-        inputs, (tokens, seqs), (flops, nbytes) = varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g)
+    for name, decodes, ctx, chunk, start, h, kv, d in VARLEN_CASES if args.kind in ("varlen", "all") else []:
+        inputs, (tokens, seqs), (flops, nbytes) = varlen_inputs(decodes, ctx, chunk, h, kv, d, dev, g,
+                                                                chunk_start=start)
         q, caches, table, lens, cu_q = inputs
         flop_floor, byte_floor = flops / (args.peak_tflops * 1e12) * 1e6, nbytes / bw * 1e6
         us = time_case(q, caches, table, lens, d ** -0.5, cu_q)
-        row = dict(case=name, kind="varlen", decodes=decodes, context=ctx, chunk=chunk, tokens=tokens, seqs=seqs,
+        row = dict(case=name, kind="varlen", decodes=decodes, context=ctx, chunk=chunk, chunk_start=start,
+                   tokens=tokens, seqs=seqs,
                    head_dim=d, us=us, flop_floor_us=flop_floor, byte_floor_us=byte_floor,
                    of_floor=max(flop_floor, byte_floor) / us, sweep={})
         if args.libs and decodes == 0:
@@ -324,12 +332,15 @@ def main() -> None:
             row["libs"] = library_us(ql, kc[:n], kc[n:], causal=True)
             print(f"libraries, contiguous K/V: {row['libs']}", flush=True)
             del kc
-        if args.sweep and (name, chunk) in VARLEN_SWEPT:
-            row["sweep"] = sweep_settings(varlen, VARLEN_SWEEP,
+        if args.sweep:
+            row["sweep"] = sweep_settings(varlen, VARLEN_PART_SWEEP,
                                           lambda: time_case(q, caches, table, lens, d ** -0.5, cu_q))
+        if args.sweep and (name, chunk) in VARLEN_SWEPT:
+            row["sweep"].update(sweep_settings(varlen, VARLEN_SWEEP,
+                                               lambda: time_case(q, caches, table, lens, d ** -0.5, cu_q)))
         best = best_setting(row["sweep"])
-        print(f"| {name} d{d} | {decodes} | {ctx} | {chunk} | {tokens}/{seqs} | {us:.1f} | {flop_floor:.1f} | "
-              f"{byte_floor:.1f} | {row['of_floor']:.0%} | {best[1]:.1f} ({best[0]}) |", flush=True)
+        print(f"| {name} d{d} | {decodes} | {ctx} | {chunk} from {start} | {tokens}/{seqs} | {us:.1f} | "
+              f"{flop_floor:.1f} | {byte_floor:.1f} | {row['of_floor']:.0%} | {best[1]:.1f} ({best[0]}) |", flush=True)
         rows.append(row)
         save()
         del caches

@@ -33,9 +33,18 @@ def _case(gen, seqs, heads, kv, d, bs, dtype, device, pad_seqs=0, pad_tokens=0, 
     ([(70, 130)], 8, 3, 0, 0.0, 0, 2),  # rep 3: query blocks of 5 tokens in 16-row tiles; several key tiles
 ])
 @pytest.mark.parametrize("rows", [16, 64])
-def test_kernel_matches_reference(device, monkeypatch, seqs, bs, rep, window, softcap, pad_seqs, pad_tokens, rows):
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_matches_reference(device, monkeypatch, seqs, bs, rep, window, softcap, pad_seqs, pad_tokens, rows,
+                                  split):
+    """split: each query block's keys over as many partitions of 16 positions as the table's width allows (blocks
+    whose early rows see none of a partition's keys, causal partitions beside unmasked ones), merged by the last."""
+    from tp_lora.ops.triton import paged_attention as pa
     from tp_lora.ops.triton import paged_varlen as pv
     monkeypatch.setattr(pv, "tile", lambda rep, t, s, d: (rows // rep, rows))  # both tile shapes on every case
+    if split:
+        monkeypatch.setattr(pa, "MIN_PART", 16)
+        monkeypatch.setattr(pv, "BLOCK_N", 16)
+        monkeypatch.setattr(pv, "TARGET_PROGRAMS", 1 << 20)
     paged_varlen = pv.paged_varlen
     gen = torch.Generator().manual_seed(sum(n + c for n, c in seqs) + bs + rep)
     kv, d = 2, 16

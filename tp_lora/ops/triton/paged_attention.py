@@ -113,12 +113,23 @@ def online_softmax(m, l_sum, acc, q, q_pos, k_ptr, v_ptr, table_ptr, head_off, l
 
 
 @triton.jit
+def partition(lo, hi, part, min_part, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """(lo, hi, used) of partition `part` of positions lo..hi-1 split over at most PARTS partitions of whole BLOCK
+    tiles of >= min_part positions (the last may be shorter): it covers lo..hi-1 of its own; `used` are non-empty."""
+    base = lo - lo % BLOCK
+    span = hi - base
+    part_len = tl.cdiv(tl.maximum(tl.cdiv(span, PARTS), min_part), BLOCK) * BLOCK
+    used = tl.maximum(tl.cdiv(span, part_len), 1)
+    return tl.maximum(lo, base + part * part_len), tl.minimum(hi, base + (part + 1) * part_len), used
+
+
+@triton.jit
 def sequence_split(ctx_ptr, cu_q_ptr, b, part, window, min_part, PARTS: tl.constexpr, BLOCK: tl.constexpr,
                    CU_Q: tl.constexpr):
     """(lo, hi, partitions used, query row, runs) of partition `part` of sequence b: its context from its window's
-    first tile on, split over at most PARTS partitions of >= min_part positions (whole tiles); the partition covers
-    positions lo..hi-1. CU_Q: b's query row is cu_q[b] and only a sequence of exactly one query runs; else row b, and
-    every sequence runs. `runs` is False past the partitions used."""
+    first position on, split by partition(); the partition covers positions lo..hi-1. CU_Q: b's query row is cu_q[b]
+    and only a sequence of exactly one query runs; else row b, and every sequence runs. `runs` is False past the
+    partitions used."""
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     row = b
     runs = part >= 0
@@ -128,13 +139,44 @@ def sequence_split(ctx_ptr, cu_q_ptr, b, part, window, min_part, PARTS: tl.const
     start = 0
     if window > 0:
         start = tl.maximum(ctx - window, 0)
-    base = start - start % BLOCK
-    span = ctx - base
-    part_len = tl.cdiv(tl.maximum(tl.cdiv(span, PARTS), min_part), BLOCK) * BLOCK
-    used = tl.maximum(tl.cdiv(span, part_len), 1)
-    lo = tl.maximum(start, base + part * part_len)
-    hi = tl.minimum(ctx, base + (part + 1) * part_len)
+    lo, hi, used = partition(start, ctx, part, min_part, PARTS, BLOCK)
     return lo, hi, used, row, runs & (part < used)
+
+
+@triton.jit
+def merge_partials(acc, m, l_sum, part, used, prow, ok, cnt_ptr, part_acc_ptr, part_ml_ptr, ROWS: tl.constexpr,
+                   D: tl.constexpr, PARTS: tl.constexpr):
+    """Partition `part` of `used` stores its partial state of rows prow [ROWS] (where ok: partials [rows, PARTS, D]
+    and (max, sum) [rows, PARTS, 2]) and takes a ticket on cnt_ptr -> (whether it came last, and then the merged
+    unnormalized output and sums of all `used` partials; else its own). The last resets the counter."""
+    d = tl.arange(0, D)
+    at = prow * PARTS
+    tl.store(part_acc_ptr + (at + part)[:, None] * D + d[None, :], acc, mask=ok[:, None])
+    tl.store(part_ml_ptr + (at + part) * 2, m, mask=ok)
+    tl.store(part_ml_ptr + (at + part) * 2 + 1, l_sum, mask=ok)
+    tl.debug_barrier()  # every thread's partial stored before the ticket publishes them
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = ticket == used - 1
+    num, den = acc, l_sum
+    if last:  # merge them all, MERGE at a time
+        m_all = m
+        for p0 in range(0, used, MERGE):
+            for j in tl.static_range(MERGE):
+                live = ok & (prow * 0 + p0 + j < used)
+                m_all = tl.maximum(m_all, tl.load(part_ml_ptr + (at + p0 + j) * 2, mask=live, other=float("-inf"),
+                                                  cache_modifier=".cg"))
+        num = tl.zeros([ROWS, D], tl.float32)
+        den = tl.zeros([ROWS], tl.float32)
+        for p0 in range(0, used, MERGE):
+            for j in tl.static_range(MERGE):
+                pr = at + p0 + j
+                live = ok & (prow * 0 + p0 + j < used)
+                w = tl.exp(tl.load(part_ml_ptr + pr * 2, mask=live, other=float("-inf"), cache_modifier=".cg") - m_all)
+                den += w * tl.load(part_ml_ptr + pr * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+                num += w[:, None] * tl.load(part_acc_ptr + pr[:, None] * D + d[None, :], mask=live[:, None],
+                                            other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr, 0)
+    return last, num, den
 
 
 @triton.jit
@@ -195,35 +237,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
     elif used == 1:  # the whole context in this partition: no merge
         store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, D)
     else:
-        # Partials [B, H, PARTS, D] and (max, sum) [B, H, PARTS, 2], the first `used` partitions of each sequence.
         kv = tl.num_programs(1)
-        head_rows = (b * kv * REP + heads) * PARTS
-        ok = r < REP
-        tl.store(part_acc_ptr + (head_rows + part)[:, None] * D + d[None, :], acc, mask=ok[:, None])
-        tl.store(part_ml_ptr + (head_rows + part) * 2, m, mask=ok)
-        tl.store(part_ml_ptr + (head_rows + part) * 2 + 1, l_sum, mask=ok)
-        tl.debug_barrier()  # every thread's partial stored before the ticket publishes them
-        ticket = tl.atomic_add(cnt_ptr + b * kv + g, 1, sem="acq_rel", scope="gpu")
-        if ticket == used - 1:  # the last partition of (sequence, KV head) to finish merges them all, MERGE at a time
-            m_all = m
-            for p0 in range(0, used, MERGE):
-                for j in tl.static_range(MERGE):
-                    live = ok & (r * 0 + p0 + j < used)
-                    m_all = tl.maximum(m_all, tl.load(part_ml_ptr + (head_rows + p0 + j) * 2, mask=live,
-                                                      other=float("-inf"), cache_modifier=".cg"))
-            num = tl.zeros([REP_PAD, D], tl.float32)
-            den = tl.zeros([REP_PAD], tl.float32)
-            for p0 in range(0, used, MERGE):
-                for j in tl.static_range(MERGE):
-                    pr = head_rows + p0 + j
-                    live = ok & (r * 0 + p0 + j < used)
-                    w = tl.exp(tl.load(part_ml_ptr + pr * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-                               - m_all)
-                    den += w * tl.load(part_ml_ptr + pr * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
-                    num += w[:, None] * tl.load(part_acc_ptr + pr[:, None] * D + d[None, :], mask=live[:, None],
-                                                other=0.0, cache_modifier=".cg")
-            store_rows(out_ptr, row, heads, ok, num, den, s_ob, s_oh, D)
-            tl.atomic_xchg(cnt_ptr + b * kv + g, 0)
+        merged, num, den = merge_partials(acc, m, l_sum, part, used, b * kv * REP + heads, r < REP,
+                                          cnt_ptr + b * kv + g, part_acc_ptr, part_ml_ptr, REP_PAD, D, PARTS)
+        if merged:
+            store_rows(out_ptr, row, heads, r < REP, num, den, s_ob, s_oh, D)
 
 
 def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
@@ -241,11 +259,12 @@ def tile_positions(elem_bytes: int) -> int:
     return BLOCK_N_FP8 if elem_bytes == 1 else BLOCK_N
 
 
-def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int, elem_bytes: int = 2) -> int:
+def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int, elem_bytes: int = 2,
+               programs: int | None = None) -> int:
     """Partition count of a grid of batch x kv_heads programs over contexts of at most max_context positions of
     head_dim x elem_bytes bytes each (K or V of one KV head): split only while the grid is short of its target
-    (TARGET_PROGRAMS at >= 256 bytes per position)."""
-    target = TARGET_PROGRAMS * max(1, 256 // (head_dim * elem_bytes))
+    (`programs`, default TARGET_PROGRAMS, at >= 256 bytes per position)."""
+    target = (programs or TARGET_PROGRAMS) * max(1, 256 // (head_dim * elem_bytes))
     return max(1, min(target // max(1, batch * kv_heads), triton.cdiv(max_context, MIN_PART)))
 
 
