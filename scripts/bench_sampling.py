@@ -75,11 +75,13 @@ def timed(llm, prompts, adapters, **kw) -> dict:
 
 
 class Timeline:
-    """Host time per step by phase (--timeline): the engine's step phases and its grammar calls, wrapped by name
-    (wall seconds; calls on another thread than the main one apart). Diagnosis only: the wrappers add microseconds."""
-    PHASES = {"engine.core.EngineCore": ["_launch", "_read", "_schedule"], "engine.runner.ModelRunner": ["execute"],
-              "engine.sampler.Sampler": ["sample"],
-              "engine.grammar.Grammars": ["masks", "follow", "hand_on", "_send", "fill", "advance"]}
+    """Host time per step by phase (--timeline): the engine's step phases, the sampler's pieces and the grammar calls,
+    wrapped by name (wall seconds; calls on another thread than the main one apart). A path names a class (its
+    methods) or a module (the functions as that module calls them). Diagnosis only: the wrappers add microseconds."""
+    PHASES = {"engine.core.EngineCore": ["step", "_launch", "_read", "_schedule"],
+              "engine.runner.ModelRunner": ["execute"], "engine.sampler.Sampler": ["sample", "follow", "finished"],
+              "engine.sampler": ["draw", "to_device", "race"], "distributed": ["wait_event"],
+              "engine.grammar.Grammars": ["masks", "follow", "hand_on", "_send", "fill", "advance", "on_device"]}
 
     def __init__(self):
         import importlib
@@ -87,12 +89,15 @@ class Timeline:
         self.calls: list[tuple[str, bool, float, float]] = []  # (name, on the main thread, start, end)
         main = threading.main_thread()
         for path, names in self.PHASES.items():
-            mod, cls = path.rsplit(".", 1)
-            owner = getattr(importlib.import_module(f"tp_lora.{mod}"), cls)
+            try:
+                owner, label = importlib.import_module(f"tp_lora.{path}"), path.rsplit(".", 1)[-1]
+            except ModuleNotFoundError:
+                mod, label = path.rsplit(".", 1)
+                owner = getattr(importlib.import_module(f"tp_lora.{mod}"), label)
             for name in names:
                 fn = getattr(owner, name)
 
-                def wrapped(*a, _fn=fn, _name=f"{cls}.{name}", **k):
+                def wrapped(*a, _fn=fn, _name=f"{label}.{name}", **k):
                     t0 = time.perf_counter()
                     try:
                         return _fn(*a, **k)
