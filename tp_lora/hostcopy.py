@@ -2,86 +2,22 @@
 views to fill (blocks); fixed-shape tensors staged in one page-locked buffer and sent in one copy (Staging).
 
 A plain .to("cuda") of pageable memory makes the host wait until the stream has drained, so every step's metadata
-copy would serialise host and GPU. to_device packs the tensors into a page-locked ring allocated once per process
-(a page-locked allocation per call costs tens of microseconds of host time, several a step), from which one copy to
-the device is asynchronous; a stretch of the ring is written again once the copy out of it has run.
+copy would serialise host and GPU. to_device packs the tensors, one buffer per dtype, into pinned memory (one
+page-locked allocation per dtype instead of one per tensor), from which a copy to the device is asynchronous.
 """
 from __future__ import annotations
 
-import threading
-from collections import deque
+from typing import Callable
 
 import torch
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """The host tensors on `device`, in order: packed into the page-locked ring, one asynchronous copy (on CPU: the
-    tensors themselves)."""
+    """The host tensors on `device`, in order: one asynchronous copy per dtype (on CPU: the tensors themselves)."""
     device = torch.device(device)
     if device.type != "cuda":
         return [t.to(device) for t in tensors]
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    with ring.lock:
-        src = ring.take(total)
-        for t, o in zip(tensors, offsets):
-            _bytes_view(src, t, o).copy_(t)
-        dst = torch.empty(total, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=True)
-        ring.copied(device)
-    return [_bytes_view(dst, t, o) for t, o in zip(tensors, offsets)]
-
-
-_ALIGN = 16  # bytes: every packed tensor starts aligned for its dtype
-
-
-def _bytes_view(buf: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
-    """The bytes of uint8 `buf` from `offset` as a tensor shaped like `like`."""
-    return buf[offset:offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
-
-
-class PinnedRing:
-    """Page-locked bytes handed out in order, round and round (made at the first take: CUDA only). take() waits for
-    the copies out of the stretch it hands out, which have normally run long before the ring comes round."""
-
-    def __init__(self, size: int = 1 << 22):
-        self.size = size
-        self.lock = threading.Lock()
-        self.buf: torch.Tensor | None = None
-        self.head = 0
-        self.busy: deque = deque()  # (start, end, event after the copy out of it), oldest first
-        self._taken = (0, 0)
-
-    def take(self, n: int) -> torch.Tensor:
-        if n > self.size:  # larger than the ring: a page-locked block of its own
-            self._taken = (0, 0)
-            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        if self.buf is None:
-            self.buf = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
-        if self.head + n > self.size:  # round again: the last lap's tail past here first (the oldest copies)
-            while self.busy and self.busy[0][0] >= self.head:
-                self.busy.popleft()[2].synchronize()
-            self.head = 0
-        start, end = self.head, self.head + n
-        while self.busy and self.busy[0][0] < end and start < self.busy[0][1]:  # reused in the order handed out
-            self.busy.popleft()[2].synchronize()
-        self.head, self._taken = end, (start, end)
-        return self.buf[start:end]
-
-    def copied(self, device: torch.device) -> None:
-        """The copy out of the last take() is queued on `device`'s current stream."""
-        start, end = self._taken
-        if end > start:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            self.busy.append((start, end, event))
-            if len(self.busy) > 256 and self.busy[0][2].query():  # a bounded queue of live events
-                self.busy.popleft()
-
-
-ring = PinnedRing()  # to_device's
+    return _packed(tensors, lambda flat: flat.to(device, non_blocking=True))
 
 
 def blocks(like: list[torch.Tensor], init: dict[torch.dtype, torch.Tensor] | None = None,
@@ -111,6 +47,16 @@ def _views(flat: dict[torch.dtype, torch.Tensor], like: list[torch.Tensor], offs
     return [flat[t.dtype][o:o + t.numel()].view(t.shape) for t, o in zip(like, offsets)]
 
 
+def _packed(tensors: list[torch.Tensor], place: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Each dtype's tensors concatenated into one pinned block, place(block) -> where they go; views of the result."""
+    sizes, offsets = _layout(tensors)
+    placed = {}
+    for dtype, n in sizes.items():
+        block = torch.empty(n, dtype=dtype, pin_memory=True)
+        placed[dtype] = place(torch.cat([t.reshape(-1) for t in tensors if t.dtype == dtype], out=block))
+    return _views(placed, tensors, offsets)
+
+
 class Staging:
     """Tensors shaped like `like` as views of one device byte buffer (e.g. a graph's static inputs, `device`) with a
     page-locked host twin (`host`): a step fills the host views, then send() moves them all in one asynchronous copy.
@@ -128,9 +74,13 @@ class Staging:
         self._cuda = device.type == "cuda"
         self._host = torch.zeros(total, dtype=torch.uint8, pin_memory=self._cuda)
         self._device = torch.zeros(total, dtype=torch.uint8, device=device)
-        self.host = [_bytes_view(self._host, t, o) for t, o in zip(like, offsets)]
-        self.device = [_bytes_view(self._device, t, o) for t, o in zip(like, offsets)]
+        self.host = [self._view(self._host, t, o) for t, o in zip(like, offsets)]
+        self.device = [self._view(self._device, t, o) for t, o in zip(like, offsets)]
         self._sent = torch.cuda.Event() if self._cuda else None
+
+    @staticmethod
+    def _view(buf: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
+        return buf[offset:offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
 
     def fill(self) -> list[torch.Tensor]:
         """The host views, free to be overwritten (the last send's copy has run)."""

@@ -1,5 +1,4 @@
-"""Per-step metadata reaches the device intact, in one asynchronous copy out of a page-locked ring, without a host
-sync; the ring reused only once its copies ran."""
+"""Per-step metadata reaches the device intact, in one asynchronous copy per dtype, without a host sync."""
 import pytest
 import torch
 
@@ -24,21 +23,6 @@ def test_to_device_keeps_values_shapes_and_order_without_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     for h, d in zip(host, dev):
         assert d.is_cuda and d.dtype == h.dtype and d.shape == h.shape
-        assert torch.equal(d.cpu(), h)
-
-
-def test_to_device_reuses_its_ring_only_after_the_copies_out_of_it_ran(monkeypatch):
-    """A 4 KiB ring lapped many times while a long kernel holds the stream back (every copy queued behind it): each
-    tensor arrives as it was on the host when sent, and one larger than the ring too."""
-    from tp_lora import hostcopy
-    monkeypatch.setattr(hostcopy, "ring", hostcopy.PinnedRing(4096))
-    gen = torch.Generator().manual_seed(1)
-    host = [torch.randint(0, 1 << 40, (int(n),), generator=gen) for n in torch.randint(1, 300, (200,), generator=gen)]
-    host.append(torch.randint(0, 100, (1000,), generator=gen))  # 8000 bytes: past the ring
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of the GPU's clock
-    dev = [hostcopy.to_device([h.clone()], "cuda")[0] for h in host]
-    for h, d in zip(host, dev):
         assert torch.equal(d.cpu(), h)
 
 
