@@ -5,6 +5,7 @@ log-probabilities are the model's (before logit rules, grammars and temperature)
 and the same generator states, so every rank picks the same token without a broadcast."""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -36,31 +37,39 @@ def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Se
     log-probability under `raw` (the model's logits before any logit rule; default: logits) unscaled by temperature,
     so one device->host copy reads both, with no host sync on the way (tp_lora.ops.sampling.race, one launch). A
     temperature below GREEDY_BELOW (0 included) is greedy; the others draw by the exponential race, their noise keyed
-    by (seed, steps[i]) where seeds[i] is set (seed_key), else by a key from `generator` (CPU; None: torch's; the keys
-    travel with the rows' parameters). top_p is one for all rows or one per row; grammar: (rows, their bitmasks and
-    the vocabulary's allow rows on logits' device, tp_lora.ops.sampling.grammar_allowed) limits those rows to the
-    tokens their grammars allow."""
+    by (seed, steps[i]) where seeds[i] is set (seed_key), else by a key from `generator` (CPU; None: torch's). Only
+    the keys travel each step; the rows' other parameters are kept on the device (row_params). top_p is one for all
+    rows or one per row; grammar: (rows, their bitmasks and the vocabulary's allow rows on logits' device,
+    tp_lora.ops.sampling.grammar_allowed) limits those rows to the tokens their grammars allow."""
     n = len(temperatures)
     temps = [t if t >= GREEDY_BELOW else 0.0 for t in temperatures]
     tops = [top_p] * n if isinstance(top_p, (int, float)) else list(top_p)
-    keys = torch.randint(0, 1 << 32, (n,), generator=generator).tolist()
-    if seeds is not None:
-        keys = [k if s is None else seed_key(s, step) for k, s, step in zip(keys, seeds, steps)]
+    keys = torch.randint(0, 1 << 32, (n,), generator=generator)
+    if seeds is not None and any(s is not None for s in seeds):
+        keys = torch.tensor([k if s is None else seed_key(s, step) for k, s, step in zip(keys.tolist(), seeds, steps)])
     sel, words, allow = grammar if grammar is not None else ([], None, None)
     where = [-1] * n
     for k, i in enumerate(sel):
         where[i] = k
-    nucleus = [i for i in range(n) if temps[i] > 0 and tops[i] < 1.0]
-    # the rows' parameters in one asynchronous copy (a plain torch.tensor(..., device=cuda) waits for the stream)
-    temps_t, keys_t, where_t, nucleus_t, tops_t = to_device([
-        torch.tensor(temps, dtype=torch.float32), torch.tensor(keys), torch.tensor(where, dtype=torch.int32),
-        torch.tensor(nucleus, dtype=torch.long), torch.tensor([tops[i] for i in nucleus], dtype=torch.float32)],
-        logits.device)
-    if nucleus:
+    # asynchronous copies (a plain torch.tensor(..., device=cuda) waits for the stream)
+    keys_t, = to_device([keys], logits.device)
+    temps_t, where_t, nucleus_t, tops_t = row_params(tuple(temps), tuple(tops), tuple(where), logits.device)
+    if nucleus_t.numel():
         if raw is None:
             raw = logits
         logits = top_p_filter(logits, nucleus_t, temps_t, tops_t, words, where_t, allow)
     return race(logits, raw, temps_t, keys_t, words, where_t if words is not None else None, allow)
+
+
+@functools.lru_cache(maxsize=8)
+def row_params(temps: tuple, tops: tuple, where: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The rows' draw parameters on `device`: temperatures [N] float32, grammar bitmask rows [N] int32, the nucleus
+    rows (hot, top_p < 1) [M] int64 and their top_p [M] float32. Kept for the next steps: a batch's rows keep their
+    parameters from step to step, so a step sends only its noise keys."""
+    nucleus = [i for i in range(len(temps)) if temps[i] > 0 and tops[i] < 1.0]
+    return tuple(to_device([torch.tensor(temps, dtype=torch.float32), torch.tensor(where, dtype=torch.int32),
+                            torch.tensor(nucleus, dtype=torch.long),
+                            torch.tensor([tops[i] for i in nucleus], dtype=torch.float32)], device))
 
 
 def top_p_filter(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, tops: torch.Tensor,
