@@ -19,14 +19,18 @@ def _collectives(ps: comm.ParallelState):
     objects = comm.all_gather_object({"rank": r, "pad": "x" * (100 * r)}, tp)  # pickles of different sizes
     sent = comm.broadcast_object(["from", r], tp, src_rank=1)
     agreed = comm.all_true([True, r == 0, r == 1, False, True], tp)
-    return summed.cpu(), gathered.cpu(), scattered.cpu(), calls, nbytes, objects, sent, agreed
+    host = comm.Group("ep", r, tp.size, tp.ranks, tp.pg, host_pg=torch.distributed.new_group(list(tp.ranks),
+                                                                                             backend="gloo"))
+    counts = [comm.all_gather_counts(n, g, dev, r == 1) for g in (tp, host) for n in (r + 3, 0)]  # device, host
+    return summed.cpu(), gathered.cpu(), scattered.cpu(), calls, nbytes, objects, sent, agreed, counts
 
 
 def test_collectives_on_real_ranks():
     if not enough_devices(2):
         pytest.skip("2 ranks need 2 GPUs")
-    summed, gathered, scattered, calls, nbytes, objects, sent, agreed = run_ranks(_collectives, 2)
+    summed, gathered, scattered, calls, nbytes, objects, sent, agreed, counts = run_ranks(_collectives, 2)
     assert agreed == [True, False, False, False, True]  # what holds on every rank
+    assert counts == [([3, 4], True), ([0, 0], True)] * 2  # token counts and the LoRA flag, on the device or host
     assert objects == [{"rank": 0, "pad": ""}, {"rank": 1, "pad": "x" * 100}]
     assert sent == ["from", 1]
     assert summed.tolist() == [3.0] * 3
@@ -45,7 +49,7 @@ def _layouts_again(ps: comm.ParallelState):
         for tp in (1, 2):
             p = comm.init_parallel(tp, str(ps.device), timeout_s=60)
             comm.init_expert_parallel(p, 2, "dp" if tp == 1 else "tp", timeout_s=60)
-            got.append((p.tp.pg, p.dp.pg, p.ep.pg, p.tp.peer, p.ep.peer))
+            got.append((p.tp.pg, p.dp.pg, p.ep.pg, p.tp.peer, p.ep.peer, p.ep.host_pg))
             assert comm.all_reduce(torch.ones(1, device=ps.device), p.ep).item() == 2.0
         rounds.append(got)
     other = comm.init_parallel(2, str(ps.device), timeout_s=61)  # another timeout: a group of its own
@@ -57,7 +61,7 @@ def test_process_groups_are_made_once_per_ranks_and_timeout():
     if not enough_devices(2):
         pytest.skip("2 ranks need 2 GPUs")
     same, other_timeout_shared, ep_shared_across_layouts = run_ranks(_layouts_again, 2)
-    assert same == [(True,) * 5] * 2, same
+    assert same == [(True,) * 6] * 2, same
     assert not other_timeout_shared
     assert ep_shared_across_layouts  # the same two ranks and timeout: one ep communicator
 

@@ -37,6 +37,7 @@ class Group:
     ranks: tuple[int, ...] = (0,)
     pg: object | None = None
     peer: PeerAllReduce | None = None  # the symmetric-memory all-reduce, where parallel.allreduce chose it
+    host_pg: object | None = None  # gloo over the same ranks for per-step host exchanges (CUDA runs): no device wait
 
 
 STATS = CommStats()
@@ -363,12 +364,13 @@ def _my_group(name: str, groups: list[tuple[int, ...]], rank: int, timeout_s: fl
     return mine
 
 
-def _process_group(kind: str, ranks: tuple[int, ...], timeout_s: float):
-    """The process group of `ranks` for groups of this kind, made on first use (collective over the world: every
-    rank asks for every group, in the same order) and reused after."""
-    key = ("pg", kind, ranks, timeout_s)
+def _process_group(kind: str, ranks: tuple[int, ...], timeout_s: float, backend: str | None = None):
+    """The process group of `ranks` for groups of this kind (on `backend`, default the world's), made on first use
+    (collective over the world: every rank asks for every group, in the same order) and reused after."""
+    key = ("pg", kind, ranks, timeout_s, backend)
     if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+        _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
+                                           backend=backend)
     return _GROUP_CACHE[key]
 
 
@@ -379,9 +381,14 @@ def all_gather_counts(n: int, group: Group, device: torch.device | str = "cpu",
     "counts" so per-layer collective counts stay readable."""
     if group.size == 1:
         return [n], flag
-    t = torch.tensor([n, int(flag)], dtype=torch.int64, device=device)
+    t = torch.tensor([n, int(flag)], dtype=torch.int64, device="cpu" if group.host_pg is not None else device)
     STATS.record("counts", group, t)
-    got = _gathered(t, group)
+    if group.host_pg is not None:  # on the host: a step launched ahead is not waited for
+        parts = [torch.empty_like(t) for _ in range(group.size)]
+        dist.all_gather(parts, t, group=group.host_pg)
+        got = torch.stack(parts)
+    else:
+        got = _gathered(t, group)
     return got[:, 0].tolist(), bool(got[:, 1].any())
 
 
@@ -399,10 +406,12 @@ def init_expert_parallel(ps: ParallelState, ep_size: int = 1, ep_attention: str 
         ps.ep, ps.moe_tp = Group("ep"), ps.tp
     else:
         mine = None
+        host = ep_attention == "dp" and ps.device.type == "cuda"  # lockstep's counts exchanged on the host
         for ranks in ep_groups:  # every rank creates every group, in the same order
             pg = _process_group("ep", ranks, timeout_s)
+            host_pg = _process_group("ep", ranks, timeout_s, "gloo") if host else None
             if ps.rank in ranks:
-                mine = Group("ep", ranks.index(ps.rank), len(ranks), ranks, pg)
+                mine = Group("ep", ranks.index(ps.rank), len(ranks), ranks, pg, host_pg=host_pg)
         ps.ep = mine
         ps.moe_tp = Group("moe_tp") if ep_attention == "tp" else ps.tp
         if ep_attention == "tp":

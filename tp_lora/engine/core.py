@@ -54,8 +54,8 @@ class EngineCore:
         self.stats = StepStats()
         self.sched: Optional[Scheduler] = None  # the open run's
         # On CUDA a step's tokens are read after the next step is launched (where it can be: see step()), so the GPU
-        # does not wait for the host between steps. EP over DP replicas steps in lockstep and reads every step.
-        self.run_ahead = ps.device.type == "cuda" and lockstep is None
+        # does not wait for the host between steps (EP over DP replicas too: lockstep exchanges on the host).
+        self.run_ahead = ps.device.type == "cuda"
         self.inflight: Optional[InFlight] = None
         self._last_read = 0.0
         self._arrival: dict[int, float] = {}
@@ -218,6 +218,7 @@ class EngineCore:
                 plan = self._schedule(set(), admit=not copies, ending=ending)
                 self._admitted(plan.admitted)
                 if plan.work:
+                    self._lockstep(plan.work)
                     self._launch(plan.work)
                     self.stats.ahead_steps += 1
             self._read(prev, out)
@@ -239,8 +240,7 @@ class EngineCore:
                 self.stats.adapter_loads += 1
                 sched.loaded(slot)
         work = [(seq, n) for seq, n in plan.work if seq.request.adapter not in failed]
-        if self.lockstep is not None:
-            self.lockstep(sum(n for _, n in work), any(seq.slot >= 0 for seq, _ in work))
+        self._lockstep(work)
         if work:
             self._launch(work)
         reg.cache.prefetch(reg.wanted(sched))  # disk reads for what the queue asks next run beside the steps
@@ -256,6 +256,12 @@ class EngineCore:
             launched, self.inflight = self.inflight, None
             self._read(launched, out)
         return out
+
+    def _lockstep(self, work: list[tuple[Sequence, int]]) -> None:
+        """EP over DP replicas: announce the forward about to launch (its tokens, any adapter) to the EP peers, as
+        every rank does before each of its forwards (an idle rank's part in theirs: idle())."""
+        if self.lockstep is not None:
+            self.lockstep(sum(n for _, n in work), any(seq.slot >= 0 for seq, _ in work))
 
     def _admitted(self, seqs: list[Sequence]) -> None:
         """Sequences a plan admitted: their arrival and admission times, their prompt tokens counted."""
