@@ -94,6 +94,16 @@ def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights, modes):
     assert all(floor[("fp8", n)] < floor[("none", n)] for n in (0, 2) if ("fp8", n) in floor), floor
 
 
+def test_bench_moe_engine_smoke(tmp_path):
+    """The MoE decode step through the engine, every 2-rank layout, steps run ahead and read one by one."""
+    _run(tmp_path, "bench_moe_engine.py", "--smoke", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"),
+         ranks=2)
+    rows = _report(tmp_path / "out" / "bench_moe_engine.json")["rows"]
+    assert [(r["layout"], r["run_ahead"]) for r in rows] == [
+        (name, ahead) for name in ("tp2", "ep2", "tp2_ep2") for ahead in (True, False, True)]
+    assert all(r["decode_step_ms"] > 0 and r["decode_steps"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
+
+
 def test_tune_fp8_gemm_smoke(tmp_path):
     _run(tmp_path, "tune_fp8_gemm.py", "--smoke", "--out", str(tmp_path / "out"))
     report = _report(tmp_path / "out" / "tune_fp8_gemm.json")
