@@ -79,6 +79,26 @@ def test_fp8_grouped_mm_act8_quantizes_each_rows_k_tile(device, block_k):
         grouped_mm_triton(x, w.float(), ends, None, None, 4, act8=True)
 
 
+@pytest.mark.parametrize("block_k", [None, 128])
+def test_fp8_grouped_mm_reads_the_plans_rows(device, monkeypatch, block_k):
+    """The expert path's gather in the GEMM (rows) over fp8 weights: float32 rows (weight-only) everywhere, and on
+    CUDA bf16 rows quantized in the kernel (act8), against the reference that gathers (and quantizes) first."""
+    monkeypatch.setattr(fused, "KERNELS", True)
+    counts, k, n = [4, 0, 7], 256, 40
+    gen = torch.Generator().manual_seed(k + (block_k or 0))
+    w, scale = fp8_weights(gen, len(counts), n, k, block_k)
+    w, scale = w.to(device), scale.to(device)
+    x = torch.randn(6, k, generator=gen)
+    rows = torch.randint(0, 6, (sum(counts),), generator=gen).to(device)
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
+    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else []):
+        xd = x.to(dtype).to(device)
+        got = grouped_mm(xd, w, ends, scale, block_k, rows=rows)
+        want = grouped_mm_ref(xd, w, ends, scale, block_k, dtype == torch.bfloat16, rows)
+        assert got.shape == (sum(counts), n) and got.dtype == dtype
+        assert rel_err(got, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def rel_err(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 

@@ -32,3 +32,32 @@ def test_grouped_mm_matches_the_per_expert_loop(device, dtype, counts, k, n, imp
     if device == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (9, 0):
         assert torch_grouped_available(x.device, dtype, k, n), "torch's grouped GEMM should run on sm90 in bf16"
     torch.testing.assert_close(got[:used], grouped_mm_ref(x, w, ends)[:used], **tol)
+
+
+
+@pytest.mark.parametrize("impl", ["dispatch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_reads_the_plans_rows(device, dtype, impl):
+    """rows: row i of the GEMM is x[rows[i]] (repeated and unsorted tokens, x a strided view as the EP dispatch
+    unpacks it), against the gathered rows' loop in float32."""
+    counts, k, n = [5, 0, 11, 3], 48, 40
+    g = torch.Generator().manual_seed(31 + k)
+    tokens, used = 9, sum(counts)
+    packed = torch.randn(tokens, k + 5, generator=g).to(dtype).to(device)
+    x = packed[:, :k]  # unit column stride, row stride k + 5
+    rows = torch.randint(0, tokens, (used + 2,), generator=g).to(device)  # 2 pairs past the last expert
+    w = (torch.randn(len(counts), n, k, generator=g) * k ** -0.5).to(dtype).to(device)
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
+    if impl == "triton":
+        from tp_lora.ops.grouped_mm import grouped_mm_triton
+        got = grouped_mm_triton(x, w, ends, rows=rows)
+    else:
+        got = grouped_mm(x, w, ends, rows=rows)
+    assert got.shape == (used + 2, n) and got.dtype == dtype
+    a = x.float()[rows]
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        torch.testing.assert_close(got[start:end].float(), a[start:end] @ w[e].float().t(), **tol)
+        start = end
+    torch.testing.assert_close(got[:used], grouped_mm_ref(x, w, ends, rows=rows)[:used], **tol)

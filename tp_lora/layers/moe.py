@@ -132,9 +132,10 @@ class Experts(nn.Module):
         _copy(dst, take(q, cols, 2), what)
         _copy(getattr(self, scale_name).data[:, row0:row0 + dst.shape[1]], scale, f"{what} scale")
 
-    def up(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-        """xp [C, H] in pair order -> [C, S * I_local] (rows past the plan's last expert undefined)."""
-        return grouped_mm(xp, self.w13, plan.expert_ends, self.w13_scale, self.block_k)
+    def up(self, x: torch.Tensor, plan: MoEPlan, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [C, H] in pair order (rows None), or the dispatched tokens [N, H] read at rows [C] -> [C, S * I_local]
+        (rows past the plan's last expert undefined)."""
+        return grouped_mm(x, self.w13, plan.expert_ends, self.w13_scale, self.block_k, rows=rows)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
         return act_mul(z, "silu") if self.gated else F.silu(z)
@@ -143,8 +144,9 @@ class Experts(nn.Module):
         """h [C, I_local] in pair order -> [C, H] (partial over moe-tp)."""
         return grouped_mm(h, self.w2, plan.expert_ends, self.w2_scale, self.block_k)
 
-    def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-        return self.down(self.act(self.up(xp, plan)), plan)
+    def forward(self, x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+        """x [N, H] the dispatched tokens -> [C, H] in pair order (the plan's gather inside the first GEMM)."""
+        return self.down(self.act(self.up(x, plan, plan.token)), plan)
 
 
 def _copy(dst: torch.Tensor, src: Any, what: str) -> None:

@@ -114,12 +114,13 @@ class LoRAExperts(SlotBuffers, nn.Module):
             copy(b13[s][e], shard_lora_b(spec, s, bs, *size), None if b13_sc is None else b13_sc[s][e])
             scales[s, e] = scale
 
-    def forward(self, xp: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-        """xp [C, H] in pair order -> [C, H] partial over moe-tp, with each pair's adapter. The LoRA ops read the
-        base GEMMs' routing plan (its LoRA block table): no second sort."""
+    def forward(self, x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+        """x [N, H] the dispatched tokens -> [C, H] in pair order, partial over moe-tp, with each pair's adapter. The
+        LoRA ops read the base GEMMs' routing plan (its LoRA block table): no second sort."""
         base, rt, ops = self.base, self.rt, self.rt.ops
         if not plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
-            return base(xp, plan)
+            return base(x, plan)
+        xp = x[plan.token]
         if not self.fully_sharded:  # no collective between shrink and expand: one fused launch after each GEMM
             z = base.up(xp, plan)
             ops.moe_lora_fused(xp, list(self.lora_a13), self.scales[:base.slices], list(self.lora_b13), plan, z,

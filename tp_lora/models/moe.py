@@ -233,7 +233,7 @@ class SparseMoE(nn.Module):
             xg = xs
         plan = build_plan(ids, w, tags, ex.e0, ex.num_local, self.rt.max_loras if self.rt is not None else 0,
                           self._expert_lora(tags))
-        yp = self.experts(xg[plan.token], plan) if plan.num_pairs else xg[:0]
+        yp = self.experts(xg, plan) if plan.num_pairs else xg[:0]
         y = moe_combine(yp, plan.pos, plan.weight)
         if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention
             if shared is not None:

@@ -1,7 +1,9 @@
 """Grouped expert GEMM: one launch for every local expert over the pair-ordered rows of a routing plan.
 
-    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None) -> [C, N],
+    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None, rows=None) -> [C, N],
         rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+    rows [C] int64: the GEMM's row i is x[rows[i]] (the routing plan's tokens: no gathered copy where the kernel
+    runs).
 
 w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block
 (tp_lora.ops.fp8.dequantize's layouts).
@@ -26,9 +28,10 @@ from tp_lora.ops.fused import use_kernels
 
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
-                   block_k: int | None = None, act8: bool = False) -> torch.Tensor:
+                   block_k: int | None = None, act8: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The per-expert loop (reference and fallback); rows past ends[-1] are 0. act8: x first rounded to e4m3 per
-    (row, K tile) as the Triton kernel's act8 does (float32 out)."""
+    (row, K tile) as the Triton kernel's act8 does (float32 out). rows: x[rows] first."""
+    x = x if rows is None else x[rows]
     if act8:
         from tp_lora.ops.triton.grouped_mm import BLOCK_K  # noqa: PLC0415 - the kernel's tile: its scale groups
         group = BLOCK_K if block_k is None else min(BLOCK_K, block_k)
@@ -48,13 +51,15 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
-               block_k: int | None = None) -> torch.Tensor:
+               block_k: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    c = x.shape[0] if rows is None else rows.shape[0]
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
-        return grouped_mm_triton(x, w, ends, scale, block_k, -(-x.shape[0] // max(w.shape[0], 1)),
-                                 act8_takes(x, block_k))
-    if scale is None and use_kernels(x) and x.shape[0] <= SMALL_ROWS * w.shape[0]:
-        return grouped_mm_triton(x, w, ends)
+        return grouped_mm_triton(x, w, ends, scale, block_k, -(-c // max(w.shape[0], 1)), act8_takes(x, block_k),
+                                 rows)
+    if scale is None and use_kernels(x) and c <= SMALL_ROWS * w.shape[0]:
+        return grouped_mm_triton(x, w, ends, rows=rows)
+    x = x if rows is None else x[rows]
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
     if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
@@ -69,10 +74,10 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> to
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                       block_k: int | None = None, rows_per_expert: int = SMALL_ROWS,
-                      act8: bool = False) -> torch.Tensor:
+                      act8: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Our Triton kernel (CUDA, or the interpreter)."""
     from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
-    return kernel(x, w, ends, scale, block_k, rows_per_expert, act8)
+    return kernel(x, w, ends, scale, block_k, rows_per_expert, act8, rows)
 
 
 

@@ -1,8 +1,9 @@
 """Triton grouped expert GEMM for few rows per expert (decode), with the signature of tp_lora.ops.grouped_mm:
 
-    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None) -> [C, N],
+    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None, rows=None) -> [C, N],
         rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
     (ends None: one expert, w [1, N, K], taking every row: a dense GEMM)
+    rows [C] int (the pairs' tokens): row i reads x[rows[i]] (the dispatch's gather in the GEMM's loads).
 
 w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block of
 block_k columns: the fp8 tile is widened to x's dtype in registers (exact) and the scales applied to the float32
@@ -30,11 +31,11 @@ SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
-def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, C, N, K, s_xm, s_we, s_wn, s_om, s_se, s_sn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K, s_xm, s_we, s_wn, s_om, s_se,
+                       s_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
                        CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr,
-                       DOT8: tl.constexpr):
+                       DOT8: tl.constexpr, GATHER: tl.constexpr):
     e = tl.program_id(0)
     if ENDS:
         start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
@@ -50,7 +51,10 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, C, N, K, s_xm, s_
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         m_mask = rows < end
-        x_blk = x_ptr + rows[:, None].to(tl.int64) * s_xm + offs_k[None, :]
+        src = rows
+        if GATHER:
+            src = tl.load(idx_ptr + rows, mask=m_mask, other=0)
+        x_blk = x_ptr + src[:, None].to(tl.int64) * s_xm + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
@@ -72,16 +76,19 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, C, N, K, s_xm, s_
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scale: torch.Tensor | None = None,
-               block_k: int | None = None, rows_per_expert: int = BLOCK_M, act8: bool = False) -> torch.Tensor:
+               block_k: int | None = None, rows_per_expert: int = BLOCK_M, act8: bool = False,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
     """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
     row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks. act8 (fp8 weights): x
-    quantized per (row, K tile of min(BLOCK_K, block_k) columns) in the kernel, the product on fp8 tensor cores."""
-    x = x.contiguous()
+    quantized per (row, K tile of min(BLOCK_K, block_k) columns) in the kernel, the product on fp8 tensor cores.
+    rows: as the module's docstring (x read where it lies when its columns have a unit stride)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError(f"grouped_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
     if block_k is not None and (block_k < 16 or block_k & (block_k - 1)):
         raise ValueError(f"grouped_mm: block_k={block_k}: expected a power of two of at least 16")
-    c, k = x.shape
+    c, k = x.shape[0] if rows is None else rows.shape[0], x.shape[1]
     e, n, _ = w.shape
     if ends is None and e != 1:
         raise ValueError(f"grouped_mm without ends takes one expert (a dense GEMM), got w of {e}")
@@ -102,8 +109,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     block_n = 32 if ends is None else BLOCK_N
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
-        x, w, x if ends is None else ends, out, scale, c, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode, SCALE_K=block_k or 1,
-        ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
-        DOT8=fp8_dot(), num_warps=NUM_WARPS, num_stages=ACT8_STAGES if act8 else NUM_STAGES)
+        x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
+        w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode,
+        SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
+        DOT8=fp8_dot(), GATHER=rows is not None, num_warps=NUM_WARPS, num_stages=ACT8_STAGES if act8 else NUM_STAGES)
     return out
