@@ -100,7 +100,7 @@ def test_bench_moe_engine_smoke(tmp_path):
          ranks=2)
     rows = _report(tmp_path / "out" / "bench_moe_engine.json")["rows"]
     assert [(r["layout"], r["run_ahead"]) for r in rows] == [
-        (name, ahead) for name in ("tp2", "ep2", "tp2_ep2") for ahead in (True, False, True)]
+        (name, ahead) for name in ("tp2", "ep2", "tp2_ep2") for ahead in (True, False)]
     assert all(r["decode_step_ms"] > 0 and r["decode_steps"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
 
 
