@@ -3,11 +3,9 @@ the results of tp_lora.ops.moe_plan's references (sort_pairs_ref, the expert end
 
 - The sort: each pair's place in the stable (key, index) order is the count of pairs before it (an all-pairs
   comparison, cheap for a few thousand pairs); the program that ranked a pair writes its rows of the plan there.
-- Each program also counts, per expert, its kept pairs whose key lies below that expert's end, into a row of its
-  own of a scratch table. Then each program takes a ticket (tp_lora.ops.triton.tickets); the last to finish sums
-  those rows into the expert ends (the searchsorted of the sorted keys, in one load instead of a chain of dependent
-  ones) and, with adapter slots, reads the sorted keys and writes the LoRA block table (group starts by a running
-  max, block rows by a running sum).
+- Then each program takes a ticket (tp_lora.ops.triton.tickets); the last to finish reads the sorted keys and writes
+  the expert ends (a binary search per expert) and, with adapter slots, the LoRA block table (group starts by a
+  running max, block rows by a running sum).
 """
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ from tp_lora.ops.triton.fused import unit_rows
 from tp_lora.ops.triton.tickets import tickets
 
 BLOCK_I, BLOCK_J = 64, 256
-ROWS = 8  # rows of per-program counts the last program sums per load (one load up to 512 pairs)
 
 
 @triton.jit
@@ -39,17 +36,20 @@ def _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT: tl.con
 
 
 @triton.jit
-def _expert_ends(part_ptr, ends_ptr, programs, E, E_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """ends[e] = the sum over the programs' rows [programs, E_PAD] of their kept pairs below expert e + 1's first
-    key: how many sorted keys lie below it (searchsorted, left)."""
+def _expert_ends(skey_ptr, ends_ptr, C, E, PER_EXPERT: tl.constexpr, E_PAD: tl.constexpr, STEPS: tl.constexpr):
+    """ends[e] = how many of the C sorted keys are below expert e + 1's first key (searchsorted, left)."""
     e = tl.arange(0, E_PAD)
-    r = tl.arange(0, ROWS)
-    ends = tl.zeros((E_PAD,), dtype=tl.int32)
-    for r0 in range(0, programs, ROWS):
-        rows = r0 + r
-        ends += tl.sum(tl.load(part_ptr + rows[:, None] * E_PAD + e[None, :], mask=(rows < programs)[:, None],
-                               other=0, cache_modifier=".cg"), 0)
-    tl.store(ends_ptr + e, ends, mask=e < E)
+    bound = (e + 1) * PER_EXPERT
+    lo = tl.zeros((E_PAD,), dtype=tl.int32)
+    hi = lo + C
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(skey_ptr + mid, mask=active, other=0, cache_modifier=".cg")
+        right = active & (v < bound)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (v >= bound), mid, hi)
+    tl.store(ends_ptr + e, lo, mask=e < E)
 
 
 @triton.jit
@@ -86,10 +86,10 @@ def _lora_block_rows(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr
 
 
 @triton.jit
-def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, part_ptr, P, K,
-                 s_ids, s_slot, e0, E, cap, B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                 BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, E_PAD: tl.constexpr, C_PAD: tl.constexpr,
-                 LORA_BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, s_ids, s_slot,
+                 e0, E, cap, B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
+                 BLOCK_J: tl.constexpr, E_PAD: tl.constexpr, STEPS: tl.constexpr, C_PAD: tl.constexpr,
+                 LORA_BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
     key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT, HAS_SLOTS)
@@ -103,12 +103,9 @@ def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, gro
     kept = ok & (rank < cap)
     tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
     tl.store(skey_ptr + rank, key, mask=kept)
-    e = tl.arange(0, E_PAD)
-    below = kept[None, :] & (key[None, :] < ((e + 1) * PER_EXPERT)[:, None])  # [E_PAD, BLOCK_I]
-    tl.store(part_ptr + tl.program_id(0) * E_PAD + e, tl.sum(below.to(tl.int32), 1))
-    tl.debug_barrier()  # every thread's keys and counts stored before the ticket publishes them
+    tl.debug_barrier()  # every thread's keys stored before the ticket publishes them
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        _expert_ends(part_ptr, ends_ptr, tl.num_programs(0), E, E_PAD, ROWS)
+        _expert_ends(skey_ptr, ends_ptr, cap, E, PER_EXPERT, E_PAD, STEPS)
         if HAS_SLOTS:
             _lora_block_rows(skey_ptr, groups_ptr, cap, B, E * PER_EXPERT, PER_EXPERT, C_PAD, LORA_BLOCK)
         tl.atomic_xchg(cnt_ptr, 0)
@@ -131,11 +128,9 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
     groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
     ids = unit_rows(topk_ids)
-    programs, e_pad = triton.cdiv(p, BLOCK_I), triton.next_power_of_2(E)
-    part = torch.empty(programs, e_pad, dtype=torch.int32, device=dev)  # every row written before it is read
-    _plan_kernel[(programs,)](
-        ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1), part, p, k,
-        ids.stride(0), 0 if slots is None else slots.stride(0), expert_start, E, cap, blocks,
-        PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, E_PAD=e_pad,
-        C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK, ROWS=ROWS)
+    _plan_kernel[(triton.cdiv(p, BLOCK_I),)](
+        ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1), p, k, ids.stride(0),
+        0 if slots is None else slots.stride(0), expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1,
+        HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E),
+        STEPS=cap.bit_length() + 1, C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
     return token, pos, skey, ends, groups
