@@ -31,7 +31,8 @@ BLOCK_N_FP8 = 64  # ... over an fp8 cache (its widened V passes through shared m
 TARGET_PROGRAMS = 264
 MIN_PART = 128  # positions per partition at least (fewer: the merge costs more than it gains)
 MERGE = tl.constexpr(4)  # partials the merging program loads at once
-NUM_WARPS, NUM_STAGES = 4, 2  # of the decode kernel
+NUM_WARPS, NUM_STAGES = 8, 2  # of the decode kernel
+NUM_WARPS_FP8 = 4  # ... over an fp8 cache
 
 
 @triton.jit
@@ -158,23 +159,24 @@ def merge_partials(acc, m, l_sum, part, used, prow, ok, cnt_ptr, part_acc_ptr, p
     ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     last = ticket == used - 1
     num, den = acc, l_sum
-    if last:  # merge them all, MERGE at a time
-        m_all = m
-        for p0 in range(0, used, MERGE):
-            for j in tl.static_range(MERGE):
-                live = ok & (prow * 0 + p0 + j < used)
-                m_all = tl.maximum(m_all, tl.load(part_ml_ptr + (at + p0 + j) * 2, mask=live, other=float("-inf"),
-                                                  cache_modifier=".cg"))
+    if last:  # merge them all in partition order, rescaled to the running max: one pass, MERGE loads in flight
+        m_run = tl.full([ROWS], float("-inf"), tl.float32)
         num = tl.zeros([ROWS, D], tl.float32)
         den = tl.zeros([ROWS], tl.float32)
         for p0 in range(0, used, MERGE):
             for j in tl.static_range(MERGE):
                 pr = at + p0 + j
                 live = ok & (prow * 0 + p0 + j < used)
-                w = tl.exp(tl.load(part_ml_ptr + pr * 2, mask=live, other=float("-inf"), cache_modifier=".cg") - m_all)
-                den += w * tl.load(part_ml_ptr + pr * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
-                num += w[:, None] * tl.load(part_acc_ptr + pr[:, None] * D + d[None, :], mask=live[:, None],
-                                            other=0.0, cache_modifier=".cg")
+                m_p = tl.load(part_ml_ptr + pr * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+                l_p = tl.load(part_ml_ptr + pr * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+                a_p = tl.load(part_acc_ptr + pr[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                              cache_modifier=".cg")
+                m_new = tl.maximum(m_run, m_p)
+                base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+                keep, w = tl.exp(m_run - base), tl.exp(m_p - base)
+                den = den * keep + w * l_p
+                num = num * keep[:, None] + w[:, None] * a_p
+                m_run = m_new
         tl.atomic_xchg(cnt_ptr, 0)
     return last, num, den
 
@@ -312,5 +314,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=block, PARTS=parts,
         CU_Q=cu_q is not None, **dot_flags(q, k_cache, _decode_kernel), ROPE=rope is not None, R=r, NORM=norm,
         OFFSET=bool(offset), SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS_FP8 if k_cache.element_size() == 1 else NUM_WARPS, num_stages=NUM_STAGES)
     return out
