@@ -1,8 +1,9 @@
 """Decode GEMMs (1 to 64 rows x a weight [N, K]) on one GPU at the per-rank shapes of a Llama-3-8B (or, --model
-llama3-70b, a Llama-3-70B) decode step at tp 1 / 2 / 4: torch (F.linear over bf16 weights: cuBLAS) against the Triton split-K GEMM
+llama3-70b, a Llama-3-70B; qwen3-30b-a3b, the MoE model's attention and router) decode step at tp 1 / 2 / 4: torch
+(F.linear over bf16 weights: cuBLAS) against the Triton split-K GEMM
 (tp_lora.ops.triton.fp8_gemm.w8a16_mm) over a grid of launch configurations, beside the weight-bytes floor.
 
-    python scripts/bench_decode_gemm.py [--model llama3-8b|llama3-70b] [--tp 1,2,4] [--rows 1,16,32,64]
+    python scripts/bench_decode_gemm.py [--model llama3-8b|llama3-70b|qwen3-30b-a3b] [--tp 1,2,4] [--rows 1,16,32,64]
         [--weights bf16|fp8] [--out DIR]
 
 --weights bf16: w8a16_mm over the same bf16 weights (no scales); floor = N x K x 2 bytes / copy bandwidth.
@@ -34,25 +35,28 @@ from bench_fp8_gemm import L2_BYTES, copy_bandwidth, graph_time  # noqa: E402
 
 from tp_lora.ops.fp8 import quantize_fp8_per_channel  # noqa: E402
 
-# model -> name -> (N, K) of one layer's weight at tp 1; tp t splits N (column layers) or K (row layers) by t
+# model -> name -> (N, K) of one layer's weight at tp 1; tp t splits N (column layers) or K (row layers) by t, neither
+# of a "full" one (replicated)
 MODELS = {"llama3-8b": {"qkv": (6144, 4096, "column"), "o": (4096, 4096, "row"), "gate_up": (28672, 4096, "column"),
                         "down": (4096, 14336, "row"), "lm_head": (128256, 4096, "column")},
           "llama3-70b": {"qkv": (10240, 8192, "column"), "o": (8192, 8192, "row"),
                          "gate_up": (57344, 8192, "column"), "down": (8192, 28672, "row"),
-                         "lm_head": (128256, 8192, "column")}}
+                         "lm_head": (128256, 8192, "column")},
+          # attention and the router of the MoE decode step (the experts run grouped GEMMs: scripts/bench_moe.py)
+          "qwen3-30b-a3b": {"qkv": (5120, 2048, "column"), "o": (2048, 4096, "row"), "router": (128, 2048, "full")}}
 LAYERS = MODELS["llama3-8b"]
 TILES = {"bf16": [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 4), (32, 128, 4, 3),
                   (64, 64, 4, 6)],
          "fp8": [(64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
                  (32, 256, 4, 3), (64, 64, 4, 4)]}
-SPLITS = (1, 2, 4, 8, 16)
+SPLITS = (1, 2, 4, 8, 16, 32)
 PROGRAMS = (64, 1100)  # grid sizes a configuration is timed at (132 SMs)
 
 
 def shapes(tps, layers: dict = LAYERS):
     for tp in tps:
         for name, (n, k, kind) in layers.items():
-            yield tp, name, (n // tp, k) if kind == "column" else (n, k // tp)
+            yield tp, name, (n // tp, k) if kind == "column" else (n, k // tp) if kind == "row" else (n, k)
 
 
 def grid(weights: str):

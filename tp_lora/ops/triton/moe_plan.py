@@ -17,7 +17,8 @@ from tp_lora.ops.moe_layout import LORA_BLOCK, num_lora_blocks
 from tp_lora.ops.triton.fused import unit_rows
 from tp_lora.ops.triton.tickets import tickets
 
-BLOCK_I, BLOCK_J = 64, 256
+BLOCK_I, BLOCK_J = 4, 256  # pairs a program ranks (many small programs: ranking is the work), compared at once
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -132,5 +133,6 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
         ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1), p, k, ids.stride(0),
         0 if slots is None else slots.stride(0), expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1,
         HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E),
-        STEPS=cap.bit_length() + 1, C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK)
+        STEPS=cap.bit_length() + 1, C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK,
+        num_warps=NUM_WARPS)
     return token, pos, skey, ends, groups
