@@ -1,14 +1,15 @@
 """The grouped expert GEMM (the dispatcher: our Triton kernel for few rows per expert on CUDA, torch's grouped GEMM
 where this torch runs it, else the loop; and the Triton kernel itself) against the per-expert loop, on the device
 under test: empty experts, every row to one expert, no routed rows, rows past the last expert (the plan's capacity),
-and a Qwen3-MoE expert's shape."""
+and a Qwen3-MoE expert's shape; under expert parallelism the dispatcher counts the rows per expert over the model's
+experts."""
 import pytest
 import torch
 
 from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref, torch_grouped_available
 
 
-@pytest.mark.parametrize("impl", ["dispatch", "triton"])
+@pytest.mark.parametrize("impl", ["dispatch", "triton", "triton_rows_32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts,k,n", [([3, 0, 9, 4], 32, 24), ([0, 0, 16, 0], 32, 24), ([0, 0, 0, 0], 32, 24),
                                         ([5, 5, 5, 5], 40, 16), ([70, 0, 190, 3, 0, 250], 2048, 768)])
@@ -18,9 +19,9 @@ def test_grouped_mm_matches_the_per_expert_loop(device, dtype, counts, k, n, imp
     x = torch.randn(used + 3, k, generator=g).to(dtype).to(device)  # 3 rows past the last expert
     w = (torch.randn(len(counts), n, k, generator=g) * k ** -0.5).to(dtype).to(device)
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
-    if impl == "triton":
+    if impl.startswith("triton"):  # row blocks of 16, or of 32 (experts past them walk several)
         from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel
-        got = kernel(x, w, ends)
+        got = kernel(x, w, ends, rows_per_expert=32 if impl == "triton_rows_32" else 16)
     else:
         got = grouped_mm(x, w, ends)
     assert got.shape == (used + 3, n) and got.dtype == dtype
@@ -61,3 +62,24 @@ def test_grouped_mm_reads_the_plans_rows(device, dtype, impl):
         torch.testing.assert_close(got[start:end].float(), a[start:end] @ w[e].float().t(), **tol)
         start = end
     torch.testing.assert_close(got[:used], grouped_mm_ref(x, w, ends, rows=rows)[:used], **tol)
+
+
+@pytest.mark.parametrize("experts,kernel", [(None, False), (4, False), (16, True)])
+def test_expert_parallel_capacity_counts_rows_over_the_models_experts(monkeypatch, experts, kernel):
+    """C = 128 rows for 4 local experts is 32 a local expert, but a rank holding 4 of the model's 16 gets about 8 of
+    them each: the Triton kernel (kernels forced) runs where C / the model's experts is within SMALL_ROWS, and the
+    result is the loop's either way."""
+    from tp_lora.ops import fused, grouped_mm as dispatch
+    monkeypatch.setattr(fused, "KERNELS", True)
+    ran = []
+    kernel_fn = dispatch.grouped_mm_triton
+    monkeypatch.setattr(dispatch, "grouped_mm_triton", lambda *a, **kw: ran.append(kw) or kernel_fn(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(128, 32, generator=g), torch.randn(4, 24, 32, generator=g) * 32 ** -0.5
+    ends = torch.tensor([7, 15, 24, 30], dtype=torch.int32)  # a rank's share of the capacity, the rest unused
+    assert 128 > dispatch.SMALL_ROWS * 4 and 128 <= dispatch.SMALL_ROWS * 16
+    got = grouped_mm(x, w, ends, experts=experts)
+    assert bool(ran) == kernel
+    if kernel:  # its row block takes twice the mean of 8 rows an expert
+        assert ran[0]["rows_per_expert"] == 16
+    torch.testing.assert_close(got[:30], grouped_mm_ref(x, w, ends)[:30], rtol=1e-4, atol=1e-4)

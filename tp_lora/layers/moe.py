@@ -135,14 +135,14 @@ class Experts(nn.Module):
     def up(self, x: torch.Tensor, plan: MoEPlan, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [C, H] in pair order (rows None), or the dispatched tokens [N, H] read at rows [C] -> [C, S * I_local]
         (rows past the plan's last expert undefined)."""
-        return grouped_mm(x, self.w13, plan.expert_ends, self.w13_scale, self.block_k, rows=rows)
+        return grouped_mm(x, self.w13, plan.expert_ends, self.w13_scale, self.block_k, rows, self.num_experts)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
         return act_mul(z, "silu") if self.gated else F.silu(z)
 
     def down(self, h: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """h [C, I_local] in pair order -> [C, H] (partial over moe-tp)."""
-        return grouped_mm(h, self.w2, plan.expert_ends, self.w2_scale, self.block_k)
+        return grouped_mm(h, self.w2, plan.expert_ends, self.w2_scale, self.block_k, experts=self.num_experts)
 
     def forward(self, x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """x [N, H] the dispatched tokens -> [C, H] in pair order (the plan's gather inside the first GEMM)."""

@@ -8,7 +8,8 @@
 w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block
 (tp_lora.ops.fp8.dequantize's layouts).
 
-Rows past ends[-1] are left undefined (the plan never reads them). On CUDA with few rows per expert (decode), and
+Rows past ends[-1] are left undefined (the plan never reads them). On CUDA with few rows per expert (decode: C over
+the experts the routing spreads them over, the model's under expert parallelism, where C is a capacity), and
 for fp8 weights at any row count (a dequantised copy of every expert would cost more memory than the experts), our
 Triton kernel (tp_lora/ops/triton/grouped_mm.py: one pass over the routed experts' weights; with fp8 weights,
 16-bit activations are quantized per (row, 128 columns) in it and multiplied on the fp8 tensor cores); otherwise torch's
@@ -51,14 +52,19 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
-               block_k: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+               block_k: int | None = None, rows: torch.Tensor | None = None,
+               experts: int | None = None) -> torch.Tensor:
+    """experts: how many experts the routing spreads the C rows over (the model's, of which w holds E; default E).
+    Under expert parallelism C is a capacity: about C / experts rows reach each local expert."""
     c = x.shape[0] if rows is None else rows.shape[0]
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
         return grouped_mm_triton(x, w, ends, scale, block_k, -(-c // max(w.shape[0], 1)), act8_takes(x, block_k),
                                  rows)
-    if scale is None and use_kernels(x) and c <= SMALL_ROWS * w.shape[0]:
-        return grouped_mm_triton(x, w, ends, rows=rows)
+    spread = max(experts or 0, w.shape[0])
+    if scale is None and use_kernels(x) and c <= SMALL_ROWS * spread:
+        # a row block of twice the mean: a routing's busier experts still read their weights once
+        return grouped_mm_triton(x, w, ends, rows_per_expert=2 * -(-c // spread), rows=rows)
     x = x if rows is None else x[rows]
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
