@@ -55,7 +55,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
                block_k: int | None = None, rows: torch.Tensor | None = None,
                experts: int | None = None) -> torch.Tensor:
     """experts: how many experts the routing spreads the C rows over (the model's, of which w holds E; default E).
-    Under expert parallelism C is a capacity: about C / experts rows reach each local expert."""
+    Under expert parallelism C is a capacity: about C / experts rows reach each local expert, which picks the 16-bit
+    path and its row block (fp8 weights always take the Triton kernel, its row block from C / E)."""
     c = x.shape[0] if rows is None else rows.shape[0]
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
