@@ -429,7 +429,10 @@ def expert_layout(tp: Group) -> ParallelState | None:
 
 
 def shutdown() -> None:
-    """Free the peer buffers (their mappings need the process group), then the process group."""
+    """Free the peer buffers (their mappings need the process group), then the process groups, and drop this
+    module's references to them: a gloo group alive at interpreter exit aborts the process when its worker thread
+    releases a finished collective's tensors (that needs the GIL, which an exiting interpreter no longer grants)."""
+    _EXPERT_LAYOUT.clear()
     if dist.is_initialized():
         if _PEERS and torch.cuda.is_available():
             torch.cuda.synchronize()
