@@ -131,12 +131,12 @@ class LoRAExperts(SlotBuffers, nn.Module):
                                b_scales=None if self.b2_scales is None else [self.b2_scales])
             return y
         u, z = rt.beside(lambda: ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan),
-                         lambda: base.up(xp, plan), xp.device, xp.shape[0] // base.num_local)
+                         lambda: base.up(xp, plan), xp.device, xp.shape[0] // base.num_experts)
         u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together
         ops.moe_lora_expand(u, list(self.lora_b13), plan, z, b_scales=self.b13_scales)
         h = base.act(z)
         u, y = rt.beside(lambda: ops.moe_lora_shrink(h, [self.lora_a2], self.scales[base.slices:], plan),
-                         lambda: base.down(h, plan), h.device, h.shape[0] // base.num_local)
+                         lambda: base.down(h, plan), h.device, h.shape[0] // base.num_experts)
         u = comm.all_reduce(u, self.tp)
         ops.moe_lora_expand(u, [self.lora_b2], plan, y, offset=self.out_offset,
                             b_scales=None if self.b2_scales is None else [self.b2_scales])
