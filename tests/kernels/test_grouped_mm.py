@@ -65,7 +65,7 @@ def test_grouped_mm_reads_the_plans_rows(device, dtype, impl):
 
 
 @pytest.mark.parametrize("experts,kernel", [(None, False), (4, False), (16, True)])
-def test_expert_parallel_capacity_counts_rows_over_the_models_experts(monkeypatch, experts, kernel):
+def test_expert_parallel_capacity_counts_rows_over_the_models_experts(monkeypatch, device, experts, kernel):
     """C = 128 rows for 4 local experts is 32 a local expert, but a rank holding 4 of the model's 16 gets about 8 of
     them each: the Triton kernel (kernels forced) runs where C / the model's experts is within SMALL_ROWS, and the
     result is the loop's either way."""
@@ -75,8 +75,8 @@ def test_expert_parallel_capacity_counts_rows_over_the_models_experts(monkeypatc
     kernel_fn = dispatch.grouped_mm_triton
     monkeypatch.setattr(dispatch, "grouped_mm_triton", lambda *a, **kw: ran.append(kw) or kernel_fn(*a, **kw))
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(128, 32, generator=g), torch.randn(4, 24, 32, generator=g) * 32 ** -0.5
-    ends = torch.tensor([7, 15, 24, 30], dtype=torch.int32)  # a rank's share of the capacity, the rest unused
+    x, w = torch.randn(128, 32, generator=g).to(device), (torch.randn(4, 24, 32, generator=g) * 32 ** -0.5).to(device)
+    ends = torch.tensor([7, 15, 24, 30], dtype=torch.int32, device=device)  # a rank's share of the capacity
     assert 128 > dispatch.SMALL_ROWS * 4 and 128 <= dispatch.SMALL_ROWS * 16
     got = grouped_mm(x, w, ends, experts=experts)
     assert bool(ran) == kernel

@@ -26,6 +26,7 @@ from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
 ACT8_STAGES = 3  # the pipeline's depth with act8 (scripts/tune_fp8_gemm.py --experts)
+F32_STAGES = 3  # float32 tiles: 4 stages of 32+ rows exceed an sm90 program's 227 KB of shared memory
 MAX_BLOCK_M = 64  # one row block of up to this many rows (a dense GEMM's decode batch reads its weights once)
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
@@ -108,9 +109,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     # a dense GEMM in narrow column tiles: enough programs to stream its weights over every SM
     block_n = 32 if ends is None else BLOCK_N
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
+    stages = ACT8_STAGES if act8 else F32_STAGES if max(x.element_size(), w.element_size()) == 4 else NUM_STAGES
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
         x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode,
         SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
-        DOT8=fp8_dot(), GATHER=rows is not None, num_warps=NUM_WARPS, num_stages=ACT8_STAGES if act8 else NUM_STAGES)
+        DOT8=fp8_dot(), GATHER=rows is not None, num_warps=NUM_WARPS, num_stages=stages)
     return out
