@@ -220,10 +220,13 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False) -> dict:
     tile, 4 warps, 3 stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least
     1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
     with scripts/bench_decode_gemm.py --weights fp8. act8 (ACT8, rows up to 32): 128 x 128 tiles, 8 warps, 4
-    stages, the programs within 256; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows)."""
+    stages, the programs within 256; wide layers (out >= 3 x in: gate_up at tp1 / tp2) 256 x 128 tiles, 5 stages, the
+    programs within 128; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows) and an H200 sweep at tp1 / tp2 shapes."""
     if act8:
-        return dict(W8A16_DEFAULT, BLOCK_N=128, num_warps=8, num_stages=4, ACT8=True, SWAP=True,
-                    SPLIT_K=_splits(triton.cdiv(n, 128), k, 256))
+        wide = n >= 3 * k
+        block_n = 256 if wide else 128
+        return dict(W8A16_DEFAULT, BLOCK_N=block_n, num_warps=8, num_stages=5 if wide else 4, ACT8=True, SWAP=True,
+                    SPLIT_K=_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
     return dict(W8A16_DEFAULT, SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 512 if m <= 32 else 256),
                 SWAP=m > 16)
 
