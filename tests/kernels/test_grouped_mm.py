@@ -83,3 +83,26 @@ def test_expert_parallel_capacity_counts_rows_over_the_models_experts(monkeypatc
     if kernel:  # its row block takes twice the mean of 8 rows an expert
         assert ran[0]["rows_per_expert"] == 16
     torch.testing.assert_close(got[:30], grouped_mm_ref(x, w, ends)[:30], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("experts,block", [(None, 64), (16, 16)])
+def test_fp8_experts_take_the_same_row_block(monkeypatch, device, experts, block):
+    """fp8 experts always take the Triton kernel, its row block twice the mean rows an expert as 16-bit ones: 128
+    rows over 4 local experts is 2 x 32 (capped at 64 by the kernel), over 16 of the model's experts 2 x 8."""
+    from tp_lora.ops import fused, grouped_mm as dispatch
+    from tp_lora.ops.fp8 import quantize_fp8_per_channel
+    monkeypatch.setattr(fused, "KERNELS", True)
+    ran = []
+    kernel_fn = dispatch.grouped_mm_triton
+    monkeypatch.setattr(dispatch, "grouped_mm_triton", lambda *a, **kw: ran.append(a) or kernel_fn(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-16, 17, (128, 128), generator=g).float()
+    x[:, 0] = 448.0  # each row's 128-column group quantizes exactly (scale 1; the interpreter rounds fp8 wrongly)
+    x = x.to(torch.bfloat16).to(device)
+    w, scale = quantize_fp8_per_channel(torch.randn(4, 24, 128, generator=g) * 128 ** -0.5)
+    w, scale = w.to(device), scale.to(device)
+    ends = torch.tensor([7, 15, 24, 30], dtype=torch.int32, device=device)
+    got = grouped_mm(x, w, ends, scale, experts=experts)
+    assert min(ran[0][5], 64) == block
+    want = grouped_mm_ref(x, w, ends, scale, act8=True)
+    torch.testing.assert_close(got[:30].float(), want[:30].float(), rtol=2e-2, atol=0.5)

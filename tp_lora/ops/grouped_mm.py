@@ -56,16 +56,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
                experts: int | None = None) -> torch.Tensor:
     """experts: how many experts the routing spreads the C rows over (the model's, of which w holds E; default E).
     Under expert parallelism C is a capacity: about C / experts rows reach each local expert, which picks the 16-bit
-    path and its row block (fp8 weights always take the Triton kernel, its row block from C / E)."""
+    path and the Triton kernel's row block (fp8 weights always take the Triton kernel)."""
     c = x.shape[0] if rows is None else rows.shape[0]
+    spread = max(experts or 0, w.shape[0], 1)
+    block = 2 * -(-c // spread)  # a row block of twice the mean: a routing's busier experts read their weights once
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
-        return grouped_mm_triton(x, w, ends, scale, block_k, -(-c // max(w.shape[0], 1)), act8_takes(x, block_k),
-                                 rows)
-    spread = max(experts or 0, w.shape[0])
+        return grouped_mm_triton(x, w, ends, scale, block_k, block, act8_takes(x, block_k), rows)
     if scale is None and use_kernels(x) and c <= SMALL_ROWS * spread:
-        # a row block of twice the mean: a routing's busier experts still read their weights once
-        return grouped_mm_triton(x, w, ends, rows_per_expert=2 * -(-c // spread), rows=rows)
+        return grouped_mm_triton(x, w, ends, rows_per_expert=block, rows=rows)
     x = x if rows is None else x[rows]
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
