@@ -9,7 +9,7 @@
   block scales narrower than the tile; the split counters back at 0 and a second call equal to the first; 16-bit
   weights without scales), its ACT8 form (each row's K tile quantized to e4m3 in the kernel: against the reference
   that quantizes first, refused for 16-bit weights), W8A8 w8a8_mm with block scales (ragged M, N, K; the
-  activation scales token-major or row-major);
+  activation scales token-major or row-major); the ACT8 launch rule's wide tiles keep an 8B layer's programs;
 - fp8_linear with the kernels on, at decode rows (w8a16_mm, ACT8 for 16-bit rows up to ACT8_ROWS: which form runs
   is checked) and past them (block scales: per-group quantization +
   cuBLAS's block-scaled GEMM on an sm90 GPU when the rows lie in whole blocks, else w8a8_mm; per-channel: W8A8
@@ -195,6 +195,17 @@ def test_w8a16_mm_refuses_more_rows_than_one_block(device):
     w = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)
     with pytest.raises(ValueError, match="up to 64 rows, got 65"):
         fp8_gemm.w8a16_mm(torch.zeros(65, 32, device=device), w, torch.ones(16, device=device), None)
+
+
+@pytest.mark.parametrize("n,k", [(28672, 4096), (14336, 4096), (6144, 4096), (4096, 4096), (4096, 14336),
+                                 (3072, 4096), (4096, 2048), (1536, 4096), (4096, 1024), (7168, 4096), (4096, 3584)])
+def test_act8_decode_config_keeps_enough_programs(n, k):
+    """The ACT8 rule's 256-column tiles (wide layers: Llama-3-8B's gate_up at tp1 / tp2) never leave an 8B layer
+    at tp1 / tp2 / tp4 fewer than 48 programs where 128-column tiles give more (tp4's o, 4096 x 1024, once got 16)."""
+    from tp_lora.ops.triton.fp8_gemm import w8a16_config
+    cfg = w8a16_config(32, n, k, act8=True)
+    programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+    assert programs >= min(48, -(-n // 128)), (cfg, programs)
 
 
 @pytest.mark.parametrize("rows,n,k,block_k", [(70, 72, 320, 64), (20, 48, 300, 128), (9, 40, 256, 32)])

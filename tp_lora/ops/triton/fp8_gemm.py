@@ -220,10 +220,11 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False) -> dict:
     tile, 4 warps, 3 stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least
     1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
     with scripts/bench_decode_gemm.py --weights fp8. act8 (ACT8, rows up to 32): 128 x 128 tiles, 8 warps, 4
-    stages, the programs within 256; wide layers (out >= 3 x in: gate_up at tp1 / tp2) 256 x 128 tiles, 5 stages, the
-    programs within 128; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows) and an H200 sweep at tp1 / tp2 shapes."""
+    stages, the programs within 256; wide layers (out >= 3 x in and >= 12288: gate_up at tp1 / tp2) 256 x 128 tiles,
+    5 stages, the programs within 128; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows) and an H200 sweep at
+    tp1 / tp2 shapes."""
     if act8:
-        wide = n >= 3 * k
+        wide = n >= 3 * k and n >= 12288  # not tp4's o (4096 x 1024): 16 programs of 256 columns
         block_n = 256 if wide else 128
         return dict(W8A16_DEFAULT, BLOCK_N=block_n, num_warps=8, num_stages=5 if wide else 4, ACT8=True, SWAP=True,
                     SPLIT_K=_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
