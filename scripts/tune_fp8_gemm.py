@@ -10,11 +10,12 @@ one GPU, beside bf16 F.linear, torch._scaled_mm (W8A8 per channel) and the FP8 w
     experts   (--experts, alone) the grouped expert GEMM (tp_lora.ops.triton.grouped_mm) with fp8 experts and act8:
               every (BLOCK_N, warps, stages) of EXPERTS over a Qwen3-30B-A3B layer's w13 + w2 at 32 and 128 tokens
 
-    python scripts/tune_fp8_gemm.py [--small-rows 32] [--check-rows 1,16,64] [--prefill-rows 2048] [--out DIR]
+    python scripts/tune_fp8_gemm.py [--small-rows 32] [--check-rows 1,16,64] [--prefill-rows 2048] [--tp N] [--out DIR]
     python scripts/tune_fp8_gemm.py --experts [--out DIR]
     python scripts/tune_fp8_gemm.py --smoke [--out DIR]   (CPU / interpreter: tiny shapes, a few configs, no timing)
 
-Kernels compile in a pool of processes first (Triton's on-disk cache then serves this one). Times: CUDA graph
+--tp N: one rank's shapes under tensor parallelism (qkv and gate_up split on their outputs, o_proj and down on their
+inputs). Kernels compile in a pool of processes first (Triton's on-disk cache then serves this one). Times: CUDA graph
 replays over weight copies spanning more than L2 (scripts/bench_fp8_gemm.graph_time). Prints the tables and writes
 tune_fp8_gemm.json into --out.
 """
@@ -265,6 +266,15 @@ def run_check(result, top, key, n, k, block_k, rows, q, wb, bw):
               f"({cb['bf16_us'] / cs[0]['us']:.2f}x)", flush=True)
 
 
+ROW_PARALLEL = ("o_proj", "down")  # split on their inputs under tensor parallelism; the others on their outputs
+
+
+def rank_shape(name: str, tp: int) -> tuple[int, int]:
+    """(out, in) of one rank's share of layer `name` at tensor parallelism tp."""
+    n, k = SHAPES[name]
+    return (n, k // tp) if name in ROW_PARALLEL else (n // tp, k)
+
+
 def fmt_cfg(c: dict) -> str:
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
     return "/".join(str(c[k]) for k in keys if k in c) + ("/swap" if c.get("SWAP") else "")
@@ -278,6 +288,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=4, help="configs of the small sweep re-timed at --check-rows")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tp", type=int, default=1, help="one rank's shapes at this tensor parallelism")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--experts", action="store_true", help="the grouped expert GEMM's act8 sweep alone")
@@ -301,11 +312,11 @@ def main() -> None:
             winners = {(b, tuple(c.items())) for (_, b), cs in top.items() for c in cs}
             precompile([("w8a16", m, b, dict(c)) for m in check_rows for b, c in winners], args.workers)
         for name in shapes:
-            n, k = SHAPES[name]
+            n, k = rank_shape(name, args.tp)
             copies = max(2, -(-L2_BYTES // (n * k)))
             wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
             for block_k in scales:
-                key = f"{name}/{'channel' if block_k is None else 'block128'}"
+                key = f"{name}{'' if args.tp == 1 else f' tp{args.tp}'}/{'channel' if block_k is None else 'block128'}"
                 q = [quantize_fp8_per_channel(w) if block_k is None else block_scales(w) for w in wb]
                 if phase == "small":
                     run_small(result, top, key, n, k, block_k, args.small_rows, q, wb, bw)
