@@ -221,8 +221,7 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False) -> dict:
     1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
     with scripts/bench_decode_gemm.py --weights fp8. act8 (ACT8, rows up to 32): 128 x 128 tiles, 8 warps, 4
     stages, the programs within 256; wide layers (out >= 3 x in and >= 12288: gate_up at tp1 / tp2) 256 x 128 tiles,
-    5 stages, the programs within 128; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows) and an H200 sweep at
-    tp1 / tp2 shapes."""
+    5 stages, the programs within 128; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows)."""
     if act8:
         wide = n >= 3 * k and n >= 12288  # not tp4's o (4096 x 1024): 16 programs of 256 columns
         block_n = 256 if wide else 128
