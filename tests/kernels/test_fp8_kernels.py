@@ -197,15 +197,23 @@ def test_w8a16_mm_refuses_more_rows_than_one_block(device):
         fp8_gemm.w8a16_mm(torch.zeros(65, 32, device=device), w, torch.ones(16, device=device), None)
 
 
-@pytest.mark.parametrize("n,k", [(28672, 4096), (14336, 4096), (6144, 4096), (4096, 4096), (4096, 14336),
-                                 (3072, 4096), (4096, 2048), (1536, 4096), (4096, 1024), (7168, 4096), (4096, 3584)])
+# Llama-3-8B's layers at tp1 / tp2 / tp4, Qwen3-30B-A3B's attention at tp1 / tp2: (out, in) -> the K shares
+# measured best (tune_fp8_gemm.py's ACT8 rows)
+ACT8_SHARES = {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 8,
+               (3072, 4096): 4, (4096, 2048): 4, (14336, 4096): 2, (4096, 7168): 8,
+               (1536, 4096): 8, (4096, 1024): 2, (7168, 4096): 4, (4096, 3584): 4,
+               (5120, 2048): 2, (2048, 4096): 8, (2560, 2048): 4, (2048, 2048): 4}
+
+
+@pytest.mark.parametrize("n,k", list(ACT8_SHARES))
 def test_act8_decode_config_keeps_enough_programs(n, k):
-    """The ACT8 rule's 256-column tiles (wide layers: Llama-3-8B's gate_up at tp1 / tp2) never leave an 8B layer
-    at tp1 / tp2 / tp4 fewer than 48 programs where 128-column tiles give more (tp4's o, 4096 x 1024, once got 16)."""
+    """The ACT8 rule at the measured layer shapes: the best K shares, and its 256-column tiles (gate_up at tp1 /
+    tp2) never leave fewer than 48 programs where 128-column tiles give more (tp4's o, 4096 x 1024, once got 16)."""
     from tp_lora.ops.triton.fp8_gemm import w8a16_config
     cfg = w8a16_config(32, n, k, act8=True)
     programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
     assert programs >= min(48, -(-n // 128)), (cfg, programs)
+    assert cfg["SPLIT_K"] == ACT8_SHARES[(n, k)], cfg
 
 
 @pytest.mark.parametrize("rows,n,k,block_k", [(70, 72, 320, 64), (20, 48, 300, 128), (9, 40, 256, 32)])

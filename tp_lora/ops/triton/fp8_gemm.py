@@ -220,13 +220,14 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False) -> dict:
     tile, 4 warps, 3 stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least
     1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
     with scripts/bench_decode_gemm.py --weights fp8. act8 (ACT8, rows up to 32): 128 x 128 tiles, 8 warps, 4
-    stages, the programs within 256; wide layers (out >= 3 x in and >= 12288: gate_up at tp1 / tp2) 256 x 128 tiles,
-    5 stages, the programs within 128; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows)."""
+    stages, K shares by _act8_splits within 256 programs; wide layers (out >= 3 x in and >= 12288: gate_up at tp1 /
+    tp2) 256 x 128 tiles, 5 stages, within 128 programs; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows, at
+    tp1 / tp2 / tp4's layer shapes)."""
     if act8:
         wide = n >= 3 * k and n >= 12288  # not tp4's o (4096 x 1024): 16 programs of 256 columns
         block_n = 256 if wide else 128
         return dict(W8A16_DEFAULT, BLOCK_N=block_n, num_warps=8, num_stages=5 if wide else 4, ACT8=True, SWAP=True,
-                    SPLIT_K=_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
+                    SPLIT_K=_act8_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
     return dict(W8A16_DEFAULT, SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 512 if m <= 32 else 256),
                 SWAP=m > 16)
 
@@ -235,5 +236,17 @@ def _splits(blocks: int, k: int, budget: int) -> int:
     """The most K shares (up to 8, each at least 1024 wide) that keep blocks x shares programs within budget."""
     split = 1
     while split < 8 and blocks * split * 2 <= budget and k // (split * 2) >= 1024:
+        split *= 2
+    return split
+
+
+def _act8_splits(blocks: int, k: int, budget: int) -> int:
+    """The fewest K shares (up to 8, blocks x shares within budget) at most 1024 wide, halved once more (to at least
+    512) where 64 programs or fewer would run: a program's ~8 K tiles cover its fixed costs, and short layers (tp4's
+    qkv / o, tp2's o) need the programs to keep the loads in flight."""
+    split = 1
+    while split < 8 and k > split * 1024 and blocks * split * 2 <= budget:
+        split *= 2
+    if split < 8 and blocks * split <= 64 and k // (split * 2) >= 512 and blocks * split * 2 <= budget:
         split *= 2
     return split
