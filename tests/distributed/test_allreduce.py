@@ -3,11 +3,11 @@ refused naming it) on CPU; with TP_LORA_TEST_DEVICE=cuda, the symmetric-memory a
 and 4 GPUs (1 element to 2 MiB, odd sizes, bf16 and fp32, eager and inside CUDA graphs) and greedy decoding at tp2
 through it against NCCL, CUDA graphs on; the all-reduce fused with the residual add + RMSNorm after it and the peer
 all-gather against NCCL + the add_rms_norm kernel / NCCL's all-gather at 2 GPUs (odd sizes, bf16 and fp32, eager and
-in graphs), and on CPU the unfused dispatch of reduce_add_rms_norm; a second set of groups over the same ranks (its
-own peer buffers) reduces as NCCL, used between the first's calls; a peer kernel waiting for a call its peer skipped
-gives up at its group's timeout and the host's error names the peer and the call (polling and flags); the fused
-kernel over rows narrower than its threads never stalls with the ranks skewed; a CUDA run's cuBLAS gets no workspace
-unless the user gave one."""
+in graphs; the reduce-scatter form too, one rank keeping fewer rows than its chunk), and on CPU the unfused dispatch
+of reduce_add_rms_norm; a second set of groups over the same ranks (its own peer buffers) reduces as NCCL, used
+between the first's calls; a peer kernel waiting for a call its peer skipped gives up at its group's timeout and the
+host's error names the peer and the call (polling and flags); the fused kernel over rows narrower than its threads
+never stalls with the ranks skewed; a CUDA run's cuBLAS gets no workspace unless the user gave one."""
 import os
 import subprocess
 import sys
@@ -250,13 +250,20 @@ def _reduce_norm_dispatch(ps: comm.ParallelState):
     comm.STATS.reset()
     got = reduce_add_rms_norm(xs[ps.tp.rank].clone(), res, w, 1e-6, False, None, ps.tp)
     want = add_rms_norm_ref(sum(xs), res, w, 1e-6)
-    return [(g - h).abs().max().item() for g, h in zip(got, want)], comm.STATS.total("all_reduce")
+    diffs = [(g - h).abs().max().item() for g, h in zip(got, want)]
+    # scatter: rows 0-1 are rank 0's chunk, 2 rank 1's (of which it keeps 1 row); sizes as the residual's
+    keep = (1, 2)[ps.tp.rank]
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + r)) for r in range(ps.tp.size)]
+    got = reduce_add_rms_norm(xs[ps.tp.rank].clone(), res[:keep], w, 1e-6, False, None, ps.tp, scatter=True)
+    own = sum(xs)[2 * ps.tp.rank:2 * ps.tp.rank + keep]
+    diffs += [(g - h).abs().max().item() for g, h in zip(got, add_rms_norm_ref(own, res[:keep], w, 1e-6))]
+    return diffs, [g.shape[0] for g in got], comm.STATS.total("all_reduce"), comm.STATS.total("reduce_scatter")
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU dispatch (gloo ranks)")
 def test_reduce_norm_on_gloo_reduces_then_norms():
-    diffs, calls = run_ranks(_reduce_norm_dispatch, 2)
-    assert calls == 1 and max(diffs) < 1e-5
+    diffs, rows, reduces, scatters = run_ranks(_reduce_norm_dispatch, 2)
+    assert reduces == 1 and scatters == 1 and rows == [1, 1] and max(diffs) < 1e-5
 
 
 def _fused_against_nccl(ps: comm.ParallelState):
@@ -300,6 +307,29 @@ def _fused_against_nccl(ps: comm.ParallelState):
                     diffs.append(max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, unfused(y))))
                 del g
                 out[("fused", str(dtype), t, n, case)] = (ps.tp.peer.takes_fused(x), max(diffs))
+        for c, n, fewer in ((4, 100, 0), (32, 2048, 0), (32, 2048, 1), (17, 4096, 1)):
+            keep = c - 3 if ps.tp.rank == fewer else c  # a rank's own rows fewer than its chunk: rank `fewer`'s
+            res, w = rand(keep, n, dtype=dtype), rand(n, dtype=dtype, g=same)
+
+            def fused(x):
+                return reduce_add_rms_norm(x, res, w, 1e-5, False, None, ps.tp, scatter=True)
+
+            def unfused(x):
+                return add_rms_norm(comm.reduce_scatter(x.clone(), nccl)[:keep], res, w, 1e-5, False, None)
+
+            x = rand(2 * c, n, dtype=dtype)
+            diffs = [max((a.float() - b.float()).abs().max().item() for a, b in zip(fused(x), unfused(x)))]
+            static = x.clone()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outs = fused(static)
+            y = rand(2 * c, n, dtype=dtype)
+            static.copy_(y)
+            g.replay()
+            diffs.append(max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, unfused(y))))
+            del g
+            out[("scatter", str(dtype), c, n, fewer)] = (ps.tp.peer.takes_fused(x), max(diffs))
         for shape, dim in (((5,), 0), ((3, 7), -1), ((32, 8), -1), ((9, 33), 0), ((32, 16000), -1)):
             x = rand(*shape, dtype=dtype)
             diffs = [(comm.all_gather(x, ps.tp, dim) != comm.all_gather(x, nccl, dim)).sum().item()]
@@ -322,7 +352,7 @@ def test_fused_reduce_norm_and_gather_match_nccl():
     _needs_peer_gpus(2)
     got = run_ranks(_fused_against_nccl, 2, timeout_s=240)
     assert all(peer for k, (peer, _) in got.items() if k[0] == "gather")
-    assert all(peer for k, (peer, _) in got.items() if k[0] == "fused" and k[2] * k[3] * 4 <= 256 << 10)
+    assert all(peer for k, (peer, _) in got.items() if k[0] in ("fused", "scatter") and k[2] * k[3] * 4 <= 256 << 10)
     # Two ranks: the fused kernel's float32 sum rounded once is NCCL's sum; the norm is the same kernel code.
     bad = {k: d for k, (_, d) in got.items() if d != 0}
     assert not bad, f"differs from NCCL: {bad}"

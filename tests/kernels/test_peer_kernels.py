@@ -64,6 +64,25 @@ def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, ex
         check_exchange(staging, pads, buf, call, exchange)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keep", [7, 5, 0])  # the whole chunk, a rank's own rows fewer than its chunk, none
+def test_fused_reduce_scatter_norm_keeps_the_residuals_rows(device, dtype, keep, exchange):
+    """scatter: every row of the chunk is exchanged (the buffer is left empty), the first `keep` (the residual's)
+    are summed, added and normed as add_rms_norm of them."""
+    gen = torch.Generator().manual_seed(keep)
+    x = torch.randn(7, 96, generator=gen).to(dtype).to(device)
+    res = torch.randn(keep, 96, generator=gen).to(dtype).to(device)
+    w = torch.randn(96, generator=gen).to(dtype).to(device)
+    staging, pads, buf = group_of_one(dtype, device)
+    want = add_rms_norm(x[:keep], res, w, 1e-6, False, None)
+    for call in (1, 2):
+        got = reduce_add_rms_norm(x, res, w, 1e-6, False, None, buf, scatter=True)
+        assert all(g.shape == (keep, 96) and torch.equal(g, k) for g, k in zip(got, want))
+        check_exchange(staging, pads, buf, call, exchange)
+    with pytest.raises(ValueError, match="a residual of 8 rows against chunks of 7"):
+        reduce_add_rms_norm(x, torch.zeros(8, 96, dtype=dtype, device=device), w, 1e-6, False, None, buf, True)
+
+
 def test_fused_reduce_norm_refuses_a_message_over_the_buffer(device):
     _, _, buf = group_of_one(torch.float32, device, slot=256)
     x = torch.ones(3, 128, device=device)

@@ -59,13 +59,13 @@ def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
-def fused_peer(t: torch.Tensor, group: Group) -> PeerBuffer | None:
-    """The group's staging buffer for t's dtype where t's all-reduce is fused into the kernel that consumes it
-    (tp_lora.ops.fused.reduce_add_rms_norm: up to fused_max_bytes), counted as the all_reduce it is. None:
-    all_reduce(t) instead (the same choice on every rank)."""
+def fused_peer(t: torch.Tensor, group: Group, scatter: bool = False) -> PeerBuffer | None:
+    """The group's staging buffer for t's dtype where t's all-reduce (or reduce-scatter) is fused into the kernel
+    that consumes it (tp_lora.ops.fused.reduce_add_rms_norm: up to fused_max_bytes), counted as the collective it
+    is. None: all_reduce(t) / reduce_scatter(t) instead (the same choice on every rank)."""
     if group.size == 1 or group.peer is None or not group.peer.takes_fused(t):
         return None
-    STATS.record("all_reduce", group, t)
+    STATS.record("reduce_scatter" if scatter else "all_reduce", group, t)
     return group.peer.buffer(t.dtype)
 
 

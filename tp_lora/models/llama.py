@@ -42,13 +42,14 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, None, self.weight, self.eps, self.offset)[0]
 
     def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, first: RMSNorm | None = None,
-                      reduce: comm.Group | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      reduce: comm.Group | None = None, scatter: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; residual None: (norm(x), x). first: a norm of the same
         eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass. reduce: x is a
-        row-parallel layer's partial output, summed over this group first (fused with the rest where it can be)."""
+        row-parallel layer's partial output, summed over this group first (fused with the rest where it can be);
+        scatter: x holds every rank's rows (EP experts' sums), of which this rank's chunk is summed."""
         xw = None if first is None else first.weight
         if reduce is not None and reduce.size > 1:
-            return reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, reduce)
+            return reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, reduce, scatter)
         return add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw)
 
 
@@ -238,9 +239,10 @@ class DecoderLayer(nn.Module):
     The residual stream is carried beside the block's output, as vLLM does: layer(x, residual) -> (x, residual)
     with the stream = x + residual, so each residual add is fused into the norm that follows it. Under tensor
     parallelism the all-reduce that ends o_proj / down_proj joins that norm too (reduce_add_rms_norm): the layer
-    returns down_proj's partial output when `defers_reduce`, and the next norm (the next layer's, or the model's
-    final one) sums it; so does an MoE block whose last collective is a sum over tp (its defer_group). Row layers
-    with a bias, other MoE layouts (EP's reduce-scatter) and Gemma's post-feedforward norm keep it in the layer."""
+    returns down_proj's partial output where it defers the reduce (`defer`: the group and whether it scatters), and
+    the next norm (the next layer's, or the model's final one) sums it; so does an MoE block whose last collective is
+    a sum over tp (its defer_group) or EP's reduce-scatter (its defer_scatter). Row layers with a bias, the other MoE
+    layouts and Gemma's post-feedforward norm keep it in the layer."""
 
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None,
                  quant: QuantConfig | None = None):
@@ -256,14 +258,18 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets, quant)
         self.tp = tp
         self.fuse_attn = tp.size > 1 and bias_free(self.self_attn.o_proj)
-        self.defers_reduce = tp.size > 1 and not self.gemma and (
-            isinstance(self.mlp, MLP) and bias_free(self.mlp.down_proj)
-            or getattr(self.mlp, "defer_group", None) is tp)  # an MoE block whose sum ends over tp
+        self.defer: tuple[comm.Group, bool] | None = None  # (group, scatter) of the reduce the next norm does
+        if tp.size > 1 and not self.gemma and (isinstance(self.mlp, MLP) and bias_free(self.mlp.down_proj)
+                                               or getattr(self.mlp, "defer_group", None) is tp):
+            self.defer = (tp, False)  # a row-parallel down_proj, or an MoE block whose sum ends over tp
+        elif not self.gemma and getattr(self.mlp, "defer_scatter", None) is not None:
+            self.defer = (self.mlp.defer_scatter, True)
 
-    def forward(self, x, residual, cos, sin, cache, meta, x_partial: bool = False):
-        """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual); x_partial: x is
-        the previous layer's partial output (its defers_reduce); the returned x is partial when defers_reduce."""
-        h, residual = self.input_layernorm.with_residual(x, residual, reduce=self.tp if x_partial else None)
+    def forward(self, x, residual, cos, sin, cache, meta, x_defer: tuple[comm.Group, bool] | None = None):
+        """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual); x_defer: x is
+        the previous layer's partial output (its defer); the returned x is partial where this layer defers."""
+        group, scatter = x_defer or (None, False)
+        h, residual = self.input_layernorm.with_residual(x, residual, reduce=group, scatter=scatter)
         h = self.self_attn(h, cos, sin, cache, meta, partial=self.fuse_attn)
         attn_tp = self.tp if self.fuse_attn else None
         if self.gemma:
@@ -271,7 +277,7 @@ class DecoderLayer(nn.Module):
                                                                        reduce=attn_tp)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.with_residual(h, residual, reduce=attn_tp)
-        return (self.mlp(h, partial=True) if self.defers_reduce else self.mlp(h)), residual
+        return (self.mlp(h, partial=True) if self.defer else self.mlp(h)), residual
 
 
 def bias_free(layer: nn.Module) -> bool:
@@ -326,11 +332,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        residual, partial = None, False
+        residual, defer = None, None
         for layer, t in zip(self.layers, self.layer_types):
-            x, residual = layer(x, residual, *tables[t], cache, meta, partial)
-            partial = layer.defers_reduce
-        return self.norm.with_residual(x, residual, reduce=self.tp if partial else None)[0]
+            x, residual = layer(x, residual, *tables[t], cache, meta, defer)
+            defer = layer.defer
+        group, scatter = defer or (None, False)
+        return self.norm.with_residual(x, residual, reduce=group, scatter=scatter)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] (gathered over the TP group), float32; Gemma's final soft-cap applied."""

@@ -177,8 +177,10 @@ class SparseMoE(nn.Module):
         self.shape, self.hidden, self.step, self.rt = shape, hidden, step, rt
         self.ep, self.moe_tp = ps.ep, ps.moe_tp
         self.chunked = ps.ep.size > 1 and ps.ep_attention == "tp"
-        # the tp group whose sum ends the block (EP/TP: over ep, the same ranks), for DecoderLayer.defers_reduce
+        # the tp group whose sum ends the block (EP/TP: over ep, the same ranks), for DecoderLayer.defer; EP over DP
+        # replicas without expert tp: the ep group whose reduce-scatter ends it
         self.defer_group = ps.tp if ps.tp.size > 1 and (self.chunked or ps.moe_tp is ps.tp) else None
+        self.defer_scatter = ps.ep if ps.ep.size > 1 and not self.chunked and ps.moe_tp.size == 1 else None
         self.gate = Router(hidden, shape.num_experts, shape.top_k, shape.renormalize,
                            weights_in_model_dtype=shape.model_type != "mixtral", dtype=dtype, device=device)
         names = EXPERT_NAMES[shape.model_type]
@@ -215,7 +217,8 @@ class SparseMoE(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
-        """partial (only with a defer_group): the sum before its final all-reduce, which the caller does."""
+        """partial (only with a defer_group / defer_scatter): the sum before its final all-reduce / reduce-scatter,
+        which the caller does (with EP's scatter: every rank's rows, this rank's shared expert in its own)."""
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
@@ -239,6 +242,11 @@ class SparseMoE(nn.Module):
             if shared is not None:
                 y[c0:c1] += shared
             return y if partial else comm.all_reduce(y, self.ep)
+        if self.defer_scatter is not None and partial:
+            if shared is not None:
+                own = self.ep.rank * (y.shape[0] // self.ep.size)
+                y[own:own + c1 - c0] += shared
+            return y
         if self.ep.size > 1:
             y = comm.reduce_scatter(y, self.ep)[:c1 - c0]
         if shared is not None:

@@ -3,7 +3,8 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 
 - add_rms_norm: (x + residual) then RMSNorm, returning both; residual None: RMSNorm of x alone; x_weight: x is
   RMS-normed first (Gemma's post-attention norm, then the add and the pre-feedforward norm).
-- reduce_add_rms_norm: add_rms_norm of x summed over a tp group (a row-parallel layer's partial output): one kernel
+- reduce_add_rms_norm: add_rms_norm of x summed over a tp group (a row-parallel layer's partial output), or of this
+  rank's chunk of it (scatter: the EP experts' sums of every rank's tokens): one kernel
   over peer memory where the group has it (tp_lora/ops/triton/peer_norm.py), else all_reduce then add_rms_norm.
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
@@ -56,10 +57,20 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
 
 
 def reduce_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                            offset: bool, x_weight: torch.Tensor | None, group: comm.Group
+                            offset: bool, x_weight: torch.Tensor | None, group: comm.Group, scatter: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, N] this rank's partial sums -> add_rms_norm_ref of x summed over the group (x is reduced in place)."""
-    return add_rms_norm_ref(comm.all_reduce(x, group), residual, weight, eps, offset, x_weight)
+    """x [T, N] this rank's partial sums -> add_rms_norm_ref of x summed over the group (x is reduced in place).
+    scatter: x [world * C, N] holds each rank's chunk of C rows; this rank's chunk, summed, to its first rows (the
+    residual's, else C): add_rms_norm_ref of reduce_scatter(x)[:rows]."""
+    return add_rms_norm_ref(_summed(x, residual, group, scatter), residual, weight, eps, offset, x_weight)
+
+
+def _summed(x: torch.Tensor, residual: torch.Tensor | None, group: comm.Group, scatter: bool) -> torch.Tensor:
+    """x all-reduced over the group, or (scatter) this rank's chunk of it cut to the residual's rows."""
+    if not scatter:
+        return comm.all_reduce(x, group)
+    own = comm.reduce_scatter(x, group)
+    return own if residual is None else own[:residual.shape[0]]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -153,15 +164,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                        offset: bool, x_weight: torch.Tensor | None, group: comm.Group
+                        offset: bool, x_weight: torch.Tensor | None, group: comm.Group, scatter: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None and x_weight is not None:
         raise ValueError("reduce_add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
-    buf = comm.fused_peer(x, group)
+    buf = comm.fused_peer(x, group, scatter)
     if buf is not None:
         from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm as kernel  # noqa: PLC0415 - peer path only
-        return kernel(x, residual, weight, eps, offset, x_weight, buf)
-    return add_rms_norm(comm.all_reduce(x, group), residual, weight, eps, offset, x_weight)
+        return kernel(x, residual, weight, eps, offset, x_weight, buf, scatter)
+    return add_rms_norm(_summed(x, residual, group, scatter), residual, weight, eps, offset, x_weight)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

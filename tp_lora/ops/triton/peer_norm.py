@@ -1,10 +1,12 @@
-"""The tp all-reduce fused with the residual add and RMSNorm that follow it, in one Triton kernel over peer memory:
-the signature of tp_lora.ops.fused.reduce_add_rms_norm_ref with the group's staging buffer in place of the group.
+"""The tp all-reduce (or the EP reduce-scatter) fused with the residual add and RMSNorm that follow it, in one
+Triton kernel over peer memory: the signature of tp_lora.ops.fused.reduce_add_rms_norm_ref with the group's staging
+buffer in place of the group.
 
 Program p pushes its rows of x into every rank's buffer and takes every rank's as they arrive (the exchange of
 tp_lora.distributed.peer), sums each row over the ranks in rank order (float32, rounded to x's dtype as the
 all-reduce's result is: every rank gets the same bits), then adds the residual and norms as add_rms_norm does. One
-launch instead of all-reduce + add_rms_norm, one one-way trip over NVLink.
+launch instead of all-reduce + add_rms_norm, one one-way trip over NVLink. scatter: x holds a chunk of rows per
+rank and each rank pushes rank r's chunk to rank r only, which norms its own rows (reduce_scatter + add_rms_norm).
 """
 from __future__ import annotations
 
@@ -13,15 +15,15 @@ import triton
 import triton.language as tl
 
 from tp_lora.distributed.peer import PeerBuffer
-from tp_lora.distributed.peer_kernels import ASM, done_call, exchange, next_call, push_row, take_row
+from tp_lora.distributed.peer_kernels import ASM, done_call, exchange, next_call, push_row, push_to, take_row
 from tp_lora.ops.triton.fused import add_norm_row, as_rows
 
 
 @triton.jit
 def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, ptrs, pads, epochs, report,
-                                limit, rows, s_x, s_r, s_o, s_ro, n, eps, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr,
-                                OFFSET: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr):
+                                limit, rows, keep, s_x, s_r, s_o, s_ro, n, eps, slot, RANK: tl.constexpr,
+                                WORLD: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr,
+                                OFFSET: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr, SCATTER: tl.constexpr):
     p = tl.program_id(0)
     step = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
@@ -30,7 +32,12 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_
     e, half = next_call(epochs, p, slot, WORLD)
     for row in range(p, rows, step):
         t = tl.cast(row, tl.int64)
-        push_row(ptrs, half, slot, t * n, i, tl.load(x_ptr + t * s_x + i, mask=ok), ok, RANK, WORLD)
+        if SCATTER:  # row t of rank r's chunk (rows apart) to rank r
+            for r in tl.static_range(WORLD):
+                push_to(ptrs, r, half + RANK * slot + t * n + i, tl.load(x_ptr + (r * rows + t) * s_x + i, mask=ok),
+                        ok)
+        else:
+            push_row(ptrs, half, slot, t * n, i, tl.load(x_ptr + t * s_x + i, mask=ok), ok, RANK, WORLD)
     exchange(pads, p, e, report, limit, RANK, WORLD, ASM, POLL)
     for row in range(p, rows, step):
         t = tl.cast(row, tl.int64)
@@ -38,31 +45,42 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_
         for r in tl.static_range(WORLD):
             h += take_row(ptrs, half, slot, t * n, i, ok, r, report, limit, e, p, RANK, dt, POLL, ASM).to(tl.float32)
         h = h.to(dt)
-        if not HAS_RES:  # the stream is the reduced x itself
-            tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
-        add_norm_row(h.to(tl.float32), res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro,
-                     i, ok, n, eps, HAS_RES, NORM_X, OFFSET)
+        if row < keep:  # every rank exchanges every row of its chunk; a rank's own rows may be fewer
+            if not HAS_RES:  # the stream is the reduced x itself
+                tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
+            add_norm_row(h.to(tl.float32), res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o,
+                         res_out_ptr + t * s_ro, i, ok, n, eps, HAS_RES, NORM_X, OFFSET)
     done_call(epochs, p, e)
 
 
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                        offset: bool, x_weight: torch.Tensor | None, buf: PeerBuffer
+                        offset: bool, x_weight: torch.Tensor | None, buf: PeerBuffer, scatter: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [.., N] this rank's partial sums -> (RMSNorm(sum of x over the ranks + residual), that stream), as
-    add_rms_norm of the all-reduced x. buf: the group's staging buffer of x's dtype (PeerAllReduce.buffer)."""
+    add_rms_norm of the all-reduced x. buf: the group's staging buffer of x's dtype (PeerAllReduce.buffer). scatter:
+    x [world * C, N] holds rank r's rows at r * C.., of which this rank sums and norms its own first rows (the
+    residual's, else all C), as add_rms_norm of reduce_scatter(x)[:rows]."""
     rows = as_rows(x, "reduce_add_rms_norm's x")
     t, n = rows.shape
-    if not buf.fits(rows):
+    keep = t
+    if scatter:
+        if t % buf.world:
+            raise ValueError(f"reduce_add_rms_norm: {t} rows do not split into {buf.world} equal chunks")
+        t //= buf.world
+        keep = t if residual is None else residual.shape[0]
+        if keep > t:
+            raise ValueError(f"reduce_add_rms_norm: a residual of {keep} rows against chunks of {t}")
+    if not buf.fits(rows[:t]):
         raise ValueError(f"reduce_add_rms_norm: {t} x {n} elements exceed the peer buffer's slot of {buf.slot}")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty((keep, n) if scatter else x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out)
-    res = rows if residual is None else as_rows(residual, "reduce_add_rms_norm's residual")
+    res = rows[:keep] if residual is None else as_rows(residual, "reduce_add_rms_norm's residual")
     if t:
-        buf.launch("all_reduce + norm", rows)
+        buf.launch("reduce-scatter + norm" if scatter else "all_reduce + norm", rows)
         _reduce_add_rms_norm_kernel[(buf.programs,)](
             rows, res, weight, weight if x_weight is None else x_weight, out, res_out, buf.ptrs, buf.pads,
-            buf.epochs, buf.report.address, buf.limit, t, rows.stride(0), res.stride(0), n, n, n, float(eps), buf.slot,
-            RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
-            NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM, POLL=buf.polls(x.nbytes * buf.world),
-            num_warps=4 if n <= 4096 else 8)
+            buf.epochs, buf.report.address, buf.limit, t, keep, rows.stride(0), res.stride(0), n, n, n, float(eps),
+            buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
+            NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM,
+            POLL=buf.polls(t * n * x.element_size() * buf.world), SCATTER=scatter, num_warps=4 if n <= 4096 else 8)
     return out, res_out
