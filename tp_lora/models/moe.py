@@ -217,8 +217,7 @@ class SparseMoE(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
-        """partial (only with a defer_group / defer_scatter): the sum before its final all-reduce / reduce-scatter,
-        which the caller does (with EP's scatter: every rank's rows, this rank's shared expert in its own)."""
+        """partial (only with a defer_group / defer_scatter): the sum before its final reduce, which the caller does."""
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
@@ -242,10 +241,9 @@ class SparseMoE(nn.Module):
             if shared is not None:
                 y[c0:c1] += shared
             return y if partial else comm.all_reduce(y, self.ep)
-        if self.defer_scatter is not None and partial:
+        if self.defer_scatter is not None and partial:  # every rank's rows, this rank's shared expert in its own
             if shared is not None:
-                own = self.ep.rank * (y.shape[0] // self.ep.size)
-                y[own:own + c1 - c0] += shared
+                y[self.ep.rank * (y.shape[0] // self.ep.size):][:c1 - c0] += shared
             return y
         if self.ep.size > 1:
             y = comm.reduce_scatter(y, self.ep)[:c1 - c0]
