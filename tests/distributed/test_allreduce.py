@@ -266,6 +266,25 @@ def test_reduce_norm_on_gloo_reduces_then_norms():
     assert reduces == 1 and scatters == 1 and rows == [1, 1] and max(diffs) < 1e-5
 
 
+def _eager_and_graphed(fused, unfused, draw) -> tuple[torch.Tensor, float]:
+    """(the first input drawn, the largest difference of fused's outputs from unfused's on it, eager, and replayed
+    from a CUDA graph of fused on two fresh draws)."""
+    x = draw()
+    diffs = [max((a.float() - b.float()).abs().max().item() for a, b in zip(fused(x), unfused(x)))]
+    static = x.clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fused(static)
+    for _ in range(2):
+        y = draw()
+        static.copy_(y)
+        g.replay()
+        diffs.append(max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, unfused(y))))
+    del g
+    return x, max(diffs)
+
+
 def _fused_against_nccl(ps: comm.ParallelState):
     """Per (dtype, rows x hidden, case): whether the fused peer kernel ran, and the largest difference of its
     (normed, stream) from NCCL's all-reduce + the add_rms_norm kernel, eager and replayed from a CUDA graph on fresh
@@ -293,20 +312,8 @@ def _fused_against_nccl(ps: comm.ParallelState):
                 def unfused(x):
                     return add_rms_norm(comm.all_reduce(x.clone(), nccl), res, w, 1e-5, False, xw)
 
-                x = rand(t, n, dtype=dtype)
-                diffs = [max((a.float() - b.float()).abs().max().item() for a, b in zip(fused(x), unfused(x)))]
-                static = x.clone()
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    outs = fused(static)
-                for _ in range(2):
-                    y = rand(t, n, dtype=dtype)
-                    static.copy_(y)
-                    g.replay()
-                    diffs.append(max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, unfused(y))))
-                del g
-                out[("fused", str(dtype), t, n, case)] = (ps.tp.peer.takes_fused(x), max(diffs))
+                x, diff = _eager_and_graphed(fused, unfused, lambda: rand(t, n, dtype=dtype))
+                out[("fused", str(dtype), t, n, case)] = (ps.tp.peer.takes_fused(x), diff)
         for c, n, fewer in ((4, 100, 0), (32, 2048, 0), (32, 2048, 1), (17, 4096, 1)):
             keep = c - 3 if ps.tp.rank == fewer else c  # a rank's own rows fewer than its chunk: rank `fewer`'s
             res, w = rand(keep, n, dtype=dtype), rand(n, dtype=dtype, g=same)
@@ -317,19 +324,8 @@ def _fused_against_nccl(ps: comm.ParallelState):
             def unfused(x):
                 return add_rms_norm(comm.reduce_scatter(x.clone(), nccl)[:keep], res, w, 1e-5, False, None)
 
-            x = rand(2 * c, n, dtype=dtype)
-            diffs = [max((a.float() - b.float()).abs().max().item() for a, b in zip(fused(x), unfused(x)))]
-            static = x.clone()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                outs = fused(static)
-            y = rand(2 * c, n, dtype=dtype)
-            static.copy_(y)
-            g.replay()
-            diffs.append(max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, unfused(y))))
-            del g
-            out[("scatter", str(dtype), c, n, fewer)] = (ps.tp.peer.takes_fused(x), max(diffs))
+            x, diff = _eager_and_graphed(fused, unfused, lambda: rand(2 * c, n, dtype=dtype))
+            out[("scatter", str(dtype), c, n, fewer)] = (ps.tp.peer.takes_fused(x), diff)
         for shape, dim in (((5,), 0), ((3, 7), -1), ((32, 8), -1), ((9, 33), 0), ((32, 16000), -1)):
             x = rand(*shape, dtype=dtype)
             diffs = [(comm.all_gather(x, ps.tp, dim) != comm.all_gather(x, nccl, dim)).sum().item()]
