@@ -1,8 +1,8 @@
 """The routing plan's one Triton launch (the pairs' sort, the expert ends, the LoRA block table) against
 sort_pairs_ref (torch's stable sort), torch.searchsorted and lora_blocks_ref on the device under test: random
 routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows, one local
-expert, with and without adapter slots, and more pairs than one program ranks (several blocks: the last program to
-finish writes the ends and the blocks)."""
+expert, with and without adapter slots, more pairs than one program ranks (several blocks: the last program to
+finish writes the blocks), and more local experts than programs (each counts the ends of several)."""
 import pytest
 import torch
 
@@ -16,6 +16,7 @@ CASES = {  # name: (tokens, k, global experts, expert_start, local experts, ids 
     "padding_rows": (6, 3, 8, 0, 8, [-1, -1, -1]),
     "one_local_expert": (40, 3, 8, 7, 1, None),
     "many_pairs": (200, 8, 64, 32, 32, None),  # 1600 pairs: 25 ranking programs, 7 comparison blocks each
+    "more_experts_than_programs": (3, 2, 64, 0, 48, None),  # 6 pairs: 2 programs count 24 ends each (of 32 lanes)
 }
 
 

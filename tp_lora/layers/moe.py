@@ -132,10 +132,12 @@ class Experts(nn.Module):
         _copy(dst, take(q, cols, 2), what)
         _copy(getattr(self, scale_name).data[:, row0:row0 + dst.shape[1]], scale, f"{what} scale")
 
-    def up(self, x: torch.Tensor, plan: MoEPlan, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def up(self, x: torch.Tensor, plan: MoEPlan, rows: torch.Tensor | None = None, act: bool = False
+           ) -> torch.Tensor:
         """x [C, H] in pair order (rows None), or the dispatched tokens [N, H] read at rows [C] -> [C, S * I_local]
-        (rows past the plan's last expert undefined)."""
-        return grouped_mm(x, self.w13, plan.expert_ends, self.w13_scale, self.block_k, rows, self.num_experts)
+        (rows past the plan's last expert undefined); act (gated experts): act(z) [C, I_local] in the GEMM."""
+        return grouped_mm(x, self.w13, plan.expert_ends, self.w13_scale, self.block_k, rows, self.num_experts,
+                          gated=act)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
         return act_mul(z, "silu") if self.gated else F.silu(z)
@@ -146,6 +148,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
         """x [N, H] the dispatched tokens -> [C, H] in pair order (the plan's gather inside the first GEMM)."""
+        if self.gated:  # silu(gate) * up in the first GEMM's epilogue
+            return self.down(self.up(x, plan, plan.token, act=True), plan)
         return self.down(self.act(self.up(x, plan, plan.token)), plan)
 
 

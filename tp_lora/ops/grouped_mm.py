@@ -25,13 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from tp_lora.ops.fp8 import act8_takes, dequantize, kernels_take, quantize_per_group
-from tp_lora.ops.fused import use_kernels
+from tp_lora.ops.fused import act_mul, act_mul_ref, use_kernels
 
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
-                   block_k: int | None = None, act8: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+                   block_k: int | None = None, act8: bool = False, rows: torch.Tensor | None = None,
+                   gated: bool = False) -> torch.Tensor:
     """The per-expert loop (reference and fallback); rows past ends[-1] are 0. act8: x first rounded to e4m3 per
-    (row, K tile) as the Triton kernel's act8 does (float32 out). rows: x[rows] first."""
+    (row, K tile) as the Triton kernel's act8 does (float32 out). rows: x[rows] first. gated: w's rows are
+    [gate | up], the result act_mul_ref(., "silu") of the product."""
     x = x if rows is None else x[rows]
     if act8:
         from tp_lora.ops.triton.grouped_mm import BLOCK_K  # noqa: PLC0415 - the kernel's tile: its scale groups
@@ -45,7 +47,7 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: 
         if end > start:
             out[start:end] = x[start:end] @ w[e].t()
         start = end
-    return out
+    return act_mul_ref(out, "silu") if gated else out
 
 
 SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA runs the Triton kernel
@@ -53,24 +55,27 @@ SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA ru
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                block_k: int | None = None, rows: torch.Tensor | None = None,
-               experts: int | None = None) -> torch.Tensor:
+               experts: int | None = None, gated: bool = False) -> torch.Tensor:
     """experts: how many experts the routing spreads the C rows over (the model's, of which w holds E; default E).
     Under expert parallelism C is a capacity: about C / experts rows reach each local expert, which picks the 16-bit
-    path and the Triton kernel's row block (fp8 weights always take the Triton kernel)."""
+    path and the Triton kernel's row block (fp8 weights always take the Triton kernel). gated: as grouped_mm_ref
+    (the Triton kernel applies it in its epilogue, the other paths by act_mul)."""
     c = x.shape[0] if rows is None else rows.shape[0]
     spread = max(experts or 0, w.shape[0], 1)
     block = 2 * -(-c // spread)  # a row block of twice the mean: a routing's busier experts read their weights once
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
-        return grouped_mm_triton(x, w, ends, scale, block_k, block, act8_takes(x, block_k), rows)
+        return grouped_mm_triton(x, w, ends, scale, block_k, block, act8_takes(x, block_k), rows, gated)
     if scale is None and use_kernels(x) and c <= SMALL_ROWS * spread:
-        return grouped_mm_triton(x, w, ends, rows_per_expert=block, rows=rows)
+        return grouped_mm_triton(x, w, ends, rows_per_expert=block, rows=rows, gated=gated)
     x = x if rows is None else x[rows]
     if scale is not None:
         w = dequantize(w, scale, block_k).to(x.dtype)
     if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
-        return grouped_mm_ref(x, w, ends)
-    return grouped_mm_torch(x, w, ends)
+        out = grouped_mm_ref(x, w, ends)
+    else:
+        out = grouped_mm_torch(x, w, ends)
+    return act_mul(out, "silu") if gated else out
 
 
 def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -80,10 +85,10 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> to
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                       block_k: int | None = None, rows_per_expert: int = SMALL_ROWS,
-                      act8: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+                      act8: bool = False, rows: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """Our Triton kernel (CUDA, or the interpreter)."""
     from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
-    return kernel(x, w, ends, scale, block_k, rows_per_expert, act8, rows)
+    return kernel(x, w, ends, scale, block_k, rows_per_expert, act8, rows, gated)
 
 
 

@@ -1,7 +1,8 @@
 """Triton grouped expert GEMM for few rows per expert (decode), with the signature of tp_lora.ops.grouped_mm:
 
-    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None, rows=None) -> [C, N],
+    grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None, rows=None, gated=False) -> [C, N],
         rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
+    (gated: w's rows are [gate | up] and the result silu(gate) * up [C, N / 2], act_mul in the epilogue)
     (ends None: one expert, w [1, N, K], taking every row: a dense GEMM)
     rows [C] int (the pairs' tokens): row i reads x[rows[i]] (the dispatch's gather in the GEMM's loads).
 
@@ -32,11 +33,38 @@ SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
+def _w_part(xq, xs, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K: tl.constexpr,
+            CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr):
+    """One K tile's float32 product of the rows (xq, xs as _x_operand gives them) with the weight tile at w_tile +
+    k0 [BLOCK_K, BLOCK_N], its per-block scales applied (SCALES 2)."""
+    wv = tl.load(w_tile + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    if ACT8:
+        part = tl.dot(xq, wv.to(DOT8)) * xs[:, None]
+    else:
+        part = mm(xq, wv, CDT, DOT, PREC)
+    if SCALES == 2:  # one scale per (row, SCALE_K columns); BLOCK_K divides SCALE_K
+        part *= tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[None, :]
+    return part
+
+
+@triton.jit
+def _x_operand(xv, ACT8: tl.constexpr, DOT8: tl.constexpr):
+    """(rows as the dot takes them, their per-row scale): with ACT8 each row's K tile in fp8 (scale: its amax / 448),
+    for the fp8 tensor cores; else as loaded (scale unused)."""
+    xs = tl.zeros((xv.shape[0],), tl.float32)
+    if ACT8:
+        xf = xv.to(tl.float32)
+        xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1e-12)
+        xv = (xf / xs[:, None]).to(tl.float8e4nv).to(DOT8)
+    return xv, xs
+
+
+@triton.jit
 def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K, s_xm, s_we, s_wn, s_om, s_se,
                        s_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
                        CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr,
-                       DOT8: tl.constexpr, GATHER: tl.constexpr):
+                       DOT8: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr):
     e = tl.program_id(0)
     if ENDS:
         start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
@@ -44,11 +72,13 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
     else:  # one expert, every row
         start = 0
         end = C
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (GATED: gate rows n, up rows N + n)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_blk = w_ptr + e.to(tl.int64) * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
     s_row = s_ptr + e.to(tl.int64) * s_se + offs_n.to(tl.int64) * s_sn
+    w_up, s_up = w_blk + N * s_wn, s_row + N * s_sn
+    dt = out_ptr.dtype.element_ty
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         m_mask = rows < end
@@ -57,32 +87,33 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
             src = tl.load(idx_ptr + rows, mask=m_mask, other=0)
         x_blk = x_ptr + src[:, None].to(tl.int64) * s_xm + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
-            xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            wv = tl.load(w_blk + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if ACT8:  # each row's K tile to fp8 (scale: its amax / 448), the product on the fp8 tensor cores
-                xv = xv.to(tl.float32)
-                xs = tl.maximum(tl.max(tl.abs(xv), axis=1) / 448.0, 1e-12)
-                part = tl.dot((xv / xs[:, None]).to(tl.float8e4nv).to(DOT8), wv.to(DOT8)) * xs[:, None]
-            else:
-                part = mm(xv, wv, CDT, DOT, PREC)
-            if SCALES == 2:  # one scale per (row, SCALE_K columns); BLOCK_K divides SCALE_K
-                part *= tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[None, :]
-            acc += part
+            xq, xs = _x_operand(tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0), ACT8, DOT8)
+            acc += _w_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC, ACT8, DOT8)
+            if GATED:
+                acc_up += _w_part(xq, xs, w_up, s_up, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC, ACT8,
+                                  DOT8)
         if SCALES == 1:
             acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
+            if GATED:
+                acc_up *= tl.load(s_up, mask=n_mask, other=0.0)[None, :]
+        if GATED:  # silu(gate) * up, each rounded to the output dtype as act_mul reads and writes them
+            g = acc.to(dt).to(tl.float32)
+            acc = (g * tl.sigmoid(g)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
         o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
-        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(o, acc.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scale: torch.Tensor | None = None,
                block_k: int | None = None, rows_per_expert: int = BLOCK_M, act8: bool = False,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+               rows: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
     row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks. act8 (fp8 weights): x
     quantized per (row, K tile of min(BLOCK_K, block_k) columns) in the kernel, the product on fp8 tensor cores.
-    rows: as the module's docstring (x read where it lies when its columns have a unit stride)."""
+    rows: as the module's docstring (x read where it lies when its columns have a unit stride). gated: w's N rows
+    are [gate | up] and the result is silu(gate) * up [C, N / 2] (act_mul's, in the epilogue)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
@@ -91,6 +122,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         raise ValueError(f"grouped_mm: block_k={block_k}: expected a power of two of at least 16")
     c, k = x.shape[0] if rows is None else rows.shape[0], x.shape[1]
     e, n, _ = w.shape
+    if gated and n % 2:
+        raise ValueError(f"grouped_mm: gated needs an even number of weight rows [gate | up], got {n}")
+    n = n // 2 if gated else n
     if ends is None and e != 1:
         raise ValueError(f"grouped_mm without ends takes one expert (a dense GEMM), got w of {e}")
     out = torch.empty(c, n, dtype=x.dtype, device=x.device)
@@ -114,5 +148,5 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode,
         SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
-        DOT8=fp8_dot(), GATHER=rows is not None, num_warps=NUM_WARPS, num_stages=stages)
+        DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, num_warps=NUM_WARPS, num_stages=stages)
     return out

@@ -3,9 +3,10 @@ the results of tp_lora.ops.moe_plan's references (sort_pairs_ref, the expert end
 
 - The sort: each pair's place in the stable (key, index) order is the count of pairs before it (an all-pairs
   comparison, cheap for a few thousand pairs); the program that ranked a pair writes its rows of the plan there.
-- Then each program takes a ticket (tp_lora.ops.triton.tickets); the last to finish reads the sorted keys and writes
-  the expert ends (a binary search per expert) and, with adapter slots, the LoRA block table (group starts by a
-  running max, block rows by a running sum).
+- In the same pass over the keys each program counts, for the experts it owns (every num_programs-th), the keys
+  below the expert's end: the expert ends, with no sorted keys needed.
+- With adapter slots each program then takes a ticket (tp_lora.ops.triton.tickets); the last to finish reads the
+  sorted keys and writes the LoRA block table (group starts by a running max, block rows by a running sum).
 """
 from __future__ import annotations
 
@@ -34,23 +35,6 @@ def _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT: tl.con
         slot = tl.full(i.shape, -1, tl.int32)
     key = tl.where(mine, local * PER_EXPERT + slot + 1, E * PER_EXPERT)
     return tl.where(ok, key, E * PER_EXPERT + 1), mine & ok
-
-
-@triton.jit
-def _expert_ends(skey_ptr, ends_ptr, C, E, PER_EXPERT: tl.constexpr, E_PAD: tl.constexpr, STEPS: tl.constexpr):
-    """ends[e] = how many of the C sorted keys are below expert e + 1's first key (searchsorted, left)."""
-    e = tl.arange(0, E_PAD)
-    bound = (e + 1) * PER_EXPERT
-    lo = tl.zeros((E_PAD,), dtype=tl.int32)
-    hi = lo + C
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(skey_ptr + mid, mask=active, other=0, cache_modifier=".cg")
-        right = active & (v < bound)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (v >= bound), mid, hi)
-    tl.store(ends_ptr + e, lo, mask=e < E)
 
 
 @triton.jit
@@ -89,27 +73,30 @@ def _lora_block_rows(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr
 @triton.jit
 def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, s_ids, s_slot,
                  e0, E, cap, B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
-                 BLOCK_J: tl.constexpr, E_PAD: tl.constexpr, STEPS: tl.constexpr, C_PAD: tl.constexpr,
-                 LORA_BLOCK: tl.constexpr):
+                 BLOCK_J: tl.constexpr, OWN: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
     key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT, HAS_SLOTS)
+    e = tl.program_id(0) + tl.num_programs(0) * tl.arange(0, OWN)  # the experts whose end this program counts
+    bound = (e + 1) * PER_EXPERT  # expert e + 1's first key
     rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
+    below = tl.zeros((OWN,), dtype=tl.int32)
     for j0 in range(0, P, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         kj, _ = _keys(ids_ptr, slots_ptr, j, j < P, K, s_ids, s_slot, e0, E, PER_EXPERT, HAS_SLOTS)
         before = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
         rank += tl.sum(before.to(tl.int32), 1)
+        below += tl.sum((kj[None, :] < bound[:, None]).to(tl.int32), 1)
+    tl.store(ends_ptr + e, below, mask=e < E)
     tl.store(pos_ptr + i, tl.where(mine, rank, -1), mask=ok)
     kept = ok & (rank < cap)
     tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
     tl.store(skey_ptr + rank, key, mask=kept)
-    tl.debug_barrier()  # every thread's keys stored before the ticket publishes them
-    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        _expert_ends(skey_ptr, ends_ptr, cap, E, PER_EXPERT, E_PAD, STEPS)
-        if HAS_SLOTS:
+    if HAS_SLOTS:
+        tl.debug_barrier()  # every thread's keys stored before the ticket publishes them
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             _lora_block_rows(skey_ptr, groups_ptr, cap, B, E * PER_EXPERT, PER_EXPERT, C_PAD, LORA_BLOCK)
-        tl.atomic_xchg(cnt_ptr, 0)
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
@@ -129,10 +116,11 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
     groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
     ids = unit_rows(topk_ids)
-    _plan_kernel[(triton.cdiv(p, BLOCK_I),)](
-        ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1), p, k, ids.stride(0),
-        0 if slots is None else slots.stride(0), expert_start, E, cap, blocks, PER_EXPERT=max_loras + 1,
-        HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, E_PAD=triton.next_power_of_2(E),
-        STEPS=cap.bit_length() + 1, C_PAD=triton.next_power_of_2(max(cap, 16)), LORA_BLOCK=LORA_BLOCK,
-        num_warps=NUM_WARPS)
+    programs = triton.cdiv(p, BLOCK_I)
+    _plan_kernel[(programs,)](
+        ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1) if max_loras else ends,
+        p, k, ids.stride(0), 0 if slots is None else slots.stride(0), expert_start, E, cap, blocks,
+        PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J,
+        OWN=triton.next_power_of_2(triton.cdiv(E, programs)), C_PAD=triton.next_power_of_2(max(cap, 16)),
+        LORA_BLOCK=LORA_BLOCK, num_warps=NUM_WARPS)
     return token, pos, skey, ends, groups
