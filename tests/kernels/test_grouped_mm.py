@@ -108,39 +108,40 @@ def test_fp8_experts_take_the_same_row_block(monkeypatch, device, experts, block
     torch.testing.assert_close(got[:30].float(), want[:30].float(), rtol=2e-2, atol=0.5)
 
 
-@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8_channel", "fp8_block"])
-def test_gated_epilogue_equals_act_mul_after_the_gemm(device, monkeypatch, weights):
-    """gated: silu(gate) * up in the kernel's epilogue equals the unfused kernel followed by act_mul's kernel bit for
-    bit (each product rounded to the output dtype first, as act_mul reads it), rows gathered, empty experts and rows
-    past the last expert included; the dispatcher and grouped_mm_ref (the loop, then act_mul_ref) agree with it. fp8
-    weights take float32 rows on the CPU (the interpreter rounds bf16 rows to fp8 wrongly), bf16 rows (act8) on CUDA."""
+
+@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8"])
+def test_gated_equals_act_mul_after_the_gemm(device, monkeypatch, weights):
+    """gated: silu(gate) * up. 16-bit weights: in the Triton kernel's epilogue, equal bit for bit to the unfused
+    kernel followed by act_mul's kernel (each product rounded to the output dtype first, as act_mul reads it), rows
+    gathered, empty experts and rows past the last expert included; float32 / fp8 weights: the dispatcher runs the
+    GEMM, then act_mul (the kernel refuses gated for them). Every path agrees with grouped_mm_ref (the loop, then
+    act_mul_ref)."""
     from tp_lora.ops import fused
-    from tp_lora.ops.fp8 import act8_takes, quantize_fp8_per_channel
+    from tp_lora.ops.fp8 import quantize_fp8_per_channel
     from tp_lora.ops.grouped_mm import grouped_mm_triton
     from tp_lora.ops.triton.fused import act_mul
     counts, k, inter, tokens = [6, 0, 11, 2, 0], 256, 40, 13
     g = torch.Generator().manual_seed(len(weights) + 17)
-    dtype = torch.bfloat16 if weights == "bf16" or (weights != "f32" and device == "cuda") else torch.float32
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32  # (fp8: float32 rows, no act8 on the CPU)
     x = torch.randn(tokens, k, generator=g).to(dtype).to(device)
     rows = torch.randint(0, tokens, (sum(counts) + 3,), generator=g).to(device)  # 3 pairs past the last expert
-    w = torch.randn(len(counts), 2 * inter, k, generator=g) * k ** -0.5
-    scale, block_k = None, None
-    if weights.startswith("fp8"):
+    w, scale = torch.randn(len(counts), 2 * inter, k, generator=g) * k ** -0.5, None
+    if weights == "fp8":
         w, scale = quantize_fp8_per_channel(w)
-        if weights == "fp8_block":
-            block_k = 128
-            scale = torch.rand(len(counts), 2 * inter, k // block_k, generator=g) * 0.02 + 0.001
         scale = scale.to(device)
     w = w.to(dtype if scale is None else w.dtype).to(device)
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
     used = sum(counts)
-    act8 = scale is not None and act8_takes(x, block_k)
-    got = grouped_mm_triton(x, w, ends, scale, block_k, 16, act8, rows, gated=True)
-    assert got.shape == (used + 3, inter) and got.dtype == dtype
-    unfused = act_mul(grouped_mm_triton(x, w, ends, scale, block_k, 16, act8, rows), "silu")
-    assert torch.equal(got[:used], unfused[:used])
     monkeypatch.setattr(fused, "KERNELS", True)
-    assert torch.equal(grouped_mm(x, w, ends, scale, block_k, rows, gated=True)[:used], got[:used])
-    want = grouped_mm_ref(x, w, ends, scale, block_k, act8, rows, gated=True)
+    got = grouped_mm(x, w, ends, scale, None, rows, gated=True)
+    assert got.shape == (used + 3, inter) and got.dtype == dtype
+    if weights == "bf16":
+        fused_out = grouped_mm_triton(x, w, ends, None, None, 16, False, rows, gated=True)
+        unfused = act_mul(grouped_mm_triton(x, w, ends, None, None, 16, False, rows), "silu")
+        assert torch.equal(fused_out[:used], unfused[:used]) and torch.equal(got[:used], fused_out[:used])
+    else:
+        with pytest.raises(ValueError, match="gated takes 16-bit weights"):
+            grouped_mm_triton(x, w, ends, scale, None, 16, False, rows, gated=True)
+    want = grouped_mm_ref(x, w, ends, scale, None, False, rows, gated=True)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got[:used].float(), want[:used].float(), **tol)

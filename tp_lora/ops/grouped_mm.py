@@ -59,22 +59,25 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
     """experts: how many experts the routing spreads the C rows over (the model's, of which w holds E; default E).
     Under expert parallelism C is a capacity: about C / experts rows reach each local expert, which picks the 16-bit
     path and the Triton kernel's row block (fp8 weights always take the Triton kernel). gated: as grouped_mm_ref
-    (the Triton kernel applies it in its epilogue, the other paths by act_mul)."""
+    (16-bit weights on the Triton kernel: in its epilogue; else act_mul after the GEMM)."""
     c = x.shape[0] if rows is None else rows.shape[0]
     spread = max(experts or 0, w.shape[0], 1)
     block = 2 * -(-c // spread)  # a row block of twice the mean: a routing's busier experts read their weights once
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
-        return grouped_mm_triton(x, w, ends, scale, block_k, block, act8_takes(x, block_k), rows, gated)
-    if scale is None and use_kernels(x) and c <= SMALL_ROWS * spread:
-        return grouped_mm_triton(x, w, ends, rows_per_expert=block, rows=rows, gated=gated)
-    x = x if rows is None else x[rows]
-    if scale is not None:
-        w = dequantize(w, scale, block_k).to(x.dtype)
-    if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
-        out = grouped_mm_ref(x, w, ends)
+        out = grouped_mm_triton(x, w, ends, scale, block_k, block, act8_takes(x, block_k), rows)
+    elif scale is None and use_kernels(x) and c <= SMALL_ROWS * spread:
+        fuse = gated and w.element_size() == 2  # (two float32 weight tiles a stage overflow shared memory)
+        out = grouped_mm_triton(x, w, ends, rows_per_expert=block, rows=rows, gated=fuse)
+        gated = gated and not fuse
     else:
-        out = grouped_mm_torch(x, w, ends)
+        x = x if rows is None else x[rows]
+        if scale is not None:
+            w = dequantize(w, scale, block_k).to(x.dtype)
+        if x.shape[0] == 0 or not torch_grouped_available(x.device, x.dtype, x.shape[1], w.shape[1]):
+            out = grouped_mm_ref(x, w, ends)
+        else:
+            out = grouped_mm_torch(x, w, ends)
     return act_mul(out, "silu") if gated else out
 
 

@@ -2,7 +2,8 @@
 
     grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None, rows=None, gated=False) -> [C, N],
         rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
-    (gated: w's rows are [gate | up] and the result silu(gate) * up [C, N / 2], act_mul in the epilogue)
+    (gated, 16-bit weights: w's rows are [gate | up] and the result silu(gate) * up [C, N / 2], act_mul in the
+    epilogue)
     (ends None: one expert, w [1, N, K], taking every row: a dense GEMM)
     rows [C] int (the pairs' tokens): row i reads x[rows[i]] (the dispatch's gather in the GEMM's loads).
 
@@ -77,7 +78,7 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
     offs_k = tl.arange(0, BLOCK_K)
     w_blk = w_ptr + e.to(tl.int64) * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
     s_row = s_ptr + e.to(tl.int64) * s_se + offs_n.to(tl.int64) * s_sn
-    w_up, s_up = w_blk + N * s_wn, s_row + N * s_sn
+    w_up = w_blk + N * s_wn
     dt = out_ptr.dtype.element_ty
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -93,12 +94,10 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
             xq, xs = _x_operand(tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0), ACT8, DOT8)
             acc += _w_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC, ACT8, DOT8)
             if GATED:
-                acc_up += _w_part(xq, xs, w_up, s_up, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC, ACT8,
+                acc_up += _w_part(xq, xs, w_up, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC, ACT8,
                                   DOT8)
         if SCALES == 1:
             acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
-            if GATED:
-                acc_up *= tl.load(s_up, mask=n_mask, other=0.0)[None, :]
         if GATED:  # silu(gate) * up, each rounded to the output dtype as act_mul reads and writes them
             g = acc.to(dt).to(tl.float32)
             acc = (g * tl.sigmoid(g)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
@@ -112,8 +111,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
     row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks. act8 (fp8 weights): x
     quantized per (row, K tile of min(BLOCK_K, block_k) columns) in the kernel, the product on fp8 tensor cores.
-    rows: as the module's docstring (x read where it lies when its columns have a unit stride). gated: w's N rows
-    are [gate | up] and the result is silu(gate) * up [C, N / 2] (act_mul's, in the epilogue)."""
+    rows: as the module's docstring (x read where it lies when its columns have a unit stride). gated (16-bit
+    weights): w's N rows are [gate | up] and the result is silu(gate) * up [C, N / 2] (act_mul's, in the epilogue)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
@@ -122,8 +121,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         raise ValueError(f"grouped_mm: block_k={block_k}: expected a power of two of at least 16")
     c, k = x.shape[0] if rows is None else rows.shape[0], x.shape[1]
     e, n, _ = w.shape
-    if gated and n % 2:
-        raise ValueError(f"grouped_mm: gated needs an even number of weight rows [gate | up], got {n}")
+    if gated and (n % 2 or scale is not None or w.element_size() != 2):
+        raise ValueError(f"grouped_mm: gated takes 16-bit weights of an even number of rows [gate | up], got {n} "
+                         f"of {w.dtype}")
     n = n // 2 if gated else n
     if ends is None and e != 1:
         raise ValueError(f"grouped_mm without ends takes one expert (a dense GEMM), got w of {e}")
