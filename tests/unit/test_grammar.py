@@ -195,8 +195,11 @@ def test_written_out_repetitions_give_xgrammars_masks_on_random_walks(tokenizer,
             ma, mb = xgr.allocate_token_bitmask(1, VOCAB), xgr.allocate_token_bitmask(1, VOCAB)
             a.fill_next_token_bitmask(ma)
             b.fill_next_token_bitmask(mb)
-            assert torch.equal(ma, mb), f"masks differ after {steps} steps of a walk over {text}"
+            # the vocabulary's bits only: the last word's bits past VOCAB are xgrammar's padding (0.2.9 sets them on
+            # some compiled grammars and not on others)
             allowed = [t for t in range(VOCAB) if (ma[0, t // 32] >> (t % 32)) & 1]
+            assert allowed == [t for t in range(VOCAB) if (mb[0, t // 32] >> (t % 32)) & 1], (
+                f"masks differ after {steps} steps of a walk over {text}")
             tok = EOS if EOS in allowed else rng.choice(allowed)
             assert a.accept_token(tok) and b.accept_token(tok)
             steps += 1
