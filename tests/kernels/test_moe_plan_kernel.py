@@ -77,3 +77,51 @@ def test_plan_and_combine_read_the_dispatch_views_where_they_lie(device, lora):
     yp = torch.randn(got[0].shape[0], h, generator=g).to(device)
     torch.testing.assert_close(moe_combine(yp, got[1], uw), fused.moe_combine_ref(yp, got[1], uw.contiguous()))
     assert torch.equal(packed.view(torch.uint8), before.view(torch.uint8))
+
+
+ROUTE_CASES = {  # name: (tokens, k, experts, expert_start, local experts, valid rows or None)
+    "qwen3_decode": (32, 8, 128, 0, 128, None),
+    "half_of_the_experts": (21, 2, 8, 4, 4, None),
+    "padding_rows": (12, 4, 16, 0, 16, 7),
+    "k_not_a_power_of_two": (10, 6, 64, 16, 16, None),
+    "one_token": (1, 8, 128, 96, 32, None),
+    "one_local_expert": (40, 3, 8, 7, 1, None),
+}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("name", list(ROUTE_CASES))
+def test_route_plan_equals_topk_then_plan(device, name, lora):
+    """The router's top-k and the plan in one launch (route_plan) against moe_topk's kernel followed by plan_pairs:
+    the same plan and weights bit for bit (renormalised and rounded weights, a graph's padding rows, adapter slots,
+    a k that is not a power of two, one token), and the top-k itself against moe_topk_ref."""
+    from tp_lora.ops.fused import moe_topk_ref
+    from tp_lora.ops.triton.fused import moe_topk
+    from tp_lora.ops.triton.moe_plan import plan_pairs, route_fits, route_plan
+    from tp_lora.ops.triton.tickets import tickets
+    n, k, x, e0, e_local, valid = ROUTE_CASES[name]
+    assert route_fits(n, x, k)
+    g = torch.Generator().manual_seed(len(name) + 7 * lora)
+    # distinct logits a row (exact in bf16): no tie for torch.topk to order as it likes
+    logits = ((torch.rand(n, x, generator=g).argsort(-1) - x // 2) / 8).to(torch.bfloat16).to(device)
+    L = 3 if lora else 0
+    slots = torch.randint(-1, L, (n,), generator=g, dtype=torch.int32).to(device) if lora else None
+    v = None if valid is None else torch.tensor([valid], dtype=torch.int32, device=device)
+    for renorm, rnd in ((True, False), (False, True)):
+        ids, w = moe_topk(logits, k, renorm, rnd, v, 0)
+        want = plan_pairs(ids, slots, e0, e_local, L)
+        got = route_plan(logits, k, renorm, rnd, v, 0, slots, e0, e_local, L)
+        for field, a, b in zip(("token", "pos", "sorted_key", "expert_ends", "groups"), want, got[:5], strict=True):
+            assert a.shape == b.shape and torch.equal(a, b), f"{name}: {field} differs"
+        assert torch.equal(got[5], w), f"{name}: weights differ"
+        ref_ids, ref_w = moe_topk_ref(logits, k, renorm, rnd, v, 0)
+        assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+        tol = dict(rtol=2 ** -7, atol=1e-6) if rnd else {}  # rounded to bf16: one ulp apart at most
+        torch.testing.assert_close(w.sort(-1).values, ref_w.sort(-1).values, **tol)
+    assert not tickets(got[0].device, 1).any()
+
+
+def test_route_fits_bounds_the_tile():
+    from tp_lora.ops.triton.moe_plan import ROUTE_TILE, route_fits
+    assert route_fits(64, 128, 8) and not route_fits(65, 128, 8) and not route_fits(0, 8, 2)
+    assert route_fits(ROUTE_TILE // 8, 8, 2) and not route_fits(ROUTE_TILE // 8 + 1, 8, 2)
