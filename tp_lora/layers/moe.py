@@ -20,7 +20,6 @@ from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.ops.fused import act_mul, moe_topk
 from tp_lora.ops.grouped_mm import grouped_mm
 from tp_lora.ops.moe_layout import MoEPlan
-from tp_lora.ops.moe_plan import build_routed_plan
 from tp_lora.sharding import even_range, expert_range, take, take_nd
 
 
@@ -42,13 +41,6 @@ class Router(nn.Module):
         """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32; rows first + i >= valid[0] (a CUDA graph's
         padding) get ids -1."""
         return moe_topk(F.linear(x, self.weight), self.top_k, self.renormalize, self.round_weights, valid, first)
-
-    def plan(self, x: torch.Tensor, valid: torch.Tensor | None, first: int, slots: torch.Tensor | None,
-             expert_start: int, num_local: int, max_loras: int, lora: bool) -> MoEPlan:
-        """build_plan of forward()'s routing of x for the experts [expert_start, + num_local) (one launch where it
-        fits: tp_lora.ops.moe_plan.build_routed_plan)."""
-        return build_routed_plan(F.linear(x, self.weight), self.top_k, self.renormalize, self.round_weights, valid,
-                                 first, slots, expert_start, num_local, max_loras, lora)
 
 
 class Experts(nn.Module):

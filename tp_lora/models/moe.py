@@ -221,10 +221,9 @@ class SparseMoE(nn.Module):
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
-        spread = self.chunked or self.ep.size > 1  # the routing travels: top-k first (a graph's padding: nowhere)
-        ids, w = self.gate(xs, step.valid, c0) if spread else (None, None)
+        ids, w = self.gate(xs, step.valid, c0)  # a graph's padding rows route nowhere
         shared = self._shared(xs) if self.shared_gate_up is not None else None
-        tags, loras = step.slots, self.rt.max_loras if self.rt is not None else 0
+        tags = step.slots
         if self.chunked:  # hidden states are replicated: gather the chunks' routing only
             packed = comm.all_gather(pack_tokens(None, ids, w, tags, step.rows), self.ep, dim=0)[:x.shape[0]]
             _, ids, w, tags = unpack_tokens(packed, 0, xs.dtype, self.shape.top_k, tags is not None)
@@ -232,10 +231,10 @@ class SparseMoE(nn.Module):
         elif self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
             packed = comm.all_gather(pack_tokens(xs, ids, w, tags, step.rows), self.ep, dim=0)
             xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
-        else:  # the router's top-k and the plan in one go
+        else:
             xg = xs
-        plan = (build_plan(ids, w, tags, ex.e0, ex.num_local, loras, self._expert_lora(tags)) if spread else
-                self.gate.plan(xs, step.valid, c0, tags, ex.e0, ex.num_local, loras, self._expert_lora(tags)))
+        plan = build_plan(ids, w, tags, ex.e0, ex.num_local, self.rt.max_loras if self.rt is not None else 0,
+                          self._expert_lora(tags))
         yp = self.experts(xg, plan) if plan.num_pairs else xg[:0]
         y = moe_combine(yp, plan.pos, plan.weight)
         if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_lora.ops.fused import moe_topk, use_kernels
+from tp_lora.ops.fused import use_kernels
 from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan, num_lora_blocks
 
 SMALL_SORT = 4096  # pairs (N * k) up to which CUDA builds the plan in one Triton launch (else torch.sort and co.)
@@ -32,24 +32,6 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
                   torch.zeros(0, 4, dtype=torch.int32, device=topk_ids.device))
     return MoEPlan(token=token, pos=pos, weight=topk_weights.float(), sorted_key=sorted_key, expert_ends=ends,
                    groups=groups, keys_per_expert=L + 1)
-
-
-def build_routed_plan(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
-                      valid: torch.Tensor | None, first: int, token_slot: torch.Tensor | None, expert_start: int,
-                      num_local: int, max_loras: int = 0, lora: bool = False) -> MoEPlan:
-    """build_plan of moe_topk(logits [N, X], k, renormalize, round_weights, valid, first); on CUDA, for a batch whose
-    logits fit one tile, the top-k and the plan in one launch (tp_lora.ops.triton.moe_plan.route_plan)."""
-    L = max_loras if (lora and token_slot is not None) else 0
-    if use_kernels(logits):
-        from tp_lora.ops.triton.moe_plan import route_fits, route_plan  # noqa: PLC0415 - CUDA / forced only
-        if route_fits(logits.shape[0], logits.shape[1], k):
-            token, pos, sorted_key, ends, groups, w = route_plan(logits, k, renormalize, round_weights, valid, first,
-                                                                  token_slot if L else None, expert_start,
-                                                                  num_local, L)
-            return MoEPlan(token=token, pos=pos, weight=w, sorted_key=sorted_key, expert_ends=ends, groups=groups,
-                           keys_per_expert=L + 1)
-    ids, w = moe_topk(logits, k, renormalize, round_weights, valid, first)
-    return build_plan(ids, w, token_slot, expert_start, num_local, max_loras, lora)
 
 
 def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,

@@ -241,36 +241,26 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
 
 
 @triton.jit
-def softmax_topk(x, cols, K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, DT):
-    """Router logits x [..., C] float32 (-inf past the experts), cols their column ids [C] -> (ids [..., K_PAD] int32,
-    weights [..., K_PAD] float32; entries K.. 0): the K largest of softmax(x) over the last axis, the lowest column
-    among equals, renormalised to sum 1 (RENORM) and rounded through DT (ROUND), as moe_topk_ref."""
-    p = tl.exp(x - tl.expand_dims(tl.max(x, -1), -1))
-    p = p / tl.expand_dims(tl.sum(p, -1), -1)
-    j = tl.arange(0, K_PAD)
-    ids = j * 0
-    w = j * 0.0
-    for r in tl.static_range(K):  # the largest left, the lowest index among equals
-        m = tl.expand_dims(tl.max(p, -1), -1)
-        i = tl.expand_dims(tl.min(tl.where(p == m, cols, cols.shape[0]), -1), -1)
-        ids = tl.where(j == r, i, ids)
-        w = tl.where(j == r, m, w)
-        p = tl.where(cols == i, -1.0, p)
-    if RENORM:
-        w = w / tl.expand_dims(tl.sum(w, -1), -1)
-    if ROUND:
-        w = w.to(DT).to(tl.float32)
-    return ids, w
-
-
-@triton.jit
 def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, E, first, K: tl.constexpr, K_PAD: tl.constexpr,
                      E_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, HAS_VALID: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     x = tl.load(logits_ptr + t * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
-    ids, w = softmax_topk(x, e, K, K_PAD, RENORM, ROUND, logits_ptr.dtype.element_ty)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
     j = tl.arange(0, K_PAD)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    w = tl.zeros((K_PAD,), dtype=tl.float32)
+    for r in tl.static_range(K):  # the largest left, the lowest index among equals
+        m = tl.max(p, 0)
+        i = tl.min(tl.where(p == m, e, E_PAD), 0)
+        ids = tl.where(j == r, i, ids)
+        w = tl.where(j == r, m, w)
+        p = tl.where(e == i, -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, 0)
+    if ROUND:
+        w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
     if HAS_VALID:  # a graph's padding row routes nowhere
         ids = tl.where(j * 0 + first + t >= tl.load(valid_ptr), -1, ids)
     tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
