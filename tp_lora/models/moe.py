@@ -12,9 +12,8 @@ parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
   EP/TP    ep over the attention TP group (ep_attention=tp): tokens are replicated after attention, each rank routes a
            1/tp chunk and runs the shared expert on it (no token routed or shared-expert-computed twice). Every rank
            already holds every hidden state, so only the routing travels: all_gather(topk ids | weights | slot) ->
-           local experts on all tokens' pairs -> one all_reduce returns the replicated sum the next attention needs.
-           (all-gathering hidden states, reduce-scattering, then all-gathering the chunks back would move the same
-           sum plus a redundant copy of the hidden states, in one more collective.)
+           local experts on all tokens' pairs -> one all_reduce returns the replicated sum the next attention needs
+           (one collective fewer than all-gathering hidden states, reduce-scattering and all-gathering them back).
   EP x TP  ep over DP replicas and each expert's intermediate over the tp group (2D mesh): the EP collectives run over
            ep, the expert partial sums (and fully sharded LoRA collectives) over tp.
 The EP dispatch / combine take NVLink peer memory where parallel.allreduce gives the ep group it (tp_lora.distributed:
@@ -141,8 +140,7 @@ def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, 
         step.owned, step.rows = (0, num_tokens), num_tokens
     elif ps.ep.size > 1:
         if step.counts is None:
-            step.counts, step.lora = comm.all_gather_counts(num_tokens, ps.ep, device,
-                                                            rt is not None and rt.active())
+            step.counts, step.lora = comm.all_gather_counts(num_tokens, ps.ep, device, rt is not None and rt.active())
         counts = step.counts
         if counts[ps.ep.rank] != num_tokens:
             raise RuntimeError(f"lockstep announced {counts[ps.ep.rank]} tokens for this rank's step, but the forward "
@@ -424,7 +422,7 @@ class MoECausalLM(CausalLM):
     def idle_step(self) -> None:
         """This rank has no tokens this step but peers of its EP group do (lockstep stashed the counts): attention is
         skipped (its collectives stay inside this rank's own replica, idle as a whole), the MoE blocks serve the
-        peers' tokens."""
+        peers' tokens, and their sums are reduce-scattered by the kernel the busy ranks' next norm runs."""
         saved = self.rt.batch if self.rt is not None else None
         if self.rt is not None:
             self.rt.batch = build_lora_batch([], self.rt.max_loras, self.device)
@@ -433,7 +431,10 @@ class MoECausalLM(CausalLM):
             x = torch.zeros(0, self.hf["hidden_size"], dtype=self.dtype, device=self.device)
             for layer in self.layers:
                 if isinstance(layer.mlp, SparseMoE):
-                    layer.mlp(x)
+                    group, scatter = layer.defer or (None, False)
+                    y = layer.mlp(x, partial=scatter)
+                    if scatter:  # the busy ranks' next norm reduce-scatters the sums: the same kernel, no rows kept
+                        self.norm.with_residual(y, x, reduce=group, scatter=True)
         finally:
             if self.rt is not None:
                 self.rt.batch = saved
