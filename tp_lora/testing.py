@@ -11,6 +11,7 @@ each call hands the ranks the caller's TP_LORA_* environment)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import faulthandler
@@ -357,3 +358,45 @@ def run_ranks(fn, world_size: int, *args, tp_size: int | None = None, timeout_s:
     Raises RuntimeError with the failing ranks' tracebacks. fn must be importable (module level); its tp groups
     have tp_size ranks (default: all) and collectives that time out after timeout_s."""
     return rank_pool(world_size).run(fn, *args, tp_size=tp_size, timeout_s=timeout_s)
+
+
+_RECORDED = ("all_reduce", "all_gather", "reduce_scatter", "fused_peer")
+
+
+@contextlib.contextmanager
+def recorded_collectives():
+    """The collectives this process asks for inside the block, in order, as (primitive, group name, group's ranks,
+    shape, options) over groups of more than one rank; a reduce fused into the kernel that consumes it
+    (tp_lora.distributed.fused_peer) is named apart from a plain one, even where it falls back to the plain one
+    (gloo). On GPUs the two are different peer kernels, which never meet: same_collectives checks for that."""
+    from tp_lora import distributed as comm  # noqa: PLC0415 - the ranks' module, patched for the block only
+    calls, saved = [], {name: getattr(comm, name) for name in _RECORDED}
+
+    def spy(name):
+        def call(t, group, *args, **kw):
+            if group.size > 1:
+                calls.append((name, group.name, tuple(group.ranks), tuple(t.shape), args, sorted(kw.items())))
+            return saved[name](t, group, *args, **kw)
+        return call
+    for name in saved:
+        setattr(comm, name, spy(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(comm, name, fn)
+
+
+def same_collectives(calls: list, world, what: str = "") -> None:
+    """AssertionError where two ranks of one group asked for different sequences of its collectives. calls: this
+    rank's recorded_collectives() list (every rank of `world` calls this with its own)."""
+    from tp_lora import distributed as comm  # noqa: PLC0415
+    everyone = comm.all_gather_object(calls, world)
+    for group in sorted({(c[1], c[2]) for mine in everyone for c in mine}):
+        seqs = {r: [c for c in everyone[r] if (c[1], c[2]) == group] for r in group[1]}
+        first = seqs[group[1][0]]
+        for r, seq in seqs.items():
+            if seq != first:
+                at = next((i for i, (a, b) in enumerate(zip(first, seq)) if a != b), min(len(first), len(seq)))
+                raise AssertionError(f"{what}: ranks {group[1][0]} and {r} of group {group[0]} {list(group[1])} "
+                                     f"part at their collective {at}: {first[at:at + 2]} against {seq[at:at + 2]}")

@@ -26,7 +26,8 @@ from tp_lora.lora.layers import LoRARuntime
 from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, capacity, prepare_step
 from tp_lora.ops import get_backend
 from tp_lora.ops.batch import build_lora_batch
-from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks
+from tp_lora.testing import (backend_under_test, device_under_test, enough_devices, recorded_collectives, run_ranks,
+                             same_collectives)
 
 # INTER: at tp4 an expert's shard of 8 columns is a 16-byte row, which torch's grouped GEMM (CUDA graphs) needs
 V, H, HEADS, KV, E, K, INTER, SHARED, DENSE = 128, 32, 4, 2, 8, 2, 32, 24, 48
@@ -233,7 +234,10 @@ def _engine_cases(ps_world: comm.ParallelState, world: int, cases, requests, ref
                 for subset in (requests, requests[:3]):  # [:3] leaves a rank of ep4 with no request at all
                     mine = _mine(ps, subset)
                     engine.run_ahead = subset is requests  # steps launched before the last is read (CUDA's way)
-                    for r, res in zip(mine, engine.generate(mine)):
+                    with recorded_collectives() as calls:  # idle ranks ask for the busy ones' (GPUs: peer kernels)
+                        results = engine.generate(mine)
+                    same_collectives(calls, ps_world.world, what)
+                    for r, res in zip(mine, results):
                         assert res.output_token_ids == ref_tokens[r.index], \
                             f"{what}: request {r.index} greedy tokens {res.output_token_ids} != {ref_tokens[r.index]}"
                 checked.append(what)

@@ -11,7 +11,6 @@ dispatch's bookkeeping (prepare_step: rows, owned tokens, the agreed LoRA flag, 
 One run on the ranks for both (~50 s on 2 cores). Gloo only: with TP_LORA_TEST_DEVICE=cuda tests/gpu/test_moe_graphs.py
 runs the real graphs.
 """
-import contextlib
 import os
 import sys
 
@@ -30,7 +29,7 @@ from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoEStep, prepare_step  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
 from tp_lora.ops.batch import build_lora_batch  # noqa: E402
-from tp_lora.testing import device_under_test, run_ranks  # noqa: E402
+from tp_lora.testing import device_under_test, recorded_collectives, run_ranks, same_collectives  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "kernels")]
@@ -140,24 +139,20 @@ def _overflow_case(ps, engine: Engine) -> list[str]:
             step.add(torch.randint(2, V, (n,), generator=gen).tolist(), list(range(seq * width, (seq + 1) * width)),
                      start, slot)
         steps.append(step)
-    out, launched = {}, []
-    for runner in (graphed, eager):
-        for t in cache.k + cache.v:  # each run from the same (zero) K/V: decodes attend over unwritten positions
-            t.zero_()
-        out[runner] = []
-        for step in steps:
-            with _collectives() as calls:
+    out = {}
+    with recorded_collectives() as calls:  # an idle rank asks for the busy one's (GPUs: the same peer kernels)
+        for runner in (graphed, eager):
+            for t in cache.k + cache.v:  # each run from the same (zero) K/V: decodes attend over unwritten positions
+                t.zero_()
+            out[runner] = []
+            for step in steps:
                 if step is None:
                     model.lockstep(0)  # idle: serves the peer's tokens
                     out[runner].append((None, False))
-                else:
-                    model.lockstep(len(step.ids), any(s >= 0 for s in step.slots))
-                    out[runner].append((runner.execute(step, cache).clone(), runner.replayed))
-            launched.append(calls)
-    # every rank of the group launches the same collectives in every step, an idle one included (on GPUs a busy rank's
-    # reduce-scatter runs in its next norm's fused peer kernel, which the idle rank's must match)
-    for i, per_rank in enumerate(zip(*comm.all_gather_object(launched, ps.world))):
-        assert all(c == per_rank[0] for c in per_rank), f"step {i}: the ranks' collectives differ: {per_rank}"
+                    continue
+                model.lockstep(len(step.ids), any(s >= 0 for s in step.slots))
+                out[runner].append((runner.execute(step, cache).clone(), runner.replayed))
+    same_collectives(calls, ps.world, f"rank {rank}: overflow plan")
     for i, ((got, replayed), (want, _), p) in enumerate(zip(out[graphed], out[eager], plan)):
         if got is None:
             continue
@@ -165,27 +160,6 @@ def _overflow_case(ps, engine: Engine) -> list[str]:
         err = float((got - want).abs().max() / want.abs().max())
         assert err < 1e-4, f"rank {rank} step {i}: logits differ by {err:.2e}"
     return [f"rank {rank}: overflow plan"]
-
-
-@contextlib.contextmanager
-def _collectives():
-    """The collectives this process asks for inside the block (groups of more than one rank): (primitive, group,
-    shape, options), a fused reduce (the peer kernel that consumes it: tp_lora.distributed.fused_peer) apart."""
-    calls, saved = [], {name: getattr(comm, name) for name in ("all_gather", "reduce_scatter", "fused_peer")}
-
-    def spy(name):
-        def call(t, group, *args, **kw):
-            if group.size > 1:
-                calls.append((name, group.name, tuple(t.shape), args, sorted(kw.items())))
-            return saved[name](t, group, *args, **kw)
-        return call
-    for name in saved:
-        setattr(comm, name, spy(name))
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(comm, name, fn)
 
 
 def _all(ps, model: str, adapters: str) -> tuple[list[str], list[str]]:
