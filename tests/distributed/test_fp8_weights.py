@@ -16,7 +16,7 @@ from tp_lora.engine.requests import Request
 from tp_lora.models import registry
 from tp_lora.models.checkpoint import CheckpointReader, load_hf_config
 from tp_lora.models.loader import load_weights
-from tp_lora.testing import device_under_test, enough_devices, run_ranks
+from tp_lora.testing import device_under_test, enough_devices, recorded_collectives, run_ranks, same_collectives
 
 FORMATS = ("block", "channel", "tensor")
 
@@ -69,8 +69,10 @@ def _cfg(tp: int, ep: int, fully: bool, quantization) -> RunConfig:
 
 def _run(ps, cfg, model, adapters, requests):
     mine = [r for r in requests if r.index % ps.dp.size == ps.dp.rank]
-    return {r.request.index: (r.output_token_ids, r.logprobs)
-            for r in Engine(cfg, ps, model, adapters).generate(mine)}
+    with recorded_collectives() as calls:  # every rank of a group asks for the same ones (GPUs: the same kernels)
+        results = Engine(cfg, ps, model, adapters).generate(mine)
+    same_collectives(calls, ps.world, f"tp{cfg.parallel.tp_size} ep{cfg.parallel.ep_size}")
+    return {r.request.index: (r.output_token_ids, r.logprobs) for r in results}
 
 
 def _check(got: dict, want: dict, what: str, tol: float) -> None:

@@ -92,8 +92,10 @@ def _generate_cases(ps, model: str, adapters: str) -> list[str]:
     eager, graphed = _engine(model, adapters, ps, False), _engine(model, adapters, ps, True)
     checked = []
     for reqs in _requests(rank):
-        want = eager.generate(reqs)
-        got = graphed.generate(reqs)
+        with recorded_collectives() as calls:
+            want = eager.generate(reqs)
+            got = graphed.generate(reqs)
+        same_collectives(calls, ps.world, f"rank {rank}: {len(reqs)} requests")
         for w, g in zip(want, got, strict=True):
             assert g.output_token_ids == w.output_token_ids, f"rank {rank} request {w.request.id}"
             assert max(abs(a - b) for a, b in zip(w.logprobs, g.logprobs)) < 1e-4, f"rank {rank} {w.request.id}"
