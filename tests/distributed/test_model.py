@@ -1,5 +1,6 @@
 """A whole model at tp=2 and tp=4, both LoRA sharding modes, against one process: logits within 1e-4 relative,
-greedy tokens identical, and the exact number of collectives per forward pass."""
+greedy tokens identical, the exact number of collectives per forward pass, and the same collectives asked for by
+every rank while generating."""
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,8 @@ from tp_lora.config import RunConfig
 from tp_lora.engine.engine import Engine
 from tp_lora.engine.requests import Request
 from tp_lora.engine.scoring import prompt_logits
-from tp_lora.testing import backend_under_test, device_under_test, enough_devices, run_ranks
+from tp_lora.testing import (backend_under_test, device_under_test, enough_devices, recorded_collectives, run_ranks,
+                             same_collectives)
 
 LAYERS = 2
 
@@ -61,7 +63,9 @@ def _run(ps: comm.ParallelState, cases, requests):
         comm.STATS.reset()
         logits = prompt_logits(engine, requests[:4])  # every slot used: a8, none, b4, c16
         calls = dict(comm.STATS.calls)
-        results = engine.generate(requests)
+        with recorded_collectives() as asked:  # every rank asks for the same ones (GPUs: the same peer kernels)
+            results = engine.generate(requests)
+        same_collectives(asked, ps.world, f"tp{ps.tp.size} fully_sharded={fully}")
         out.append((logits, [r.output_token_ids for r in results], calls))
     return out
 
