@@ -461,12 +461,12 @@ class ServerProcess:
 
     def __init__(self, args, model: str, adapters: str):
         import subprocess
-        from tp_lora.testing import free_port
-        self.port = free_port()
+        from tp_lora.testing import listen_port
+        self.port = listen_port()
         serve = os.path.join(ROOT, "launch", "serve.py")
         cmd = [sys.executable, serve] if args.tp == 1 else [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.tp}",
-            f"--master_port={free_port()}", serve]
+            f"--master_port={listen_port()}", serve]
         self.log_path = os.path.join(args.out, f"server-{os.path.basename(adapters)}.log")
         os.makedirs(args.out, exist_ok=True)
         self.proc = subprocess.Popen(cmd + _server_overrides(args, model, adapters, self.port),

@@ -38,16 +38,11 @@ GRACE_S = 2.0  # after one rank fails, how long the others get to report (their 
 PR_SET_PDEATHSIG = 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def listen_port() -> int:
-    """A free port for a server to listen on, below the system's ephemeral range: the ports bind(0) hands out (the
-    ranks' rendezvous, gloo's and NCCL's sockets) come from that range, so none of them can take this one before the
-    server binds it (free_port's could, and a server then failed with 'Address already in use')."""
+    """A free port for a server or a rendezvous to listen on, below the system's ephemeral range: the ports bind(0)
+    hands out (gloo's and NCCL's sockets, other processes' connections) come from that range, so none of them can take
+    this one before it is bound (a port from bind(0) could be, and the rank pool's rendezvous then failed with
+    'address already in use' beside other test workers)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
@@ -137,7 +132,7 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self.stacks = tempfile.mkdtemp(prefix="tp_lora_ranks_")  # where a hung rank's stack is dumped
         self.outbox, self.inboxes = ctx.Queue(), [ctx.Queue() for _ in range(self.world_size)]
-        port = free_port()
+        port = listen_port()
         self.procs = [ctx.Process(target=_pool_rank, name=f"rank{r}",
                                   args=(r, self.world_size, port, self.device, self.stacks, self.inboxes[r],
                                         self.outbox)) for r in range(self.world_size)]

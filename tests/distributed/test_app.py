@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tp_lora.assets import ensure_default_assets, write_random_adapter
-from tp_lora.testing import free_port, workers_share_gpus
+from tp_lora.testing import listen_port, workers_share_gpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "launch", "generate.py")
@@ -18,7 +18,7 @@ SCRIPT = os.path.join(ROOT, "launch", "generate.py")
 def _launch(args, home, nproc=1, timeout=180):
     env = dict(os.environ, TP_LORA_HOME=str(home), OMP_NUM_THREADS="1")
     cmd = [sys.executable, SCRIPT] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={listen_port()}",
          SCRIPT]
     if workers_share_gpus():  # side by side with other workers' tests: a small cache, not 80% of the free memory
         args = [*args, "scheduler.kv_cache_mb=1024"]

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tp_lora.testing import free_port  # noqa: E402
+from tp_lora.testing import listen_port  # noqa: E402
 
 from _parity import check_matches, hf_greedy  # noqa: E402
 
@@ -208,7 +208,7 @@ def _generate(model_dir, adapter_dir, req_path, out_path, layout: str, fully: bo
         cmd = [sys.executable, script] + args
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               f"--master_port={free_port()}", script] + args
+               f"--master_port={listen_port()}", script] + args
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

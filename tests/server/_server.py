@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tp_lora.testing import free_port, listen_port
+from tp_lora.testing import listen_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE = os.path.join(ROOT, "launch", "serve.py")
@@ -52,7 +52,7 @@ class Server:
             cmd = [sys.executable, SERVE] + args
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--master_port={free_port()}", SERVE] + args
+                   f"--master_port={listen_port()}", SERVE] + args
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,

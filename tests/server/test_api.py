@@ -104,13 +104,13 @@ def test_bad_overrides_are_named(overrides, words):
 
 
 def test_generate_under_torchrun(home, reference, tmp_path):
-    from tp_lora.testing import free_port
+    from tp_lora.testing import listen_port
     reqs = [q for q, _ in reference]
     script = tmp_path / "llm_tp2.py"
     script.write_text(SCRIPT)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", str(script), json.dumps(reqs), str(tmp_path)], capture_output=True, text=True,
-                       timeout=240, env=env_for(home), cwd=ROOT)
+                        f"--master_port={listen_port()}", str(script), json.dumps(reqs), str(tmp_path)],
+                       capture_output=True, text=True, timeout=240, env=env_for(home), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert lines[1] is None

@@ -60,11 +60,11 @@ def write_requests(path, requests) -> str:
 
 
 def launch_cmd(args, nproc: int = 1, port: int | None = None):
-    from tp_lora.testing import free_port
+    from tp_lora.testing import listen_port
     if nproc == 1:
         return [sys.executable, SCRIPT] + list(args)
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--master_port={port or free_port()}", SCRIPT] + list(args)
+            f"--master_port={port or listen_port()}", SCRIPT] + list(args)
 
 
 def run_app(args, nproc: int = 1, timeout: float = 120):

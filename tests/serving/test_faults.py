@@ -18,7 +18,7 @@ import torch
 
 from tp_lora import distributed as comm
 from tp_lora.engine.engine import Engine
-from tp_lora.testing import free_port
+from tp_lora.testing import listen_port
 
 from _serving import SCRIPT, launch_cmd, make_requests, read_lines, serving_cfg, write_requests
 
@@ -38,7 +38,7 @@ def _args(bundle, req, out, *extra):
 
 def _spawn_ranks(args, n=2):
     """Ranks as torchrun would start them, without torchrun (which would tear the survivors down itself)."""
-    port = free_port()
+    port = listen_port()
     procs = []
     for rank in range(n):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
