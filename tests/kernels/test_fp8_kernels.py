@@ -325,3 +325,17 @@ def test_per_group_quantization_kernel_matches_the_reference(device, rows, k, gr
         torch.testing.assert_close(s, want_s, rtol=0, atol=0)
         assert torch.equal(q.float(), want_q.float())
         assert not q[rows:].float().any() and (s[rows:] == 1).all()  # padding rows: zeros, scale 1
+
+
+def test_per_channel_quantization_is_the_same_on_every_device(device):
+    """quantize_fp8_per_channel (quantization=fp8 at load, fp8 adapters) on the device gives the CPU's bytes: scales
+    amax / 448 rounded once (a reciprocal's product is 1 ulp off in half the rows), all-zero rows scale 1."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    w = torch.randn(3, 512, 96, generator=gen) * torch.rand(3, 512, 1, generator=gen) * 4
+    w[1, 7] = 0
+    q, s = quantize_fp8_per_channel(w.to(device))
+    amax = w.abs().amax(dim=-1).double()
+    want = torch.where(amax > 0, amax / 448, torch.ones_like(amax)).float()
+    assert torch.equal(s.cpu(), want), f"{(s.cpu() != want).sum().item()} of {want.numel()} scales differ"
+    q_cpu, _ = quantize_fp8_per_channel(w)
+    assert torch.equal(q.cpu().view(torch.uint8), q_cpu.view(torch.uint8))

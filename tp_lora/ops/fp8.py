@@ -30,7 +30,9 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
 def _channel_scales(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    """amax / 448 rounded once on every device (CUDA multiplies by a Python divisor's reciprocal: 1 ulp off in half
+    the rows, which moves the fp8 values at rounding ties: quantize-at-load would differ by device)."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
