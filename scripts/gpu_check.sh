@@ -127,6 +127,9 @@ for what in "${@:-all}"; do
     gpu_suite)
       step "issue 36: the multi-GPU suite over NCCL + triton ($NGPU GPUs): tests/distributed, tests/gpu, multi-rank parity"
       start=$SECONDS
+      # what the suite imports beyond the GPU image (gpu-wheels.sh --serve lacks jsonschema and pytest-xdist)
+      python3 -c 'import importlib.util as u; m=[n for n in ("jsonschema", "openai", "fastapi", "xdist", "peft")
+if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else None' | tee -a "$OUT/summary.log"
       # Files spread over 4 pytest workers where pytest-xdist is installed (each file's tests stay in one worker, so
       # its module fixtures and rank pools are made once, unless a test names a group of its own: tests/conftest.py;
       # each process takes a bounded share of every GPU: tp_lora.testing.share_gpus). -v with a clock on every line:
