@@ -89,7 +89,7 @@ class AdapterRegistry:
         if name not in self.infos:
             known = sorted(self.infos)
             shown = (f"{known[:10]} and {len(known) - 10} more" if len(known) > 10 else known) if known \
-                else "none (set lora.adapter_dir)"
+                else "none (no adapter was found under lora.adapter_dir or loaded since)"
             return f"unknown adapter {name!r}; known adapters: {shown}"
         return None
 
