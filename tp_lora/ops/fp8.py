@@ -30,8 +30,8 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
 def _channel_scales(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 rounded once on every device (CUDA multiplies by a Python divisor's reciprocal: 1 ulp off in half
-    the rows, which moves the fp8 values at rounding ties: quantize-at-load would differ by device)."""
+    """amax / 448 rounded once on every device: CUDA multiplies by a Python divisor's reciprocal, up to 1 ulp off,
+    which moves fp8 values at rounding ties (the same checkpoint would quantize differently by device)."""
     return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
