@@ -47,7 +47,8 @@ from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.layers import moe as moe_layers  # noqa: E402
 from tp_lora.lora import layers as lora_layers  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
-from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe  # noqa: E402
+from tp_lora.models.moe import SparseMoE  # noqa: E402
+from tp_lora.models.moe_step import MoEStep, prepare_step, validate_moe  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
 from tp_lora.ops.batch import build_lora_batch  # noqa: E402
 from tp_lora.ops.grouped_mm import grouped_mm_ref, grouped_mm_torch, grouped_mm_triton  # noqa: E402

@@ -23,7 +23,8 @@ from tp_lora.engine.engine import Engine
 from tp_lora.engine.requests import Request
 from tp_lora.engine.scoring import prompt_logits
 from tp_lora.lora.layers import LoRARuntime
-from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE, capacity, prepare_step
+from tp_lora.models.moe import SparseMoE
+from tp_lora.models.moe_step import MoEShape, MoEStep, capacity, prepare_step
 from tp_lora.ops import get_backend
 from tp_lora.ops.batch import build_lora_batch
 from tp_lora.testing import (backend_under_test, device_under_test, enough_devices, recorded_collectives, run_ranks,

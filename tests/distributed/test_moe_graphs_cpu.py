@@ -26,7 +26,7 @@ from tp_lora.engine.engine import Engine  # noqa: E402
 from tp_lora.engine.requests import Request  # noqa: E402
 from tp_lora.engine.runner import GRAPH_BATCH_SIZES, ModelRunner, StepBatch  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
-from tp_lora.models.moe import MoEStep, prepare_step  # noqa: E402
+from tp_lora.models.moe_step import MoEStep, prepare_step  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
 from tp_lora.ops.batch import build_lora_batch  # noqa: E402
 from tp_lora.testing import device_under_test, recorded_collectives, run_ranks, same_collectives  # noqa: E402

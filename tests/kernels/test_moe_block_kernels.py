@@ -10,7 +10,8 @@ import torch
 from tp_lora import distributed as comm
 from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime
-from tp_lora.models.moe import MoEStep, SparseMoE, prepare_step, validate_moe
+from tp_lora.models.moe import SparseMoE
+from tp_lora.models.moe_step import MoEStep, prepare_step, validate_moe
 from tp_lora.ops import fused, get_backend
 from tp_lora.ops.batch import build_lora_batch
 

@@ -13,7 +13,8 @@ from tp_lora.ops.moe_pack import pack_tokens, unpack_tokens
 from tp_lora.lora.adapter import load_peft_adapter, validate_adapter
 from tp_lora.lora.layers import LoRARuntime, module_shapes
 from tp_lora.lora.peft_format import AdapterError
-from tp_lora.models.moe import MoECausalLM, validate_moe
+from tp_lora.models.moe import MoECausalLM
+from tp_lora.models.moe_step import validate_moe
 from tp_lora.ops import torch_ref
 from tp_lora.ops.batch import build_lora_batch
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
@@ -324,7 +325,8 @@ def test_checkpoint_shape_errors_are_clear():
 def _block_with_lora(hf, seed, ops, fp8=False):
     """A single-process Mixtral-shaped SparseMoE, random weights, slot 0 LoRA on every expert's w1/w3/w2 (rank 4),
     slot 1 on w2 only. fp8: B stored as e4m3 (lora.dtype=fp8); the returned deltas use B as quantized."""
-    from tp_lora.models.moe import MoEShape, MoEStep, SparseMoE
+    from tp_lora.models.moe import SparseMoE
+    from tp_lora.models.moe_step import MoEShape, MoEStep
     g = torch.Generator().manual_seed(seed)
     rt = LoRARuntime(2, 4, False, ops, fp8=fp8)
     block = SparseMoE(hf, MoEShape.from_hf(hf), 0, comm.single_process(), MoEStep(), torch.float32, "cpu", rt, None)
@@ -475,7 +477,7 @@ def test_graph_capture_follows_the_layout():
 def test_ep_dp_graph_sizing():
     """EP over DP replicas: a graph covers the EP group's capacity and LoRA flag (agreed by lockstep),
     not the rank's own, and dispatch rows round up to the graph sizes in use, so graphed and eager peers agree."""
-    from tp_lora.models.moe import capacity
+    from tp_lora.models.moe_step import capacity
     assert [capacity(n, (1, 2, 4, 8)) for n in (0, 1, 3, 8, 9)] == [1, 1, 4, 8, 9]
     assert capacity(5, ()) == 5
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 from tp_lora.config import ConfigError
 from tp_lora.layers.quant import quant_config
 from tp_lora.models.llama import SUPPORTED, CausalLM
+from tp_lora.models.moe_step import MOE_TYPES
 from tp_lora.ops.fp8 import FP8_DTYPE
-
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build(hf: dict, tp, dtype, device, rt, targets, quantization: str | None = None, kv_cache_dtype: str = "auto"):
