@@ -4,9 +4,11 @@ import threading
 import pytest
 import torch
 
+from tp_lora import distributed as comm
+from tp_lora.assets import write_tiny_llama
 from tp_lora.config import ConfigError, RunConfig, validate, validate_for_model
 from tp_lora.engine.adapters import MAX_READ_THREADS, read_threads
-from tp_lora.engine.engine import host_threads
+from tp_lora.engine.engine import Engine, host_threads
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.requests import request_error
 from tp_lora.request_files import OutputWriter, parse_request
@@ -150,3 +152,13 @@ def test_writer_flushes_each_line_and_ends_in_request_order(tmp_path):
         assert len(path.read_text().splitlines()) == [2, 0, 1].index(i) + 1  # on disk before close
     w.close()
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["r0", "r1", "r2"]
+
+
+def test_an_adapter_dir_without_adapters_is_refused_before_any_collective(tmp_path):
+    """A set lora.adapter_dir that holds no PEFT adapter (a typo'd level, an empty directory) is a ConfigError naming
+    it, raised by every rank before the model is built, not a run of the base model alone."""
+    model = write_tiny_llama(str(tmp_path / "model"), seed=0)
+    (tmp_path / "adapters" / "not-an-adapter").mkdir(parents=True)
+    (tmp_path / "adapters" / "not-an-adapter" / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=f"lora.adapter_dir={tmp_path / 'adapters'} holds no adapter"):
+        Engine(RunConfig(), comm.single_process("cpu"), model, str(tmp_path / "adapters"))
