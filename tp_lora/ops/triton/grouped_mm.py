@@ -30,6 +30,10 @@ NUM_WARPS, NUM_STAGES = 4, 4
 ACT8_STAGES = 3  # the pipeline's depth with act8 (scripts/tune_fp8_gemm.py --experts)
 F32_STAGES = 3  # float32 tiles: 4 stages of 32+ rows exceed an sm90 program's 227 KB of shared memory
 MAX_BLOCK_M = 64  # one row block of up to this many rows (a dense GEMM's decode batch reads its weights once)
+# 16-bit experts (BENCHMARKS.md, "the grouped GEMM's 16-bit tiles"): gated takes (BLOCK_N, stages) = (64, 2), so its
+# two weight tiles a stage leave room for several programs an SM; else STAGES_16 stages, K tiles of 64 where 128
+# leaves a part-empty last tile.
+GATED_BLOCK_N, GATED_STAGES, STAGES_16 = 64, 2, 3
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
@@ -144,6 +148,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     block_n = 32 if ends is None else BLOCK_N
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
     stages = ACT8_STAGES if act8 else F32_STAGES if max(x.element_size(), w.element_size()) == 4 else NUM_STAGES
+    if ends is not None and mode == SCALE_NONE and x.element_size() == w.element_size() == 2:
+        block_n, stages = (GATED_BLOCK_N, GATED_STAGES) if gated else (BLOCK_N, STAGES_16)
+        bk = BLOCK_K if gated or k % BLOCK_K == 0 else BLOCK_K // 2
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
         x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode,
