@@ -62,7 +62,8 @@ def test_fp8_grouped_mm_matches_the_dequantised_loop(device, monkeypatch, dtype,
 def test_fp8_grouped_mm_act8_quantizes_each_rows_k_tile(device, block_k):
     """The grouped kernel's act8: each row's K tile (128 columns, or the narrower scale block) rounded to e4m3, the
     fp8 product scaled back: equal to the reference that quantizes first (float32 rows, exact under that rounding on
-    the CPU), not to the exact product (CUDA's random rows); refused for 16-bit weights."""
+    the CPU; on CUDA to 1e-3: the warp-group fp8 MMA sums a K tile's products in fewer bits than float32), not to the
+    exact product (CUDA's random rows); refused for 16-bit weights."""
     from tp_lora.ops.grouped_mm import grouped_mm_triton
     counts, k, n = [3, 0, 9, 4], 320, 40
     gen = torch.Generator().manual_seed(k + (block_k or 0))
@@ -72,7 +73,7 @@ def test_fp8_grouped_mm_act8_quantizes_each_rows_k_tile(device, block_k):
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
     got = grouped_mm_triton(x, w, ends, scale, block_k, 4, act8=True)
     want = grouped_mm_ref(x, w, ends, scale, block_k, act8=True)
-    assert rel_err(got[:16], want[:16]) < 1e-5
+    assert rel_err(got[:16], want[:16]) < (1e-5 if device == "cpu" else 1e-3)
     if device == "cuda":
         assert rel_err(got[:16], grouped_mm_ref(x, w, ends, scale, block_k)[:16]) > 5e-3
     with pytest.raises(ValueError, match="act8 multiplies fp8 weights with their scales, got torch.float32"):

@@ -9,8 +9,9 @@
 
 w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, ceil(K / block_k)] per block of
 block_k columns: the fp8 tile is widened to x's dtype in registers (exact) and the scales applied to the float32
-partial sums, so only the fp8 bytes leave memory (weight-only fp8: the activations are not quantized). With E = 1 and
-no ends it is a dense GEMM (what fp8_linear ran before tp_lora.ops.triton.fp8_gemm's split-K kernel; the baseline
+partial sums, so only the fp8 bytes leave memory (weight-only fp8: the activations are not quantized); with act8 the
+rows are quantized to e4m3 per (row, K tile) and multiplied on the fp8 tensor cores, the product transposed (the
+weight tile on the MMA's M side, as Hopper's warp-group MMA takes it). With E = 1 and no ends it is a dense GEMM (what fp8_linear ran before tp_lora.ops.triton.fp8_gemm's split-K kernel; the baseline
 scripts/tune_fp8_gemm.py times).
 
 A program owns one (expert, BLOCK_N columns) tile of the weights and walks that expert's rows in blocks of BLOCK_M,
@@ -38,30 +39,30 @@ SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
-def _w_part(xq, xs, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K: tl.constexpr,
-            CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr):
-    """One K tile's float32 product of the rows (xq, xs as _x_operand gives them) with the weight tile at w_tile +
-    k0 [BLOCK_K, BLOCK_N], its per-block scales applied (SCALES 2)."""
+def _w_part(xv, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr,
+            DOT: tl.constexpr, PREC: tl.constexpr):
+    """One K tile's float32 product of the rows xv [BLOCK_M, BLOCK_K] with the weight tile at w_tile + k0
+    [BLOCK_K, BLOCK_N], its per-block scales applied (SCALES 2)."""
     wv = tl.load(w_tile + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-    if ACT8:
-        part = tl.dot(xq, wv.to(DOT8)) * xs[:, None]
-    else:
-        part = mm(xq, wv, CDT, DOT, PREC)
+    part = mm(xv, wv, CDT, DOT, PREC)
     if SCALES == 2:  # one scale per (row, SCALE_K columns); BLOCK_K divides SCALE_K
         part *= tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[None, :]
     return part
 
 
 @triton.jit
-def _x_operand(xv, ACT8: tl.constexpr, DOT8: tl.constexpr):
-    """(rows as the dot takes them, their per-row scale): with ACT8 each row's K tile in fp8 (scale: its amax / 448),
-    for the fp8 tensor cores; else as loaded (scale unused)."""
-    xs = tl.zeros((xv.shape[0],), tl.float32)
-    if ACT8:
-        xf = xv.to(tl.float32)
-        xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1e-12)
-        xv = (xf / xs[:, None]).to(tl.float8e4nv).to(DOT8)
-    return xv, xs
+def _act8_part(xv, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K: tl.constexpr,
+               DOT8: tl.constexpr):
+    """ACT8's K tile, transposed: the fp8 weight tile at w_tile + k0 [BLOCK_N, BLOCK_K] times the rows xv^T
+    [BLOCK_K, BLOCK_M], each row quantized to e4m3 (scale: its amax / 448) -> float32 [BLOCK_N, BLOCK_M], scaled back
+    (and by the per-block weight scales, SCALES 2). The weights on the MMA's M side: Hopper's warp-group MMA."""
+    xf = xv.to(tl.float32)
+    xs = tl.maximum(tl.max(tl.abs(xf), axis=0) / 448.0, 1e-12)
+    wv = tl.load(w_tile + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    part = tl.dot(wv.to(DOT8), (xf / xs[None, :]).to(tl.float8e4nv).to(DOT8)) * xs[None, :]
+    if SCALES == 2:
+        part *= tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[:, None]
+    return part
 
 
 @triton.jit
@@ -80,7 +81,11 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (GATED: gate rows n, up rows N + n)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_blk = w_ptr + e.to(tl.int64) * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
+    w_e = w_ptr + e.to(tl.int64) * s_we
+    if ACT8:  # weight tiles [BLOCK_N, BLOCK_K], rows [BLOCK_K, BLOCK_M] (_act8_part)
+        w_blk = w_e + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    else:  # rows [BLOCK_M, BLOCK_K], weight tiles [BLOCK_K, BLOCK_N]
+        w_blk = w_e + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
     s_row = s_ptr + e.to(tl.int64) * s_se + offs_n.to(tl.int64) * s_sn
     w_up = w_blk + N * s_wn
     dt = out_ptr.dtype.element_ty
@@ -90,21 +95,31 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
         src = rows
         if GATHER:
             src = tl.load(idx_ptr + rows, mask=m_mask, other=0)
-        x_blk = x_ptr + src[:, None].to(tl.int64) * s_xm + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            xq, xs = _x_operand(tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0), ACT8, DOT8)
-            acc += _w_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC, ACT8, DOT8)
-            if GATED:
-                acc_up += _w_part(xq, xs, w_up, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC, ACT8,
-                                  DOT8)
-        if SCALES == 1:
-            acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
-        if GATED:  # silu(gate) * up, each rounded to the output dtype as act_mul reads and writes them
-            g = acc.to(dt).to(tl.float32)
-            acc = (g * tl.sigmoid(g)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+        if ACT8:
+            x_blk = x_ptr + src[None, :].to(tl.int64) * s_xm + offs_k[:, None]
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_mask = offs_k < K - k0
+                xv = tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+                acc_t += _act8_part(xv, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
+            if SCALES == 1:
+                acc_t *= tl.load(s_row, mask=n_mask, other=0.0)[:, None]
+            acc = tl.trans(acc_t)
+        else:
+            x_blk = x_ptr + src[:, None].to(tl.int64) * s_xm + offs_k[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_mask = offs_k < K - k0
+                xv = tl.load(x_blk + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                acc += _w_part(xv, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC)
+                if GATED:
+                    acc_up += _w_part(xv, w_up, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC)
+            if SCALES == 1:
+                acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
+            if GATED:  # silu(gate) * up, each rounded to the output dtype as act_mul reads and writes them
+                g = acc.to(dt).to(tl.float32)
+                acc = (g * tl.sigmoid(g)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
         o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
         tl.store(o, acc.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
