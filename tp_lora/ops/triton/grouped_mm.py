@@ -11,8 +11,8 @@ w in x's dtype, or float8_e4m3fn with scale [E, N] per output channel or [E, N, 
 block_k columns: the fp8 tile is widened to x's dtype in registers (exact) and the scales applied to the float32
 partial sums, so only the fp8 bytes leave memory (weight-only fp8: the activations are not quantized); with act8 the
 rows are quantized to e4m3 per (row, K tile) and multiplied on the fp8 tensor cores, the product transposed (the
-weight tile on the MMA's M side, as Hopper's warp-group MMA takes it). With E = 1 and no ends it is a dense GEMM (what fp8_linear ran before tp_lora.ops.triton.fp8_gemm's split-K kernel; the baseline
-scripts/tune_fp8_gemm.py times).
+weight tile on the MMA's M side, as Hopper's warp-group MMA takes it). With E = 1 and no ends it is a dense GEMM (what
+fp8_linear ran before tp_lora.ops.triton.fp8_gemm's split-K kernel; the baseline scripts/tune_fp8_gemm.py times).
 
 A program owns one (expert, BLOCK_N columns) tile of the weights and walks that expert's rows in blocks of BLOCK_M,
 so each weight byte is read once per row block and experts without rows read nothing: a memory-bound pass over the
