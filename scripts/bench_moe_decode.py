@@ -223,6 +223,8 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
         graph_ms, graph_replayed = timed(runner, m)
         eager_ms, _ = timed(eager, m)
         mixed = dict(mixed_ms=round(graph_ms, 3), mixed_graphs=graph_replayed, mixed_eager_ms=round(eager_ms, 3))
+        if args.profile and cuda:
+            mixed["mixed_kernels"] = kernel_times(lambda: execute(runner, model, m, cache))
     kernels = kernel_times(lambda: execute(runner, model, step, cache)) if args.profile and cuda else {}
     runner.release_graphs()
     tokens = args.batch * ps.dp.size
@@ -300,7 +302,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graphs", dest="graphs", action="store_false")
     ap.add_argument("--profile", action="store_true",
-                    help="each case's kernels per graphed decode step (torch.profiler, GPU): a table side by side")
+                    help="each case's kernels per graphed decode step (and mixed step, with --prefill; "
+                         "torch.profiler, GPU): a table side by side")
     ap.add_argument("--nccl-layouts", default="",
                     help="also run these layouts (no adapters) with parallel.allreduce=nccl: every collective on "
                          "NCCL, beside the default rows' peer-memory path")
@@ -354,7 +357,7 @@ def main() -> None:
         rows.append(dict(model=args.model, layers=hf["num_hidden_layers"],
                          **run_case(hf, layout, n, args, device, dtype, ops, bandwidth, allreduce, weights, fully)))
         if ps0.is_driver:
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("kernels")}), flush=True)
             write(args.out, meta, rows, [])  # a run cut short keeps the cases done
         gc.collect()  # the LoRA runtime and its layers reference each other: free the model before the next
         if cuda:
@@ -365,8 +368,9 @@ def main() -> None:
         write(args.out, meta, rows, hf_rows)
         print(f"{meta['device']}, copy bandwidth {meta['copy_bandwidth_gb_s']} GB/s (read + write)")
         print(table(rows))
-        if any("kernels" in r for r in rows):
-            print(kernel_table(rows))
+        for key in ("kernels", "mixed_kernels"):
+            if any(key in r for r in rows):
+                print(kernel_table(rows, key))
         for r in hf_rows:
             print(f"{r['system']}: {r['adapters']} adapters (LoRA on {r['lora_on']}), batch {r['batch']}: "
                   f"{r['ms']:.3f} ms/step, {r['tokens_per_s']:.0f} tokens/s")
@@ -385,7 +389,8 @@ def row_name(r: dict) -> str:
 
 
 # (kind, name substrings) in match order: the kernel table's rows
-KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")), ("expert grouped GEMM", ("_grouped_mm",)),
+KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")),
+         ("expert grouped GEMM (ours, torch's)", ("_grouped_mm", "GroupProblemShape", "prepare_grouped_gemm")),
          ("MoE LoRA shrink + expand", ("moe_shrink", "moe_expand", "moe_fused")),
          ("dense LoRA shrink + expand", ("shrink_rows", "expand_rows")),
          ("EP dispatch: peer all-gather", ("_all_gather_kernel",)),
@@ -395,31 +400,35 @@ KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")), ("expert groupe
          ("fused all-reduce + add + RMSNorm", ("_reduce_add_rms",)),
          ("attention", ("_decode_kernel", "_varlen")),
          ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass", "_w8a16")),
-         ("routing (top-k, the plan)", ("_moe_topk", "_plan_kernel", "searchsorted")),
+         ("routing (top-k, the plan)", ("_moe_topk", "_plan_kernel", "searchsorted", "RadixSort")),
          ("pack, combine, act, norms, rope (Triton)", ("_pack_kernel", "_moe_combine", "_act_mul", "_add_rms_norm",
                                                        "_rope_write")))
 OTHER = "torch elementwise / copies / fills / gathers"
 
 
-def kernel_table(rows: list[dict]) -> str:
-    """Rank 0's µs per graphed decode step by kind of kernel (launches in brackets), one column per profiled case,
-    then the sum beside the step's wall time (the rest: the host's part of the step, gaps between kernels)."""
-    cases = [r for r in rows if "kernels" in r]
+def kernel_table(rows: list[dict], key: str = "kernels") -> str:
+    """Rank 0's µs per graphed decode step (key "kernels"; "mixed_kernels": per mixed step) by kind of kernel
+    (launches in brackets), one column per profiled case, then the sum beside the step's wall time (the rest: the
+    host's part of the step, gaps between kernels)."""
+    cases = [r for r in rows if key in r]
+    mixed = key == "mixed_kernels"
     sums = []
     for r in cases:
         kinds = {}
-        for name, (us, n) in r["kernels"].items():
+        for name, (us, n) in r[key].items():
             kind = next((k for k, subs in KINDS if any(x in name for x in subs)), OTHER)
             got = kinds.setdefault(kind, [0.0, 0.0])
             got[0], got[1] = got[0] + us, got[1] + n
         sums.append(kinds)
-    lines = ["| kernels | " + " | ".join(row_name(r) for r in cases) + " |", "|---" * (len(cases) + 1) + "|"]
+    lines = [f"| {'mixed-step ' if mixed else ''}kernels | " + " | ".join(row_name(r) for r in cases) + " |",
+             "|---" * (len(cases) + 1) + "|"]
     for kind in [k for k, _ in KINDS] + [OTHER]:
         if any(kind in k for k in sums):
             lines.append(f"| {kind} | " + " | ".join("-" if kind not in k else f"{k[kind][0]:.0f} ({k[kind][1]:g})"
                                                      for k in sums) + " |")
     lines.append("| sum of kernels | " + " | ".join(f"{sum(v[0] for v in k.values()):.0f}" for k in sums) + " |")
-    lines.append("| step (wall, slowest rank) | " + " | ".join(f"{1e3 * r['ms']:.0f}" for r in cases) + " |")
+    lines.append("| step (wall, slowest rank) | " + " | ".join(
+        f"{1e3 * r['mixed_ms' if mixed else 'ms']:.0f}" for r in cases) + " |")
     return "\n".join(lines)
 
 

@@ -156,7 +156,7 @@ if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else Non
         --lora-modes default,fully_sharded --out "$RES/moe_decode_4gpu" ;;
     moe2)
       step "issue 37: bench_moe_decode on 2 GPUs (Qwen3 shape, 24 layers: tp1 fits one H100), ep2 / tp2_ep2 with every"
-      step "  collective on NCCL beside the peer-memory rows, each case's kernels per graphed decode step (--profile)"
+      step "  collective on NCCL beside the peer-memory rows, each case's kernels per graphed decode and mixed step"
       [ "$NGPU" -ge 2 ] && run moe_decode_2gpu24 560 40 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py \
         --layouts ep2,tp1,tp2,tp2_ep2 --nccl-layouts ep2,tp2_ep2 --layers 24 --prefill 512 --profile \
         --out "$RES/moe_decode_2gpu24" ;;
