@@ -109,26 +109,33 @@ def test_fp8_experts_take_the_same_row_block(monkeypatch, device, experts, block
 
 
 
-@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8"])
+@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8", "fp8_act8"])
 def test_gated_equals_act_mul_after_the_gemm(device, monkeypatch, weights):
-    """gated: silu(gate) * up. 16-bit weights: in the Triton kernel's epilogue, equal bit for bit to the unfused
-    kernel followed by act_mul's kernel (each product rounded to the output dtype first, as act_mul reads it), rows
-    gathered, empty experts and rows past the last expert included; float32 / fp8 weights: the dispatcher runs the
-    GEMM, then act_mul (the kernel refuses gated for them). Every path agrees with grouped_mm_ref (the loop, then
-    act_mul_ref)."""
+    """gated: silu(gate) * up. 16-bit weights, and fp8 ones with bf16 rows (act8: the gate and up tiles take the same
+    quantized rows): in the Triton kernel's epilogue, equal bit for bit to the unfused kernel followed by act_mul's
+    kernel (each product rounded to the output dtype first, as act_mul reads it), rows gathered, empty experts and
+    rows past the last expert included; float32 rows over float32 / fp8 weights: the dispatcher runs the GEMM, then
+    act_mul (the kernel refuses gated for them). Every path agrees with grouped_mm_ref (the loop, then act_mul_ref)."""
     from tp_lora.ops import fused
     from tp_lora.ops.fp8 import quantize_fp8_per_channel
     from tp_lora.ops.grouped_mm import grouped_mm_triton
     from tp_lora.ops.triton.fused import act_mul
     counts, k, inter, tokens = [6, 0, 11, 2, 0], 256, 40, 13
     g = torch.Generator().manual_seed(len(weights) + 17)
-    dtype = torch.bfloat16 if weights == "bf16" else torch.float32  # (fp8: float32 rows, no act8 on the CPU)
+    act8 = weights == "fp8_act8"
+    dtype = torch.bfloat16 if weights in ("bf16", "fp8_act8") else torch.float32
     # Multiples of 1/4 and 1/64 with small sums: every product and partial sum exact in float32, so the GEMM's
     # result does not depend on its summation order (the interpreter's numpy dot differs by column otherwise).
-    x = (torch.randint(-4, 5, (tokens, k), generator=g) / 4).to(dtype).to(device)
+    x = torch.randint(-4, 5, (tokens, k), generator=g) / 4
+    if act8:  # integers with a 448 in each 128-column group: the rows quantize exactly (scale 1)
+        x = (x * 4).index_fill_(1, torch.tensor([0, 128]), 448.0)
+    x = x.to(dtype).to(device)
     rows = torch.randint(0, tokens, (sum(counts) + 3,), generator=g).to(device)  # 3 pairs past the last expert
     w, scale = torch.randint(-4, 5, (len(counts), 2 * inter, k), generator=g) / 64, None
-    if weights == "fp8":
+    w *= 1 + torch.arange(2 * inter)[:, None] % 3  # a gate row's fp8 scale differs from its up row's
+    if act8:
+        w[..., [0, 128]] = 0  # the rows' 448s (their scale) add nothing: gate values stay where silu is finite
+    if weights.startswith("fp8"):
         w, scale = quantize_fp8_per_channel(w)
         scale = scale.to(device)
     w = w.to(dtype if scale is None else w.dtype).to(device)
@@ -137,13 +144,13 @@ def test_gated_equals_act_mul_after_the_gemm(device, monkeypatch, weights):
     monkeypatch.setattr(fused, "KERNELS", True)
     got = grouped_mm(x, w, ends, scale, None, rows, gated=True)
     assert got.shape == (used + 3, inter) and got.dtype == dtype
-    if weights == "bf16":
-        fused_out = grouped_mm_triton(x, w, ends, None, None, 16, False, rows, gated=True)
-        unfused = act_mul(grouped_mm_triton(x, w, ends, None, None, 16, False, rows), "silu")
+    if dtype == torch.bfloat16:
+        fused_out = grouped_mm_triton(x, w, ends, scale, None, 16, act8, rows, gated=True)
+        unfused = act_mul(grouped_mm_triton(x, w, ends, scale, None, 16, act8, rows), "silu")
         assert torch.equal(fused_out[:used], unfused[:used]) and torch.equal(got[:used], fused_out[:used])
     else:
-        with pytest.raises(ValueError, match="gated takes 16-bit weights"):
+        with pytest.raises(ValueError, match="gated takes 16-bit weights, or fp8 ones with act8"):
             grouped_mm_triton(x, w, ends, scale, None, 16, False, rows, gated=True)
-    want = grouped_mm_ref(x, w, ends, scale, None, False, rows, gated=True)
+    want = grouped_mm_ref(x, w, ends, scale, None, act8, rows, gated=True)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got[:used].float(), want[:used].float(), **tol)

@@ -59,13 +59,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torc
     """experts: how many experts the routing spreads the C rows over (the model's, of which w holds E; default E).
     Under expert parallelism C is a capacity: about C / experts rows reach each local expert, which picks the 16-bit
     path and the Triton kernel's row block (fp8 weights always take the Triton kernel). gated: as grouped_mm_ref
-    (16-bit weights on the Triton kernel: in its epilogue; else act_mul after the GEMM)."""
+    (16-bit weights, or fp8 ones with act8, on the Triton kernel: in its epilogue; else act_mul after the GEMM)."""
     c = x.shape[0] if rows is None else rows.shape[0]
     spread = max(experts or 0, w.shape[0], 1)
     block = 2 * -(-c // spread)  # a row block of twice the mean: a routing's busier experts read their weights once
     if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
-        out = grouped_mm_triton(x, w, ends, scale, block_k, block, act8_takes(x, block_k), rows)
+        act8 = act8_takes(x, block_k)
+        out = grouped_mm_triton(x, w, ends, scale, block_k, block, act8, rows, gated=gated and act8)
+        gated = gated and not act8
     elif scale is None and use_kernels(x) and c <= SMALL_ROWS * spread:
         fuse = gated and w.element_size() == 2  # (two float32 weight tiles a stage overflow shared memory)
         out = grouped_mm_triton(x, w, ends, rows_per_expert=block, rows=rows, gated=fuse)

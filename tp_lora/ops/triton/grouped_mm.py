@@ -2,8 +2,8 @@
 
     grouped_mm(x [C, K], w [E, N, K], ends [E] int32, scale=None, block_k=None, rows=None, gated=False) -> [C, N],
         rows ends[e-1]:ends[e] = x[rows] @ w[e]^T
-    (gated, 16-bit weights: w's rows are [gate | up] and the result silu(gate) * up [C, N / 2], act_mul in the
-    epilogue)
+    (gated, 16-bit weights or fp8 with act8: w's rows are [gate | up] and the result silu(gate) * up [C, N / 2],
+    act_mul in the epilogue)
     (ends None: one expert, w [1, N, K], taking every row: a dense GEMM)
     rows [C] int (the pairs' tokens): row i reads x[rows[i]] (the dispatch's gather in the GEMM's loads).
 
@@ -35,6 +35,7 @@ MAX_BLOCK_M = 64  # one row block of up to this many rows (a dense GEMM's decode
 # two weight tiles a stage leave room for several programs an SM; else STAGES_16 stages, K tiles of 64 where 128
 # leaves a part-empty last tile.
 GATED_BLOCK_N, GATED_STAGES, STAGES_16 = 64, 2, 3
+GATED8_BLOCK_N, GATED8_WARPS, GATED8_STAGES = 64, 4, 3  # fp8 experts, gated with act8: gate and up tiles a stage
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
@@ -51,18 +52,32 @@ def _w_part(xv, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K
 
 
 @triton.jit
-def _act8_part(xv, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K: tl.constexpr,
-               DOT8: tl.constexpr):
-    """ACT8's K tile, transposed: the fp8 weight tile at w_tile + k0 [BLOCK_N, BLOCK_K] times the rows xv^T
-    [BLOCK_K, BLOCK_M], each row quantized to e4m3 (scale: its amax / 448) -> float32 [BLOCK_N, BLOCK_M], scaled back
-    (and by the per-block weight scales, SCALES 2). The weights on the MMA's M side: Hopper's warp-group MMA."""
+def _act8_rows(xv, DOT8: tl.constexpr):
+    """ACT8's rows xv^T [BLOCK_K, BLOCK_M], each quantized to e4m3 (scale: its amax / 448) -> (fp8 rows as DOT8,
+    scales [BLOCK_M])."""
     xf = xv.to(tl.float32)
     xs = tl.maximum(tl.max(tl.abs(xf), axis=0) / 448.0, 1e-12)
+    return (xf / xs[None, :]).to(tl.float8e4nv).to(DOT8), xs
+
+
+@triton.jit
+def _act8_part(xq, xs, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K: tl.constexpr,
+               DOT8: tl.constexpr):
+    """ACT8's K tile, transposed: the fp8 weight tile at w_tile + k0 [BLOCK_N, BLOCK_K] times the quantized rows xq
+    [BLOCK_K, BLOCK_M] (_act8_rows) -> float32 [BLOCK_N, BLOCK_M], scaled back by xs (and by the per-block weight
+    scales, SCALES 2). The weights on the MMA's M side: Hopper's warp-group MMA."""
     wv = tl.load(w_tile + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    part = tl.dot(wv.to(DOT8), (xf / xs[None, :]).to(tl.float8e4nv).to(DOT8)) * xs[None, :]
+    part = tl.dot(wv.to(DOT8), xq) * xs[None, :]
     if SCALES == 2:
         part *= tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[:, None]
     return part
+
+
+@triton.jit
+def _silu_mul(gate, up, dt: tl.constexpr):
+    """silu(gate) * up in float32, each rounded to dt as act_mul reads and writes them."""
+    g = gate.to(dt).to(tl.float32)
+    return (g * tl.sigmoid(g)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -87,7 +102,8 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
     else:  # rows [BLOCK_M, BLOCK_K], weight tiles [BLOCK_K, BLOCK_N]
         w_blk = w_e + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
     s_row = s_ptr + e.to(tl.int64) * s_se + offs_n.to(tl.int64) * s_sn
-    w_up = w_blk + N * s_wn
+    w_up = w_blk + N * s_wn  # GATED: the up rows' tiles and scales
+    s_up = s_row + N * s_sn
     dt = out_ptr.dtype.element_ty
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -98,12 +114,19 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
         if ACT8:
             x_blk = x_ptr + src[None, :].to(tl.int64) * s_xm + offs_k[:, None]
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k_mask = offs_k < K - k0
-                xv = tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-                acc_t += _act8_part(xv, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
+                xq, xs = _act8_rows(tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0), DOT8)
+                acc_t += _act8_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
+                if GATED:  # the up tile takes the same quantized rows
+                    up_t += _act8_part(xq, xs, w_up, s_up, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
             if SCALES == 1:
                 acc_t *= tl.load(s_row, mask=n_mask, other=0.0)[:, None]
+                if GATED:
+                    up_t *= tl.load(s_up, mask=n_mask, other=0.0)[:, None]
+            if GATED:
+                acc_t = _silu_mul(acc_t, up_t, dt)
             acc = tl.trans(acc_t)
         else:
             x_blk = x_ptr + src[:, None].to(tl.int64) * s_xm + offs_k[None, :]
@@ -117,9 +140,8 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
                     acc_up += _w_part(xv, w_up, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, CDT, DOT, PREC)
             if SCALES == 1:
                 acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
-            if GATED:  # silu(gate) * up, each rounded to the output dtype as act_mul reads and writes them
-                g = acc.to(dt).to(tl.float32)
-                acc = (g * tl.sigmoid(g)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+            if GATED:
+                acc = _silu_mul(acc, acc_up, dt)
         o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
         tl.store(o, acc.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -131,7 +153,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks. act8 (fp8 weights): x
     quantized per (row, K tile of min(BLOCK_K, block_k) columns) in the kernel, the product on fp8 tensor cores.
     rows: as the module's docstring (x read where it lies when its columns have a unit stride). gated (16-bit
-    weights): w's N rows are [gate | up] and the result is silu(gate) * up [C, N / 2] (act_mul's, in the epilogue)."""
+    weights, or fp8 with act8): w's N rows are [gate | up] and the result is silu(gate) * up [C, N / 2] (act_mul's,
+    in the epilogue)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
@@ -140,9 +163,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         raise ValueError(f"grouped_mm: block_k={block_k}: expected a power of two of at least 16")
     c, k = x.shape[0] if rows is None else rows.shape[0], x.shape[1]
     e, n, _ = w.shape
-    if gated and (n % 2 or scale is not None or w.element_size() != 2):
-        raise ValueError(f"grouped_mm: gated takes 16-bit weights of an even number of rows [gate | up], got {n} "
-                         f"of {w.dtype}")
+    if gated and (n % 2 or (scale is not None or w.element_size() != 2) and not act8):
+        raise ValueError(f"grouped_mm: gated takes 16-bit weights, or fp8 ones with act8, of an even number of rows "
+                         f"[gate | up], got {n} of {w.dtype}{' with act8' if act8 else ''}")
     n = n // 2 if gated else n
     if ends is None and e != 1:
         raise ValueError(f"grouped_mm without ends takes one expert (a dense GEMM), got w of {e}")
@@ -163,6 +186,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     block_n = 32 if ends is None else BLOCK_N
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
     stages = ACT8_STAGES if act8 else F32_STAGES if max(x.element_size(), w.element_size()) == 4 else NUM_STAGES
+    warps = NUM_WARPS
+    if act8 and gated:
+        block_n, warps, stages = GATED8_BLOCK_N, GATED8_WARPS, GATED8_STAGES
     if ends is not None and mode == SCALE_NONE and x.element_size() == w.element_size() == 2:
         block_n, stages = (GATED_BLOCK_N, GATED_STAGES) if gated else (BLOCK_N, STAGES_16)
         bk = BLOCK_K if gated or k % BLOCK_K == 0 else BLOCK_K // 2
@@ -170,5 +196,5 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode,
         SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
-        DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, num_warps=NUM_WARPS, num_stages=stages)
+        DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, num_warps=warps, num_stages=stages)
     return out
