@@ -109,21 +109,28 @@ def test_fp8_experts_take_the_same_row_block(monkeypatch, device, experts, block
 
 
 
-@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8", "fp8_act8"])
+@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8", "fp8_act8_narrow", "fp8_act8_wide"])
 def test_gated_equals_act_mul_after_the_gemm(device, monkeypatch, weights):
     """gated: silu(gate) * up. 16-bit weights, and fp8 ones with bf16 rows (act8: the gate and up tiles take the same
-    quantized rows): in the Triton kernel's epilogue, equal bit for bit to the unfused kernel followed by act_mul's
-    kernel (each product rounded to the output dtype first, as act_mul reads it), rows gathered, empty experts and
-    rows past the last expert included; float32 rows over float32 / fp8 weights: the dispatcher runs the GEMM, then
-    act_mul (the kernel refuses gated for them). Every path agrees with grouped_mm_ref (the loop, then act_mul_ref)."""
+    quantized rows; narrow tiles, two column blocks a program, the last one part-empty, or wide ones where the GPU
+    has too few SMs for the narrow programs to fit one wave): in the Triton kernel's epilogue, equal bit for bit to
+    the unfused kernel followed by act_mul's kernel (each product rounded to the output dtype first, as act_mul reads
+    it), rows gathered, empty experts and rows past the last expert included; float32 rows over float32 / fp8
+    weights: the dispatcher runs the GEMM, then act_mul (the kernel refuses gated for them). Every path agrees with
+    grouped_mm_ref (the loop, then act_mul_ref)."""
     from tp_lora.ops import fused
     from tp_lora.ops.fp8 import quantize_fp8_per_channel
     from tp_lora.ops.grouped_mm import grouped_mm_triton
+    from tp_lora.ops.triton import grouped_mm as kernel
     from tp_lora.ops.triton.fused import act_mul
-    counts, k, inter, tokens = [6, 0, 11, 2, 0], 256, 40, 13
+    counts, k, inter, tokens = [6, 0, 11, 2, 0], 256, 168, 13
     g = torch.Generator().manual_seed(len(weights) + 17)
-    act8 = weights == "fp8_act8"
-    dtype = torch.bfloat16 if weights in ("bf16", "fp8_act8") else torch.float32
+    act8 = weights.startswith("fp8_act8")
+    wide = 5 * -(-inter // kernel.GATED8_WIDE[0]) > 3 * kernel.num_sms(None)  # 5 experts' programs of wide tiles
+    if weights.endswith("wide") and not wide:
+        monkeypatch.setattr(kernel, "num_sms", lambda index: 1)
+    assert weights != "fp8_act8_narrow" or not wide
+    dtype = torch.bfloat16 if weights == "bf16" or act8 else torch.float32
     # Multiples of 1/4 and 1/64 with small sums: every product and partial sum exact in float32, so the GEMM's
     # result does not depend on its summation order (the interpreter's numpy dot differs by column otherwise).
     x = torch.randint(-4, 5, (tokens, k), generator=g) / 4

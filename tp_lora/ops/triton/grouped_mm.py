@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.triton.configs import num_sms
 from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
@@ -35,7 +36,9 @@ MAX_BLOCK_M = 64  # one row block of up to this many rows (a dense GEMM's decode
 # two weight tiles a stage leave room for several programs an SM; else STAGES_16 stages, K tiles of 64 where 128
 # leaves a part-empty last tile.
 GATED_BLOCK_N, GATED_STAGES, STAGES_16 = 64, 2, 3
-GATED8_BLOCK_N, GATED8_WARPS, GATED8_STAGES = 64, 4, 3  # fp8 experts, gated with act8: gate and up tiles a stage
+# fp8 experts gated with act8 (a gate and an up tile a stage, 3 stages): (BLOCK_N, warps, column blocks a program).
+# Narrow where the programs fit one wave of three an SM (what 64-column tiles leave room for), else wide.
+GATED8_NARROW, GATED8_WIDE = (64, 4, 2), (128, 8, 1)
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
@@ -81,9 +84,46 @@ def _silu_mul(gate, up, dt: tl.constexpr):
 
 
 @triton.jit
+def _act8_row_block(x_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm, s_wn, s_om, s_sn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COL_BLOCKS: tl.constexpr,
+                    SCALES: tl.constexpr, SCALE_K: tl.constexpr, DOT8: tl.constexpr, GATED: tl.constexpr):
+    """ACT8 over one row block (rows, read at src): the COL_BLOCKS column blocks of BLOCK_N from n0, their K tiles
+    walked as one loop, so the pipeline keeps the next block's loads in flight through a block's epilogue."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_blk = x_ptr + src[None, :].to(tl.int64) * s_xm + offs_k[:, None]
+    kt = tl.cdiv(K, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(0, tl.minimum(COL_BLOCKS, tl.cdiv(N - n0, BLOCK_N)) * kt):
+        j = i // kt
+        k0 = (i - j * kt) * BLOCK_K
+        offs_n = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (GATED: gate rows n, up rows N + n)
+        n_mask = offs_n < N
+        w_blk = w_e + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+        s_row = s_e + offs_n.to(tl.int64) * s_sn
+        k_mask = offs_k < K - k0
+        xq, xs = _act8_rows(tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0), DOT8)
+        acc_t += _act8_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
+        if GATED:  # the up tile takes the same quantized rows
+            up_t += _act8_part(xq, xs, w_blk + N * s_wn, s_row + N * s_sn, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
+        if k0 + BLOCK_K >= K:  # this column block's last K tile: its epilogue
+            if SCALES == 1:
+                acc_t *= tl.load(s_row, mask=n_mask, other=0.0)[:, None]
+                if GATED:
+                    up_t *= tl.load(s_row + N * s_sn, mask=n_mask, other=0.0)[:, None]
+            if GATED:
+                acc_t = _silu_mul(acc_t, up_t, dt)
+            o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
+            tl.store(o, tl.trans(acc_t).to(dt), mask=m_mask[:, None] & n_mask[None, :])
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+
+
+@triton.jit
 def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K, s_xm, s_we, s_wn, s_om, s_se,
                        s_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
+                       COL_BLOCKS: tl.constexpr, SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
                        CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr,
                        DOT8: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr):
     e = tl.program_id(0)
@@ -93,17 +133,15 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
     else:  # one expert, every row
         start = 0
         end = C
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (GATED: gate rows n, up rows N + n)
+    n0 = tl.program_id(1) * COL_BLOCKS * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # output columns (GATED: gate rows n, up rows N + n)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_e = w_ptr + e.to(tl.int64) * s_we
-    if ACT8:  # weight tiles [BLOCK_N, BLOCK_K], rows [BLOCK_K, BLOCK_M] (_act8_part)
-        w_blk = w_e + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-    else:  # rows [BLOCK_M, BLOCK_K], weight tiles [BLOCK_K, BLOCK_N]
-        w_blk = w_e + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]
-    s_row = s_ptr + e.to(tl.int64) * s_se + offs_n.to(tl.int64) * s_sn
-    w_up = w_blk + N * s_wn  # GATED: the up rows' tiles and scales
-    s_up = s_row + N * s_sn
+    s_e = s_ptr + e.to(tl.int64) * s_se
+    w_blk = w_e + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] (16-bit / weight-only)
+    s_row = s_e + offs_n.to(tl.int64) * s_sn
+    w_up = w_blk + N * s_wn  # GATED: the up rows' tiles
     dt = out_ptr.dtype.element_ty
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -112,23 +150,9 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
         if GATHER:
             src = tl.load(idx_ptr + rows, mask=m_mask, other=0)
         if ACT8:
-            x_blk = x_ptr + src[None, :].to(tl.int64) * s_xm + offs_k[:, None]
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_mask = offs_k < K - k0
-                xq, xs = _act8_rows(tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0), DOT8)
-                acc_t += _act8_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
-                if GATED:  # the up tile takes the same quantized rows
-                    up_t += _act8_part(xq, xs, w_up, s_up, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
-            if SCALES == 1:
-                acc_t *= tl.load(s_row, mask=n_mask, other=0.0)[:, None]
-                if GATED:
-                    up_t *= tl.load(s_up, mask=n_mask, other=0.0)[:, None]
-            if GATED:
-                acc_t = _silu_mul(acc_t, up_t, dt)
-            acc = tl.trans(acc_t)
-        else:
+            _act8_row_block(x_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm, s_wn, s_om, s_sn, BLOCK_M,
+                            BLOCK_N, BLOCK_K, COL_BLOCKS, SCALES, SCALE_K, DOT8, GATED)
+        else:  # one column block (COL_BLOCKS 1)
             x_blk = x_ptr + src[:, None].to(tl.int64) * s_xm + offs_k[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -142,8 +166,8 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
                 acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
             if GATED:
                 acc = _silu_mul(acc, acc_up, dt)
-        o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
-        tl.store(o, acc.to(dt), mask=m_mask[:, None] & n_mask[None, :])
+            o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
+            tl.store(o, acc.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scale: torch.Tensor | None = None,
@@ -186,15 +210,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     block_n = 32 if ends is None else BLOCK_N
     cdt, dot, prec = compute_types(x.dtype, w.dtype)
     stages = ACT8_STAGES if act8 else F32_STAGES if max(x.element_size(), w.element_size()) == 4 else NUM_STAGES
-    warps = NUM_WARPS
+    warps, col_blocks = NUM_WARPS, 1
     if act8 and gated:
-        block_n, warps, stages = GATED8_BLOCK_N, GATED8_WARPS, GATED8_STAGES
+        narrow = e * triton.cdiv(n, GATED8_WIDE[0]) <= 3 * num_sms(x.device.index if x.is_cuda else None)
+        block_n, warps, col_blocks = GATED8_NARROW if narrow else GATED8_WIDE
     if ends is not None and mode == SCALE_NONE and x.element_size() == w.element_size() == 2:
         block_n, stages = (GATED_BLOCK_N, GATED_STAGES) if gated else (BLOCK_N, STAGES_16)
         bk = BLOCK_K if gated or k % BLOCK_K == 0 else BLOCK_K // 2
-    _grouped_mm_kernel[(e, triton.cdiv(n, block_n))](
+    _grouped_mm_kernel[(e, triton.cdiv(n, block_n * col_blocks))](
         x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
-        w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALES=mode,
+        w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, COL_BLOCKS=col_blocks,
+        SCALES=mode,
         SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
         DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, num_warps=warps, num_stages=stages)
     return out
