@@ -19,7 +19,7 @@ layout of fewer ranks than launched runs as that many DP copies (ep2 on 4 GPUs: 
 launched size's layouts (tp1 first on 4 GPUs). LoRA: none, or --adapters adapters of rank --rank on every attention and
 expert projection, sequences round-robin over them, in each of --lora-modes (default: B split, A whole on every
 rank; fully_sharded: A split on the rank dim too); --quantization none,fp8 runs every case with bf16 and with fp8
-weights.
+weights (fp8_experts: fp8 experts beside bf16 attention).
 
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
 capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
@@ -53,7 +53,7 @@ from bench_step import copy_bandwidth, kv_bytes  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from tp_lora.layers.moe import Router  # noqa: E402
-from tp_lora.layers.quant import quant_config  # noqa: E402
+from tp_lora.layers.quant import FP8Scheme, QuantConfig, quant_config  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
 from tp_lora.models.moe import MoECausalLM, SparseMoE  # noqa: E402
 from tp_lora.ops import get_backend  # noqa: E402
@@ -156,13 +156,21 @@ def kernel_times(run, steps: int = 3) -> dict[str, list[float]]:
     return out
 
 
+def bench_quant(hf: dict, weights: str) -> QuantConfig | None:
+    """--quantization's value as the model's QuantConfig: fp8_experts keeps attention in bf16, as a checkpoint whose
+    quantization_config ignores self_attn does."""
+    if weights == "fp8_experts":
+        return QuantConfig(FP8Scheme(at_load=True), (r"re:.*\.self_attn\..*",), "fp8 experts, bf16 attention")
+    return quant_config(hf, None if weights == "none" else weights)
+
+
 def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwidth: float,
              allreduce: str = "auto", weights: str = "none", fully_sharded: bool = False) -> dict:
     tp, ep, attn = LAYOUTS[layout]
     ps = comm.init_expert_parallel(comm.init_parallel(tp, str(device), allreduce=allreduce), ep, attn,
                                    allreduce=allreduce)
     rt = LoRARuntime(n_adapters, args.rank, fully_sharded, ops) if n_adapters else None
-    model = MoECausalLM(hf, ps, dtype, device, rt, None, quant_config(hf, None if weights == "none" else weights))
+    model = MoECausalLM(hf, ps, dtype, device, rt, None, bench_quant(hf, weights))
     randomize(model, device)
     graphs = args.graphs and device.type == "cuda" and model.graph_blocker is None
     runner = ModelRunner(model, rt, device, graphs)
@@ -317,9 +325,13 @@ def main() -> None:
                     help="comma list of default | fully_sharded: the adapter rows once per LoRA mode "
                          "(lora.fully_sharded=true: A split on the rank dim, the shrink outputs all-gathered)")
     ap.add_argument("--quantization", default="none",
-                    help="comma list of none | fp8: each layout's rows once per value (fp8: every linear layer and "
-                         "expert quantized per channel, as quantization=fp8 does at load)")
+                    help="comma list of none | fp8 | fp8_experts: each layout's rows once per value (fp8: every "
+                         "linear layer and expert quantized per channel, as quantization=fp8 does at load; "
+                         "fp8_experts: the experts alone, attention in bf16)")
     args = ap.parse_args()
+    for q in args.quantization.split(","):
+        if q not in ("none", "fp8", "fp8_experts"):
+            ap.error(f"--quantization {q!r}: expected none, fp8 or fp8_experts")
     if args.smoke:
         args.model, args.batch, args.context, args.adapters, args.rank = "tiny", 4, 8, 2, 4
         args.iters, args.warmup = 2, 1
