@@ -242,7 +242,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
                 back_to_back_ms=round(ahead_ms, 3),
                 pct_of_floor_back_to_back=round(100 * floor / ahead_ms, 1) if floor else None,
-                floor_mb=round(nbytes / 2**20, 1), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
+                floor_mb=round(nbytes / 2**20, 3), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
                 peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed,
                 **(dict(kernels=kernels) if kernels else {}))
 
@@ -329,9 +329,8 @@ def main() -> None:
                          "linear layer and expert quantized per channel, as quantization=fp8 does at load; "
                          "fp8_experts: the experts alone, attention in bf16)")
     args = ap.parse_args()
-    for q in args.quantization.split(","):
-        if q not in ("none", "fp8", "fp8_experts"):
-            ap.error(f"--quantization {q!r}: expected none, fp8 or fp8_experts")
+    if set(args.quantization.split(",")) - {"none", "fp8", "fp8_experts"}:
+        ap.error(f"--quantization {args.quantization!r}: expected a comma list of none, fp8, fp8_experts")
     if args.smoke:
         args.model, args.batch, args.context, args.adapters, args.rank = "tiny", 4, 8, 2, 4
         args.iters, args.warmup = 2, 1

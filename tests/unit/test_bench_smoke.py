@@ -76,10 +76,11 @@ def test_bench_serving_smoke(tmp_path):
 
 @pytest.mark.parametrize("ranks,layouts,weights,modes", [(2, "tp1,tp2,ep2,tp2_ep2", "none", "default"),
                                                          (4, "tp1,tp4,ep4,ep2_tp2,tp4_ep4", "none", "default"),
-                                                         (2, "tp2_ep2", "none,fp8", "default,fully_sharded")])
+                                                         (2, "tp2_ep2", "none,fp8,fp8_experts", "default,fully_sharded")])
 def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights, modes):
     """The 2- and 4-GPU tables' layouts (4: the default), with a mixed step, on gloo ranks; fp8 experts and layers
-    beside bf16 (--quantization: the fp8 rows read fewer bytes) and both LoRA modes (--lora-modes)."""
+    beside bf16 (--quantization: the fp8 rows read fewer bytes; fp8_experts, attention in bf16, in between) and both
+    LoRA modes (--lora-modes)."""
     args = ["--smoke", "--prefill", "8", "--out", str(tmp_path / "out"), "--quantization", weights,
             "--lora-modes", modes]
     _run(tmp_path, "bench_moe_decode.py", *args, *(["--layouts", layouts] if ranks == 2 else []), ranks=ranks)
@@ -91,7 +92,8 @@ def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights, modes):
         (name, w, n, fully) for name in layouts.split(",") for w in weights.split(",") for n, fully in adapter_rows]
     assert all(r["ms"] > 0 and r["floor_mb"] > 0 and r["mixed_eager_ms"] > 0 for r in rows), rows
     floor = {(r["weights"], r["adapters"]): r["floor_mb"] for r in rows}
-    assert all(floor[("fp8", n)] < floor[("none", n)] for n in (0, 2) if ("fp8", n) in floor), floor
+    assert all(floor[("fp8", n)] < floor[("fp8_experts", n)] < floor[("none", n)] for n in (0, 2)
+               if ("fp8", n) in floor), floor
 
 
 def test_bench_moe_engine_smoke(tmp_path):
