@@ -32,7 +32,7 @@
 #   `ws70` (issue 36, 2-4 GPUs, ~6 minutes): the 70B-shaped 8-layer stack at the host's tp with cuBLAS's workspace
 #   off and on, a kernel table each, side by side.
 #   `fp8_moe` (issue 38 item 5, one GPU, ~3 minutes): the Qwen3-30B-A3B-shaped decode (24 layers) with bf16 against
-#   fp8 experts and layers, with and without adapters.
+#   fp8 experts and layers and against fp8 experts beside bf16 attention, with and without adapters.
 #   Issue 39's serving features alone, one call of under 8 minutes: `serve39` (the steps `sampling`: n=8 and
 #   json_schema with its mask wait; tests/gpu/test_serving_features.py; `prefix_moderate`: TTFT at 5
 #   conversations/s; `prefix_saturated`).
@@ -298,8 +298,8 @@ if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else Non
         "$RES"/step70_ws_4096_8/bench_step.json | tee -a "$OUT/summary.log" ;;
     fp8_moe)
       step "issue 38 item 5: Qwen3-30B-A3B shape (24 layers), one GPU, bf16 against fp8 experts and layers"
-      run moe_decode_fp8 300 12 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \
-        --quantization none,fp8 --iters 10 --out "$RES/moe_decode_fp8" ;;
+      run moe_decode_fp8 300 16 torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --layers 24 \
+        --quantization none,fp8,fp8_experts --iters 10 --out "$RES/moe_decode_fp8" ;;
     *) ;;
   esac
 done
