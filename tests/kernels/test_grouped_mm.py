@@ -109,11 +109,12 @@ def test_fp8_experts_take_the_same_row_block(monkeypatch, device, experts, block
 
 
 
-@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8", "fp8_act8_narrow", "fp8_act8_wide"])
+@pytest.mark.parametrize("weights", ["bf16", "f32", "fp8", "fp8_act8_narrow", "fp8_act8_wide", "fp8_act8_block"])
 def test_gated_equals_act_mul_after_the_gemm(device, monkeypatch, weights):
     """gated: silu(gate) * up. 16-bit weights, and fp8 ones with bf16 rows (act8: the gate and up tiles take the same
     quantized rows; narrow tiles, two column blocks a program, the last one part-empty, or wide ones where the GPU
-    has too few SMs for the narrow programs to fit one wave): in the Triton kernel's epilogue, equal bit for bit to
+    has too few SMs for the narrow programs to fit one wave; scales per channel, or per 128-column block with the up
+    rows' own): in the Triton kernel's epilogue, equal bit for bit to
     the unfused kernel followed by act_mul's kernel (each product rounded to the output dtype first, as act_mul reads
     it), rows gathered, empty experts and rows past the last expert included; float32 rows over float32 / fp8
     weights: the dispatcher runs the GEMM, then act_mul (the kernel refuses gated for them). Every path agrees with
@@ -142,22 +143,25 @@ def test_gated_equals_act_mul_after_the_gemm(device, monkeypatch, weights):
     w *= 1 + torch.arange(2 * inter)[:, None] % 3  # a gate row's fp8 scale differs from its up row's
     if act8:
         w[..., [0, 128]] = 0  # the rows' 448s (their scale) add nothing: gate values stay where silu is finite
+    block_k = 128 if weights.endswith("block") else None
     if weights.startswith("fp8"):
         w, scale = quantize_fp8_per_channel(w)
+        if block_k:  # powers of two per (row, 128 columns), an up row's unlike its gate row's: products stay exact
+            scale = scale[..., None] * 2.0 ** torch.randint(-2, 3, (*scale.shape, k // block_k), generator=g)
         scale = scale.to(device)
     w = w.to(dtype if scale is None else w.dtype).to(device)
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
     used = sum(counts)
     monkeypatch.setattr(fused, "KERNELS", True)
-    got = grouped_mm(x, w, ends, scale, None, rows, gated=True)
+    got = grouped_mm(x, w, ends, scale, block_k, rows, gated=True)
     assert got.shape == (used + 3, inter) and got.dtype == dtype
     if dtype == torch.bfloat16:
-        fused_out = grouped_mm_triton(x, w, ends, scale, None, 16, act8, rows, gated=True)
-        unfused = act_mul(grouped_mm_triton(x, w, ends, scale, None, 16, act8, rows), "silu")
+        fused_out = grouped_mm_triton(x, w, ends, scale, block_k, 16, act8, rows, gated=True)
+        unfused = act_mul(grouped_mm_triton(x, w, ends, scale, block_k, 16, act8, rows), "silu")
         assert torch.equal(fused_out[:used], unfused[:used]) and torch.equal(got[:used], fused_out[:used])
     else:
         with pytest.raises(ValueError, match="gated takes 16-bit weights, or fp8 ones with act8"):
             grouped_mm_triton(x, w, ends, scale, None, 16, False, rows, gated=True)
-    want = grouped_mm_ref(x, w, ends, scale, None, act8, rows, gated=True)
+    want = grouped_mm_ref(x, w, ends, scale, block_k, act8, rows, gated=True)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got[:used].float(), want[:used].float(), **tol)
