@@ -31,14 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from tp_lora.ops import grouped_mm as moe_ops
-from tp_lora.ops.fp8 import blockwise_mm, dequantize, fp8_linear, quantize_fp8_per_channel
-from tp_lora.ops.triton import fp8_gemm
-from tp_lora.ops.triton.fp8_quant import quantize_per_group, quantize_per_token
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tp_lora.ops import grouped_mm as moe_ops  # noqa: E402
+from tp_lora.ops.fp8 import blockwise_mm, dequantize, fp8_linear, quantize_fp8_per_channel  # noqa: E402
+from tp_lora.ops.triton import fp8_gemm  # noqa: E402
+from tp_lora.ops.triton.fp8_quant import quantize_per_group, quantize_per_token  # noqa: E402
 
 # name -> (N, K) of one Llama-3-8B layer's GEMMs at tp 1
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

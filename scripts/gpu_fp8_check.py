@@ -3,12 +3,14 @@ dequantized weights: greedy agreement rate and the largest logprob drift (a smal
 
     python scripts/gpu_fp8_check.py
 """
+import os
 import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, "tests/distributed")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "distributed")]
 from _fp8_checkpoints import write_fp8  # noqa: E402
 
 from tp_lora import distributed as comm  # noqa: E402
