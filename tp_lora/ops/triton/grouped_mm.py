@@ -220,7 +220,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n * col_blocks))](
         x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, COL_BLOCKS=col_blocks,
-        SCALES=mode,
-        SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
+        SCALES=mode, SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
         DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, num_warps=warps, num_stages=stages)
     return out
