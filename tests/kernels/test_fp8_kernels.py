@@ -191,6 +191,72 @@ def test_fp8_linear_quantizes_16bit_activations_at_decode_only(device, monkeypat
         assert seen[-1] == act8, (dtype, block_k, rows)
 
 
+@pytest.mark.parametrize("rows,n,k,cfg", [
+    (1, 40, 96, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)),
+    (5, 72, 200, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=3)),      # ragged K, shares that do not divide its tiles
+    (32, 96, 512, None)])                                         # the XQ rule's own tiles
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_w8a16_mm_xq_multiplies_fp8_rows_and_their_scales(device, rows, n, k, cfg, out_dtype):
+    """XQ: rows its producer quantized per token (fp8 + one scale a row) against their dequantised product; a
+    scale per row that differs by 2^10 from row to row shows any row taking another's."""
+    from tp_lora.ops.triton import fp8_gemm
+    from tp_lora.ops.triton.tickets import tickets
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w, scale = fp8_weights(gen, 1, n, k, None)
+    w, scale = w[0].to(device), scale[0].to(device)
+    q = torch.randn(rows, k, generator=gen).mul(64).to(torch.float8_e4m3fn).to(device)
+    xs = (2.0 ** torch.randint(-10, 1, (rows, 1), generator=gen).float() * torch.rand(rows, 1, generator=gen)
+          + 1e-3).to(device)
+    cfg = cfg or fp8_gemm.w8a16_config(rows, n, k, xq=True)
+    got = fp8_gemm.w8a16_mm(q, w, scale, None, cfg, xs, out_dtype)
+    want = w8a16_mm_ref(q, w, scale, None, cfg, xs, torch.float32)
+    assert got.shape == (rows, n) and got.dtype == out_dtype
+    for r in range(rows):  # each row against its own scale
+        assert rel_err(got[r], want[r]) < 1e-2, r
+    assert not tickets(q.device, 1).any()
+    with pytest.raises(ValueError, match="fp8 rows with their scales"):  # block scales take ACT8, not XQ
+        fp8_gemm.w8a16_mm(q, w, scale[:, None], 128, cfg, xs, out_dtype)
+    with pytest.raises(ValueError, match="fp8 rows with their scales"):
+        fp8_gemm.w8a16_mm(q, w, scale, None, cfg, xs[1:], out_dtype)
+
+
+# (out, in) -> the XQ form's K shares at the shapes of ACT8_SHARES measured on an H200 (scripts/tune_fp8_gemm.py)
+XQ_SHARES = {(6144, 4096): 2, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 4, (3072, 4096): 4,
+             (4096, 2048): 1, (4096, 1024): 1}
+
+
+@pytest.mark.parametrize("n,k", list(XQ_SHARES))
+def test_xq_decode_config_takes_the_measured_shares(n, k):
+    from tp_lora.ops.triton.fp8_gemm import w8a16_config
+    cfg = w8a16_config(32, n, k, xq=True)
+    assert cfg["SPLIT_K"] == XQ_SHARES[(n, k)] and not cfg["ACT8"], cfg
+    assert cfg["BLOCK_N"] == (256 if n == 28672 else 64), cfg
+
+
+def test_fp8_linear_reads_rows_quantized_by_their_producer(device, monkeypatch):
+    """x8 (x quantized per token) is what fp8_linear multiplies where takes_rows8 says so: per-channel weights and
+    16-bit rows up to ACT8_ROWS (XQ) and, on CUDA, past the weight-only rows (torch._scaled_mm); not block scales,
+    float32 rows or the weight-only rows. Rows x8 made from other values than x show which one was read."""
+    from tp_lora.ops.fp8 import takes_rows8
+    monkeypatch.setattr(fused, "KERNELS", True)
+    gen = torch.Generator().manual_seed(11)
+    for dtype, block_k, rows, reads in [(torch.bfloat16, None, 1, True), (torch.bfloat16, None, ACT8_ROWS, True),
+                                        (torch.float16, None, 3, True), (torch.bfloat16, 128, 4, False),
+                                        (torch.float32, None, 4, False),
+                                        (torch.bfloat16, None, ACT8_ROWS + 1, False),  # weight-only rows
+                                        (torch.bfloat16, None, SMALL_ROWS_DEEP + 1, device == "cuda")]:  # W8A8
+        w, scale = fp8_weights(gen, 1, 64, 256, block_k)
+        w, scale = w[0].to(device), scale[0].to(device)
+        x = representable(gen, rows, 256, 128).to(dtype).to(device)
+        other = representable(gen, rows, 256).to(dtype).to(device)
+        x8 = quantize_per_token(other)
+        assert takes_rows8(x, w, block_k) == reads, (dtype, block_k, rows)
+        got = fp8_linear(x, w, scale, block_k, None, x8)
+        src = other if reads else x
+        want = src.float() @ dequantize(w, scale, block_k).t()
+        assert rel_err(got, want) < 0.02, (dtype, block_k, rows)
+
+
 def test_w8a16_mm_refuses_more_rows_than_one_block(device):
     from tp_lora.ops.triton import fp8_gemm
     w = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)

@@ -1,6 +1,7 @@
 """A whole model forward with the fused Triton ops forced on (the interpreter on CPU) against the torch path: final
 hidden states and the K/V written into the cache, for a mixed step (decodes and prefill chunks) of the families
-whose layers differ: Llama, partial rotary, Qwen3's q/k norm, Gemma 3's (1 + w) norms, extra norms and GeLU."""
+whose layers differ: Llama, partial rotary, Qwen3's q/k norm, Gemma 3's (1 + w) norms, extra norms and GeLU; per-channel
+fp8 layers reading the rows their producers quantized per token, in a decode step."""
 import pytest
 import torch
 
@@ -60,3 +61,45 @@ def test_forward_with_fused_kernels_matches_torch_path(family, device, monkeypat
     for g, w, h in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v, history.k + history.v):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)
         assert not torch.equal(g.flatten(0, 1)[meta.slots], h.flatten(0, 1)[meta.slots]), "K/V were not written"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_fp8_layers_take_their_rows_quantized_by_norms_and_act_mul(family, device, monkeypatch):
+    """A bf16 model with per-channel fp8 layers, kernels forced on, a decode step: qkv_proj, gate_up_proj and
+    down_proj multiply the rows their producers (the norms, act_mul) quantized per token (XQ), o_proj quantizes its
+    own (ACT8); the hidden states near the dequantised weights' torch path (fp8 activations: a few percent)."""
+    from tp_lora.layers.linear import ParallelLinear
+    from tp_lora.layers.quant import FP8Scheme, QuantConfig
+    from tp_lora.ops.fp8 import quantize_fp8_per_channel
+    from tp_lora.ops.triton import fp8_gemm
+    hf = {**COMMON, **FAMILIES[family], "hidden_size": 128, "intermediate_size": 192}
+    gen = torch.Generator().manual_seed(3)
+    model = CausalLM(hf, comm.single_process(device).tp, dtype=torch.bfloat16, device=device,
+                     quant=QuantConfig(FP8Scheme(at_load=True)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype != torch.float8_e4m3fn:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "norm" in name else p.shape[-1] ** -0.5)
+                        + (0.2 if "norm" in name else 0.0))
+        for m in model.modules():
+            if isinstance(m, ParallelLinear) and m.quant is not None:
+                q, s = quantize_fp8_per_channel(torch.randn(m.weight.shape, generator=gen) * m.weight.shape[1] ** -0.5)
+                m.weight.copy_(q)
+                m.weight_scale.copy_(s)
+    tokens, bs = 6, 4
+    meta = build_attn_meta([[i] for i in range(tokens)], [2] * tokens, [1] * tokens, bs, device)
+    input_ids = torch.randint(0, hf["vocab_size"], (tokens,), generator=gen).to(device)
+    calls = []
+    kernel = fp8_gemm.w8a16_mm
+    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a: calls.append(
+        "xq" if len(a) > 5 and a[5] is not None else "act8" if a[4]["ACT8"] else "weight-only") or kernel(*a))
+    outs = []
+    for use in (False, True):
+        monkeypatch.setattr(fused, "KERNELS", use)
+        with torch.no_grad():
+            outs.append(model(input_ids, model.new_cache(tokens + 2, bs), meta).float())
+    layers = hf["num_hidden_layers"]
+    assert sorted(calls) == sorted(["xq"] * 3 * layers + ["act8"] * layers), calls
+    want, got = outs
+    # Gemma's extra norms and scaled embeddings make it more sensitive: 0.17 with every layer on ACT8 too
+    assert ((got - want).norm() / want.norm()).item() < (0.25 if family == "gemma3_text" else 0.1)

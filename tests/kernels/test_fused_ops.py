@@ -57,6 +57,39 @@ def test_add_rms_norm(device, dtype, tokens, hidden, residual, offset, norm_x):
     assert got.dtype == dtype and got.shape == (tokens, hidden)
 
 
+def _per_token(device, out):
+    """out quantized per token by the standalone kernel (itself checked against quantize_per_token in
+    tests/kernels/test_fp8_kernels.py): what a norm's or act_mul's out8 must hold."""
+    from tp_lora.ops.triton.fp8_quant import quantize_per_token
+    return quantize_per_token(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, hidden, residual, norm_x", [(1, 80, False, False), (37, 1000, True, False),
+                                                              (5, 64, True, True)])
+def test_add_rms_norm_writes_its_rows_quantized_per_token(device, dtype, tokens, hidden, residual, norm_x):
+    """out8: the normed rows quantized per token in the same pass, equal to quantizing the output afterwards; the
+    output and the stream unchanged by it; a row of zeros (scale 1e-12) stays zeros."""
+    from tp_lora.ops.fp8 import empty_rows8
+    from tp_lora.ops.triton.fused import add_rms_norm
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    x = _randn(gen, tokens, hidden, dtype=dtype, device=device, std=4.0)
+    res = _randn(gen, tokens, hidden, dtype=dtype, device=device) if residual else None
+    w, xw = (_randn(gen, hidden, dtype=dtype, device=device, std=0.3, mean=1.0) for _ in range(2))
+    if not residual:
+        x[0] = 0
+    out8 = empty_rows8(x)
+    got = add_rms_norm(x, res, w, 1e-6, False, xw if norm_x else None, out8)
+    plain = add_rms_norm(x, res, w, 1e-6, False, xw if norm_x else None)
+    assert all(torch.equal(g, p) for g, p in zip(got, plain))
+    want_q, want_s = _per_token(device, got[0])
+    assert torch.equal(out8[1], want_s) and torch.equal(out8[0].float(), want_q.float())
+    if not residual:
+        assert out8[1][0].item() == pytest.approx(1e-12) and not out8[0][0].float().any()
+    with pytest.raises(ValueError, match=r"out8 needs q \[%d, %d\]" % (tokens, hidden)):
+        add_rms_norm(x, res, w, 1e-6, False, None, (out8[0][:, 1:], out8[1]))
+
+
 def test_rms_norm_reference_matches_formula():
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(5, 12, generator=gen, dtype=torch.float64), torch.randn(12, generator=gen, dtype=torch.float64)
@@ -160,6 +193,21 @@ def test_act_mul(device, dtype, tokens, n, act):
     got = act_mul(x, act)
     torch.testing.assert_close(got, ref.act_mul_ref(x, act), **_tol(device, dtype))
     assert got.shape == (tokens, n)
+
+
+@pytest.mark.parametrize("tokens, n, act", [(1, 80, "silu"), (5, 1100, "gelu_pytorch_tanh"), (3, 4100, "silu")])
+def test_act_mul_writes_its_rows_quantized_per_token(device, tokens, n, act):
+    """out8: act(gate) * up quantized per token over the whole row (one program a row), equal to quantizing the
+    output afterwards; the output unchanged by it."""
+    from tp_lora.ops.fp8 import empty_rows8
+    from tp_lora.ops.triton.fused import act_mul
+    gen = torch.Generator().manual_seed(tokens + n)
+    x = _randn(gen, tokens, 2 * n, dtype=torch.bfloat16, device=device, std=3.0)
+    out8 = empty_rows8(x, n)
+    got = act_mul(x, act, out8)
+    assert torch.equal(got, act_mul(x, act))
+    want_q, want_s = _per_token(device, got)
+    assert torch.equal(out8[1], want_s) and torch.equal(out8[0].float(), want_q.float())
 
 
 def test_act_mul_reference_matches_formulas():

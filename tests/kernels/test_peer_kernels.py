@@ -10,6 +10,7 @@ import torch
 from tp_lora.distributed import peer
 from tp_lora.distributed.peer import EMPTY, POLL_MAX_BYTES, PeerBuffer, PeerReport
 from tp_lora.distributed.peer_kernels import all_gather, all_reduce
+from tp_lora.ops.fp8 import empty_rows8
 from tp_lora.ops.fused import add_rms_norm_ref
 from tp_lora.ops.triton.fused import add_rms_norm
 from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm
@@ -62,6 +63,11 @@ def test_fused_reduce_norm_matches_add_rms_norm(device, dtype, rows, n, case, ex
             tol = 1e-5 if dtype == torch.float32 else 8e-2
             torch.testing.assert_close(g.float(), r.float(), atol=tol, rtol=tol)
         check_exchange(staging, pads, buf, call, exchange)
+    if dtype == torch.bfloat16:  # the normed rows quantized per token too (out8), as add_rms_norm writes them
+        want8, got8 = empty_rows8(x), empty_rows8(x)
+        add_rms_norm(x, res, w, 1e-6, offset, xw, want8)
+        reduce_add_rms_norm(x, res, w, 1e-6, offset, xw, buf, False, got8)
+        assert torch.equal(got8[1], want8[1]) and torch.equal(got8[0].float(), want8[0].float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

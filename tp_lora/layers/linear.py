@@ -1,7 +1,8 @@
 """Megatron-style parallel linear layers. No LoRA knowledge.
 
 Each layer splits its forward in two so a LoRA wrapper can add its delta in between:
-`partial(x)` is what this rank computes alone, `finish(z)` the communication that completes it.
+`partial(x)` is what this rank computes alone, `finish(z)` the communication that completes it. An fp8 layer may
+also take its input quantized per token (x8) from the op that made it, where `takes_rows8(x)` says it reads it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch import nn
 
 from tp_lora import distributed as comm
 from tp_lora.layers.quant import FP8Scheme
-from tp_lora.ops.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8_per_channel
+from tp_lora.ops.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8_per_channel, takes_rows8
+from tp_lora.ops.fused import Rows8
 from tp_lora.sharding import LinearSpec, OutSlice, scale_part, shard_weight, take
 
 
@@ -93,9 +95,13 @@ class ParallelLinear(nn.Module):
                    None if self.quant is None else self.weight_scale.data[row0:row0 + n], src, rng, rows_total,
                    self.spec.in_range(self.tp.rank, self.tp.size), self.spec.in_features, self.quant, scale, what)
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_rows8(self, x: torch.Tensor) -> bool:
+        """Whether partial(x, x8) reads x8, x quantized per token by its producer (tp_lora.ops.fp8.takes_rows8)."""
+        return self.quant is not None and takes_rows8(x, self.weight, self.block_k)
+
+    def partial(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
         y = (x @ self.weight.t() if self.quant is None
-             else fp8_linear(x, self.weight, self.weight_scale, self.block_k, self.block_n))
+             else fp8_linear(x, self.weight, self.weight_scale, self.block_k, self.block_n, x8))
         if self.bias is not None and self.spec.kind != "row":
             y = y + self.bias
         return y
@@ -108,8 +114,8 @@ class ParallelLinear(nn.Module):
             return comm.all_gather(z, self.tp, dim=-1)
         return z
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.finish(self.partial(x))
+    def forward(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
+        return self.finish(self.partial(x, x8))
 
 
 def blocks_aligned(spec: LinearSpec, rank: int, size: int, block_n: int) -> bool:

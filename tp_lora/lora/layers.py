@@ -23,6 +23,7 @@ from tp_lora.ops.batch import LoRABatch
 from tp_lora.lora.peft_format import SAVED
 from tp_lora.lora.saved import SavedCopies
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
+from tp_lora.ops.fused import Rows8
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 
 
@@ -264,16 +265,20 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
             return v
         return shard_lora_b(self.spec, slice_idx, v[:, None], self.tp.rank, self.tp.size, False)[:, 0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base.finish(self.partial(x))
+    def forward(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
+        return self.base.finish(self.partial(x, x8))
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA."""
+    def takes_rows8(self, x: torch.Tensor) -> bool:
+        return self.base.takes_rows8(x)
+
+    def partial(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
+        """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA (on x;
+        the base may read x8, x quantized per token)."""
         if not self.rt.active():
-            return self.base.partial(x)
+            return self.base.partial(x, x8)
         ops, batch = self.rt.ops, self.rt.batch
         u, z = self.rt.beside(lambda: ops.shrink(x, self.lora_a, self.scales, batch),  # [S, T, r_local] float32
-                              lambda: self.base.partial(x), x.device, x.shape[0])
+                              lambda: self.base.partial(x, x8), x.device, x.shape[0])
         if self.fully_sharded:
             # One collective for every slice of a packed layer: the slices travel together in u.
             u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)

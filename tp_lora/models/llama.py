@@ -19,8 +19,8 @@ from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spe
 from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.models.attention import AttnMeta, KVCache, rope_attend
-from tp_lora.ops.fp8 import FP8_DTYPE
-from tp_lora.ops.fused import ACTIVATIONS, act_mul, add_rms_norm, reduce_add_rms_norm
+from tp_lora.ops.fp8 import FP8_DTYPE, empty_rows8
+from tp_lora.ops.fused import ACTIVATIONS, Rows8, act_mul, add_rms_norm, reduce_add_rms_norm
 from tp_lora.sharding import unit_range
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -42,15 +42,25 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, None, self.weight, self.eps, self.offset)[0]
 
     def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None, first: RMSNorm | None = None,
-                      reduce: comm.Group | None = None, scatter: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one pass; residual None: (norm(x), x). first: a norm of the same
-        eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass. reduce: x is a
-        row-parallel layer's partial output, summed over this group first (fused with the rest where it can be);
-        scatter: x holds every rank's rows (EP experts' sums), of which this rank's chunk is summed."""
+                      reduce: comm.Group | None = None, scatter: bool = False, feeds: nn.Module | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, Rows8 | None]:
+        """(norm(x + residual), x + residual, None) in one pass; residual None: (norm(x), x, None). first: a norm of
+        the same eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass. reduce:
+        x is a row-parallel layer's partial output, summed over this group first (fused with the rest where it can
+        be); scatter: x holds every rank's rows (EP experts' sums), of which this rank's chunk is summed. feeds: the
+        layer the normed rows go to; where it reads them quantized per token (an fp8 layer's takes_rows8), the
+        third item holds them so, from the same pass."""
         xw = None if first is None else first.weight
-        if reduce is not None and reduce.size > 1:
-            return reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, reduce, scatter)
-        return add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw)
+        fused = reduce is not None and reduce.size > 1
+        out8 = None
+        if feeds is not None:  # the output's rows: the residual's, else x's (this rank's chunk of them: scatter)
+            rows = x if residual is None and not (fused and scatter) else residual
+            rows = x[:x.shape[0] // reduce.size] if rows is None else rows
+            out8 = empty_rows8(rows) if feeds.takes_rows8(rows) else None
+        if fused:
+            return *reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, reduce, scatter,
+                                        out8), out8
+        return *add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, out8), out8
 
 
 def rope_params(hf: dict, layer_type: str | None = None) -> dict:
@@ -193,9 +203,10 @@ class Attention(nn.Module):
         # the scores take k_scale with the softmax scale, the output v_scale.
         self.kv_scales = (1.0, 1.0)
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta, partial: bool = False):
-        """partial: o_proj's output before its all-reduce (the caller reduces it, see DecoderLayer)."""
-        qkv = self.qkv_proj(x)
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta, partial: bool = False, x8: Rows8 | None = None):
+        """partial: o_proj's output before its all-reduce (the caller reduces it, see DecoderLayer). x8: x quantized
+        per token (qkv_proj.takes_rows8)."""
+        qkv = self.qkv_proj(x, x8)
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
@@ -226,10 +237,13 @@ class MLP(nn.Module):
                                                    quant=scheme(quant, [prefix + "down_proj"])), rt,
                                      [prefix + "down_proj"], targets)
 
-    def forward(self, x, partial: bool = False):
-        """partial: down_proj's output before its all-reduce (the caller reduces it, see DecoderLayer)."""
-        h = act_mul(self.gate_up_proj(x), self.act)
-        return self.down_proj.partial(h) if partial else self.down_proj(h)
+    def forward(self, x, partial: bool = False, x8: Rows8 | None = None):
+        """partial: down_proj's output before its all-reduce (the caller reduces it, see DecoderLayer). x8: x
+        quantized per token (gate_up_proj.takes_rows8); act_mul hands down_proj its rows so where it takes them."""
+        g = self.gate_up_proj(x, x8)
+        h8 = empty_rows8(g, g.shape[-1] // 2) if self.down_proj.takes_rows8(g) else None
+        h = act_mul(g, self.act, h8)
+        return self.down_proj.partial(h, h8) if partial else self.down_proj(h, h8)
 
 
 class DecoderLayer(nn.Module):
@@ -269,14 +283,19 @@ class DecoderLayer(nn.Module):
         """x, residual [T, H] (residual None in the first layer: x is the stream) -> (x, residual); x_defer: x is
         the previous layer's partial output (its defer); the returned x is partial where this layer defers."""
         group, scatter = x_defer or (None, False)
-        h, residual = self.input_layernorm.with_residual(x, residual, reduce=group, scatter=scatter)
-        h = self.self_attn(h, cos, sin, cache, meta, partial=self.fuse_attn)
+        h, residual, h8 = self.input_layernorm.with_residual(x, residual, reduce=group, scatter=scatter,
+                                                             feeds=self.self_attn.qkv_proj)
+        h = self.self_attn(h, cos, sin, cache, meta, partial=self.fuse_attn, x8=h8)
         attn_tp = self.tp if self.fuse_attn else None
+        dense = isinstance(self.mlp, MLP)  # an MoE block quantizes its experts' rows itself
+        feeds = self.mlp.gate_up_proj if dense else None
         if self.gemma:
-            h, residual = self.pre_feedforward_layernorm.with_residual(h, residual, self.post_attention_layernorm,
-                                                                       reduce=attn_tp)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self.post_attention_layernorm.with_residual(h, residual, reduce=attn_tp)
+            h, residual, h8 = self.pre_feedforward_layernorm.with_residual(
+                h, residual, self.post_attention_layernorm, reduce=attn_tp, feeds=feeds)
+            return self.post_feedforward_layernorm(self.mlp(h, x8=h8) if dense else self.mlp(h)), residual
+        h, residual, h8 = self.post_attention_layernorm.with_residual(h, residual, reduce=attn_tp, feeds=feeds)
+        if dense:
+            return self.mlp(h, partial=bool(self.defer), x8=h8), residual
         return (self.mlp(h, partial=True) if self.defer else self.mlp(h)), residual
 
 

@@ -8,10 +8,11 @@ With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpret
 tp_lora.ops.triton.fp8_gemm.w8a16_mm, which reads only the fp8 bytes: for 16-bit activations up to ACT8_ROWS rows
 (scales per channel or per blocks of a multiple of 128 columns) it quantizes them per (row, 128 columns) in its main
 loop and multiplies on the fp8 tensor cores (ACT8: the activations' quantization of transformers' fine-grained fp8
-layers); otherwise, up to small_rows(w, block_k) rows, weight-only (fp8 tiles widened in registers, scales on the
+layers; per-channel rows that their producer quantized per token, x8, go straight to the fp8 tensor cores:
+the XQ form); otherwise, up to small_rows(w, block_k) rows, weight-only (fp8 tiles widened in registers, scales on the
 partial sums; float32 activations are never quantized). More rows, W8A8 on the fp8 tensor cores with the
-activations quantized by one Triton kernel: per-channel weights through torch._scaled_mm (rowwise
-scales, fast accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where
+activations quantized by one Triton kernel (or by their producer, x8): per-channel weights through
+torch._scaled_mm (rowwise scales, fast accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where
 the layer's rows lie in whole blocks, else the Triton w8a8_mm (scales per K tile in its main loop). Elsewhere (the
 CPU): the weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare
 layouts with.
@@ -98,15 +99,17 @@ def quantize_per_group(x: torch.Tensor, group: int, rows_to: int = 1) -> tuple[t
 
 
 def w8a16_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
-                 cfg: dict | None = None) -> torch.Tensor:
-    """x [M, K] @ the dequantised w [N, K]^T in float32, rounded once to x's dtype (scale None: w in x's dtype, no
-    scales). cfg: the kernel's launch configuration; with ACT8 x is first quantized per (row, K tile of
-    min(BLOCK_K, block_k) columns) as the kernel does (quantize_per_group), else it does not matter here."""
-    xf = x.float()
-    if cfg and cfg.get("ACT8"):
+                 cfg: dict | None = None, x_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ the dequantised w [N, K]^T in float32, rounded once to out_dtype or x's dtype (scale None: w in
+    x's dtype, no scales). cfg: the kernel's launch configuration; with ACT8 x is first quantized per (row, K tile
+    of min(BLOCK_K, block_k) columns) as the kernel does (quantize_per_group), else it does not matter here.
+    x_scale [M, 1]: x is fp8, x * x_scale the activations."""
+    xf = x.float() if x_scale is None else x.float() * x_scale.reshape(-1, 1)
+    if cfg and cfg.get("ACT8") and x_scale is None:
         group = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
         xf = dequantize(*quantize_per_group(x, group), group)
-    return (xf @ (w.float() if scale is None else dequantize(w, scale, block_k)).t()).to(x.dtype)
+    return (xf @ (w.float() if scale is None else dequantize(w, scale, block_k)).t()).to(out_dtype or x.dtype)
 
 
 def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int,
@@ -184,11 +187,40 @@ def blockwise_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch
     return out[:x.shape[0]]
 
 
+def takes_rows8(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
+    """Whether fp8_linear(x, w, ..., x8) reads x8, activations x [T, K] quantized per token by their producer (x:
+    any tensor of the activations' rows, dtype and device): per-channel weights and 16-bit x, up to ACT8_ROWS rows
+    on the decode GEMM (its XQ form), past the weight-only rows through torch._scaled_mm."""
+    if block_k is not None or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    kernels = kernels_take(x, None)
+    if kernels and 0 < rows <= ACT8_ROWS:
+        return True
+    return scaled_mm_ok(x, w, None) and kernels and rows > small_rows(w)
+
+
+def empty_rows8(x: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers (q [T, n] e4m3, scales [T, 1] float32) for the T rows of x quantized per token (n: x's columns), the
+    out8 of an op that feeds a layer taking them (takes_rows8)."""
+    t = x.reshape(-1, x.shape[-1]).shape[0]
+    return (torch.empty(t, n or x.shape[-1], dtype=FP8_DTYPE, device=x.device),
+            torch.empty(t, 1, dtype=torch.float32, device=x.device))
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
-               block_n: int | None = None) -> torch.Tensor:
+               block_n: int | None = None, x8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
-    None where they may not."""
+    None where they may not. x8: x quantized per token (q [T, K] e4m3, scales [T, 1]) by the op that made it,
+    read where takes_rows8 says so (else x is)."""
     rows = x.shape[0]
+    if x8 is not None and takes_rows8(x, w, block_k):
+        if rows <= ACT8_ROWS:
+            from tp_lora.ops.triton import fp8_gemm  # noqa: PLC0415 - CUDA / forced only
+            return fp8_gemm.w8a16_mm(x8[0], w, scale, None, fp8_gemm.w8a16_config(rows, *w.shape, xq=True), x8[1],
+                                     x.dtype)
+        return torch._scaled_mm(x8[0], w.t(), scale_a=x8[1], scale_b=scale.view(1, -1), out_dtype=x.dtype,
+                                use_fast_accum=True)
     # 16-bit activations are quantized to fp8 (W8A8): per (row, 128 columns) inside the decode GEMM up to ACT8_ROWS
     # rows, past them by a kernel of their own; float32 layers ask for the dequantized weights' exact product.
     half = x.dtype in (torch.bfloat16, torch.float16)

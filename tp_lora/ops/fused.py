@@ -9,6 +9,8 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
+- out8 (the norms, act_mul; kernels only): the output also written quantized per token into (q, scales), the
+  activations of the per-channel fp8 GEMM that reads it (tp_lora.ops.fp8.fp8_linear's x8).
 - moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights; a CUDA
   graph's padding rows route nowhere.
 - embedding_shard: the rows of a vocabulary shard for a step's token ids, zeros for ids other ranks hold.
@@ -27,6 +29,10 @@ from tp_lora import distributed as comm
 # None: the Triton kernels for CUDA tensors, else the references; True / False forces (tests, benchmarks). The MoE
 # routing plan, grouped GEMM and sampling dispatchers (tp_lora.ops.moe_plan, .grouped_mm, .sampling) follow it too.
 KERNELS: bool | None = None
+
+# (q [T, N] float8_e4m3fn, scales [T, 1] float32): an op's output also quantized per token, as
+# tp_lora.ops.fp8.quantize_per_token does, for the fp8 GEMM it feeds (the norms' and act_mul's out8)
+Rows8 = tuple[torch.Tensor, torch.Tensor]
 
 ACTIVATIONS = {"silu": torch.nn.functional.silu,
                "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
@@ -154,25 +160,33 @@ def moe_combine_ref(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 offset: bool = False, x_weight: torch.Tensor | None = None, out8: Rows8 | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None and x_weight is not None:
         raise ValueError("add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
     if use_kernels(x):
         from tp_lora.ops.triton.fused import add_rms_norm as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(x, residual, weight, eps, offset, x_weight)
+        return kernel(x, residual, weight, eps, offset, x_weight, out8)
+    no_rows8("add_rms_norm", out8)
     return add_rms_norm_ref(x, residual, weight, eps, offset, x_weight)
 
 
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                        offset: bool, x_weight: torch.Tensor | None, group: comm.Group, scatter: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        offset: bool, x_weight: torch.Tensor | None, group: comm.Group, scatter: bool = False,
+                        out8: Rows8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None and x_weight is not None:
         raise ValueError("reduce_add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
     buf = comm.fused_peer(x, group, scatter)
     if buf is not None:
         from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm as kernel  # noqa: PLC0415 - peer path only
-        return kernel(x, residual, weight, eps, offset, x_weight, buf, scatter)
-    return add_rms_norm(_summed(x, residual, group, scatter), residual, weight, eps, offset, x_weight)
+        return kernel(x, residual, weight, eps, offset, x_weight, buf, scatter, out8)
+    return add_rms_norm(_summed(x, residual, group, scatter), residual, weight, eps, offset, x_weight, out8)
+
+
+def no_rows8(op: str, out8: Rows8 | None) -> None:
+    """The references emit no fp8 rows: out8 is for the kernels (tp_lora.ops.fp8.takes_rows8 asks for them)."""
+    if out8 is not None:
+        raise ValueError(f"{op}: out8 (the output quantized per token) is written by the Triton kernels only")
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -185,10 +199,11 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset, kv_scales)
 
 
-def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+def act_mul(x: torch.Tensor, act: str, out8: Rows8 | None = None) -> torch.Tensor:
     if use_kernels(x):
         from tp_lora.ops.triton.fused import act_mul as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(x, act)
+        return kernel(x, act, out8)
+    no_rows8("act_mul", out8)
     return act_mul_ref(x, act)
 
 

@@ -1,7 +1,8 @@
 """Triton FP8 GEMMs of the base layers (tp_lora.ops.fp8.fp8_linear dispatches here), with the signatures of their
 references in tp_lora.ops.fp8:
 
-    w8a16_mm(x [M, K], w [N, K] fp8, scale, block_k, cfg=None) -> [M, N] in x's dtype       (decode: M <= 64)
+    w8a16_mm(x [M, K], w [N, K] fp8, scale, block_k, cfg=None, x_scale=None, out_dtype=None) -> [M, N]
+        in x's dtype, or out_dtype (decode: M <= 64)
     w8a8_mm(xq [M, K] fp8, xs, w [N, K] fp8, scale, block_k, out_dtype, cfg=None) -> [M, N]  (block scales, prefill)
 
 scale: [N] per output channel (block_k None) or [N, ceil(K / block_k)] per block of block_k columns; xs: [M,
@@ -16,6 +17,10 @@ warp-group MMA with the widened weights from registers where BLOCK_M (the rows, 
 ACT8 (transposed tile, fp8 weights): each row's K tile of x is quantized to e4m3 in the kernel, scale amax / 448
 (per row and BLOCK_K columns: what quantize_per_group computes), and the tile product runs on the fp8 tensor cores,
 scaled per row: no widening of the weights, whose conversion bounds the weight-only form's speed.
+XQ (x_scale given: x is fp8, quantized per token by its producer, x ~= x * x_scale[:, None]; per-channel weights):
+the fp8 tiles go from memory straight into the fp8 tensor cores and the products accumulate there, both scales
+applied once at the end. ACT8's per-tile round trip of x through registers and its per-tile scaling are what make
+it slower than this form (scripts/tune_fp8_gemm.py's XQ rows).
 
 With SPLIT_K > 1 each program stores its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on
 its column block's counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight
@@ -49,10 +54,10 @@ W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
+def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
-                  PREC: tl.constexpr, SWAP: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr):
+                  PREC: tl.constexpr, SWAP: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr, XQ: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -65,6 +70,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
     s_row = s_ptr + offs_n.to(tl.int64) * s_sn
     if SCALES == 1:  # loaded first: off the critical path of the last split
         s_n = tl.load(s_row, mask=n_mask, other=0.0)
+    if XQ:
+        s_m = tl.load(xs_ptr + rows, mask=m_mask, other=0.0)
     if SWAP:  # acc [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]
         x_blk = x_ptr + rows[None, :] * s_xm + offs_k[:, None]
         w_blk = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
@@ -78,7 +85,9 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
         if SWAP:
             wv = tl.load(w_blk + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xv = tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-            if ACT8:  # each row's K tile to fp8 (scale: its amax / 448), the product on the fp8 tensor cores
+            if XQ:  # fp8 rows: accumulated in place, scaled at the end
+                part = tl.dot(wv.to(DOT8), xv.to(DOT8))
+            elif ACT8:  # each row's K tile to fp8 (scale: its amax / 448), the product on the fp8 tensor cores
                 xv = xv.to(tl.float32)
                 xs = tl.maximum(tl.max(tl.abs(xv), axis=0) / 448.0, 1e-12)
                 part = tl.dot(wv.to(DOT8), (xv / xs[None, :]).to(tl.float8e4nv).to(DOT8)) * xs[None, :]
@@ -109,32 +118,45 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
                                    other=0.0, cache_modifier=".cg")
             if SCALES == 1:
                 acc *= s_n[None, :]
+            if XQ:
+                acc *= s_m[:, None]
             tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
     else:
         if SCALES == 1:
             acc *= s_n[None, :]
+        if XQ:
+            acc *= s_m[:, None]
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block_k: int | None,
-             cfg: dict | None = None) -> torch.Tensor:
+             cfg: dict | None = None, x_scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, ACT8 (implies SWAP),
-    num_warps, num_stages. scale None: w holds x's dtype (16-bit weights, no scales)."""
+    num_warps, num_stages. scale None: w holds x's dtype (16-bit weights, no scales). x_scale [M] or [M, 1]
+    float32: x is fp8 quantized per row (XQ; per-channel fp8 weights), the output in out_dtype (16-bit)."""
     cfg = {**W8A16_DEFAULT, **(cfg or {})}
     x = x.contiguous()
     m, k = x.shape
     n = w.shape[0]
+    xq = x_scale is not None
+    out_dtype = out_dtype or x.dtype
+    if xq and (x.dtype != w.dtype or w.dtype != torch.float8_e4m3fn or scale is None or block_k is not None
+               or x_scale.numel() != m or out_dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"w8a16_mm: fp8 rows with their scales (x_scale of {m} values) multiply per-channel fp8 "
+                         f"weights into 16-bit outputs; got {x.dtype} rows, {w.dtype} weights, block_k {block_k}, "
+                         f"x_scale of {x_scale.numel()} values, out_dtype {out_dtype}")
     if m > MAX_ROWS:
         raise ValueError(f"w8a16_mm takes up to {MAX_ROWS} rows, got {m}")
     if w.stride(-1) != 1:
         raise ValueError(f"w8a16_mm: w needs a unit stride along K, got strides {tuple(w.stride())}")
-    if scale is None and w.dtype != x.dtype:
+    if scale is None and w.dtype != x.dtype and not xq:
         raise ValueError(f"w8a16_mm: {w.dtype} weights need scales (without them, w must have x's {x.dtype})")
     bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
     if cfg["ACT8"]:
         check_act8("w8a16_mm: ACT8", w, scale)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     tiles = triton.cdiv(k, bk)
@@ -147,12 +169,13 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else cnt.view(torch.float32)
     scales = SCALE_NONE if scale is None else SCALE_CHANNEL if block_k is None else SCALE_BLOCK
     scale = cnt.view(torch.float32) if scale is None else scale.contiguous()
-    cdt, dot, prec = compute_types(x.dtype, w.dtype)
+    cdt, dot, prec = compute_types(out_dtype, w.dtype)
     _w8a16_kernel[(grid_n, split)](
-        x, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        x, x_scale.reshape(-1) if xq else scale, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"],
-        ACT8=cfg["ACT8"], DOT8=fp8_dot(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"] or xq,
+        ACT8=cfg["ACT8"] and not xq, DOT8=fp8_dot(), XQ=xq, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 
@@ -215,19 +238,22 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
     return out
 
 
-def w8a16_config(m: int, n: int, k: int, act8: bool = False) -> dict:
+def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False) -> dict:
     """The launch configuration of w8a16_mm for m rows and a weight [n, k]. Weight-only: 64 columns x 128 K per
     tile, 4 warps, 3 stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least
     1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
     with scripts/bench_decode_gemm.py --weights fp8. act8 (ACT8, rows up to 32): 128 x 128 tiles, 8 warps, 4
     stages, K shares by _act8_splits within 256 programs; wide layers (out >= 3 x in and >= 12288: gate_up at tp1 /
     tp2) 256 x 128 tiles, 5 stages, within 128 programs; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows, at
-    tp1 / tp2 / tp4's layer shapes)."""
-    if act8:
-        wide = n >= 3 * k and n >= 12288  # not tp4's o (4096 x 1024): 16 programs of 256 columns
+    tp1 / tp2 / tp4's layer shapes). xq (fp8 rows, XQ): the wide layers' tiles, else 64 x 128 tiles, 4 warps, 4
+    stages, K shares by _xq_splits."""
+    wide = n >= 3 * k and n >= 12288  # not tp4's o (4096 x 1024): 16 programs of 256 columns
+    if xq and not wide:
+        return dict(W8A16_DEFAULT, num_stages=4, SWAP=True, SPLIT_K=_xq_splits(triton.cdiv(n, 64), k))
+    if act8 or xq:
         block_n = 256 if wide else 128
-        return dict(W8A16_DEFAULT, BLOCK_N=block_n, num_warps=8, num_stages=5 if wide else 4, ACT8=True, SWAP=True,
-                    SPLIT_K=_act8_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
+        return dict(W8A16_DEFAULT, BLOCK_N=block_n, num_warps=8, num_stages=5 if wide else 4, ACT8=not xq,
+                    SWAP=True, SPLIT_K=_act8_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
     return dict(W8A16_DEFAULT, SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 512 if m <= 32 else 256),
                 SWAP=m > 16)
 
@@ -236,6 +262,15 @@ def _splits(blocks: int, k: int, budget: int) -> int:
     """The most K shares (up to 8, each at least 1024 wide) that keep blocks x shares programs within budget."""
     split = 1
     while split < 8 and blocks * split * 2 <= budget and k // (split * 2) >= 1024:
+        split *= 2
+    return split
+
+
+def _xq_splits(blocks: int, k: int) -> int:
+    """K shares of the XQ form: none up to 2048 columns (the last split's sum would cost more than the share
+    saves), else the most (up to 4) of at least 1024 columns within 256 programs."""
+    split = 1
+    while k > 2048 and split < 4 and blocks * split * 2 <= 256 and k // (split * 2) >= 1024:
         split *= 2
     return split
 

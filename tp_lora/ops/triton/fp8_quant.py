@@ -1,6 +1,7 @@
 """Dynamic fp8 activation quantization in one launch, with the signatures of the references in tp_lora.ops.fp8:
 
-    quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)
+    quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)   (also: row_scale and
+        to_e4m3, which the norms and act_mul of tp_lora.ops.triton.fused call to emit their rows quantized this way)
     quantize_per_group(x [T, K], group, rows_to=1) -> (x_fp8 [T', K], scales [T', ceil(K / group)] float32)
 
 Each row (per token) or each group of `group` columns of a row (per group, the activations of block-scaled GEMMs) is
@@ -21,6 +22,19 @@ BLOCK = 1024
 
 
 @triton.jit
+def row_scale(amax, FMAX: tl.constexpr):
+    """The per-token scale of a row whose largest magnitude is amax (float32)."""
+    return tl.maximum(amax / FMAX, 1e-12)
+
+
+@triton.jit
+def to_e4m3(v, scale, q_row, i, ok, FMAX: tl.constexpr):
+    """v (float32) / scale, clamped to e4m3's range, stored at q_row's columns i (mask ok)."""
+    q = tl.minimum(tl.maximum(v / scale, -FMAX), FMAX)
+    tl.store(q_row + i, q.to(q_row.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, FMAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -28,13 +42,12 @@ def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, F
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_ptr + row * s_xm + k0 + offs, mask=offs < K - k0, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, axis=0) / FMAX, 1e-12)
+    scale = row_scale(tl.max(amax, axis=0), FMAX)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         mask = offs < K - k0
         v = tl.load(x_ptr + row * s_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -FMAX), FMAX)
-        tl.store(q_ptr + row * s_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        to_e4m3(v, scale, q_ptr + row * s_qm + k0, offs, mask, FMAX)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, FP8_MAX, row_scale, to_e4m3
+
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
 EMBED_BLOCK = 1024  # columns of embedding_shard per program
@@ -26,10 +28,11 @@ def _weighted(h, w, OFFSET: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, i, ok, n, eps, HAS_RES: tl.constexpr,
-                 NORM_X: tl.constexpr, OFFSET: tl.constexpr):
+def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, i, ok, n, eps,
+                 HAS_RES: tl.constexpr, NORM_X: tl.constexpr, OFFSET: tl.constexpr, Q8: tl.constexpr):
     """One row of add_rms_norm from h [BLOCK] float32 (x, masked by ok): the optional norm of x, the residual add
-    (stored at res_out_row), the norm (stored at out_row); row pointers, columns i."""
+    (stored at res_out_row), the norm (stored at out_row; Q8: also quantized per token to q_row, its scale to
+    s_row); row pointers, columns i."""
     dt = out_row.dtype.element_ty
     if NORM_X:
         xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
@@ -40,18 +43,30 @@ def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, i, ok, n, eps,
         h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
     w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_row + i, _weighted(h * rstd, w, OFFSET, dt), mask=ok)
+    y = _weighted(h * rstd, w, OFFSET, dt)
+    tl.store(out_row + i, y, mask=ok)
+    if Q8:
+        quantize_row(y.to(tl.float32), q_row, s_row, i, ok)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, s_x, s_r, s_o, s_ro, n, eps,
-                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr, OFFSET: tl.constexpr):
+def quantize_row(v, q_row, s_row, i, ok):
+    """A row v [BLOCK] float32 (0 where masked) quantized per token: its scale to s_row, v / scale to q_row."""
+    scale = row_scale(tl.max(tl.abs(v), 0), FP8_MAX)
+    tl.store(s_row, scale)
+    to_e4m3(v, scale, q_row, i, ok, FP8_MAX)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, s_x, s_r, s_o, s_ro,
+                         s_q, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr,
+                         OFFSET: tl.constexpr, Q8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < n
     h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
-    add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, i, ok, n, eps,
-                 HAS_RES, NORM_X, OFFSET)
+    add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, q_ptr + t * s_q,
+                 qs_ptr + t, i, ok, n, eps, HAS_RES, NORM_X, OFFSET, Q8)
 
 
 @triton.jit
@@ -106,18 +121,35 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
 
 
 @triton.jit
-def _act_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    dt = out_ptr.dtype.element_ty
-    g = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + t * s_x + n + i, mask=ok, other=0.0).to(tl.float32)
+def _act_mul_block(x_row, out_row, i, ok, n, GELU: tl.constexpr):
+    """act(gate) * up at columns i of one row, stored (out's dtype) and returned in float32 (0 where masked)."""
+    dt = out_row.dtype.element_ty
+    g = tl.load(x_row + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_row + n + i, mask=ok, other=0.0).to(tl.float32)
     if GELU:  # 0.5 g (1 + tanh(z)) with z = sqrt(2 / pi) (g + 0.044715 g^3), and 1 + tanh(z) = 2 sigmoid(2z)
         a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
     else:
         a = g * tl.sigmoid(g)
-    tl.store(out_ptr + t * s_o + i, (a.to(dt).to(tl.float32) * u).to(dt), mask=ok)
+    y = (a.to(dt).to(tl.float32) * u).to(dt)
+    tl.store(out_row + i, y, mask=ok)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _act_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, i < n, n, GELU)
+
+
+@triton.jit
+def _act_mul_q8_kernel(x_ptr, out_ptr, q_ptr, qs_ptr, s_x, s_o, s_q, n, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    """act_mul with out8: a program per row, the whole row in one tile (its amax needs every column)."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    y = _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, ok, n, GELU)
+    quantize_row(y, q_ptr + t * s_q, qs_ptr + t, i, ok)
 
 
 def as_rows(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -135,7 +167,8 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 offset: bool = False, x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 offset: bool = False, x_weight: torch.Tensor | None = None,
+                 out8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = as_rows(x, "add_rms_norm's x")
     n = rows.shape[1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -144,13 +177,27 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     else:
         res, res_out = as_rows(residual, "add_rms_norm's residual"), torch.empty_like(out)
     res_rows = rows if residual is None else res_out.view(-1, n)
+    q, qs = check_rows8("add_rms_norm", out8, rows.shape[0], n, out)
     if rows.shape[0]:
         _add_rms_norm_kernel[(rows.shape[0],)](
-            rows, res, weight, weight if x_weight is None else x_weight, out, res_rows, rows.stride(0),
-            res.stride(0), n, n, n, float(eps), BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
-            NORM_X=x_weight is not None, OFFSET=bool(offset),
+            rows, res, weight, weight if x_weight is None else x_weight, out, res_rows, q, qs, rows.stride(0),
+            res.stride(0), n, n, q.stride(0), n, float(eps), BLOCK=triton.next_power_of_2(n),
+            HAS_RES=residual is not None, NORM_X=x_weight is not None, OFFSET=bool(offset), Q8=out8 is not None,
             num_warps=4 if n <= 4096 else 8)
     return out, res_out
+
+
+def check_rows8(op: str, out8, t: int, n: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (q, scales) buffers of an op's out8 for t rows of n columns, checked; without out8, any two tensors the
+    kernel never touches (out)."""
+    if out8 is None:
+        return out.view(-1, n), out
+    q, qs = out8
+    if (q.shape != (t, n) or q.dtype != FP8_DTYPE or q.stride(-1) != 1 or qs.numel() != t
+            or qs.dtype != torch.float32 or not qs.is_contiguous()):
+        raise ValueError(f"{op}: out8 needs q [{t}, {n}] {FP8_DTYPE} (unit column stride) and {t} contiguous "
+                         f"float32 scales, got {tuple(q.shape)} {q.dtype} and {tuple(qs.shape)} {qs.dtype}")
+    return q, qs
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -180,15 +227,21 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     return out
 
 
-def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+def act_mul(x: torch.Tensor, act: str, out8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise ValueError(f"act_mul: activation {act!r} is not supported (expected silu or gelu_pytorch_tanh)")
     rows = as_rows(x, "act_mul's input")
-    n = rows.shape[1] // 2
+    t, n = rows.shape[0], rows.shape[1] // 2
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        _act_mul_kernel[(rows.shape[0], triton.cdiv(n, ACT_BLOCK))](
-            rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=act == "gelu_pytorch_tanh")
+    gelu = act == "gelu_pytorch_tanh"
+    if out8 is not None:
+        q, qs = check_rows8("act_mul", out8, t, n, out)
+        if t:
+            block = triton.next_power_of_2(n)
+            _act_mul_q8_kernel[(t,)](rows, out, q, qs, rows.stride(0), n, q.stride(0), n, BLOCK=block, GELU=gelu,
+                                     num_warps=min(16, max(4, block // 1024)))
+    elif t:
+        _act_mul_kernel[(t, triton.cdiv(n, ACT_BLOCK))](rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=gelu)
     return out
 
 

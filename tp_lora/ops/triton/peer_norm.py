@@ -5,7 +5,8 @@ buffer in place of the group.
 Program p pushes its rows of x into every rank's buffer and takes every rank's as they arrive (the exchange of
 tp_lora.distributed.peer), sums each row over the ranks in rank order (float32, rounded to x's dtype as the
 all-reduce's result is: every rank gets the same bits), then adds the residual and norms as add_rms_norm does. One
-launch instead of all-reduce + add_rms_norm, one one-way trip over NVLink. scatter: x holds a chunk of rows per
+launch instead of all-reduce + add_rms_norm, one one-way trip over NVLink; out8: the normed rows quantized per
+token too (tp_lora.ops.fused's out8). scatter: x holds a chunk of rows per
 rank and each rank pushes rank r's chunk to rank r only, which norms its own rows (reduce_scatter + add_rms_norm).
 """
 from __future__ import annotations
@@ -16,14 +17,15 @@ import triton.language as tl
 
 from tp_lora.distributed.peer import PeerBuffer
 from tp_lora.distributed.peer_kernels import ASM, done_call, exchange, next_call, push_row, push_to, take_row
-from tp_lora.ops.triton.fused import add_norm_row, as_rows
+from tp_lora.ops.triton.fused import add_norm_row, as_rows, check_rows8
 
 
 @triton.jit
-def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, ptrs, pads, epochs, report,
-                                limit, rows, keep, s_x, s_r, s_o, s_ro, n, eps, slot, RANK: tl.constexpr,
-                                WORLD: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr,
-                                OFFSET: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr, SCATTER: tl.constexpr):
+def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, ptrs, pads,
+                                epochs, report, limit, rows, keep, s_x, s_r, s_o, s_ro, s_q, n, eps, slot,
+                                RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                                NORM_X: tl.constexpr, OFFSET: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr,
+                                SCATTER: tl.constexpr, Q8: tl.constexpr):
     p = tl.program_id(0)
     step = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
@@ -49,13 +51,14 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_
             if not HAS_RES:  # the stream is the reduced x itself
                 tl.store(res_out_ptr + t * s_ro + i, h, mask=ok)
             add_norm_row(h.to(tl.float32), res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o,
-                         res_out_ptr + t * s_ro, i, ok, n, eps, HAS_RES, NORM_X, OFFSET)
+                         res_out_ptr + t * s_ro, q_ptr + t * s_q, qs_ptr + t, i, ok, n, eps, HAS_RES, NORM_X, OFFSET,
+                         Q8)
     done_call(epochs, p, e)
 
 
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                        offset: bool, x_weight: torch.Tensor | None, buf: PeerBuffer, scatter: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        offset: bool, x_weight: torch.Tensor | None, buf: PeerBuffer, scatter: bool = False,
+                        out8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [.., N] this rank's partial sums -> (RMSNorm(sum of x over the ranks + residual), that stream), as
     add_rms_norm of the all-reduced x. buf: the group's staging buffer of x's dtype (PeerAllReduce.buffer). scatter:
     x [world * C, N] holds rank r's rows at r * C.., of which this rank sums and norms its own first rows (the
@@ -75,12 +78,14 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     out = torch.empty((keep, n) if scatter else x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out)
     res = rows[:keep] if residual is None else as_rows(residual, "reduce_add_rms_norm's residual")
+    q, qs = check_rows8("reduce_add_rms_norm", out8, keep, n, out)
     if t:
         buf.launch("reduce-scatter + norm" if scatter else "all_reduce + norm", rows)
         _reduce_add_rms_norm_kernel[(buf.programs,)](
-            rows, res, weight, weight if x_weight is None else x_weight, out, res_out, buf.ptrs, buf.pads,
-            buf.epochs, buf.report.address, buf.limit, t, keep, rows.stride(0), res.stride(0), n, n, n, float(eps),
-            buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
-            NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM,
-            POLL=buf.polls(t * n * x.element_size() * buf.world), SCATTER=scatter, num_warps=4 if n <= 4096 else 8)
+            rows, res, weight, weight if x_weight is None else x_weight, out, res_out, q, qs, buf.ptrs, buf.pads,
+            buf.epochs, buf.report.address, buf.limit, t, keep, rows.stride(0), res.stride(0), n, n, q.stride(0), n,
+            float(eps), buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n),
+            HAS_RES=residual is not None, NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM,
+            POLL=buf.polls(t * n * x.element_size() * buf.world), SCATTER=scatter, Q8=out8 is not None,
+            num_warps=4 if n <= 4096 else 8)
     return out, res_out
