@@ -274,11 +274,13 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
     def partial(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
         """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA (on x;
         the base may read x8, x quantized per token)."""
+        # x8 only where given: a wrapped LM head's partial takes x alone
+        base = (lambda: self.base.partial(x)) if x8 is None else (lambda: self.base.partial(x, x8))
         if not self.rt.active():
-            return self.base.partial(x, x8)
+            return base()
         ops, batch = self.rt.ops, self.rt.batch
         u, z = self.rt.beside(lambda: ops.shrink(x, self.lora_a, self.scales, batch),  # [S, T, r_local] float32
-                              lambda: self.base.partial(x, x8), x.device, x.shape[0])
+                              base, x.device, x.shape[0])
         if self.fully_sharded:
             # One collective for every slice of a packed layer: the slices travel together in u.
             u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)

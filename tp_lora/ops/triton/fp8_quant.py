@@ -1,7 +1,7 @@
 """Dynamic fp8 activation quantization in one launch, with the signatures of the references in tp_lora.ops.fp8:
 
-    quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)   (also: row_scale and
-        to_e4m3, which the norms and act_mul of tp_lora.ops.triton.fused call to emit their rows quantized this way)
+    quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)   (also quantize_row, which
+        the norms and act_mul of tp_lora.ops.triton.fused call to emit their rows quantized this way)
     quantize_per_group(x [T, K], group, rows_to=1) -> (x_fp8 [T', K], scales [T', ceil(K / group)] float32)
 
 Each row (per token) or each group of `group` columns of a row (per group, the activations of block-scaled GEMMs) is
@@ -18,6 +18,7 @@ import triton.language as tl
 
 FP8_DTYPE = torch.float8_e4m3fn  # the e4m3 of tp_lora.ops.fp8 (which dispatches here: no import back)
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+E4M3_MAX = tl.constexpr(FP8_MAX)  # the same, where a kernel reads it
 BLOCK = 1024
 
 
@@ -32,6 +33,14 @@ def to_e4m3(v, scale, q_row, i, ok, FMAX: tl.constexpr):
     """v (float32) / scale, clamped to e4m3's range, stored at q_row's columns i (mask ok)."""
     q = tl.minimum(tl.maximum(v / scale, -FMAX), FMAX)
     tl.store(q_row + i, q.to(q_row.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def quantize_row(v, q_row, s_row, i, ok):
+    """A row v [BLOCK] float32 (0 where masked) quantized per token: its scale to s_row, v / scale to q_row."""
+    scale = row_scale(tl.max(tl.abs(v), 0), E4M3_MAX)
+    tl.store(s_row, scale)
+    to_e4m3(v, scale, q_row, i, ok, E4M3_MAX)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, FP8_MAX, row_scale, to_e4m3
+from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, quantize_row
 
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
@@ -47,14 +47,6 @@ def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, 
     tl.store(out_row + i, y, mask=ok)
     if Q8:
         quantize_row(y.to(tl.float32), q_row, s_row, i, ok)
-
-
-@triton.jit
-def quantize_row(v, q_row, s_row, i, ok):
-    """A row v [BLOCK] float32 (0 where masked) quantized per token: its scale to s_row, v / scale to q_row."""
-    scale = row_scale(tl.max(tl.abs(v), 0), FP8_MAX)
-    tl.store(s_row, scale)
-    to_e4m3(v, scale, q_row, i, ok, FP8_MAX)
 
 
 @triton.jit
