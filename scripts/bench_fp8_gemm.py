@@ -5,6 +5,8 @@ layer shapes, per-channel and [128, 128]-block scales (each W8A8 path's time inc
                   activations quantized in the kernel (ACT8) up to ACT8_ROWS rows, weight-only up to
                   small_rows(w, block_k); past them W8A8: per-channel torch._scaled_mm with fast accumulation,
                   block scales cuBLAS's block-scaled GEMM where torch has it, else w8a8_mm)
+    fp8_rows      per-channel: fp8_linear of rows already quantized per token (x8: what qkv, gate_up and down
+                  get from the norm or act_mul before them, whose pass writes them; their quantization not timed)
     w8a16         tp_lora.ops.triton.fp8_gemm.w8a16_mm weight-only (split-K), rows <= 64 (what the layers ran
                   before ACT8)
     w8a8          block scales: per-group quantization kernel + w8a8_mm (Triton, fp8 tensor cores)
@@ -88,6 +90,9 @@ def paths(x: torch.Tensor, block_k):
     """name -> a callable of (w, scale) for each fp8 path that takes these scales at x's rows."""
     m = x.shape[0]
     out = {"fp8_linear": lambda w, s: fp8_linear(x, w, s, block_k, block_k)}  # blocks of 128 x 128
+    if block_k is None:
+        x8 = quantize_per_token(x)
+        out["fp8_rows"] = lambda w, s: fp8_linear(x, w, s, None, None, x8)
     if m <= fp8_gemm.MAX_ROWS:
         out["w8a16"] = lambda w, s: fp8_gemm.w8a16_mm(x, w, s, block_k, fp8_gemm.w8a16_config(m, *w.shape))
     if m < 16:
@@ -187,7 +192,7 @@ def main() -> None:
             del q
         del w
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    names = ("fp8_linear", "w8a16", "w8a8", "scaled_mm", "scaled_fast", "blockwise")
+    names = ("fp8_linear", "fp8_rows", "w8a16", "w8a8", "scaled_mm", "scaled_fast", "blockwise")
     print("speed against bf16 (fp8 weight-bytes floor / time in brackets); rel err of fp8_linear / the largest")
     print("| layer | scales | rows | bf16 us | bf16 of floor | fp8_linear us | " + " | ".join(names) + " | rel err |")
     print("|---|---|---|---|---|---|" + "---|" * len(names) + "---|")
