@@ -24,7 +24,7 @@ from tp_lora.ops import fused
 from tp_lora.ops.fp8 import (ACT8_ROWS, SMALL_ROWS, SMALL_ROWS_DEEP, SMALL_ROWS_WIDE, dequantize, fp8_linear,
                               quantize_fp8_per_channel, quantize_per_group, quantize_per_token, small_rows, w8a8_mm_ref,
                               w8a16_mm_ref)
-from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref
+from tp_lora.ops.grouped_mm import grouped_mm, grouped_mm_ref, grouped_mm_triton
 
 
 def fp8_weights(gen, experts, n, k, block_k):
@@ -64,7 +64,6 @@ def test_fp8_grouped_mm_act8_quantizes_each_rows_k_tile(device, block_k):
     fp8 product scaled back: equal to the reference that quantizes first (float32 rows, exact under that rounding on
     the CPU; on CUDA to 1e-3: the warp-group fp8 MMA sums a K tile's products in fewer bits than float32), not to the
     exact product (CUDA's random rows); refused for 16-bit weights."""
-    from tp_lora.ops.grouped_mm import grouped_mm_triton
     counts, k, n = [3, 0, 9, 4], 320, 40
     gen = torch.Generator().manual_seed(k + (block_k or 0))
     w, scale = fp8_weights(gen, len(counts), n, k, block_k)
@@ -78,6 +77,33 @@ def test_fp8_grouped_mm_act8_quantizes_each_rows_k_tile(device, block_k):
         assert rel_err(got[:16], grouped_mm_ref(x, w, ends, scale, block_k)[:16]) > 5e-3
     with pytest.raises(ValueError, match="act8 multiplies fp8 weights with their scales, got torch.float32"):
         grouped_mm_triton(x, w.float(), ends, None, None, 4, act8=True)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_grouped_mm_reads_rows_quantized_per_token(device, monkeypatch, gated):
+    """x8 (the rows quantized per token by their producer) through the plan's gather, gated or not: the grouped
+    GEMM's XQ against the reference on the dequantised fp8 rows; rows scaled 2^-8..2^2 apart show a row taking
+    another's scale; x8 is what the dispatcher reads for per-channel experts (a different x beside it changes
+    nothing), not for block scales."""
+    from tp_lora.ops.grouped_mm import experts_take_rows8
+    monkeypatch.setattr(fused, "KERNELS", True)
+    counts, k, n = [4, 0, 7, 5], 256, 48
+    gen = torch.Generator().manual_seed(k + gated)
+    w, scale = fp8_weights(gen, len(counts), n, k, None)
+    w, scale = w.to(device), scale.to(device)
+    q = torch.randn(6, k, generator=gen).mul(64).to(torch.float8_e4m3fn).to(device)
+    xs = (2.0 ** torch.randint(-8, 3, (6, 1), generator=gen).float()).to(device)
+    rows = torch.randint(0, 6, (sum(counts),), generator=gen).to(device)
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
+    x = torch.randn(6, k, generator=gen).to(torch.bfloat16).to(device)  # what x8 stands for: never read
+    assert experts_take_rows8(x, w, None) and not experts_take_rows8(x, w, 128)
+    got = grouped_mm(x, w, ends, scale, None, rows=rows, gated=gated, x8=(q, xs))
+    want = grouped_mm_ref(q.float() * xs, w, ends, scale, None, rows=rows, gated=gated)
+    assert got.shape == (sum(counts), n // 2 if gated else n) and got.dtype == torch.bfloat16
+    for r in range(sum(counts)):
+        assert rel_err(got[r], want[r]) < 2e-2, r
+    with pytest.raises(ValueError, match="fp8 rows with their scales"):
+        grouped_mm_triton(q, w, ends, scale, 128, 4, True, rows, False, xs, torch.bfloat16)
 
 
 @pytest.mark.parametrize("block_k", [None, 128])

@@ -17,8 +17,8 @@ from tp_lora import distributed as comm
 from tp_lora.layers.linear import column_spec, row_spec, store_rows
 from tp_lora.layers.quant import FP8Scheme
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
-from tp_lora.ops.fused import act_mul, moe_topk
-from tp_lora.ops.grouped_mm import grouped_mm
+from tp_lora.ops.fused import Rows8, act_mul, moe_topk
+from tp_lora.ops.grouped_mm import experts_take_rows8, grouped_mm
 from tp_lora.ops.moe_layout import MoEPlan
 from tp_lora.sharding import even_range, expert_range, take, take_nd
 
@@ -132,12 +132,17 @@ class Experts(nn.Module):
         _copy(dst, take(q, cols, 2), what)
         _copy(getattr(self, scale_name).data[:, row0:row0 + dst.shape[1]], scale, f"{what} scale")
 
-    def up(self, x: torch.Tensor, plan: MoEPlan, rows: torch.Tensor | None = None, act: bool = False
-           ) -> torch.Tensor:
+    def takes_rows8(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, plan, x8) reads x8, x quantized per token (fp8 per-channel experts)."""
+        return experts_take_rows8(x, self.w13, self.block_k)
+
+    def up(self, x: torch.Tensor, plan: MoEPlan, rows: torch.Tensor | None = None, act: bool = False,
+           x8: Rows8 | None = None) -> torch.Tensor:
         """x [C, H] in pair order (rows None), or the dispatched tokens [N, H] read at rows [C] -> [C, S * I_local]
-        (rows past the plan's last expert undefined); act (gated experts): act(z) [C, I_local] in the GEMM."""
+        (rows past the plan's last expert undefined); act (gated experts): act(z) [C, I_local] in the GEMM. x8: x
+        quantized per token (takes_rows8)."""
         return grouped_mm(x, self.w13, plan.expert_ends, self.w13_scale, self.block_k, rows, self.num_experts,
-                          gated=act)
+                          gated=act, x8=x8)
 
     def act(self, z: torch.Tensor) -> torch.Tensor:
         return act_mul(z, "silu") if self.gated else F.silu(z)
@@ -146,11 +151,12 @@ class Experts(nn.Module):
         """h [C, I_local] in pair order -> [C, H] (partial over moe-tp)."""
         return grouped_mm(h, self.w2, plan.expert_ends, self.w2_scale, self.block_k, experts=self.num_experts)
 
-    def forward(self, x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-        """x [N, H] the dispatched tokens -> [C, H] in pair order (the plan's gather inside the first GEMM)."""
+    def forward(self, x: torch.Tensor, plan: MoEPlan, x8: Rows8 | None = None) -> torch.Tensor:
+        """x [N, H] the dispatched tokens -> [C, H] in pair order (the plan's gather inside the first GEMM); x8: x
+        quantized per token (takes_rows8)."""
         if self.gated:  # silu(gate) * up in the first GEMM's epilogue
-            return self.down(self.up(x, plan, plan.token, act=True), plan)
-        return self.down(self.act(self.up(x, plan, plan.token)), plan)
+            return self.down(self.up(x, plan, plan.token, act=True, x8=x8), plan)
+        return self.down(self.act(self.up(x, plan, plan.token, x8=x8)), plan)
 
 
 def _copy(dst: torch.Tensor, src: Any, what: str) -> None:

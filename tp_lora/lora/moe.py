@@ -21,6 +21,7 @@ from tp_lora import distributed as comm
 from tp_lora.layers.moe import Experts
 from tp_lora.lora.layers import Copy, LoRARuntime, SlotBuffers, copy_into, pad_rank
 from tp_lora.ops.fp8 import FP8_DTYPE
+from tp_lora.ops.fused import Rows8
 from tp_lora.ops.moe_layout import MoEPlan
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b
 
@@ -114,12 +115,16 @@ class LoRAExperts(SlotBuffers, nn.Module):
             copy(b13[s][e], shard_lora_b(spec, s, bs, *size), None if b13_sc is None else b13_sc[s][e])
             scales[s, e] = scale
 
-    def forward(self, x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+    def takes_rows8(self, x: torch.Tensor) -> bool:
+        return self.base.takes_rows8(x)
+
+    def forward(self, x: torch.Tensor, plan: MoEPlan, x8: Rows8 | None = None) -> torch.Tensor:
         """x [N, H] the dispatched tokens -> [C, H] in pair order, partial over moe-tp, with each pair's adapter. The
-        LoRA ops read the base GEMMs' routing plan (its LoRA block table): no second sort."""
+        LoRA ops read the base GEMMs' routing plan (its LoRA block table): no second sort. x8: x quantized per token,
+        which the base experts read in a step without adapters (SparseMoE.takes_rows8 asks for it then only)."""
         base, rt, ops = self.base, self.rt, self.rt.ops
         if not plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
-            return base(x, plan)
+            return base(x, plan, x8)
         xp = x[plan.token]
         if not self.fully_sharded:  # no collective between shrink and expand: one fused launch after each GEMM
             z = base.up(xp, plan)

@@ -237,9 +237,12 @@ class MLP(nn.Module):
                                                    quant=scheme(quant, [prefix + "down_proj"])), rt,
                                      [prefix + "down_proj"], targets)
 
+    def takes_rows8(self, x: torch.Tensor) -> bool:
+        return self.gate_up_proj.takes_rows8(x)
+
     def forward(self, x, partial: bool = False, x8: Rows8 | None = None):
         """partial: down_proj's output before its all-reduce (the caller reduces it, see DecoderLayer). x8: x
-        quantized per token (gate_up_proj.takes_rows8); act_mul hands down_proj its rows so where it takes them."""
+        quantized per token (takes_rows8); act_mul hands down_proj its rows so where it takes them."""
         g = self.gate_up_proj(x, x8)
         h8 = empty_rows8(g, g.shape[-1] // 2) if self.down_proj.takes_rows8(g) else None
         h = act_mul(g, self.act, h8)
@@ -287,16 +290,12 @@ class DecoderLayer(nn.Module):
                                                              feeds=self.self_attn.qkv_proj)
         h = self.self_attn(h, cos, sin, cache, meta, partial=self.fuse_attn, x8=h8)
         attn_tp = self.tp if self.fuse_attn else None
-        dense = isinstance(self.mlp, MLP)  # an MoE block quantizes its experts' rows itself
-        feeds = self.mlp.gate_up_proj if dense else None
         if self.gemma:
             h, residual, h8 = self.pre_feedforward_layernorm.with_residual(
-                h, residual, self.post_attention_layernorm, reduce=attn_tp, feeds=feeds)
-            return self.post_feedforward_layernorm(self.mlp(h, x8=h8) if dense else self.mlp(h)), residual
-        h, residual, h8 = self.post_attention_layernorm.with_residual(h, residual, reduce=attn_tp, feeds=feeds)
-        if dense:
-            return self.mlp(h, partial=bool(self.defer), x8=h8), residual
-        return (self.mlp(h, partial=True) if self.defer else self.mlp(h)), residual
+                h, residual, self.post_attention_layernorm, reduce=attn_tp, feeds=self.mlp)
+            return self.post_feedforward_layernorm(self.mlp(h, x8=h8)), residual
+        h, residual, h8 = self.post_attention_layernorm.with_residual(h, residual, reduce=attn_tp, feeds=self.mlp)
+        return self.mlp(h, partial=bool(self.defer), x8=h8), residual
 
 
 def bias_free(layer: nn.Module) -> bool:

@@ -42,7 +42,7 @@ from tp_lora.models.llama import CausalLM, scheme
 from tp_lora.models.loader import weight_scale
 from tp_lora.models.moe_step import MoEShape, MoEStep, capacity, prepare_step, validate_moe
 from tp_lora.ops.batch import LoRABatch, build_lora_batch
-from tp_lora.ops.fused import moe_combine
+from tp_lora.ops.fused import Rows8, moe_combine
 from tp_lora.ops.grouped_mm import torch_grouped_available
 from tp_lora.ops.moe_pack import pack_tokens, unpack_tokens
 from tp_lora.ops.moe_plan import build_plan
@@ -102,8 +102,15 @@ class SparseMoE(nn.Module):
         return getattr(self.experts, "base", self.experts)
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
-        """partial (only with a defer_group / defer_scatter): the sum before its final reduce, which the caller does."""
+    def takes_rows8(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, partial, x8) reads x8, x quantized per token: fp8 per-channel experts that multiply the
+        hidden states where they lie (not gathered from the EP group's replicas), in a step without adapters."""
+        return ((self.chunked or self.ep.size == 1) and not (self.rt is not None and self.rt.active())
+                and self.base_experts.takes_rows8(x))
+
+    def forward(self, x: torch.Tensor, partial: bool = False, x8: Rows8 | None = None) -> torch.Tensor:
+        """partial (only with a defer_group / defer_scatter): the sum before its final reduce, which the caller does.
+        x8: x quantized per token (takes_rows8)."""
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
@@ -117,11 +124,13 @@ class SparseMoE(nn.Module):
         elif self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
             packed = comm.all_gather(pack_tokens(xs, ids, w, tags, step.rows), self.ep, dim=0)
             xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
+            x8 = None  # the gathered rows are not x's (takes_rows8 never asks for them here)
         else:
             xg = xs
+            x8 = None if x8 is None else (x8[0][c0:c1], x8[1][c0:c1])
         plan = build_plan(ids, w, tags, ex.e0, ex.num_local, self.rt.max_loras if self.rt is not None else 0,
                           self._expert_lora(tags))
-        yp = self.experts(xg, plan) if plan.num_pairs else xg[:0]
+        yp = self.experts(xg, plan, x8) if plan.num_pairs else xg[:0]
         y = moe_combine(yp, plan.pos, plan.weight)
         if self.chunked:  # own chunk's shared expert in, then one sum over ranks, replicated for the next attention
             if shared is not None:

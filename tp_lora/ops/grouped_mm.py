@@ -24,8 +24,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from tp_lora.ops.fp8 import act8_takes, dequantize, kernels_take, quantize_per_group
-from tp_lora.ops.fused import act_mul, act_mul_ref, use_kernels
+from tp_lora.ops.fp8 import FP8_DTYPE, act8_takes, dequantize, kernels_take, quantize_per_group
+from tp_lora.ops.fused import Rows8, act_mul, act_mul_ref, use_kernels
 
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
@@ -53,17 +53,27 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: 
 SMALL_ROWS = 16  # mean rows per expert (capacity / experts) up to which CUDA runs the Triton kernel
 
 
+def experts_take_rows8(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
+    """Whether grouped_mm(x, w, ..., x8) reads x8, x quantized per token (fp8 per-channel experts, 16-bit x, the
+    Triton kernels on; x: any tensor of the activations' dtype and device)."""
+    return w.dtype == FP8_DTYPE and block_k is None and act8_takes(x, None) and kernels_take(x, None)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                block_k: int | None = None, rows: torch.Tensor | None = None,
-               experts: int | None = None, gated: bool = False) -> torch.Tensor:
+               experts: int | None = None, gated: bool = False, x8: Rows8 | None = None) -> torch.Tensor:
     """experts: how many experts the routing spreads the C rows over (the model's, of which w holds E; default E).
     Under expert parallelism C is a capacity: about C / experts rows reach each local expert, which picks the 16-bit
     path and the Triton kernel's row block (fp8 weights always take the Triton kernel). gated: as grouped_mm_ref
-    (16-bit weights, or fp8 ones with act8, on the Triton kernel: in its epilogue; else act_mul after the GEMM)."""
+    (16-bit weights, or fp8 ones with act8, on the Triton kernel: in its epilogue; else act_mul after the GEMM).
+    x8: x quantized per token by the op that made it, read where experts_take_rows8 says so (else x is)."""
     c = x.shape[0] if rows is None else rows.shape[0]
     spread = max(experts or 0, w.shape[0], 1)
     block = 2 * -(-c // spread)  # a row block of twice the mean: a routing's busier experts read their weights once
-    if scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
+    if scale is not None and x8 is not None and experts_take_rows8(x, w, block_k):  # fp8 rows into the MMA
+        out = grouped_mm_triton(x8[0], w, ends, scale, None, block, True, rows, gated, x8[1], x.dtype)
+        gated = False
+    elif scale is not None and kernels_take(x, block_k):  # fp8: never a dequantised copy of every expert
         # 16-bit activations quantized per (row, 128 columns) in the kernel, as fp8_linear's decode GEMM does
         act8 = act8_takes(x, block_k)
         out = grouped_mm_triton(x, w, ends, scale, block_k, block, act8, rows, gated=gated and act8)
@@ -90,10 +100,11 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> to
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor | None = None,
                       block_k: int | None = None, rows_per_expert: int = SMALL_ROWS,
-                      act8: bool = False, rows: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                      act8: bool = False, rows: torch.Tensor | None = None, gated: bool = False,
+                      x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Our Triton kernel (CUDA, or the interpreter)."""
     from tp_lora.ops.triton.grouped_mm import grouped_mm as kernel  # noqa: PLC0415 - CUDA / forced only
-    return kernel(x, w, ends, scale, block_k, rows_per_expert, act8, rows, gated)
+    return kernel(x, w, ends, scale, block_k, rows_per_expert, act8, rows, gated, x_scale, out_dtype)
 
 
 

@@ -65,12 +65,15 @@ def _act8_rows(xv, DOT8: tl.constexpr):
 
 @triton.jit
 def _act8_part(xq, xs, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, SCALE_K: tl.constexpr,
-               DOT8: tl.constexpr):
+               DOT8: tl.constexpr, XQ: tl.constexpr):
     """ACT8's K tile, transposed: the fp8 weight tile at w_tile + k0 [BLOCK_N, BLOCK_K] times the quantized rows xq
     [BLOCK_K, BLOCK_M] (_act8_rows) -> float32 [BLOCK_N, BLOCK_M], scaled back by xs (and by the per-block weight
-    scales, SCALES 2). The weights on the MMA's M side: Hopper's warp-group MMA."""
+    scales, SCALES 2). The weights on the MMA's M side: Hopper's warp-group MMA. XQ: rows quantized per token
+    before the kernel, whose scales the epilogue applies: the product unscaled (it accumulates in the MMA)."""
     wv = tl.load(w_tile + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    part = tl.dot(wv.to(DOT8), xq) * xs[None, :]
+    part = tl.dot(wv.to(DOT8), xq)
+    if not XQ:
+        part = part * xs[None, :]
     if SCALES == 2:
         part *= tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)[:, None]
     return part
@@ -84,15 +87,19 @@ def _silu_mul(gate, up, dt: tl.constexpr):
 
 
 @triton.jit
-def _act8_row_block(x_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm, s_wn, s_om, s_sn,
+def _act8_row_block(x_ptr, xs_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm, s_wn, s_om, s_sn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COL_BLOCKS: tl.constexpr,
-                    SCALES: tl.constexpr, SCALE_K: tl.constexpr, DOT8: tl.constexpr, GATED: tl.constexpr):
+                    SCALES: tl.constexpr, SCALE_K: tl.constexpr, DOT8: tl.constexpr, GATED: tl.constexpr,
+                    XQ: tl.constexpr):
     """ACT8 over one row block (rows, read at src): the COL_BLOCKS column blocks of BLOCK_N from n0, their K tiles
-    walked as one loop, so the pipeline keeps the next block's loads in flight through a block's epilogue."""
+    walked as one loop, so the pipeline keeps the next block's loads in flight through a block's epilogue. XQ: x
+    holds fp8 rows, xs_ptr their scales (one a row)."""
     offs_k = tl.arange(0, BLOCK_K)
     x_blk = x_ptr + src[None, :].to(tl.int64) * s_xm + offs_k[:, None]
     kt = tl.cdiv(K, BLOCK_K)
     dt = out_ptr.dtype.element_ty
+    if XQ:
+        xs = tl.load(xs_ptr + src, mask=m_mask, other=0.0)
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(0, tl.minimum(COL_BLOCKS, tl.cdiv(N - n0, BLOCK_N)) * kt):
@@ -103,15 +110,24 @@ def _act8_row_block(x_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm,
         w_blk = w_e + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
         s_row = s_e + offs_n.to(tl.int64) * s_sn
         k_mask = offs_k < K - k0
-        xq, xs = _act8_rows(tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0), DOT8)
-        acc_t += _act8_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
+        xv = tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if XQ:
+            xq = xv.to(DOT8)
+        else:
+            xq, xs = _act8_rows(xv, DOT8)
+        acc_t += _act8_part(xq, xs, w_blk, s_row, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8, XQ)
         if GATED:  # the up tile takes the same quantized rows
-            up_t += _act8_part(xq, xs, w_blk + N * s_wn, s_row + N * s_sn, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8)
+            up_t += _act8_part(xq, xs, w_blk + N * s_wn, s_row + N * s_sn, k0, k_mask, n_mask, SCALES, SCALE_K, DOT8,
+                               XQ)
         if k0 + BLOCK_K >= K:  # this column block's last K tile: its epilogue
             if SCALES == 1:
                 acc_t *= tl.load(s_row, mask=n_mask, other=0.0)[:, None]
                 if GATED:
                     up_t *= tl.load(s_row + N * s_sn, mask=n_mask, other=0.0)[:, None]
+            if XQ:
+                acc_t *= xs[None, :]
+                if GATED:
+                    up_t *= xs[None, :]
             if GATED:
                 acc_t = _silu_mul(acc_t, up_t, dt)
             o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
@@ -121,11 +137,11 @@ def _act8_row_block(x_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm,
 
 
 @triton.jit
-def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K, s_xm, s_we, s_wn, s_om, s_se,
-                       s_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _grouped_mm_kernel(x_ptr, xs_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K, s_xm, s_we, s_wn, s_om,
+                       s_se, s_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        COL_BLOCKS: tl.constexpr, SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
                        CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr,
-                       DOT8: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr):
+                       DOT8: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, XQ: tl.constexpr):
     e = tl.program_id(0)
     if ENDS:
         start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
@@ -150,8 +166,8 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
         if GATHER:
             src = tl.load(idx_ptr + rows, mask=m_mask, other=0)
         if ACT8:
-            _act8_row_block(x_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm, s_wn, s_om, s_sn, BLOCK_M,
-                            BLOCK_N, BLOCK_K, COL_BLOCKS, SCALES, SCALE_K, DOT8, GATED)
+            _act8_row_block(x_ptr, xs_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm, s_wn, s_om, s_sn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, COL_BLOCKS, SCALES, SCALE_K, DOT8, GATED, XQ)
         else:  # one column block (COL_BLOCKS 1)
             x_blk = x_ptr + src[:, None].to(tl.int64) * s_xm + offs_k[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -172,13 +188,21 @@ def _grouped_mm_kernel(x_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, C, N, K,
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scale: torch.Tensor | None = None,
                block_k: int | None = None, rows_per_expert: int = BLOCK_M, act8: bool = False,
-               rows: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+               rows: torch.Tensor | None = None, gated: bool = False, x_scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """rows_per_expert: the most rows one expert is expected to get (a dense GEMM: all of them), which sets the
     row block (at most MAX_BLOCK_M); a dense GEMM (no ends) takes narrow column blocks. act8 (fp8 weights): x
     quantized per (row, K tile of min(BLOCK_K, block_k) columns) in the kernel, the product on fp8 tensor cores.
     rows: as the module's docstring (x read where it lies when its columns have a unit stride). gated (16-bit
     weights, or fp8 with act8): w's N rows are [gate | up] and the result is silu(gate) * up [C, N / 2] (act_mul's,
-    in the epilogue)."""
+    in the epilogue). x_scale [rows of x] (with act8, per-channel weights): x holds fp8 rows quantized per token,
+    these their scales (XQ: the tiles straight into the MMA, the scales at the end); the output in out_dtype."""
+    xq = x_scale is not None
+    if xq and (not act8 or x.dtype != torch.float8_e4m3fn or block_k is not None
+               or x_scale.numel() != x.shape[0] or out_dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"grouped_mm: fp8 rows with their scales (x_scale) take act8 with per-channel weights and "
+                         f"a 16-bit out_dtype, got {x.dtype} rows, act8 {act8}, block_k {block_k}, "
+                         f"{x_scale.numel()} scales for {x.shape[0]} rows, out_dtype {out_dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
@@ -193,7 +217,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     n = n // 2 if gated else n
     if ends is None and e != 1:
         raise ValueError(f"grouped_mm without ends takes one expert (a dense GEMM), got w of {e}")
-    out = torch.empty(c, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(c, n, dtype=out_dtype or x.dtype, device=x.device)
     if c == 0 or e == 0:
         return out
     if act8:
@@ -208,7 +232,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
     block_m = min(MAX_BLOCK_M, max(BLOCK_M, triton.next_power_of_2(rows_per_expert)))
     # a dense GEMM in narrow column tiles: enough programs to stream its weights over every SM
     block_n = 32 if ends is None else BLOCK_N
-    cdt, dot, prec = compute_types(x.dtype, w.dtype)
+    cdt, dot, prec = compute_types(out.dtype, w.dtype)
     stages = ACT8_STAGES if act8 else F32_STAGES if max(x.element_size(), w.element_size()) == 4 else NUM_STAGES
     warps, col_blocks = NUM_WARPS, 1
     if act8 and gated:
@@ -218,8 +242,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         block_n, stages = (GATED_BLOCK_N, GATED_STAGES) if gated else (BLOCK_N, STAGES_16)
         bk = BLOCK_K if gated or k % BLOCK_K == 0 else BLOCK_K // 2
     _grouped_mm_kernel[(e, triton.cdiv(n, block_n * col_blocks))](
-        x, w, x if ends is None else ends, out, scale, x if rows is None else rows, c, n, k, x.stride(0), w.stride(0),
+        x, x_scale.reshape(-1) if xq else out, w, x if ends is None else ends, out, scale, x if rows is None else rows,
+        c, n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, COL_BLOCKS=col_blocks,
         SCALES=mode, SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
-        DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, num_warps=warps, num_stages=stages)
+        DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, XQ=xq, num_warps=warps, num_stages=stages)
     return out
