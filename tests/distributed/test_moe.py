@@ -459,9 +459,9 @@ def _fixed_capacity_cases(ps_world, world, seed):
                 pairs = []
                 inner = block.experts.forward
 
-                def counted(xp, plan, inner=inner, pairs=pairs):
+                def counted(xp, plan, *x8, inner=inner, pairs=pairs):
                     pairs.append(int(plan.expert_ends[-1]))  # pairs on this rank's experts
-                    return inner(xp, plan)
+                    return inner(xp, plan, *x8)
 
                 block.experts.forward = counted
                 rt.batch = build_lora_batch(slots.tolist(), MAX_LORAS, dev)

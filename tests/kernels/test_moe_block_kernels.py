@@ -76,7 +76,8 @@ def test_fp8_experts_read_rows_quantized_per_token(device, monkeypatch):
     q[:, 0] = 448.0
     x = (q * 2.0 ** torch.randint(-12, -6, (tokens, 1), generator=gen).float()).to(torch.bfloat16).to(device)
     outs = []
-    for kernels, x8 in ((False, None), (True, quantize_per_token(x)), (True, quantize_per_token(x.flip(0))), (True, None)):
+    cases = ((False, None), (True, quantize_per_token(x)), (True, quantize_per_token(x.flip(0))), (True, None))
+    for kernels, x8 in cases:
         monkeypatch.setattr(fused, "KERNELS", kernels)
         rt.batch = build_lora_batch([-1] * tokens, rt.max_loras, device)
         prepare_step(block.step, ps, rt, tokens, device)

@@ -1,21 +1,21 @@
 """FP8 (e4m3): storage for LoRA weights (per-output-channel scales, dequantised inside the kernels) and the base
 layers' fp8 weights (tp_lora.layers.quant): their dequantisation, activation quantization and the GEMM.
 
-    fp8_linear(x [T, K], w [N, K] fp8, scale, block_k, block_n=None) -> [T, N] in x's dtype
+    fp8_linear(x [T, K], w [N, K] fp8, scale, block_k, block_n=None, x8=None) -> [T, N] in x's dtype
     scale: [N] per output channel (block_k None), or [N, ceil(K / block_k)] per block of block_k columns.
 
 With the Triton kernels on a device that reads fp8 (CUDA sm89+, or the interpreter), at decode the split-K GEMM
 tp_lora.ops.triton.fp8_gemm.w8a16_mm, which reads only the fp8 bytes: for 16-bit activations up to ACT8_ROWS rows
 (scales per channel or per blocks of a multiple of 128 columns) it quantizes them per (row, 128 columns) in its main
 loop and multiplies on the fp8 tensor cores (ACT8: the activations' quantization of transformers' fine-grained fp8
-layers; per-channel rows that their producer quantized per token, x8, go straight to the fp8 tensor cores:
-the XQ form); otherwise, up to small_rows(w, block_k) rows, weight-only (fp8 tiles widened in registers, scales on the
+layers; per-channel rows that their producer quantized per token, x8, go straight to the fp8 tensor cores: the
+XQ form); otherwise, up to small_rows(w, block_k) rows, weight-only (fp8 tiles widened in registers, scales on the
 partial sums; float32 activations are never quantized). More rows, W8A8 on the fp8 tensor cores with the
 activations quantized by one Triton kernel (or by their producer, x8): per-channel weights through
-torch._scaled_mm (rowwise scales, fast accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM (F.scaled_mm, sm90) where
-the layer's rows lie in whole blocks, else the Triton w8a8_mm (scales per K tile in its main loop). Elsewhere (the
-CPU): the weights dequantised in float32, cast to x's dtype, then one GEMM: the exact reference the tests compare
-layouts with.
+torch._scaled_mm (rowwise scales, fast accumulation); [128, 128]-block weights through cuBLAS's block-scaled GEMM
+(F.scaled_mm, sm90) where the layer's rows lie in whole blocks, else the Triton w8a8_mm (scales per K tile in its
+main loop). Elsewhere (the CPU): the weights dequantised in float32, cast to x's dtype, then one GEMM: the exact
+reference the tests compare layouts with.
 w8a16_mm_ref / w8a8_mm_ref are the Triton kernels' references (same signatures)."""
 from __future__ import annotations
 

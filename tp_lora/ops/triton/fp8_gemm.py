@@ -171,8 +171,8 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     scale = cnt.view(torch.float32) if scale is None else scale.contiguous()
     cdt, dot, prec = compute_types(out_dtype, w.dtype)
     _w8a16_kernel[(grid_n, split)](
-        x, x_scale.reshape(-1) if xq else scale, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
-        scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+        x, x_scale.reshape(-1) if xq else scale, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0),
+        out.stride(0), scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
         SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"] or xq,
         ACT8=cfg["ACT8"] and not xq, DOT8=fp8_dot(), XQ=xq, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
