@@ -54,8 +54,10 @@ class RMSNorm(nn.Module):
         fused = reduce is not None and reduce.size > 1
         out8 = None
         if feeds is not None:  # the output's rows: the residual's, else x's (this rank's chunk of them: scatter)
-            rows = x if residual is None and not (fused and scatter) else residual
-            rows = x[:x.shape[0] // reduce.size] if rows is None else rows
+            if residual is not None:
+                rows = residual
+            else:
+                rows = x[:x.shape[0] // reduce.size] if fused and scatter else x
             out8 = empty_rows8(rows) if feeds.takes_rows8(rows) else None
         if fused:
             return *reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, reduce, scatter,

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import torch
 
-from tp_lora.ops.fused import use_kernels
+from tp_lora.ops.fused import Rows8, use_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -209,24 +209,22 @@ def empty_rows8(x: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, to
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
-               block_n: int | None = None, x8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               block_n: int | None = None, x8: Rows8 | None = None) -> torch.Tensor:
     """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
     None where they may not. x8: x quantized per token (q [T, K] e4m3, scales [T, 1]) by the op that made it,
     read where takes_rows8 says so (else x is)."""
     rows = x.shape[0]
-    if x8 is not None and takes_rows8(x, w, block_k):
-        if rows <= ACT8_ROWS:
-            from tp_lora.ops.triton import fp8_gemm  # noqa: PLC0415 - CUDA / forced only
-            return fp8_gemm.w8a16_mm(x8[0], w, scale, None, fp8_gemm.w8a16_config(rows, *w.shape, xq=True), x8[1],
-                                     x.dtype)
-        return torch._scaled_mm(x8[0], w.t(), scale_a=x8[1], scale_b=scale.view(1, -1), out_dtype=x.dtype,
-                                use_fast_accum=True)
-    # 16-bit activations are quantized to fp8 (W8A8): per (row, 128 columns) inside the decode GEMM up to ACT8_ROWS
-    # rows, past them by a kernel of their own; float32 layers ask for the dequantized weights' exact product.
+    x8 = x8 if x8 is not None and takes_rows8(x, w, block_k) else None
+    # 16-bit activations are quantized to fp8 (W8A8): per token by their producer (x8), else per (row, 128 columns)
+    # inside the decode GEMM up to ACT8_ROWS rows, past them by a kernel of their own; float32 layers ask for the
+    # dequantized weights' exact product.
     half = x.dtype in (torch.bfloat16, torch.float16)
     small = small_rows(w, block_k)
     if rows and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
+        if x8 is not None and rows <= ACT8_ROWS:
+            return fp8_gemm.w8a16_mm(x8[0], w, scale, None, fp8_gemm.w8a16_config(rows, *w.shape, xq=True), x8[1],
+                                     x.dtype)
         if rows <= ACT8_ROWS and act8_takes(x, block_k):
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True))
         if rows <= small:
@@ -237,11 +235,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
             xq, xs = fp8_quant.quantize_per_group(x, block_k)
             return fp8_gemm.w8a8_mm(xq, xs, w, scale, block_k, x.dtype)
     if rows and scaled_mm_ok(x, w, block_k):
-        if use_kernels(x):
+        if x8 is not None:
+            xq, xs = x8
+        elif use_kernels(x):
             from tp_lora.ops.triton.fp8_quant import quantize_per_token as quantize  # noqa: PLC0415
+            xq, xs = quantize(x)
         else:
-            quantize = quantize_per_token
-        xq, xs = quantize(x)
+            xq, xs = quantize_per_token(x)
         return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype,
                                 use_fast_accum=True)
     return x @ dequantize(w, scale, block_k).to(x.dtype).t()
