@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
+from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2  # w8a16_mm's scale layouts
@@ -57,7 +58,8 @@ W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, 
 def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
-                  PREC: tl.constexpr, SWAP: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr, XQ: tl.constexpr):
+                  PREC: tl.constexpr, SWAP: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr, XQ: tl.constexpr,
+                  PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -68,8 +70,9 @@ def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     k_lo = pid_k * k_split
     k_hi = tl.minimum(K, k_lo + k_split)
     s_row = s_ptr + offs_n.to(tl.int64) * s_sn
-    if SCALES == 1:  # loaded first: off the critical path of the last split
+    if SCALES == 1:  # loaded first (before the wait: weights' scales): off the critical path of the last split
         s_n = tl.load(s_row, mask=n_mask, other=0.0)
+    wait_prior(PDL)
     if XQ:
         s_m = tl.load(xs_ptr + rows, mask=m_mask, other=0.0)
     if SWAP:  # acc [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]
@@ -100,6 +103,7 @@ def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             s_k = tl.load(s_row + k0 // SCALE_K, mask=n_mask, other=0.0)
             part *= s_k[:, None] if SWAP else s_k[None, :]
         acc += part
+    release_next(PDL)
     if SWAP:
         acc = tl.trans(acc)
     o = out_ptr + rows[:, None] * s_om + offs_n[None, :]
@@ -175,7 +179,8 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
         out.stride(0), scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
         SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"] or xq,
         ACT8=cfg["ACT8"] and not xq, DOT8=fp8_dot(), XQ=xq, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **pdl_args(x))
+    released(out)
     return out
 
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, quantize_row
+from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
@@ -52,11 +53,13 @@ def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, s_x, s_r, s_o, s_ro,
                          s_q, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr,
-                         OFFSET: tl.constexpr, Q8: tl.constexpr):
+                         OFFSET: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < n
     h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
+    release_next(PDL)
     add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, q_ptr + t * s_q,
                  qs_ptr + t, i, ok, n, eps, HAS_RES, NORM_X, OFFSET, Q8)
 
@@ -113,11 +116,13 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
 
 
 @triton.jit
-def _act_mul_block(x_row, out_row, i, ok, n, GELU: tl.constexpr):
-    """act(gate) * up at columns i of one row, stored (out's dtype) and returned in float32 (0 where masked)."""
+def _act_mul_block(x_row, out_row, i, ok, n, GELU: tl.constexpr, PDL: tl.constexpr):
+    """act(gate) * up at columns i of one row, stored (out's dtype) and returned in float32 (0 where masked); the
+    next kernel released once the inputs are loaded."""
     dt = out_row.dtype.element_ty
     g = tl.load(x_row + i, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_row + n + i, mask=ok, other=0.0).to(tl.float32)
+    release_next(PDL)
     if GELU:  # 0.5 g (1 + tanh(z)) with z = sqrt(2 / pi) (g + 0.044715 g^3), and 1 + tanh(z) = 2 sigmoid(2z)
         a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
     else:
@@ -128,19 +133,22 @@ def _act_mul_block(x_row, out_row, i, ok, n, GELU: tl.constexpr):
 
 
 @triton.jit
-def _act_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr):
+def _act_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, i < n, n, GELU)
+    _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, i < n, n, GELU, PDL)
 
 
 @triton.jit
-def _act_mul_q8_kernel(x_ptr, out_ptr, q_ptr, qs_ptr, s_x, s_o, s_q, n, BLOCK: tl.constexpr, GELU: tl.constexpr):
+def _act_mul_q8_kernel(x_ptr, out_ptr, q_ptr, qs_ptr, s_x, s_o, s_q, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                       PDL: tl.constexpr):
     """act_mul with out8: a program per row, the whole row in one tile (its amax needs every column)."""
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < n
-    y = _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, ok, n, GELU)
+    y = _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, ok, n, GELU, PDL)
     quantize_row(y, q_ptr + t * s_q, qs_ptr + t, i, ok)
 
 
@@ -175,7 +183,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             rows, res, weight, weight if x_weight is None else x_weight, out, res_rows, q, qs, rows.stride(0),
             res.stride(0), n, n, q.stride(0), n, float(eps), BLOCK=triton.next_power_of_2(n),
             HAS_RES=residual is not None, NORM_X=x_weight is not None, OFFSET=bool(offset), Q8=out8 is not None,
-            num_warps=4 if n <= 4096 else 8)
+            num_warps=4 if n <= 4096 else 8, **pdl_args(rows))
+        released(out, q)
     return out, res_out
 
 
@@ -231,9 +240,12 @@ def act_mul(x: torch.Tensor, act: str, out8: tuple[torch.Tensor, torch.Tensor] |
         if t:
             block = triton.next_power_of_2(n)
             _act_mul_q8_kernel[(t,)](rows, out, q, qs, rows.stride(0), n, q.stride(0), n, BLOCK=block, GELU=gelu,
-                                     num_warps=min(16, max(4, block // 1024)))
+                                     num_warps=min(16, max(4, block // 1024)), **pdl_args(rows))
+            released(out, q)
     elif t:
-        _act_mul_kernel[(t, triton.cdiv(n, ACT_BLOCK))](rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=gelu)
+        _act_mul_kernel[(t, triton.cdiv(n, ACT_BLOCK))](rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=gelu,
+                                                        **pdl_args(rows))
+        released(out)
     return out
 
 

@@ -27,6 +27,7 @@ from tp_lora.ops.triton import configs
 from tp_lora.ops.triton.dot import FP8, compute_types
 from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, expand_rows_kernel,
                                         lora_epilogue_kernel, shrink_kernel, shrink_rows_kernel)
+from tp_lora.ops.triton.pdl import forget
 from tp_lora.ops.triton.schedule import Schedule, prepare
 
 MAX_SLICES_PER_LAUNCH = 3
@@ -71,6 +72,7 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
     """x [T, in], lora_a S x [L, r, in], scales [S, L] float32 -> [S, T, r] float32 = scale * x @ A[slot]^T,
     zero rows for tokens without an adapter. a_scales: S x [L, r] float32 when lora_a is fp8 (per-row scales).
     scheme: "sorted" | "chunked" | None (the module setting)."""
+    forget(x.device)  # its kernels do not release the next one early (tp_lora.ops.triton.pdl)
     n_slices = len(lora_a)
     _, rank, k = lora_a[0].shape
     t = x.shape[0]
@@ -124,6 +126,7 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
     out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T for tokens with an adapter;
     other rows are not touched. Computed in float32, stored in out.dtype. b_scales: S x [L, out_s] float32 when
     lora_b is fp8 (per output channel). scheme: "sorted" | "chunked" | None (the module setting)."""
+    forget(out.device)  # it writes into out, which the base layer's releasing kernel may have written before
     t = out.shape[0]
     if t == 0 or not len(lora_b):
         return

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.triton.fused import norm_rope
+from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
 
 BLOCK_N = 128  # positions per inner iteration over a 16-bit cache
@@ -198,7 +199,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, PARTS: tl.constexpr, CU_Q: tl.constexpr, F32_DOT: tl.constexpr,
                    KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                   NORM: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr):
+                   NORM: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     part = tl.program_id(2)
@@ -234,6 +236,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
     m, l_sum, acc = online_softmax(m, l_sum, acc, q, r, k_ptr, v_ptr, bt_ptr + b * s_btb, g * s_kh, lo, hi, scale,
                                    window, softcap, s_kb, s_ks, REP_PAD, D, BS, BLOCK, False, F32_DOT, KV_FP8,
                                    FP8_ASM)
+    release_next(PDL)
     if PARTS == 1:
         store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, D)
     elif used == 1:  # the whole context in this partition: no merge
@@ -314,5 +317,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=block, PARTS=parts,
         CU_Q=cu_q is not None, **dot_flags(q, k_cache, _decode_kernel), ROPE=rope is not None, R=r, NORM=norm,
         OFFSET=bool(offset), SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
-        num_warps=NUM_WARPS_FP8 if k_cache.element_size() == 1 else NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS_FP8 if k_cache.element_size() == 1 else NUM_WARPS, num_stages=NUM_STAGES,
+        **pdl_args(q))
+    released(out)
     return out

@@ -1,0 +1,63 @@
+"""Programmatic dependent launch in the decode chain (tp_lora.ops.triton.pdl): which launches go early, and that a
+chain of early launches, eager or replayed from a CUDA graph, gives exactly what the same kernels give without it."""
+import pytest
+import torch
+
+from tp_lora.ops.fp8 import quantize_fp8_per_channel
+from tp_lora.ops.triton import fp8_gemm, pdl
+from tp_lora.ops.triton.fused import act_mul, add_rms_norm
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def test_a_launch_goes_early_only_right_after_a_releasing_one(device):
+    x = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
+    w = torch.rand(256, device=device, dtype=torch.bfloat16)
+    out, _ = add_rms_norm(x, None, w, 1e-6)
+    assert pdl.pdl_args(out) == dict(PDL=HOPPER, launch_pdl=HOPPER)  # the norm releases the next launch
+    assert pdl.pdl_args(out) == dict(PDL=HOPPER, launch_pdl=False)  # once
+    out, _ = add_rms_norm(x, None, w, 1e-6)
+    assert not pdl.pdl_args(x)["launch_pdl"]  # not what the norm wrote
+    out, _ = add_rms_norm(x, None, w, 1e-6)
+    pdl.forget(out.device)  # a launch that does not release came in between (the LoRA kernels)
+    assert not pdl.pdl_args(out)["launch_pdl"]
+
+
+def _chain(x, res, w_norm, w13, s13, w2, s2):
+    """norm (fp8 rows) -> gate_up (XQ) -> act_mul (fp8 rows) -> down (XQ) -> add + norm: the fp8 decode MLP."""
+    t, h = x.shape
+    q, qs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(t, device=x.device)
+    y, res = add_rms_norm(x, res, w_norm, 1e-6, out8=(q, qs))
+    gu = fp8_gemm.w8a16_mm(q, w13, s13, None, fp8_gemm.w8a16_config(t, *w13.shape, xq=True), qs, x.dtype)
+    n = w2.shape[1]
+    q2, qs2 = torch.empty(t, n, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(t, device=x.device)
+    act_mul(gu, "silu", out8=(q2, qs2))
+    down = fp8_gemm.w8a16_mm(q2, w2, s2, None, fp8_gemm.w8a16_config(t, *w2.shape, xq=True), qs2, x.dtype)
+    return add_rms_norm(down, res, w_norm, 1e-6)
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
+def test_early_launches_give_the_plain_launches_results(monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    h, n, t = 1024, 2048, 32
+    w13, s13 = quantize_fp8_per_channel(torch.randn(2 * n, h, generator=gen) / 32)
+    w2, s2 = quantize_fp8_per_channel(torch.randn(h, n, generator=gen) / 45)
+    weights = [v.cuda() for v in (torch.rand(h, generator=gen).bfloat16() + 0.5, w13, s13, w2, s2)]
+    inputs = [torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2 * 6)]
+    x, res = torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
+    _chain(x, res, *weights)  # compile, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_graph = _chain(x, res, *weights)
+    got = []
+    for i in range(0, len(inputs), 2):  # fresh inputs each replay: a kernel reading too early reads stale rows
+        x.copy_(inputs[i])
+        res.copy_(inputs[i + 1])
+        graph.replay()
+        eager = _chain(inputs[i], inputs[i + 1], *weights)
+        got.append([v.clone() for v in got_graph + eager])
+    monkeypatch.setattr(pdl, "_index", lambda device: None)  # plain launches, PDL compiled out
+    for i in range(0, len(inputs), 2):
+        want = _chain(inputs[i], inputs[i + 1], *weights)
+        for j, g in enumerate(got[i // 2]):  # (graph's out, residual, eager's out, residual)
+            assert torch.equal(g, want[j % 2]), (i, j)

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (Hopper and later) in the decode chain (norms, fp8 GEMMs, attention, act_mul): a
+kernel launches while the one before it finishes, so the launch gap overlaps that kernel's tail.
+
+Every such kernel takes PDL (on for compiled kernels on Hopper and later) and calls wait_prior(PDL) first in every
+program, before it reads or writes anything earlier kernels write or read and before any early return (a kernel
+that ended without waiting would let the next one pass it); once its main loads or loop are done it calls
+release_next(PDL), and its launcher notes the outputs (released()). A launch asks for PDL only where its first input
+was written by the launch just before it that released it (pdl_args): launched early after a kernel that does not
+release (cuBLAS, torch, the LoRA kernels), a kernel waits longer than a plain launch would. Off the GPU (CPU, the
+interpreter, older GPUs) both calls compile out and launches are plain.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_released: dict[int, tuple[int, ...]] = {}  # device index -> data pointers written by the last releasing launch
+
+
+@triton.jit
+def wait_prior(PDL: tl.constexpr):
+    """Wait until the kernels before this one have finished (a no-op unless launched with PDL)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_next(PDL: tl.constexpr):
+    """Let the next kernel launch once every program has come here (or ended)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _index(device: torch.device) -> int | None:
+    """The device's index where its kernels can take PDL, else None."""
+    if device.type != "cuda" or type(wait_prior).__name__ == "InterpretedFunction":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return index if _hopper(index) else None
+
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """The PDL constexpr and launch option of a launch whose first input is x: PDL wherever supported, launched
+    early only where the launch just before it released it and wrote x."""
+    index = _index(x.device)
+    if index is None:
+        return dict(PDL=False, launch_pdl=False)
+    return dict(PDL=True, launch_pdl=x.data_ptr() in _released.pop(index, ()))
+
+
+def released(*outs: torch.Tensor) -> None:
+    """Note the launch just made (a kernel that calls release_next) and the tensors it writes."""
+    index = _index(outs[0].device)
+    if index is not None:
+        _released[index] = tuple(o.data_ptr() for o in outs)
+
+
+def forget(device: torch.device) -> None:
+    """Note a launch that does not release its successor early (and may write what the last releasing one did)."""
+    index = _index(device)
+    if index is not None:
+        _released.pop(index, None)
