@@ -9,7 +9,8 @@ layers of the 70B shape: hidden 8192, intermediate 28672, GQA 64/8, vocab 128256
 over 32) have random weights drawn in memory at load (no checkpoint on disk; --in-memory: every shape). For each batch x context, without
 adapters and with 32 distinct rank-16 adapters on all seven projections (one per sequence, round-robin):
 - decode step: the mean wall time of the decode-only steps of all `batch` sequences (one new token each) of the last
-  of --reps runs generating N tokens, each run one engine.generate() with every prompt `context` tokens long, per
+  of --reps runs generating --new tokens more than the steps the prompts take to fill (so about --new steps decode
+  the whole batch, at any context), each run one engine.generate() with every prompt `context` tokens long, per
   step from its launch, or the previous step's tokens on the host when later (steps launched ahead overlap), to its
   own sampled tokens on the host (host work included; at these sizes every decode step replays a CUDA graph). Where
   the prompts take several steps, sequences start decoding (and finish) at different steps: only steps of the whole
@@ -428,7 +429,8 @@ def main() -> None:
     p.add_argument("--shapes", default="llama-2048,llama3-8b")
     p.add_argument("--batches", default="1,32,128")
     p.add_argument("--contexts", default="128,2048")
-    p.add_argument("--new", type=int, default=33, help="tokens of the long run (the short one makes 1)")
+    p.add_argument("--new", type=int, default=33,
+                   help="whole-batch decode steps the long run aims for (the short one makes 1 token)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--mixed", action="store_true")
@@ -468,19 +470,25 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     rows, extra, kernels = [], {}, {}
+    step_tokens = max(4096, max(batches))  # scheduler.max_tokens_per_step
+
+    def long_run(b: int, ctx: int) -> int:
+        """Tokens each sequence of the long run makes: --new past the steps that b prompts of ctx take to fill."""
+        return args.new + -(-b * ctx // step_tokens)
+    longest = max(contexts) + long_run(max(batches), max(contexts)) + 8
     variants = [(q, kv) for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
     for shape, (quant, kv_dtype) in ((s, v) for s in args.shapes.split(",") for v in variants):
         if ps.is_driver:  # one writer; the other ranks read what it wrote
-            assets(args.cache, shape, max(contexts) + args.new + 8, not args.no_adapters_only)
+            assets(args.cache, shape, longest, not args.no_adapters_only)
         comm.all_gather_object(None, ps.world)  # a barrier
-        model_dir, adapter_dir = assets(args.cache, shape, max(contexts) + args.new + 8, not args.no_adapters_only)
+        model_dir, adapter_dir = assets(args.cache, shape, longest, not args.no_adapters_only)
         cfg = RunConfig()
         cfg.parallel.tp_size = ps.tp.size
         cfg.device = device
         cfg.dtype = "bfloat16" if device == "cuda" else "float32"
         cfg.lora.max_loras, cfg.lora.max_rank = ADAPTERS, RANK
         cfg.scheduler.max_batch_size = max(batches)
-        cfg.scheduler.max_tokens_per_step = max(4096, max(batches))
+        cfg.scheduler.max_tokens_per_step = step_tokens
         cfg.quantization = None if quant == "none" else quant
         cfg.scheduler.kv_cache_dtype = kv_dtype
         cfg.scheduler.prefix_caching = args.prefix_caching == "on"
@@ -503,7 +511,7 @@ def main() -> None:
                         ones.append(timed(engine, requests(b, ctx, 1, vocab, with_ad, next(seeds))))
                         st = dataclasses.replace(engine.stats)
                         full0 = list(engine.stats.decode_by_rows.get(b, [0, 0.0]))
-                        timed(engine, requests(b, ctx, args.new, vocab, with_ad, next(seeds)))  # errors raise
+                        timed(engine, requests(b, ctx, long_run(b, ctx), vocab, with_ad, next(seeds)))  # errors raise
                     # The last long run: steps replayed from graphs (prefill too), and the count and mean wall time
                     # (host included) of its decode-only steps of the whole batch.
                     graph_steps = engine.stats.graph_steps - st.graph_steps
@@ -513,7 +521,7 @@ def main() -> None:
                     decode_ms = 1e3 * (full[1] - full0[1]) / decode_steps if decode_steps else None
                     t1 = statistics.median(ones)
                     lora_b = min(b, ADAPTERS) * ab if with_ad else 0
-                    floor = (wb + lora_b + kv_bytes(engine.model, b, ctx + args.new / 2)) / bw
+                    floor = (wb + lora_b + kv_bytes(engine.model, b, ctx + long_run(b, ctx) - args.new / 2)) / bw
                     rows.append(dict(shape=shape, quantization=quant, kv_cache_dtype=kv_dtype, adapters=with_ad, batch=b, context=ctx,
                                      floor_ms=floor * 1e3, of_floor=floor / (decode_ms / 1e3) if decode_ms else None,
                                      prefill_tokens_per_s=b * ctx / t1,

@@ -259,10 +259,9 @@ if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else Non
       step "  agreement; Llama-3-8B decode step b32, bf16 / fp8 weights / + fp8 KV at ctx 128 and 8192, adapters"
       run fp8_gemm 150 75 python3 scripts/bench_fp8_gemm.py --out "$RES/fp8"
       run fp8_check 90 8 python3 scripts/gpu_fp8_check.py
-      # 97 new tokens: the 32 prompts of 8192 take 64 steps of 4096 tokens, so the whole batch decodes together
-      # only after; weights drawn in memory (no 16 GB checkpoint written)
+      # weights drawn in memory (no 16 GB checkpoint written)
       run fp8_step 300 12 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 8192,128 \
-        --quantization none,fp8 --kv-cache-dtype auto,fp8 --no-adapters-only --reps 1 --new 97 --in-memory \
+        --quantization none,fp8 --kv-cache-dtype auto,fp8 --no-adapters-only --reps 1 --in-memory \
         --out "$RES/fp8_step"
       run fp8_step_lora 120 8 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 128 \
         --quantization none,fp8 --reps 2 --in-memory --out "$RES/fp8_step_lora" ;;
@@ -272,13 +271,12 @@ if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else Non
         tests/kernels/test_paged_attention.py tests/kernels/test_paged_varlen.py tests/unit/test_fp8_kv.py \
         tests/unit/test_attention.py
       run bench_fp8_kv 120 18 python3 scripts/bench_attention.py --kind fp8_kv --out "$RES/attention_fp8_kv"
-      # 97 new tokens: the whole batch decodes together once its prompts are in (decode-only rows). Issue 38's
-      # whole-step target at ctx 8192: bf16 weights + bf16 KV against fp8 + fp8, each in a process of its own (the
-      # four combinations in one process ran out of memory on an H100)
+      # Issue 38's whole-step target at ctx 8192: bf16 weights + bf16 KV against fp8 + fp8, each in a process of its
+      # own (the four combinations in one process ran out of memory on an H100)
       for spec in none:auto fp8:fp8; do
         run step_8192_${spec/:/_} 150 4 python3 scripts/bench_step.py --shapes llama3-8b --batches 32 --contexts 8192 \
           --reps 1 --quantization ${spec%%:*} --kv-cache-dtype ${spec#*:} --prefix-caching off --in-memory \
-          --no-adapters-only --new 97 --out "$RES/step_8192_${spec/:/_}"
+          --no-adapters-only --out "$RES/step_8192_${spec/:/_}"
       done
       step "decode attention at the tp head counts (#36): 32/8, 16/4, 8/2 heads per rank, contexts 128 / 512 / 2048"
       run attention_tp 90 14 python3 scripts/bench_attention.py --kind tp --out "$RES/attention_tp" ;;

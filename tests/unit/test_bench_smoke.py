@@ -114,3 +114,12 @@ def test_tune_fp8_gemm_smoke(tmp_path):
     # the experts' sweep: 2 configurations x (per channel, per block), each run
     assert [(r["experts"], tuple(r["cfg"])) for r in report["experts"]] == [
         (s, c) for s in ("block128", "channel") for c in [(64, 4, 3), (64, 4, 4)]], report["experts"]
+
+
+def test_bench_step_decodes_the_whole_batch_for_about_new_steps(tmp_path):
+    """4 prompts of 2048 tokens take two steps of 4096 to fill, and sequences start decoding as theirs fill: the long
+    run still gives about --new steps in which the whole batch decodes (it gave 1 of 4 when it made --new tokens)."""
+    _run(tmp_path, "bench_step.py", "--shapes", "smoke", "--batches", "4", "--contexts", "2048", "--new", "4",
+         "--reps", "1", "--no-adapters-only", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"))
+    (row,) = _report(tmp_path / "out" / "bench_step.json")["rows"]
+    assert row["decode_steps"] >= 3 and row["decode_step_ms"] > 0, row
