@@ -32,7 +32,8 @@ Triton kernels (tp_lora/ops/fused.py). --allreduce sets parallel.allreduce (auto
 --kernels: the device time per kernel of one graphed decode step of 32 sequences at each --contexts (torch.profiler
 over replays, this rank; no adapters), by kernel and by kind (GEMM, attention, all-reduce, norm, ...), into the
 JSON; `--kernel-compare A.json B.json` prints two runs' tables side by side (e.g. tp1 against tp2: what does not
-halve).
+halve). Kernels launched early (tp_lora/ops/triton/pdl.py: the fp8 decode chain on Hopper) count their wait for the
+kernel before, so their times overlap and can sum past the step.
 Prints a table; writes bench_step.json into --out.
 """
 from __future__ import annotations
