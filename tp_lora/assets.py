@@ -313,8 +313,8 @@ DEFAULT_REQUESTS = [
 
 
 def default_root() -> str:
-    """$TP_LORA_HOME/<BUNDLE_VERSION>, else ~/.cache/tp_lora/<BUNDLE_VERSION>: versioned, so a changed bundle never reuses
-    an older one's files."""
+    """$TP_LORA_HOME/<BUNDLE_VERSION>, else ~/.cache/tp_lora/<BUNDLE_VERSION>: versioned, so a changed bundle never
+    reuses an older one's files."""
     home = os.environ.get("TP_LORA_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tp_lora")
     return os.path.join(home, BUNDLE_VERSION)
 

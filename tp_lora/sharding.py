@@ -195,8 +195,8 @@ def scale_part(scale: torch.Tensor, rows: Range, rows_total: int, cols: Range, c
     return take_nd(scale, [(r0, r1), (c0, c1)]).float().repeat_interleave(bn, 0)[:n]  # rows[0] is on a boundary
 
 
-def shard_scale(spec: LinearSpec, slice_idx: int, scale: torch.Tensor, block: tuple[int, int] | None, rank: int, size: int,
-                what: str) -> torch.Tensor:
+def shard_scale(spec: LinearSpec, slice_idx: int, scale: torch.Tensor, block: tuple[int, int] | None, rank: int,
+                size: int, what: str) -> torch.Tensor:
     """This rank's scales of one slice's fp8 weight [out_s, in], cut like shard_weight cuts the weight."""
     out_s = spec.slices[slice_idx].width
     return scale_part(scale, spec.slice_ranges(rank, size)[slice_idx], out_s, spec.in_range(rank, size),

@@ -6,8 +6,8 @@ import, process group, CUDA context) costs far more than most tests, so it happe
 loses a rank ends the pool, and the next test starts a fresh one.
 
 CPU and gloo by default; TP_LORA_TEST_DEVICE=cuda runs the same tests over NCCL, one GPU per rank, and
-TP_LORA_TEST_BACKEND=triton switches the LoRA kernels (tests read both through device_under_test() / backend_under_test();
-each call hands the ranks the caller's TP_LORA_* environment)."""
+TP_LORA_TEST_BACKEND=triton switches the LoRA kernels (tests read both through device_under_test() /
+backend_under_test(); each call hands the ranks the caller's TP_LORA_* environment)."""
 from __future__ import annotations
 
 import atexit

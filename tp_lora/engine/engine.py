@@ -56,8 +56,8 @@ class Engine(EngineCore):
         found = discover_adapters(adapter_dir) if adapter_dir else {}
         if adapter_dir and not found:
             raise ConfigError(f"lora.adapter_dir={adapter_dir} holds no adapter: expected adapter_config.json in it or "
-                              "in its subdirectories (PEFT's save_pretrained layout); leave it unset for the base model "
-                              "alone")
+                              "in its subdirectories (PEFT's save_pretrained layout); leave it unset for the base "
+                              "model alone")
         cache = AdapterCache(found, lo.max_cpu_loras, host_dtype, ps.tp)
         cache.read_threads = read_threads(p.read_threads, ps.device.type, usable_cores(),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

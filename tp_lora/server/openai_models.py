@@ -1,8 +1,9 @@
 """The request bodies of /v1/completions and /v1/chat/completions as pydantic models: every documented OpenAI field
 (and vLLM's sampling extensions) type-checked, unknown fields refused; fields documented but not served are refused
 by name with the reason (refusal()); fields accepted on purpose without effect are listed in ACCEPTED_WITHOUT_EFFECT
-(and the README). load_json() reads a body (bounded nesting, no lone surrogates) and parse() turns it into its model, each an APIError
-(400) naming the field otherwise; list sizes are bounded here too (limits in the README's "Security")."""
+(and the README). load_json() reads a body (bounded nesting, no lone surrogates) and parse() turns it into its model,
+each an APIError (400) naming the field otherwise; list sizes are bounded here too (limits in the README's
+"Security")."""
 from __future__ import annotations
 
 import json

@@ -10,4 +10,5 @@ from tp_lora.ops.triton.schedule import prepare, set_scheme
 from tp_lora.ops.torch_ref import saved_embedding, saved_logits
 
 __all__ = ["shrink", "expand", "embedding_shrink", "lora_epilogue", "saved_embedding", "saved_logits",
-           "moe_lora_shrink", "moe_lora_expand", "moe_lora_fused", "set_scheme", "prepare", "graph_buffers", "bind_graph_buffers", "step_buffers", "warm_up_sizes"]
+           "moe_lora_shrink", "moe_lora_expand", "moe_lora_fused", "set_scheme", "prepare", "graph_buffers",
+           "bind_graph_buffers", "step_buffers", "warm_up_sizes"]

@@ -219,8 +219,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if t:
         _rope_write_kv_kernel[(t,)](
             q, k, v, cos, sin, kc, vc, slots, q_weight if norm else q, k_weight if norm else k, out, float(eps),
-            1.0 / kv_scales[0], 1.0 / kv_scales[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            sin.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+            1.0 / kv_scales[0], 1.0 / kv_scales[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), cos.stride(0), sin.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             H=heads, KV=kv, H_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv), D=d,
             D_PAD=triton.next_power_of_2(d), R=r, NORM=norm, OFFSET=bool(offset),
             SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
