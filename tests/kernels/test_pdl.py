@@ -10,6 +10,23 @@ from tp_lora.ops.triton.fused import act_mul, add_rms_norm
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+def test_the_note_of_a_releasing_launch_is_taken_once_by_the_launch_reading_its_output(monkeypatch):
+    """The launchers' bookkeeping, as on a Hopper GPU (pdl_args / released / forget over any tensors)."""
+    monkeypatch.setattr(pdl, "_index", lambda device: 0)
+    monkeypatch.setattr(pdl, "_released", {})
+    a, b, c = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    assert pdl.pdl_args(a) == dict(PDL=True, launch_pdl=False)  # nothing released yet
+    pdl.released(a, b)  # e.g. a norm writing its rows and their fp8 copy
+    assert pdl.pdl_args(b) == dict(PDL=True, launch_pdl=True)
+    assert not pdl.pdl_args(a)["launch_pdl"]  # the note was taken by the launch after
+    pdl.released(a)
+    assert not pdl.pdl_args(c)["launch_pdl"]  # c was not written by it; the note is gone anyway
+    assert not pdl.pdl_args(a)["launch_pdl"]
+    pdl.released(a)
+    pdl.forget(a.device)  # a launch that does not release came in between
+    assert not pdl.pdl_args(a)["launch_pdl"]
+
+
 def test_a_launch_goes_early_only_right_after_a_releasing_one(device):
     x = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
     w = torch.rand(256, device=device, dtype=torch.bfloat16)
