@@ -20,7 +20,7 @@ def mm(a, b, CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     return tl.dot(a.to(CDT).to(DOT), b.to(CDT).to(DOT), input_precision=PREC)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     # Decided when the kernels were decorated (triton.jit reads TRITON_INTERPRET then), not by today's environment.
     return type(mm).__name__ == "InterpretedFunction"
 
@@ -28,7 +28,7 @@ def _interpreting() -> bool:
 def fp8_dot():
     """The operand type of an fp8 x fp8 tile product: e4m3 on the GPU's fp8 tensor cores, float32 under the
     interpreter (the same values)."""
-    return tl.float32 if _interpreting() else tl.float8e4nv
+    return tl.float32 if interpreting() else tl.float8e4nv
 
 
 def check_act8(option: str, w: torch.Tensor, scale) -> None:
@@ -45,6 +45,6 @@ def compute_types(act: torch.dtype, weight: torch.dtype):
         weight = act  # fp8 is widened to the activations' type before the dot (exact for e4m3 into bf16/fp16)
     if act == weight and act in (torch.float16, torch.bfloat16):
         cdt = _TL[act]
-        dot = tl.float32 if (act == torch.bfloat16 and _interpreting()) else cdt
+        dot = tl.float32 if (act == torch.bfloat16 and interpreting()) else cdt
         return cdt, dot, "tf32"  # precision flag only matters for fp32 operands
     return tl.float32, tl.float32, "ieee"  # fp32 layers ask for fp32 accuracy: no tf32 rounding

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tp_lora.ops.triton.dot import interpreting
+
 _released: dict[int, tuple[int, ...]] = {}  # device index -> data pointers written by the last releasing launch
 
 
@@ -42,7 +44,7 @@ def _hopper(index: int) -> bool:
 
 def _index(device: torch.device) -> int | None:
     """The device's index where its kernels can take PDL, else None."""
-    if device.type != "cuda" or type(wait_prior).__name__ == "InterpretedFunction":
+    if device.type != "cuda" or interpreting():
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
     return index if _hopper(index) else None
