@@ -206,7 +206,7 @@ def test_fp8_linear_quantizes_16bit_activations_at_decode_only(device, monkeypat
     monkeypatch.setattr(fused, "KERNELS", True)
     seen = []
     kernel = fp8_gemm.w8a16_mm
-    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a: seen.append(a[4]["ACT8"]) or kernel(*a))
+    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a, **k: seen.append(a[4]["ACT8"]) or kernel(*a, **k))
     gen = torch.Generator().manual_seed(3)
     for dtype, block_k, rows, act8 in [(torch.bfloat16, None, ACT8_ROWS, True), (torch.bfloat16, 128, 1, True),
                                        (torch.bfloat16, 64, 4, False), (torch.float32, None, 4, False),

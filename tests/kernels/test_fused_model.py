@@ -63,15 +63,11 @@ def test_forward_with_fused_kernels_matches_torch_path(family, device, monkeypat
         assert not torch.equal(g.flatten(0, 1)[meta.slots], h.flatten(0, 1)[meta.slots]), "K/V were not written"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_fp8_layers_take_their_rows_quantized_by_norms_and_act_mul(family, device, monkeypatch):
-    """A bf16 model with per-channel fp8 layers, kernels forced on, a decode step: qkv_proj, gate_up_proj and
-    down_proj multiply the rows their producers (the norms, act_mul) quantized per token (XQ), o_proj quantizes its
-    own (ACT8); the hidden states near the dequantised weights' torch path (fp8 activations: a few percent)."""
+def _fp8_model(family, device):
+    """A bf16 model of the family with per-channel fp8 layers (random weights), and a decode step's inputs."""
     from tp_lora.layers.linear import ParallelLinear
     from tp_lora.layers.quant import FP8Scheme, QuantConfig
     from tp_lora.ops.fp8 import quantize_fp8_per_channel
-    from tp_lora.ops.triton import fp8_gemm
     hf = {**COMMON, **FAMILIES[family], "hidden_size": 128, "intermediate_size": 192}
     gen = torch.Generator().manual_seed(3)
     model = CausalLM(hf, comm.single_process(device).tp, dtype=torch.bfloat16, device=device,
@@ -89,17 +85,55 @@ def test_fp8_layers_take_their_rows_quantized_by_norms_and_act_mul(family, devic
     tokens, bs = 6, 4
     meta = build_attn_meta([[i] for i in range(tokens)], [2] * tokens, [1] * tokens, bs, device)
     input_ids = torch.randint(0, hf["vocab_size"], (tokens,), generator=gen).to(device)
+    return model, input_ids, meta, lambda: model.new_cache(tokens + 2, bs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_fp8_layers_take_their_rows_quantized_by_norms_and_act_mul(family, device, monkeypatch):
+    """A bf16 model with per-channel fp8 layers, kernels forced on, a decode step: qkv_proj, gate_up_proj and
+    down_proj multiply the rows their producers (the norms, act_mul) quantized per token (XQ), o_proj quantizes its
+    own (ACT8); the hidden states near the dequantised weights' torch path (fp8 activations: a few percent)."""
+    from tp_lora.ops.triton import fp8_gemm
+    model, input_ids, meta, new_cache = _fp8_model(family, device)
     calls = []
     kernel = fp8_gemm.w8a16_mm
-    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a: calls.append(
-        "xq" if len(a) > 5 and a[5] is not None else "act8" if a[4]["ACT8"] else "weight-only") or kernel(*a))
+    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a, **k: calls.append(
+        "xq" if len(a) > 5 and a[5] is not None else "act8" if a[4]["ACT8"] else "weight-only") or kernel(*a, **k))
     outs = []
     for use in (False, True):
         monkeypatch.setattr(fused, "KERNELS", use)
         with torch.no_grad():
-            outs.append(model(input_ids, model.new_cache(tokens + 2, bs), meta).float())
-    layers = hf["num_hidden_layers"]
+            outs.append(model(input_ids, new_cache(), meta).float())
+    layers = len(model.layers)
     assert sorted(calls) == sorted(["xq"] * 3 * layers + ["act8"] * layers), calls
     want, got = outs
     # Gemma's extra norms and scaled embeddings make it more sensitive: 0.17 with every layer on ACT8 too
     assert ((got - want).norm() / want.norm()).item() < (0.25 if family == "gemma3_text" else 0.1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_fp8_decode_gemms_leave_their_k_shares_to_the_next_norm(family, device, monkeypatch):
+    """One rank, kernels on, K split in two shares: o_proj and (but Gemma's, whose post-feedforward norm is its own)
+    down_proj hand their shares to the next norm (SplitSums), and the step's hidden states and K / V are the bits of
+    the same step with every GEMM summing its own shares."""
+    from tp_lora.ops.split_sums import SplitSums
+    from tp_lora.ops.triton import fp8_gemm
+    model, input_ids, meta, new_cache = _fp8_model(family, device)
+    config, kernel = fp8_gemm.w8a16_config, fp8_gemm.w8a16_mm
+    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), BLOCK_K=32, SPLIT_K=2))
+    monkeypatch.setattr(fused, "KERNELS", True)
+    outs, left = [], []
+    for defer in (True, False):
+        def gemm(*a, sums=False, _defer=defer, **k):
+            out = kernel(*a, sums=sums and _defer, **k)
+            left.append(isinstance(out, SplitSums))
+            return out
+        monkeypatch.setattr(fp8_gemm, "w8a16_mm", gemm)
+        cache = new_cache()
+        with torch.no_grad():
+            outs.append((model(input_ids, cache, meta), cache))
+    layers = len(model.layers)
+    assert left.count(True) == (1 if family == "gemma3_text" else 2) * layers and len(left) == 8 * layers, left
+    (got, got_cache), (want, want_cache) = outs
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v))

@@ -24,6 +24,7 @@ from tp_lora.lora.peft_format import SAVED
 from tp_lora.lora.saved import SavedCopies
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.ops.fused import Rows8
+from tp_lora.ops.split_sums import SplitSums
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 
 
@@ -271,9 +272,11 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
     def takes_rows8(self, x: torch.Tensor) -> bool:
         return self.base.takes_rows8(x)
 
-    def partial(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
         """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA (on x;
-        the base may read x8, x quantized per token)."""
+        the base may read x8, x quantized per token). sums: the base's SplitSums may pass where no adapter runs."""
+        if sums and not self.rt.active():
+            return self.base.partial(x, x8, sums=True)
         # x8 only where given: a wrapped LM head's partial takes x alone
         base = (lambda: self.base.partial(x)) if x8 is None else (lambda: self.base.partial(x, x8))
         if not self.rt.active():

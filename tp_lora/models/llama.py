@@ -206,8 +206,8 @@ class Attention(nn.Module):
         self.kv_scales = (1.0, 1.0)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta, partial: bool = False, x8: Rows8 | None = None):
-        """partial: o_proj's output before its all-reduce (the caller reduces it, see DecoderLayer). x8: x quantized
-        per token (qkv_proj.takes_rows8)."""
+        """partial: o_proj's output before its all-reduce, or on one rank its SplitSums (the caller's norm reduces or
+        sums it, see DecoderLayer). x8: x quantized per token (qkv_proj.takes_rows8)."""
         qkv = self.qkv_proj(x, x8)
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
@@ -218,7 +218,7 @@ class Attention(nn.Module):
                           self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                           self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs))
         out = out if vs == 1.0 else out * vs
-        return self.o_proj.partial(out) if partial else self.o_proj(out)
+        return self.o_proj.partial(out, sums=True) if partial else self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -243,12 +243,13 @@ class MLP(nn.Module):
         return self.gate_up_proj.takes_rows8(x)
 
     def forward(self, x, partial: bool = False, x8: Rows8 | None = None):
-        """partial: down_proj's output before its all-reduce (the caller reduces it, see DecoderLayer). x8: x
-        quantized per token (takes_rows8); act_mul hands down_proj its rows so where it takes them."""
+        """partial: down_proj's output before its all-reduce, or on one rank its SplitSums (the caller's norm
+        reduces or sums it, see DecoderLayer). x8: x quantized per token (takes_rows8); act_mul hands down_proj its
+        rows so where it takes them."""
         g = self.gate_up_proj(x, x8)
         h8 = empty_rows8(g, g.shape[-1] // 2) if self.down_proj.takes_rows8(g) else None
         h = act_mul(g, self.act, h8)
-        return self.down_proj.partial(h, h8) if partial else self.down_proj(h, h8)
+        return self.down_proj.partial(h, h8, sums=True) if partial else self.down_proj(h, h8)
 
 
 class DecoderLayer(nn.Module):
@@ -260,8 +261,9 @@ class DecoderLayer(nn.Module):
     parallelism the all-reduce that ends o_proj / down_proj joins that norm too (reduce_add_rms_norm): the layer
     returns down_proj's partial output where it defers the reduce (`defer`: the group and whether it scatters), and
     the next norm (the next layer's, or the model's final one) sums it; so does an MoE block whose last collective is
-    a sum over tp (its defer_group) or EP's reduce-scatter (its defer_scatter). Row layers with a bias, the other MoE
-    layouts and Gemma's post-feedforward norm keep it in the layer."""
+    a sum over tp (its defer_group) or EP's reduce-scatter (its defer_scatter). On one rank o_proj and down_proj
+    hand on their fp8 decode GEMM's K shares (SplitSums) the same way, for the next norm to sum. Row layers with a
+    bias, the other MoE layouts and Gemma's post-feedforward norm keep it in the layer."""
 
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None,
                  quant: QuantConfig | None = None):
@@ -276,10 +278,10 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, True)
         self.mlp = mlp if mlp is not None else MLP(hf, idx, tp, dtype, device, rt, targets, quant)
         self.tp = tp
-        self.fuse_attn = tp.size > 1 and bias_free(self.self_attn.o_proj)
+        self.fuse_attn = bias_free(self.self_attn.o_proj)
         self.defer: tuple[comm.Group, bool] | None = None  # (group, scatter) of the reduce the next norm does
-        if tp.size > 1 and not self.gemma and (isinstance(self.mlp, MLP) and bias_free(self.mlp.down_proj)
-                                               or getattr(self.mlp, "defer_group", None) is tp):
+        dense = isinstance(self.mlp, MLP) and bias_free(self.mlp.down_proj)
+        if not self.gemma and (dense or tp.size > 1 and getattr(self.mlp, "defer_group", None) is tp):
             self.defer = (tp, False)  # a row-parallel down_proj, or an MoE block whose sum ends over tp
         elif not self.gemma and getattr(self.mlp, "defer_scatter", None) is not None:
             self.defer = (self.mlp.defer_scatter, True)

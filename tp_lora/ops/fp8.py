@@ -25,6 +25,7 @@ from functools import lru_cache
 import torch
 
 from tp_lora.ops.fused import Rows8, use_kernels
+from tp_lora.ops.split_sums import SplitSums
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -209,10 +210,11 @@ def empty_rows8(x: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, to
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
-               block_n: int | None = None, x8: Rows8 | None = None) -> torch.Tensor:
+               block_n: int | None = None, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
     """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
     None where they may not. x8: x quantized per token (q [T, K] e4m3, scales [T, 1]) by the op that made it,
-    read where takes_rows8 says so (else x is)."""
+    read where takes_rows8 says so (else x is). sums: the decode GEMM may leave its output as its K shares'
+    partial sums (SplitSums), for a reader that adds them (tp_lora.ops.fused.add_rms_norm)."""
     rows = x.shape[0]
     x8 = x8 if x8 is not None and takes_rows8(x, w, block_k) else None
     # 16-bit activations are quantized to fp8 (W8A8): per token by their producer (x8), else per (row, 128 columns)
@@ -224,11 +226,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
         if x8 is not None and rows <= ACT8_ROWS:
             return fp8_gemm.w8a16_mm(x8[0], w, scale, None, fp8_gemm.w8a16_config(rows, *w.shape, xq=True), x8[1],
-                                     x.dtype)
+                                     x.dtype, sums=sums)
         if rows <= ACT8_ROWS and act8_takes(x, block_k):
-            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True))
+            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True),
+                                     sums=sums)
         if rows <= small:
-            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape))
+            return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape), sums=sums)
         if half and block_k is not None:
             if blockwise_ok(x, w, block_k, block_n):
                 return blockwise_mm(x, w, scale)

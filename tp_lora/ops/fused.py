@@ -11,6 +11,8 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
 - out8 (the norms, act_mul; kernels only): the output also written quantized per token into (q, scales), the
   activations of the per-channel fp8 GEMM that reads it (tp_lora.ops.fp8.fp8_linear's x8).
+- add_rms_norm's x may be a decode GEMM's SplitSums (tp_lora.ops.split_sums: its K shares' partial sums), which
+  the kernel adds, scales and rounds as the GEMM would have, while it loads them.
 - moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights; a CUDA
   graph's padding rows route nowhere.
 - embedding_shard: the rows of a vocabulary shard for a step's token ids, zeros for ids other ranks hold.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from tp_lora import distributed as comm
+from tp_lora.ops.split_sums import SplitSums
 
 # None: the Triton kernels for CUDA tensors, else the references; True / False forces (tests, benchmarks). The MoE
 # routing plan, grouped GEMM and sampling dispatchers (tp_lora.ops.moe_plan, .grouped_mm, .sampling) follow it too.
@@ -33,6 +36,8 @@ KERNELS: bool | None = None
 # (q [T, N] float8_e4m3fn, scales [T, 1] float32): an op's output also quantized per token, as
 # tp_lora.ops.fp8.quantize_per_token does, for the fp8 GEMM it feeds (the norms' and act_mul's out8)
 Rows8 = tuple[torch.Tensor, torch.Tensor]
+
+
 
 ACTIVATIONS = {"silu": torch.nn.functional.silu,
                "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
@@ -159,12 +164,15 @@ def moe_combine_ref(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -
     return out.to(yp.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: bool = False, x_weight: torch.Tensor | None = None, out8: Rows8 | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: a tensor, or a GEMM's SplitSums (the kernel sums them; with a residual, else they are summed first)."""
     if residual is None and x_weight is not None:
         raise ValueError("add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
-    if use_kernels(x):
+    if isinstance(x, SplitSums) and (residual is None or not use_kernels(x.parts)):
+        x = x.total()
+    if use_kernels(x if residual is None else residual):
         from tp_lora.ops.triton.fused import add_rms_norm as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, residual, weight, eps, offset, x_weight, out8)
     no_rows8("add_rms_norm", out8)

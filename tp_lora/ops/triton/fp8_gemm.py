@@ -26,7 +26,9 @@ With SPLIT_K > 1 each program stores its partial tile in a float32 workspace [SP
 its column block's counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight
 at a time (the output does not depend on arrival order), applies the channel scales (loaded before the main loop),
 writes the output and resets the counter to 0: one launch, no zero fill, capturable in a CUDA graph
-(tp_lora.ops.triton.tickets).
+(tp_lora.ops.triton.tickets). With sums, the programs only store their partials and the GEMM returns them as
+SplitSums: the op that reads the output (the next norm) sums them while it loads it, and no program waits on a
+ticket and a second round of loads at the GEMM's end.
 
 w8a8_mm: both operands fp8 on the fp8 tensor cores, float32 accumulation, the block scales (activations per token
 and block_k columns, weights per row and block) multiplying each K tile's product in the main loop. Tiles are
@@ -39,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.split_sums import SplitSums
 from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
@@ -59,7 +62,7 @@ def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
                   PREC: tl.constexpr, SWAP: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr, XQ: tl.constexpr,
-                  PDL: tl.constexpr):
+                  SUMS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -109,8 +112,10 @@ def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     o = out_ptr + rows[:, None] * s_om + offs_n[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
     split = tl.num_programs(1)
-    if split > 1:
-        tile = rows[:, None] * N + offs_n[None, :]
+    tile = rows[:, None] * N + offs_n[None, :]
+    if SUMS:  # the reader sums the shares (SplitSums)
+        tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=o_mask)
+    elif split > 1:
         tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=o_mask)
         tl.debug_barrier()  # every thread's partial stored before the ticket publishes them
         ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -136,10 +141,12 @@ def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
 
 def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block_k: int | None,
              cfg: dict | None = None, x_scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             out_dtype: torch.dtype | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
     """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, ACT8 (implies SWAP),
     num_warps, num_stages. scale None: w holds x's dtype (16-bit weights, no scales). x_scale [M] or [M, 1]
-    float32: x is fp8 quantized per row (XQ; per-channel fp8 weights), the output in out_dtype (16-bit)."""
+    float32: x is fp8 quantized per row (XQ; per-channel fp8 weights), the output in out_dtype (16-bit). sums:
+    where K is split and the output 16-bit, the shares' partial sums (SplitSums) for a reader that adds them, instead
+    of the output (a float32 reader could fuse the scaling with what follows, which rounds differently)."""
     cfg = {**W8A16_DEFAULT, **(cfg or {})}
     x = x.contiguous()
     m, k = x.shape
@@ -171,15 +178,20 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     cnt = tickets(x.device, grid_n)
     # one compiled kernel for every split: without splits the workspace is never touched (any float32 pointer)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else cnt.view(torch.float32)
+    sums = sums and split > 1 and out_dtype in (torch.bfloat16, torch.float16)
     scales = SCALE_NONE if scale is None else SCALE_CHANNEL if block_k is None else SCALE_BLOCK
     scale = cnt.view(torch.float32) if scale is None else scale.contiguous()
+    col = scale if scales == SCALE_CHANNEL else None
     cdt, dot, prec = compute_types(out_dtype, w.dtype)
     _w8a16_kernel[(grid_n, split)](
         x, x_scale.reshape(-1) if xq else scale, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0),
         out.stride(0), scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
         SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"] or xq,
-        ACT8=cfg["ACT8"] and not xq, DOT8=fp8_dot(), XQ=xq, num_warps=cfg["num_warps"],
+        ACT8=cfg["ACT8"] and not xq, DOT8=fp8_dot(), XQ=xq, SUMS=sums, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(x))
+    if sums:
+        released(ws)
+        return SplitSums(ws, col, x_scale.reshape(-1) if xq else None, out_dtype)
     released(out)
     return out
 

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_lora.ops.split_sums import SplitSums
 from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, quantize_row
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 
@@ -51,14 +52,25 @@ def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, 
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, s_x, s_r, s_o, s_ro,
-                         s_q, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NORM_X: tl.constexpr,
-                         OFFSET: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, col_ptr, row_ptr, s_x,
+                         s_part, s_r, s_o, s_ro, s_q, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                         NORM_X: tl.constexpr, OFFSET: tl.constexpr, Q8: tl.constexpr, PARTS: tl.constexpr,
+                         COL: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < n
-    h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
+    if PARTS:  # x is a GEMM's SplitSums: its K shares added in order, scaled and rounded as the GEMM would have
+        h = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(PARTS):
+            h += tl.load(x_ptr + s * s_part + t * s_x + i, mask=ok, other=0.0)
+        if COL:
+            h *= tl.load(col_ptr + i, mask=ok, other=0.0)
+        if ROW:
+            h *= tl.load(row_ptr + t)
+        h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
     release_next(PDL)
     add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, q_ptr + t * s_q,
                  qs_ptr + t, i, ok, n, eps, HAS_RES, NORM_X, OFFSET, Q8)
@@ -166,24 +178,39 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: bool = False, x_weight: torch.Tensor | None = None,
                  out8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = as_rows(x, "add_rms_norm's x")
+    """x: a tensor, or (with a residual) a GEMM's SplitSums, summed here as that GEMM would have."""
+    sums = x if isinstance(x, SplitSums) else None
+    if sums is not None:
+        if residual is None or sums.parts.stride(-1) != 1 or sums.parts.stride(0) != sums.parts[0].numel():
+            raise ValueError(f"add_rms_norm: SplitSums need a residual and contiguous parts, got strides "
+                             f"{tuple(sums.parts.stride())}, residual {residual is not None}")
+        rows = as_rows(sums.parts[0], "add_rms_norm's x")
+        shape, dtype = rows.shape, sums.dtype
+    else:
+        rows = as_rows(x, "add_rms_norm's x")
+        shape, dtype = x.shape, x.dtype
     n = rows.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(shape, dtype=dtype, device=rows.device)
     if residual is None:
         res, res_out = rows, x
     else:
         res, res_out = as_rows(residual, "add_rms_norm's residual"), torch.empty_like(out)
     res_rows = rows if residual is None else res_out.view(-1, n)
     q, qs = check_rows8("add_rms_norm", out8, rows.shape[0], n, out)
+    col = None if sums is None else sums.col
+    row = None if sums is None else sums.row
     if rows.shape[0]:
         _add_rms_norm_kernel[(rows.shape[0],)](
-            rows, res, weight, weight if x_weight is None else x_weight, out, res_rows, q, qs, rows.stride(0),
-            res.stride(0), n, n, q.stride(0), n, float(eps), BLOCK=triton.next_power_of_2(n),
-            HAS_RES=residual is not None, NORM_X=x_weight is not None, OFFSET=bool(offset), Q8=out8 is not None,
-            num_warps=4 if n <= 4096 else 8, **pdl_args(rows))
+            rows if sums is None else sums.parts, res, weight, weight if x_weight is None else x_weight, out,
+            res_rows, q, qs, weight if col is None else col, weight if row is None else row.reshape(-1),
+            rows.stride(0), rows.numel(), res.stride(0), n, n, q.stride(0), n, float(eps),
+            BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, NORM_X=x_weight is not None,
+            OFFSET=bool(offset), Q8=out8 is not None, PARTS=0 if sums is None else sums.parts.shape[0],
+            COL=col is not None, ROW=row is not None, num_warps=4 if n <= 4096 else 8,
+            **pdl_args(rows if sums is None else sums.parts))
         released(out, q)
     return out, res_out
 
