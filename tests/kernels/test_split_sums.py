@@ -103,3 +103,43 @@ def test_one_k_share_gives_the_output_and_no_residual_sums_first(device):
     from tp_lora.ops.triton.fused import add_rms_norm
     with pytest.raises(ValueError, match="SplitSums need a residual"):
         add_rms_norm(sums, None, w, 1e-6)
+
+
+@pytest.mark.parametrize("form,fp8,norm,r", [("xq", False, False, 16), ("weight-only", True, True, 8),
+                                              ("block", False, True, 16)])
+def test_decode_kernel_sums_the_qkv_gemms_shares(device, form, fp8, norm, r):
+    """The decode kernel with RoPE reading q, k and v as views of the qkv GEMM's SplitSums: its output and every
+    cache entry (the new K / V at their slots, per-head norms, partial rotary, an fp8 cache with scales) are the
+    bits of the same launch on the GEMM's own output."""
+    from _paged import poisoned_cache
+
+    from tp_lora.ops.triton import fp8_gemm
+    from tp_lora.ops.triton import paged_attention as pa
+    gen = torch.Generator().manual_seed(len(form) + r)
+    heads, kv, d, bs, lens = 4, 2, 16, 16, [1, 19, 40]
+    b = len(lens)
+    args, kwargs = _gemm_inputs(gen, form, b, (heads + 2 * kv) * d, 128, torch.bfloat16, device)
+    qkv = fp8_gemm.w8a16_mm(*args, **kwargs)
+    sums = fp8_gemm.w8a16_mm(*args, **kwargs, sums=True)
+    assert isinstance(sums, SplitSums)
+    kc, vc, table = poisoned_cache(gen, lens, b, kv, d, bs, torch.bfloat16)
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    kc, vc, table = kc.to(device), vc.to(device), table.to(device)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    ang = (ctx.float().cpu() - 1)[:, None] * (1.0 / 500.0 ** (torch.arange(0, r, 2).float() / r))[None]
+    cos, sin = (f(torch.cat([ang, ang], -1))[:, None].to(torch.bfloat16).to(device) for f in (torch.cos, torch.sin))
+    last = (ctx - 1).long()
+    slots = table.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+    qw, kw = ((torch.randn(d, generator=gen) + 1).to(torch.bfloat16).to(device) for _ in range(2)) if norm else (
+        None, None)
+    rope = (slots, qw, kw, 1e-6, False, (2.0, 0.5) if fp8 else (1.0, 1.0))
+    outs = []
+    for rows, s in ((qkv, None), (sums.parts[0], sums)):
+        q, k, v = (x.view(b, -1, d) for x in rows.split([heads * d, kv * d, kv * d], -1))
+        caches = kc.clone(), vc.clone()
+        out = pa.paged_decode(q, *caches, table, ctx, 0.25, rope=(k, v, cos, sin) + rope, sums=s)
+        outs.append((out, *caches))
+    assert outs[1][0].dtype == torch.bfloat16
+    for got, want in zip(*outs):
+        assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))

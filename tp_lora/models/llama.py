@@ -18,9 +18,11 @@ from tp_lora.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spec
 from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
-from tp_lora.models.attention import AttnMeta, KVCache, rope_attend
+from tp_lora.models.attention import AttnMeta, KVCache, decodes_only, rope_attend
 from tp_lora.ops.fp8 import FP8_DTYPE, empty_rows8
 from tp_lora.ops.fused import ACTIVATIONS, Rows8, act_mul, add_rms_norm, reduce_add_rms_norm
+from tp_lora.ops.paged_attention import rope_kernel_takes
+from tp_lora.ops.split_sums import SplitSums
 from tp_lora.sharding import unit_range
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -208,15 +210,21 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta, partial: bool = False, x8: Rows8 | None = None):
         """partial: o_proj's output before its all-reduce, or on one rank its SplitSums (the caller's norm reduces or
         sums it, see DecoderLayer). x8: x quantized per token (qkv_proj.takes_rows8)."""
-        qkv = self.qkv_proj(x, x8)
         d = self.head_dim
-        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        # a step of decodes only in the decode kernel: it sums the qkv GEMM's K shares (SplitSums) itself
+        if decodes_only(meta) and rope_kernel_takes(x, d, cos.shape[-1]):
+            qkv = self.qkv_proj.partial(x, x8, sums=True)
+        else:
+            qkv = self.qkv_proj(x, x8)
+        sums = qkv if isinstance(qkv, SplitSums) else None
+        rows = qkv if sums is None else sums.parts[0]
+        q, k, v = rows.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
         norm = self.q_norm is not None
         ks, vs = self.kv_scales if cache.k[self.layer_idx].dtype == FP8_DTYPE else (1.0, 1.0)
         out = rope_attend(q, k, v, cos, sin, cache, self.layer_idx, meta, self.scale * ks, self.window, self.softcap,
                           self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                          self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs))
+                          self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs), sums)
         out = out if vs == 1.0 else out * vs
         return self.o_proj.partial(out, sums=True) if partial else self.o_proj(out)
 

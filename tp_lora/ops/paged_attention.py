@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tp_lora.ops.fused import rope_write_kv, rope_write_kv_ref
+from tp_lora.ops.split_sums import SplitSums
 
 
 def paged_varlen_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -83,19 +84,29 @@ def paged_decode_rope_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     return paged_decode_ref(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
 
 
+def rope_kernel_takes(x: torch.Tensor, head_dim: int, rotary_dim: int) -> bool:
+    """Whether paged_decode_rope runs the decode kernel with RoPE for projections like x (its device), heads of
+    head_dim and rotary_dim (with unit strides along the last dims)."""
+    return x.is_cuda and kernel_takes(head_dim) and rotary_dim <= head_dim and rotary_dim % 2 == 0
+
+
 def paged_decode_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool,
                       kv_scales: tuple[float, float], block_table: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                      scale: float, window: int = 0, softcap: float = 0.0, sums: SplitSums | None = None
+                      ) -> torch.Tensor:
     """On CUDA one launch of the decode kernel that also applies RoPE and writes K / V (one launch less per layer);
-    elsewhere, or where the kernel does not take the shapes, rope_write_kv then paged_decode."""
+    elsewhere, or where the kernel does not take the shapes, rope_write_kv then paged_decode. sums: q, k and v are
+    views of the qkv GEMM's SplitSums' first share, which the kernel sums (only where rope_kernel_takes)."""
     r, d = cos.shape[-1], q.shape[-1]
-    if (q.is_cuda and kernel_takes(d) and r <= d and r % 2 == 0
-            and all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, k_cache, v_cache))):
+    if (rope_kernel_takes(q, d, r) and all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, k_cache, v_cache))):
         from tp_lora.ops.triton.paged_attention import paged_decode as kernel  # noqa: PLC0415 - CUDA only
         return kernel(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap,
-                      rope=(k, v, cos, sin, slots, q_weight, k_weight, eps, offset, kv_scales))
+                      rope=(k, v, cos, sin, slots, q_weight, k_weight, eps, offset, kv_scales), sums=sums)
+    if sums is not None:
+        raise ValueError(f"paged_decode_rope: SplitSums are summed by the decode kernel only (CUDA, a power-of-two "
+                         f"head_dim, an even rotary dim), got {q.device}, head_dim {d}, rotary dim {r}")
     q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset, kv_scales)
     return paged_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)
 

@@ -77,9 +77,26 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_
 
 
 @triton.jit
-def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexpr, D: tl.constexpr,
-               D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, DT: tl.constexpr):
-    """Heads [n_rows, D] at src (head stride s_h) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
+def load_shares(at, col_at, ok, rs, s_share, SHARES: tl.constexpr, COL: tl.constexpr, DT: tl.constexpr):
+    """The values at `at` in float32; SHARES > 0: a GEMM's SplitSums output there (its SHARES float32 partials
+    s_share apart, added in order, times the column scales at col_at (COL) and the row's scale rs, rounded to DT)."""
+    x = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    if SHARES:
+        x = tl.zeros_like(x) + x  # 0 + the first share, as SplitSums.total adds them
+        for s in tl.static_range(1, SHARES):
+            x += tl.load(at + s * s_share, mask=ok, other=0.0)
+        if COL:
+            x *= tl.load(col_at, mask=ok, other=0.0)
+        x = (x * rs).to(DT).to(tl.float32)
+    return x
+
+
+@triton.jit
+def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, col_src, rs, s_share, ROWS: tl.constexpr,
+              D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
+              DT: tl.constexpr, SHARES: tl.constexpr, COL: tl.constexpr):
+    """Heads [n_rows, D] at src (head stride s_h; SHARES: a GEMM's SplitSums there, as load_shares reads them, its
+    column scales at col_src with the same offsets) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
     on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
     h = tl.arange(0, ROWS)[:, None]
     i = tl.arange(0, D_PAD)[None, :]
@@ -87,8 +104,8 @@ def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexpr
     rot = i < R
     half = R // 2
     partner = tl.where(i < half, i + half, i - half)  # rotate_half reads dim i + R/2 (negated) or i - R/2
-    x = tl.load(src + h * s_h + i, mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(src + h * s_h + partner, mask=ok & rot, other=0.0).to(tl.float32)
+    x = load_shares(src + h * s_h + i, col_src + h * s_h + i, ok, rs, s_share, SHARES, COL, DT)
+    xp = load_shares(src + h * s_h + partner, col_src + h * s_h + partner, ok & rot, rs, s_share, SHARES, COL, DT)
     if NORM:
         rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
         w = tl.load(w_ptr + i, mask=i < D, other=0.0).to(tl.float32)
@@ -113,12 +130,14 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     cos_row, sin_row = cos_ptr + t * s_cos, sin_ptr + t * s_sin
     i = tl.arange(0, D_PAD)[None, :]
     hq = tl.arange(0, H_PAD)[:, None]
-    q = norm_rope(q_ptr + t * s_qt, H, s_qh, cos_row, sin_row, qw_ptr, eps, H_PAD, D, D_PAD, R, NORM, OFFSET, dt)
+    q = norm_rope(q_ptr + t * s_qt, H, s_qh, cos_row, sin_row, qw_ptr, eps, q_ptr, 1.0, 0, H_PAD, D, D_PAD, R, NORM,
+                  OFFSET, dt, 0, False)
     tl.store(q_out_ptr + t * H * D + hq * D + i, q, mask=(hq < H) & (i < D))
     hk = tl.arange(0, KV_PAD)[:, None]
     ok = (hk < KV) & (i < D)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    k = norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, KV_PAD, D, D_PAD, R, NORM, OFFSET, dt)
+    k = norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, k_ptr, 1.0, 0, KV_PAD, D, D_PAD, R,
+                  NORM, OFFSET, dt, 0, False)
     v = tl.load(v_ptr + t * s_vt + hk * s_vh + i, mask=ok, other=0.0)
     if SCALED:  # an fp8 cache holds k / k_scale and v / v_scale
         k = k.to(tl.float32) * k_inv

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_lora.ops.triton.fused import norm_rope
+from tp_lora.ops.split_sums import SplitSums
+from tp_lora.ops.triton.fused import load_shares, norm_rope
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
 
@@ -195,11 +196,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
                    scale, window, softcap, min_part,
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
                    kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, qw_ptr, kw_ptr, eps, k_inv, v_inv,
-                   s_knb, s_knh, s_vnb, s_vnh, s_cos, s_sin,
+                   s_knb, s_knh, s_vnb, s_vnh, s_cos, s_sin, col_ptr, rs_ptr, s_share, k_col, v_col,
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, PARTS: tl.constexpr, CU_Q: tl.constexpr, F32_DOT: tl.constexpr,
                    KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                   NORM: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+                   NORM: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr, SHARES: tl.constexpr,
+                   COL: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -210,17 +212,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
     r = tl.arange(0, REP_PAD)
     d = tl.arange(0, D)
     heads = g * REP + r
-    if ROPE:  # q, k, v of the new token as projected: RoPE (after the optional per-head norm) here
-        dt = q_ptr.dtype.element_ty
+    if ROPE:  # q, k, v of the new token as projected (SHARES: the qkv GEMM's SplitSums): RoPE (after the optional
+        # per-head norm) here
+        dt = out_ptr.dtype.element_ty
         cos_row, sin_row = cos_ptr + row * s_cos, sin_ptr + row * s_sin
-        q = norm_rope(q_ptr + row * s_qb + g * REP * s_qh, REP, s_qh, cos_row, sin_row, qw_ptr, eps, REP_PAD, D, D,
-                      R, NORM, OFFSET, dt)
+        rs = tl.load(rs_ptr + row) if ROW else 1.0
+        q = norm_rope(q_ptr + row * s_qb + g * REP * s_qh, REP, s_qh, cos_row, sin_row, qw_ptr, eps,
+                      col_ptr + g * REP * s_qh, rs, s_share, REP_PAD, D, D, R, NORM, OFFSET, dt, SHARES, COL)
         if part == used - 1:  # the last partition used holds the new position: it writes its K and V first
             two = tl.arange(0, 2)[:, None]  # norm_rope's rows: the head in row 0, row 1 masked
             one = two < 1
-            k = norm_rope(kn_ptr + row * s_knb + g * s_knh, 1, s_knh, cos_row, sin_row, kw_ptr, eps, 2, D, D, R, NORM,
-                          OFFSET, dt)
-            v = tl.load(vn_ptr + row * s_vnb + g * s_vnh + two * 0 + d[None, :], mask=one, other=0.0)
+            k = norm_rope(kn_ptr + row * s_knb + g * s_knh, 1, s_knh, cos_row, sin_row, kw_ptr, eps,
+                          col_ptr + k_col + g * s_knh, rs, s_share, 2, D, D, R, NORM, OFFSET, dt, SHARES, COL)
+            v_at = g * s_vnh + two * 0 + d[None, :]
+            v = load_shares(vn_ptr + row * s_vnb + v_at, col_ptr + v_col + v_at, one, rs, s_share, SHARES, COL, dt)
             if SCALED:  # an fp8 cache holds k / k_scale and v / v_scale
                 k = k.to(tl.float32) * k_inv
                 v = v.to(tl.float32) * v_inv
@@ -275,23 +280,26 @@ def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int, elem_
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
-                 cu_q: torch.Tensor | None = None, out: torch.Tensor | None = None, rope: tuple | None = None
-                 ) -> torch.Tensor:
+                 cu_q: torch.Tensor | None = None, out: torch.Tensor | None = None, rope: tuple | None = None,
+                 sums: SplitSums | None = None) -> torch.Tensor:
     """paged_decode_ref's attention; with cu_q (paged_varlen's), only the sequences of exactly one query, each
     reading q row cu_q[s] and writing that row of `out` (its other rows left as they are). rope: (k, v, cos, sin,
     slots, q_weight, k_weight, eps, offset, kv_scales) as rope_write_kv takes them, q as projected: paged_decode_rope's
-    RoPE and K / V write in the same launch (without cu_q)."""
+    RoPE and K / V write in the same launch (without cu_q). sums (with rope): q, k and v are views of the first share
+    of the qkv GEMM's SplitSums (q from its column 0), whose output they stand for: the kernel sums the shares."""
     _, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
     if d & (d - 1) or k_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError(f"paged_decode needs a power-of-two head_dim and contiguous heads, got d={d}")
+    if sums is not None and (rope is None or q.data_ptr() != sums.parts.data_ptr()):
+        raise ValueError("paged_decode: SplitSums come with rope, q a view of their first share from column 0")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"paged_decode needs K and V caches of one dtype, got {k_cache.dtype} and {v_cache.dtype}")
     seqs = context_lens.shape[0]
     rep = heads // kv
     block = tile_positions(k_cache.element_size())
     parts = partitions(seqs, kv, block_table.shape[1] * bs, d, k_cache.element_size())
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty(q.shape, dtype=q.dtype if sums is None else sums.dtype, device=q.device) if out is None else out
     if parts > 1:
         part_acc = torch.empty(seqs * heads * parts * d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(seqs * heads * parts * 2, dtype=torch.float32, device=q.device)
@@ -307,6 +315,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         kn, vn, cos, sin, slots, qw, kw, eps, offset, kv_scales = rope
         r, norm = cos.shape[-1], qw is not None
         qw, kw = (qw, kw) if norm else (q, q)
+    col = None if sums is None else sums.col
+    row = None if sums is None else sums.row
     _decode_kernel[(seqs, kv, parts)](
         q, k_cache, v_cache, block_table, context_lens, cu, out, part_acc, part_ml, cnt, scale, int(window or 0),
         float(softcap or 0.0), MIN_PART,
@@ -314,9 +324,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         kn, vn, cos, sin, slots, qw, kw, float(eps), 1.0 / kv_scales[0], 1.0 / kv_scales[1],
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0), sin.stride(0),
+        q if col is None else col, q if row is None else row, 0 if sums is None else sums.parts.stride(0),
+        (kn.data_ptr() - q.data_ptr()) // q.element_size(), (vn.data_ptr() - q.data_ptr()) // q.element_size(),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=block, PARTS=parts,
-        CU_Q=cu_q is not None, **dot_flags(q, k_cache, _decode_kernel), ROPE=rope is not None, R=r, NORM=norm,
+        CU_Q=cu_q is not None, **dot_flags(out, k_cache, _decode_kernel), ROPE=rope is not None, R=r, NORM=norm,
         OFFSET=bool(offset), SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
+        SHARES=0 if sums is None else sums.parts.shape[0], COL=col is not None, ROW=row is not None,
         num_warps=NUM_WARPS_FP8 if k_cache.element_size() == 1 else NUM_WARPS, num_stages=NUM_STAGES,
         **pdl_args(q))
     released(out)
