@@ -7,6 +7,8 @@ layer shapes, per-channel and [128, 128]-block scales (each W8A8 path's time inc
                   block scales cuBLAS's block-scaled GEMM where torch has it, else w8a8_mm)
     fp8_rows      per-channel: fp8_linear of rows already quantized per token (x8: what qkv, gate_up and down
                   get from the norm or act_mul before them, whose pass writes them; their quantization not timed)
+    head_rows     rows up to ACT8_ROWS already quantized per (row, 128 columns) (x8 with a scale a head: what o_proj
+                  gets from decode attention, whose epilogue writes them): ACT8 without its quantization (G8)
     w8a16         tp_lora.ops.triton.fp8_gemm.w8a16_mm weight-only (split-K), rows <= 64 (what the layers ran
                   before ACT8)
     w8a8          block scales: per-group quantization kernel + w8a8_mm (Triton, fp8 tensor cores)
@@ -41,7 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tp_lora.ops import grouped_mm as moe_ops  # noqa: E402
-from tp_lora.ops.fp8 import blockwise_mm, dequantize, fp8_linear, quantize_fp8_per_channel  # noqa: E402
+from tp_lora.ops.fp8 import (ACT8_GROUP, ACT8_ROWS, blockwise_mm, dequantize, fp8_linear,  # noqa: E402
+                             quantize_fp8_per_channel)
 from tp_lora.ops.triton import fp8_gemm  # noqa: E402
 from tp_lora.ops.triton.fp8_quant import quantize_per_group, quantize_per_token  # noqa: E402
 
@@ -93,6 +96,10 @@ def paths(x: torch.Tensor, block_k):
     if block_k is None:
         x8 = quantize_per_token(x)
         out["fp8_rows"] = lambda w, s: fp8_linear(x, w, s, None, None, x8)
+    if m <= ACT8_ROWS:
+        heads8 = quantize_per_group(x, ACT8_GROUP)
+        heads8 = heads8[0], heads8[1].contiguous()
+        out["head_rows"] = lambda w, s: fp8_linear(x, w, s, block_k, block_k, heads8)
     if m <= fp8_gemm.MAX_ROWS:
         out["w8a16"] = lambda w, s: fp8_gemm.w8a16_mm(x, w, s, block_k, fp8_gemm.w8a16_config(m, *w.shape))
     if m < 16:
@@ -192,7 +199,7 @@ def main() -> None:
             del q
         del w
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    names = ("fp8_linear", "fp8_rows", "w8a16", "w8a8", "scaled_mm", "scaled_fast", "blockwise")
+    names = ("fp8_linear", "fp8_rows", "head_rows", "w8a16", "w8a8", "scaled_mm", "scaled_fast", "blockwise")
     print("speed against bf16 (fp8 weight-bytes floor / time in brackets); rel err of fp8_linear / the largest")
     print("| layer | scales | rows | bf16 us | bf16 of floor | fp8_linear us | " + " | ".join(names) + " | rel err |")
     print("|---|---|---|---|---|---|" + "---|" * len(names) + "---|")

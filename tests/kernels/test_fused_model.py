@@ -63,12 +63,13 @@ def test_forward_with_fused_kernels_matches_torch_path(family, device, monkeypat
         assert not torch.equal(g.flatten(0, 1)[meta.slots], h.flatten(0, 1)[meta.slots]), "K/V were not written"
 
 
-def _fp8_model(family, device):
-    """A bf16 model of the family with per-channel fp8 layers (random weights), and a decode step's inputs."""
+def _fp8_model(family, device, **config):
+    """A bf16 model of the family with per-channel fp8 layers (random weights; config.json overrides), and a decode
+    step's inputs."""
     from tp_lora.layers.linear import ParallelLinear
     from tp_lora.layers.quant import FP8Scheme, QuantConfig
     from tp_lora.ops.fp8 import quantize_fp8_per_channel
-    hf = {**COMMON, **FAMILIES[family], "hidden_size": 128, "intermediate_size": 192}
+    hf = {**COMMON, **FAMILIES[family], "hidden_size": 128, "intermediate_size": 192, **config}
     gen = torch.Generator().manual_seed(3)
     model = CausalLM(hf, comm.single_process(device).tp, dtype=torch.bfloat16, device=device,
                      quant=QuantConfig(FP8Scheme(at_load=True)))
@@ -91,14 +92,16 @@ def _fp8_model(family, device):
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_fp8_layers_take_their_rows_quantized_by_norms_and_act_mul(family, device, monkeypatch):
     """A bf16 model with per-channel fp8 layers, kernels forced on, a decode step: qkv_proj, gate_up_proj and
-    down_proj multiply the rows their producers (the norms, act_mul) quantized per token (XQ), o_proj quantizes its
-    own (ACT8); the hidden states near the dequantised weights' torch path (fp8 activations: a few percent)."""
+    down_proj multiply the rows their producers (the norms, act_mul) quantized per token (XQ), o_proj those decode
+    attention quantized per head on CUDA (G8), else its own (ACT8); the hidden states near the dequantised weights'
+    torch path (fp8 activations: a few percent)."""
     from tp_lora.ops.triton import fp8_gemm
     model, input_ids, meta, new_cache = _fp8_model(family, device)
     calls = []
     kernel = fp8_gemm.w8a16_mm
-    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a, **k: calls.append(
-        "xq" if len(a) > 5 and a[5] is not None else "act8" if a[4]["ACT8"] else "weight-only") or kernel(*a, **k))
+    kind = lambda a: ("g8" if a[4]["ACT8"] else "xq") if len(a) > 5 and a[5] is not None else (  # noqa: E731
+        "act8" if a[4]["ACT8"] else "weight-only")
+    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a, **k: calls.append(kind(a)) or kernel(*a, **k))
     outs = []
     for use in (False, True):
         monkeypatch.setattr(fused, "KERNELS", use)
@@ -113,28 +116,34 @@ def test_fp8_layers_take_their_rows_quantized_by_norms_and_act_mul(family, devic
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_fp8_decode_gemms_leave_their_k_shares_to_the_next_norm(family, device, monkeypatch):
-    """One rank, kernels on, K split in two shares: o_proj and (but Gemma's, whose post-feedforward norm is its own)
-    down_proj hand their shares to the next norm (SplitSums), on CUDA qkv_proj to the decode kernel, and the step's
-    hidden states and K / V are the bits of the same step with every GEMM summing its own shares."""
+    """One rank, kernels on, every K in two shares or more: o_proj and (but Gemma's, whose post-feedforward norm is
+    its own) down_proj hand their shares to the next norm (SplitSums), on CUDA qkv_proj to the decode kernel, and
+    Llama's heads of 128 come to o_proj quantized by decode attention (G8); the step's hidden states and K / V are
+    the bits of the same step with every GEMM summing its own shares and o_proj quantizing its own rows (ACT8)."""
+    from tp_lora.layers import linear
     from tp_lora.ops.split_sums import SplitSums
     from tp_lora.ops.triton import fp8_gemm
-    model, input_ids, meta, new_cache = _fp8_model(family, device)
-    config, kernel = fp8_gemm.w8a16_config, fp8_gemm.w8a16_mm
-    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), BLOCK_K=32, SPLIT_K=2))
+    model, input_ids, meta, new_cache = _fp8_model(family, device, hidden_size=256, intermediate_size=384,
+                                                   head_dim=64 if family == "gemma3_text" else 128)
+    config, kernel, rows8 = fp8_gemm.w8a16_config, fp8_gemm.w8a16_mm, linear.takes_rows8
+    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), SPLIT_K=2))
     monkeypatch.setattr(fused, "KERNELS", True)
-    outs, left = [], []
-    for defer in (True, False):
-        def gemm(*a, sums=False, _defer=defer, **k):
-            out = kernel(*a, sums=sums and _defer, **k)
+    outs, left, heads8 = [], [], []
+    for fast in (True, False):
+        def gemm(*a, sums=False, _fast=fast, **k):
+            out = kernel(*a, sums=sums and _fast, **k)
             left.append(isinstance(out, SplitSums))
+            heads8.append(a[4]["ACT8"] and len(a) > 5 and a[5] is not None)
             return out
         monkeypatch.setattr(fp8_gemm, "w8a16_mm", gemm)
+        monkeypatch.setattr(linear, "takes_rows8", lambda *a, _fast=fast: rows8(*a) and (_fast or a[3] is None))
         cache = new_cache()
         with torch.no_grad():
             outs.append((model(input_ids, cache, meta), cache))
     layers = len(model.layers)
     per_layer = (1 if family == "gemma3_text" else 2) + (device == "cuda")
     assert left.count(True) == per_layer * layers and len(left) == 8 * layers, left
+    assert heads8.count(True) == (layers if device == "cuda" and family == "llama" else 0), heads8
     (got, got_cache), (want, want_cache) = outs
     assert torch.equal(got, want)
     assert all(torch.equal(g, w) for g, w in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v))

@@ -96,9 +96,10 @@ class ParallelLinear(nn.Module):
                    None if self.quant is None else self.weight_scale.data[row0:row0 + n], src, rng, rows_total,
                    self.spec.in_range(self.tp.rank, self.tp.size), self.spec.in_features, self.quant, scale, what)
 
-    def takes_rows8(self, x: torch.Tensor) -> bool:
-        """Whether partial(x, x8) reads x8, x quantized per token by its producer (tp_lora.ops.fp8.takes_rows8)."""
-        return self.quant is not None and takes_rows8(x, self.weight, self.block_k)
+    def takes_rows8(self, x: torch.Tensor, group: int | None = None) -> bool:
+        """Whether partial(x, x8) reads x8, x quantized per token (or per group columns) by its producer
+        (tp_lora.ops.fp8.takes_rows8)."""
+        return self.quant is not None and takes_rows8(x, self.weight, self.block_k, group)
 
     def partial(self, x: torch.Tensor, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
         """sums: the output may be left as the fp8 decode GEMM's SplitSums where it is whole already (one rank, no

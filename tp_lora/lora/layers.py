@@ -269,8 +269,8 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
     def forward(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
         return self.base.finish(self.partial(x, x8))
 
-    def takes_rows8(self, x: torch.Tensor) -> bool:
-        return self.base.takes_rows8(x)
+    def takes_rows8(self, x: torch.Tensor, group: int | None = None) -> bool:
+        return self.base.takes_rows8(x, group)
 
     def partial(self, x: torch.Tensor, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
         """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA (on x;

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tp_lora.hostcopy import to_device
-from tp_lora.ops.fused import rope_write_kv
+from tp_lora.ops.fused import Rows8, rope_write_kv
 from tp_lora.ops.paged_attention import paged_decode, paged_decode_rope, paged_varlen
 from tp_lora.ops.split_sums import SplitSums
 
@@ -177,17 +177,18 @@ def decodes_only(meta: AttnMeta) -> bool:
 def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, layer: int, meta: AttnMeta, scale: float, window: int | None, softcap: float | None,
                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool,
-                kv_scales: tuple[float, float], sums: SplitSums | None = None) -> torch.Tensor:
+                kv_scales: tuple[float, float], sums: SplitSums | None = None, out8: Rows8 | None = None
+                ) -> torch.Tensor:
     """The step's projected q [T, H, d], k / v [T, KV, d] -> attention [T, H*d]: RoPE (after the optional per-head
     norm, tp_lora.ops.fused.rope_write_kv), K and V written at meta.slots, then attend(); a step of decodes only
     does all three in the decode kernel's launch (paged_decode_rope), which also takes q, k and v as views of the qkv
-    GEMM's SplitSums (sums; where rope_kernel_takes)."""
+    GEMM's SplitSums (sums) and writes its output quantized per (row, head) into out8 (where rope_kernel_takes)."""
     kc, vc = cache.k[layer], cache.v[layer]
     if decodes_only(meta):
         g = meta.groups[0]
         return paged_decode_rope(q, k, v, cos, sin, kc, vc, meta.slots, q_weight, k_weight, eps, offset, kv_scales,
                                  g.block_table, g.context_lens, scale, window or meta.window,
-                                 softcap or 0.0, sums).view(-1, q.shape[1] * q.shape[2])
+                                 softcap or 0.0, sums, out8).view(-1, q.shape[1] * q.shape[2])
     q = rope_write_kv(q, k, v, cos, sin, kc, vc, meta.slots, q_weight, k_weight, eps, offset, kv_scales)
     return attend(q, cache, layer, meta, scale, window, softcap)
 

@@ -211,22 +211,23 @@ class Attention(nn.Module):
         """partial: o_proj's output before its all-reduce, or on one rank its SplitSums (the caller's norm reduces or
         sums it, see DecoderLayer). x8: x quantized per token (qkv_proj.takes_rows8)."""
         d = self.head_dim
-        # a step of decodes only in the decode kernel: it sums the qkv GEMM's K shares (SplitSums) itself
-        if decodes_only(meta) and rope_kernel_takes(x, d, cos.shape[-1]):
-            qkv = self.qkv_proj.partial(x, x8, sums=True)
-        else:
-            qkv = self.qkv_proj(x, x8)
+        ks, vs = self.kv_scales if cache.k[self.layer_idx].dtype == FP8_DTYPE else (1.0, 1.0)
+        # A step of decodes only in the decode kernel: it sums the qkv GEMM's K shares (SplitSums) itself, and
+        # writes its output quantized per (row, head) where o_proj's ACT8 GEMM would quantize it so (o8).
+        fused = decodes_only(meta) and rope_kernel_takes(x, d, cos.shape[-1])
+        qkv = self.qkv_proj.partial(x, x8, sums=True) if fused else self.qkv_proj(x, x8)
+        o8 = empty_rows8(x, self.heads * d, self.heads) if (fused and vs == 1.0
+                                                            and self.o_proj.takes_rows8(x, group=d)) else None
         sums = qkv if isinstance(qkv, SplitSums) else None
         rows = qkv if sums is None else sums.parts[0]
         q, k, v = rows.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
         norm = self.q_norm is not None
-        ks, vs = self.kv_scales if cache.k[self.layer_idx].dtype == FP8_DTYPE else (1.0, 1.0)
         out = rope_attend(q, k, v, cos, sin, cache, self.layer_idx, meta, self.scale * ks, self.window, self.softcap,
                           self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                          self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs), sums)
+                          self.q_norm.eps if norm else 0.0, norm and self.q_norm.offset, (ks, vs), sums, o8)
         out = out if vs == 1.0 else out * vs
-        return self.o_proj.partial(out, sums=True) if partial else self.o_proj(out)
+        return self.o_proj.partial(out, o8, sums=True) if partial else self.o_proj(out, o8)
 
 
 class MLP(nn.Module):

@@ -121,6 +121,7 @@ def w8a8_mm_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torc
 
 
 ACT8_ROWS = 32  # rows up to which 16-bit activations take the decode GEMM quantizing them per (row, 128 columns)
+ACT8_GROUP = 128  # ... those columns: its K tile
 SMALL_ROWS = 32  # rows up to which the kernels run the weight-only GEMM (past them W8A8 is faster)
 SMALL_ROWS_WIDE = 16  # the same for wide layers (out >= 4 x in, gate_up): W8A8 wins from fewer rows there
 SMALL_ROWS_DEEP = 64  # the same for per-channel layers no wider than deep (out <= in: o, down): the kernel's limit
@@ -188,35 +189,40 @@ def blockwise_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch
     return out[:x.shape[0]]
 
 
-def takes_rows8(x: torch.Tensor, w: torch.Tensor, block_k: int | None) -> bool:
+def takes_rows8(x: torch.Tensor, w: torch.Tensor, block_k: int | None, group: int | None = None) -> bool:
     """Whether fp8_linear(x, w, ..., x8) reads x8, activations x [T, K] quantized per token by their producer (x:
     any tensor of the activations' rows, dtype and device): per-channel weights and 16-bit x, up to ACT8_ROWS rows
-    on the decode GEMM (its XQ form), past the weight-only rows through torch._scaled_mm."""
+    on the decode GEMM (its XQ form), past the weight-only rows through torch._scaled_mm. group: x8 quantized per
+    (token, group columns) instead, as ACT8 quantizes: where the decode GEMM runs ACT8 with K tiles of that width."""
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    if group is not None:
+        return (group == ACT8_GROUP and 0 < rows <= ACT8_ROWS and kernels_take(x, block_k) and act8_takes(x, block_k)
+                and (block_k is None or block_k % group == 0))
     if block_k is not None or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
     kernels = kernels_take(x, None)
     if kernels and 0 < rows <= ACT8_ROWS:
         return True
     return scaled_mm_ok(x, w, None) and kernels and rows > small_rows(w)
 
 
-def empty_rows8(x: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers (q [T, n] e4m3, scales [T, 1] float32) for the T rows of x quantized per token (n: x's columns), the
-    out8 of an op that feeds a layer taking them (takes_rows8)."""
+def empty_rows8(x: torch.Tensor, n: int | None = None, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers (q [T, n] e4m3, scales [T, groups] float32) for the T rows of x quantized per token (groups 1) or per
+    (token, n / groups columns) (n: x's columns), the out8 of an op that feeds a layer taking them (takes_rows8)."""
     t = x.reshape(-1, x.shape[-1]).shape[0]
     return (torch.empty(t, n or x.shape[-1], dtype=FP8_DTYPE, device=x.device),
-            torch.empty(t, 1, dtype=torch.float32, device=x.device))
+            torch.empty(t, groups, dtype=torch.float32, device=x.device))
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int | None,
                block_n: int | None = None, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
     """block_n: rows per block whose rows share one scale row (the layer's slices start on block boundaries),
-    None where they may not. x8: x quantized per token (q [T, K] e4m3, scales [T, 1]) by the op that made it,
-    read where takes_rows8 says so (else x is). sums: the decode GEMM may leave its output as its K shares'
-    partial sums (SplitSums), for a reader that adds them (tp_lora.ops.fused.add_rms_norm)."""
+    None where they may not. x8: x quantized per token (q [T, K] e4m3, scales [T, 1]) or per (token, K / G
+    columns) (scales [T, G], G > 1) by the op that made it, read where takes_rows8 says so (else x is). sums: the
+    decode GEMM may leave its output as its K shares' partial sums (SplitSums), for a reader that adds them."""
     rows = x.shape[0]
-    x8 = x8 if x8 is not None and takes_rows8(x, w, block_k) else None
+    group = None if x8 is None or x8[1].shape[-1] == 1 else x.shape[-1] // x8[1].shape[-1]
+    x8 = x8 if x8 is not None and takes_rows8(x, w, block_k, group) else None
     # 16-bit activations are quantized to fp8 (W8A8): per token by their producer (x8), else per (row, 128 columns)
     # inside the decode GEMM up to ACT8_ROWS rows, past them by a kernel of their own; float32 layers ask for the
     # dequantized weights' exact product.
@@ -224,6 +230,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     small = small_rows(w, block_k)
     if rows and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
+        if x8 is not None and group is not None:  # ACT8 of rows quantized per (token, K tile) by their producer
+            return fp8_gemm.w8a16_mm(x8[0], w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True),
+                                     x8[1], x.dtype, sums=sums)
         if x8 is not None and rows <= ACT8_ROWS:
             return fp8_gemm.w8a16_mm(x8[0], w, scale, None, fp8_gemm.w8a16_config(rows, *w.shape, xq=True), x8[1],
                                      x.dtype, sums=sums)

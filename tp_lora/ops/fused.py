@@ -34,7 +34,8 @@ from tp_lora.ops.split_sums import SplitSums
 KERNELS: bool | None = None
 
 # (q [T, N] float8_e4m3fn, scales [T, 1] float32): an op's output also quantized per token, as
-# tp_lora.ops.fp8.quantize_per_token does, for the fp8 GEMM it feeds (the norms' and act_mul's out8)
+# tp_lora.ops.fp8.quantize_per_token does, for the fp8 GEMM it feeds (the norms' and act_mul's out8); or scales
+# [T, G]: per (token, N / G columns), as the ACT8 decode GEMM quantizes (decode attention's, a head a group)
 Rows8 = tuple[torch.Tensor, torch.Tensor]
 
 

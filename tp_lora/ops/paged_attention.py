@@ -94,18 +94,19 @@ def paged_decode_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool,
                       kv_scales: tuple[float, float], block_table: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float, window: int = 0, softcap: float = 0.0, sums: SplitSums | None = None
-                      ) -> torch.Tensor:
+                      scale: float, window: int = 0, softcap: float = 0.0, sums: SplitSums | None = None,
+                      out8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """On CUDA one launch of the decode kernel that also applies RoPE and writes K / V (one launch less per layer);
     elsewhere, or where the kernel does not take the shapes, rope_write_kv then paged_decode. sums: q, k and v are
-    views of the qkv GEMM's SplitSums' first share, which the kernel sums (only where rope_kernel_takes)."""
+    views of the qkv GEMM's SplitSums' first share, which the kernel sums; out8: the output also quantized per (row,
+    head) there (tp_lora.ops.triton.paged_attention.paged_decode's); both only where rope_kernel_takes."""
     r, d = cos.shape[-1], q.shape[-1]
     if (rope_kernel_takes(q, d, r) and all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, k_cache, v_cache))):
         from tp_lora.ops.triton.paged_attention import paged_decode as kernel  # noqa: PLC0415 - CUDA only
         return kernel(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap,
-                      rope=(k, v, cos, sin, slots, q_weight, k_weight, eps, offset, kv_scales), sums=sums)
-    if sums is not None:
-        raise ValueError(f"paged_decode_rope: SplitSums are summed by the decode kernel only (CUDA, a power-of-two "
+                      rope=(k, v, cos, sin, slots, q_weight, k_weight, eps, offset, kv_scales), sums=sums, out8=out8)
+    if sums is not None or out8 is not None:
+        raise ValueError(f"paged_decode_rope: SplitSums and out8 are the decode kernel's (CUDA, a power-of-two "
                          f"head_dim, an even rotary dim), got {q.device}, head_dim {d}, rotary dim {r}")
     q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset, kv_scales)
     return paged_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap)

@@ -20,7 +20,9 @@ scaled per row: no widening of the weights, whose conversion bounds the weight-o
 XQ (x_scale given: x is fp8, quantized per token by its producer, x ~= x * x_scale[:, None]; per-channel weights):
 the fp8 tiles go from memory straight into the fp8 tensor cores and the products accumulate there, both scales
 applied once at the end. ACT8's per-tile round trip of x through registers and its per-tile scaling are what make
-it slower than this form (scripts/tune_fp8_gemm.py's XQ rows).
+it slower than this form (scripts/tune_fp8_gemm.py's XQ rows). ACT8 with x_scale given (G8): x is fp8, quantized
+per (row, BLOCK_K columns) by its producer as ACT8 would quantize it (decode attention, a head a group), x_scale
+[M, K / BLOCK_K]: ACT8's product and its bits without its quantization in the main loop.
 
 With SPLIT_K > 1 each program stores its partial tile in a float32 workspace [SPLIT_K, M, N] and takes a ticket on
 its column block's counter; the last one to arrive sums the SPLIT_K partials in split order, REDUCE tiles in flight
@@ -59,10 +61,11 @@ W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, 
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, s_xm, s_wn, s_om, s_sn,
+                  s_xsm,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALES: tl.constexpr, SCALE_K: tl.constexpr, CDT: tl.constexpr, DOT: tl.constexpr,
                   PREC: tl.constexpr, SWAP: tl.constexpr, ACT8: tl.constexpr, DOT8: tl.constexpr, XQ: tl.constexpr,
-                  SUMS: tl.constexpr, PDL: tl.constexpr):
+                  G8: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -93,6 +96,9 @@ def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             xv = tl.load(x_blk + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
             if XQ:  # fp8 rows: accumulated in place, scaled at the end
                 part = tl.dot(wv.to(DOT8), xv.to(DOT8))
+            elif G8:  # ACT8's product, the rows' K tiles quantized by their producer
+                xs = tl.load(xs_ptr + rows * s_xsm + k0 // BLOCK_K, mask=m_mask, other=0.0)
+                part = tl.dot(wv.to(DOT8), xv.to(DOT8)) * xs[None, :]
             elif ACT8:  # each row's K tile to fp8 (scale: its amax / 448), the product on the fp8 tensor cores
                 xv = xv.to(tl.float32)
                 xs = tl.maximum(tl.max(tl.abs(xv), axis=0) / 448.0, 1e-12)
@@ -144,14 +150,16 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
              out_dtype: torch.dtype | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
     """cfg: BLOCK_N, BLOCK_K, SPLIT_K (the K shares; fewer where K has fewer tiles), SWAP, ACT8 (implies SWAP),
     num_warps, num_stages. scale None: w holds x's dtype (16-bit weights, no scales). x_scale [M] or [M, 1]
-    float32: x is fp8 quantized per row (XQ; per-channel fp8 weights), the output in out_dtype (16-bit). sums:
+    float32: x is fp8 quantized per row (XQ; per-channel fp8 weights), the output in out_dtype (16-bit); with ACT8,
+    x_scale [M, ceil(K / BLOCK_K)]: x is fp8 quantized per (row, K tile) as ACT8 does it (G8). sums:
     where K is split and the output 16-bit, the shares' partial sums (SplitSums) for a reader that adds them, instead
     of the output (a float32 reader could fuse the scaling with what follows, which rounds differently)."""
     cfg = {**W8A16_DEFAULT, **(cfg or {})}
     x = x.contiguous()
     m, k = x.shape
     n = w.shape[0]
-    xq = x_scale is not None
+    g8 = x_scale is not None and cfg["ACT8"]
+    xq = x_scale is not None and not g8
     out_dtype = out_dtype or x.dtype
     if xq and (x.dtype != w.dtype or w.dtype != torch.float8_e4m3fn or scale is None or block_k is not None
                or x_scale.numel() != m or out_dtype not in (torch.bfloat16, torch.float16)):
@@ -165,6 +173,11 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     if scale is None and w.dtype != x.dtype and not xq:
         raise ValueError(f"w8a16_mm: {w.dtype} weights need scales (without them, w must have x's {x.dtype})")
     bk = cfg["BLOCK_K"] if block_k is None else min(cfg["BLOCK_K"], block_k)
+    if g8 and (x.dtype != torch.float8_e4m3fn or tuple(x_scale.shape) != (m, triton.cdiv(k, bk))
+               or x_scale.stride(1) != 1 or out_dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"w8a16_mm: ACT8 of fp8 rows takes their scales [{m}, {triton.cdiv(k, bk)}] (one a row and "
+                         f"{bk} columns) into 16-bit outputs; got {x.dtype} rows, x_scale {tuple(x_scale.shape)}, "
+                         f"out_dtype {out_dtype}")
     if cfg["ACT8"]:
         check_act8("w8a16_mm: ACT8", w, scale)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
@@ -184,10 +197,11 @@ def w8a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block
     col = scale if scales == SCALE_CHANNEL else None
     cdt, dot, prec = compute_types(out_dtype, w.dtype)
     _w8a16_kernel[(grid_n, split)](
-        x, x_scale.reshape(-1) if xq else scale, w, scale, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0),
-        out.stride(0), scale.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-        SCALES=scales, SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"] or xq,
-        ACT8=cfg["ACT8"] and not xq, DOT8=fp8_dot(), XQ=xq, SUMS=sums, num_warps=cfg["num_warps"],
+        x, x_scale.reshape(-1) if xq else x_scale if g8 else scale, w, scale, out, ws, cnt, m, n, k, k_split,
+        x.stride(0), w.stride(0), out.stride(0), scale.stride(0), x_scale.stride(0) if g8 else 0,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, SCALES=scales,
+        SCALE_K=block_k or 1, CDT=cdt, DOT=dot, PREC=prec, SWAP=cfg["SWAP"] or cfg["ACT8"] or xq,
+        ACT8=cfg["ACT8"] and not xq and not g8, DOT8=fp8_dot(), XQ=xq, G8=g8, SUMS=sums, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(x))
     if sums:
         released(ws)

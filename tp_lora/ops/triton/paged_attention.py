@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.split_sums import SplitSums
+from tp_lora.ops.triton.fp8_quant import E4M3_MAX, row_scale, to_e4m3
 from tp_lora.ops.triton.fused import load_shares, norm_rope
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
@@ -184,11 +185,18 @@ def merge_partials(acc, m, l_sum, part, used, prow, ok, cnt_ptr, part_acc_ptr, p
 
 
 @triton.jit
-def store_rows(out_ptr, row, heads, row_ok, acc, l_sum, s_ob, s_oh, D: tl.constexpr):
-    """The normalized output of query row `row`'s heads (acc / l_sum), rows where row_ok."""
+def store_rows(out_ptr, row, heads, row_ok, acc, l_sum, s_ob, s_oh, q8_ptr, qs_ptr, s_q8, s_qs, D: tl.constexpr,
+               OUT8: tl.constexpr):
+    """The normalized output of query row `row`'s heads (acc / l_sum), rows where row_ok; OUT8: also quantized per
+    (row, head) to e4m3 (q8 row `row` [H * D], its scales at qs_ptr's row [H]), as the ACT8 GEMM quantizes."""
     d = tl.arange(0, D)
-    tl.store(out_ptr + row * s_ob + heads[:, None] * s_oh + d[None, :], (acc / l_sum[:, None]).to(
-        out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    y = (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * s_ob + heads[:, None] * s_oh + d[None, :], y, mask=row_ok[:, None])
+    if OUT8:
+        v = y.to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(v), 1), E4M3_MAX)
+        tl.store(qs_ptr + row * s_qs + heads, scale, mask=row_ok)
+        to_e4m3(v, scale[:, None], q8_ptr + row * s_q8, heads[:, None] * D + d[None, :], row_ok[:, None], E4M3_MAX)
 
 
 @triton.jit
@@ -197,11 +205,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
                    kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, qw_ptr, kw_ptr, eps, k_inv, v_inv,
                    s_knb, s_knh, s_vnb, s_vnh, s_cos, s_sin, col_ptr, rs_ptr, s_share, k_col, v_col,
+                   q8_ptr, qs8_ptr, s_q8, s_qs8,
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, PARTS: tl.constexpr, CU_Q: tl.constexpr, F32_DOT: tl.constexpr,
                    KV_FP8: tl.constexpr, FP8_ASM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
                    NORM: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr, SHARES: tl.constexpr,
-                   COL: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
+                   COL: tl.constexpr, ROW: tl.constexpr, OUT8: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -243,15 +252,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
                                    FP8_ASM)
     release_next(PDL)
     if PARTS == 1:
-        store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, D)
+        store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, q8_ptr, qs8_ptr, s_q8, s_qs8, D, OUT8)
     elif used == 1:  # the whole context in this partition: no merge
-        store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, D)
+        store_rows(out_ptr, row, heads, r < REP, acc, l_sum, s_ob, s_oh, q8_ptr, qs8_ptr, s_q8, s_qs8, D, OUT8)
     else:
         kv = tl.num_programs(1)
         merged, num, den = merge_partials(acc, m, l_sum, part, used, b * kv * REP + heads, r < REP,
                                           cnt_ptr + b * kv + g, part_acc_ptr, part_ml_ptr, REP_PAD, D, PARTS)
         if merged:
-            store_rows(out_ptr, row, heads, r < REP, num, den, s_ob, s_oh, D)
+            store_rows(out_ptr, row, heads, r < REP, num, den, s_ob, s_oh, q8_ptr, qs8_ptr, s_q8, s_qs8, D, OUT8)
 
 
 def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
@@ -281,12 +290,14 @@ def partitions(batch: int, kv_heads: int, max_context: int, head_dim: int, elem_
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
                  cu_q: torch.Tensor | None = None, out: torch.Tensor | None = None, rope: tuple | None = None,
-                 sums: SplitSums | None = None) -> torch.Tensor:
+                 sums: SplitSums | None = None, out8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """paged_decode_ref's attention; with cu_q (paged_varlen's), only the sequences of exactly one query, each
     reading q row cu_q[s] and writing that row of `out` (its other rows left as they are). rope: (k, v, cos, sin,
     slots, q_weight, k_weight, eps, offset, kv_scales) as rope_write_kv takes them, q as projected: paged_decode_rope's
     RoPE and K / V write in the same launch (without cu_q). sums (with rope): q, k and v are views of the first share
-    of the qkv GEMM's SplitSums (q from its column 0), whose output they stand for: the kernel sums the shares."""
+    of the qkv GEMM's SplitSums (q from its column 0), whose output they stand for: the kernel sums the shares.
+    out8 (q [B, H * d] e4m3, scales [B, H] float32, both row-major): the output also quantized per (row, head) there,
+    as the ACT8 decode GEMM quantizes a K tile of d columns (o_proj's rows; tp_lora.ops.fp8.takes_rows8's group)."""
     _, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
     if d & (d - 1) or k_cache.stride(3) != 1 or q.stride(2) != 1:
@@ -315,6 +326,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         kn, vn, cos, sin, slots, qw, kw, eps, offset, kv_scales = rope
         r, norm = cos.shape[-1], qw is not None
         qw, kw = (qw, kw) if norm else (q, q)
+    if out8 is not None and (cu_q is not None or out8[0].shape != (q.shape[0], heads * d) or out8[0].stride(1) != 1
+                             or out8[1].shape != (q.shape[0], heads) or out8[1].stride(1) != 1):
+        raise ValueError(f"paged_decode: out8 needs q [{q.shape[0]}, {heads * d}] and scales [{q.shape[0]}, {heads}] "
+                         f"(unit column strides, without cu_q), got {tuple(out8[0].shape)} and {tuple(out8[1].shape)}")
+    q8, qs8 = out8 if out8 is not None else (out, out)
     col = None if sums is None else sums.col
     row = None if sums is None else sums.row
     _decode_kernel[(seqs, kv, parts)](
@@ -326,11 +342,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0), sin.stride(0),
         q if col is None else col, q if row is None else row, 0 if sums is None else sums.parts.stride(0),
         (kn.data_ptr() - q.data_ptr()) // q.element_size(), (vn.data_ptr() - q.data_ptr()) // q.element_size(),
+        q8, qs8, q8.stride(0), qs8.stride(0),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=block, PARTS=parts,
         CU_Q=cu_q is not None, **dot_flags(out, k_cache, _decode_kernel), ROPE=rope is not None, R=r, NORM=norm,
         OFFSET=bool(offset), SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
         SHARES=0 if sums is None else sums.parts.shape[0], COL=col is not None, ROW=row is not None,
+        OUT8=out8 is not None,
         num_warps=NUM_WARPS_FP8 if k_cache.element_size() == 1 else NUM_WARPS, num_stages=NUM_STAGES,
         **pdl_args(q))
-    released(out)
+    released(out, q8)
     return out
