@@ -38,8 +38,6 @@ KERNELS: bool | None = None
 # [T, G]: per (token, N / G columns), as the ACT8 decode GEMM quantizes (decode attention's, a head a group)
 Rows8 = tuple[torch.Tensor, torch.Tensor]
 
-
-
 ACTIVATIONS = {"silu": torch.nn.functional.silu,
                "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
 

@@ -101,7 +101,7 @@ def paged_decode_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     views of the qkv GEMM's SplitSums' first share, which the kernel sums; out8: the output also quantized per (row,
     head) there (tp_lora.ops.triton.paged_attention.paged_decode's); both only where rope_kernel_takes."""
     r, d = cos.shape[-1], q.shape[-1]
-    if (rope_kernel_takes(q, d, r) and all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, k_cache, v_cache))):
+    if rope_kernel_takes(q, d, r) and all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, k_cache, v_cache)):
         from tp_lora.ops.triton.paged_attention import paged_decode as kernel  # noqa: PLC0415 - CUDA only
         return kernel(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap,
                       rope=(k, v, cos, sin, slots, q_weight, k_weight, eps, offset, kv_scales), sums=sums, out8=out8)
