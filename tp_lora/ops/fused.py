@@ -171,7 +171,7 @@ def add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, wei
         raise ValueError("add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
     if isinstance(x, SplitSums) and (residual is None or not use_kernels(x.parts)):
         x = x.total()
-    if use_kernels(x if residual is None else residual):
+    if isinstance(x, SplitSums) or use_kernels(x):
         from tp_lora.ops.triton.fused import add_rms_norm as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(x, residual, weight, eps, offset, x_weight, out8)
     no_rows8("add_rms_norm", out8)

@@ -52,31 +52,6 @@ def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, 
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, col_ptr, row_ptr, s_x,
-                         s_part, s_r, s_o, s_ro, s_q, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                         NORM_X: tl.constexpr, OFFSET: tl.constexpr, Q8: tl.constexpr, PARTS: tl.constexpr,
-                         COL: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    ok = i < n
-    if PARTS:  # x is a GEMM's SplitSums: its K shares added in order, scaled and rounded as the GEMM would have
-        h = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in tl.static_range(PARTS):
-            h += tl.load(x_ptr + s * s_part + t * s_x + i, mask=ok, other=0.0)
-        if COL:
-            h *= tl.load(col_ptr + i, mask=ok, other=0.0)
-        if ROW:
-            h *= tl.load(row_ptr + t)
-        h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        h = tl.load(x_ptr + t * s_x + i, mask=ok, other=0.0).to(tl.float32)
-    release_next(PDL)
-    add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, q_ptr + t * s_q,
-                 qs_ptr + t, i, ok, n, eps, HAS_RES, NORM_X, OFFSET, Q8)
-
-
-@triton.jit
 def load_shares(at, col_at, ok, rs, s_share, SHARES: tl.constexpr, COL: tl.constexpr, DT: tl.constexpr):
     """The values at `at` in float32; SHARES > 0: a GEMM's SplitSums output there (its SHARES float32 partials
     s_share apart, added in order, times the column scales at col_at (COL) and the row's scale rs, rounded to DT)."""
@@ -89,6 +64,23 @@ def load_shares(at, col_at, ok, rs, s_share, SHARES: tl.constexpr, COL: tl.const
             x *= tl.load(col_at, mask=ok, other=0.0)
         x = (x * rs).to(DT).to(tl.float32)
     return x
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, col_ptr, row_ptr, s_x,
+                         s_part, s_r, s_o, s_ro, s_q, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                         NORM_X: tl.constexpr, OFFSET: tl.constexpr, Q8: tl.constexpr, PARTS: tl.constexpr,
+                         COL: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    rs = tl.load(row_ptr + t) if ROW else 1.0
+    # PARTS: x is a GEMM's SplitSums, its K shares added in order, scaled and rounded as the GEMM would have
+    h = load_shares(x_ptr + t * s_x + i, col_ptr + i, ok, rs, s_part, PARTS, COL, out_ptr.dtype.element_ty)
+    release_next(PDL)
+    add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, q_ptr + t * s_q,
+                 qs_ptr + t, i, ok, n, eps, HAS_RES, NORM_X, OFFSET, Q8)
 
 
 @triton.jit
