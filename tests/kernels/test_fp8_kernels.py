@@ -381,7 +381,7 @@ def representable(gen, rows, k, group=None):
     return q.view(rows, -1)[:, :k].contiguous()
 
 
-@pytest.mark.parametrize("rows,k", [(1, 64), (7, 1000), (3, 4096 + 24)])
+@pytest.mark.parametrize("rows,k", [(1, 64), (7, 1000), (3, 4096 + 24), (2, 16384 + 40)])  # the last: read twice
 def test_per_token_quantization_kernel_matches_the_reference(device, rows, k):
     from tp_lora.ops.triton.fp8_quant import quantize_per_token as kernel
     gen = torch.Generator().manual_seed(rows * k)

@@ -6,9 +6,9 @@
 
 Each row (per token) or each group of `group` columns of a row (per group, the activations of block-scaled GEMMs) is
 divided by max(amax / 448, 1e-12), clamped and rounded to e4m3, as the references compute it. Per token: one program
-per row; per group: a program per GROUPS groups of a row. Per group, T' is T rounded up to a multiple of rows_to
-(the extra rows zeros with scale 1) and the scales are token-major (stride 1 along T'), the layout cuBLAS's
-block-scaled GEMM takes.
+per row (reading it once up to WHOLE_ROW columns, twice past them); per group: a program per GROUPS groups of a row.
+Per group, T' is T rounded up to a multiple of rows_to (the extra rows zeros with scale 1) and the scales are
+token-major (stride 1 along T'), the layout cuBLAS's block-scaled GEMM takes.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import triton.language as tl
 FP8_DTYPE = torch.float8_e4m3fn  # the e4m3 of tp_lora.ops.fp8 (which dispatches here: no import back)
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 E4M3_MAX = tl.constexpr(FP8_MAX)  # the same, where a kernel reads it
-BLOCK = 1024
+BLOCK = 1024  # columns per iteration of the per-token kernel over rows wider than WHOLE_ROW
+WHOLE_ROW = 16384  # rows up to this wide: the per-token kernel holds the row in registers and reads it once
 
 
 @triton.jit
@@ -44,9 +45,14 @@ def quantize_row(v, q_row, s_row, i, ok):
 
 
 @triton.jit
-def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, FMAX: tl.constexpr,
+                      WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
+    if WHOLE:  # the row in one tile: read once
+        v = tl.load(x_ptr + row * s_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        quantize_row(v, q_ptr + row * s_qm, s_ptr + row, offs, offs < K)
+        return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_ptr + row * s_xm + k0 + offs, mask=offs < K - k0, other=0.0).to(tl.float32)
@@ -65,8 +71,11 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t, k = x.shape
     q = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    whole = triton.next_power_of_2(k) <= WHOLE_ROW
+    block = triton.next_power_of_2(k) if whole else BLOCK
     if t:
-        _per_token_kernel[(t,)](x, q, scales, k, x.stride(0), q.stride(0), BLOCK=BLOCK, FMAX=FP8_MAX)
+        _per_token_kernel[(t,)](x, q, scales, k, x.stride(0), q.stride(0), BLOCK=block, FMAX=FP8_MAX, WHOLE=whole,
+                                num_warps=max(4, min(16, block // 512)) if whole else 4)
     return q, scales
 
 
