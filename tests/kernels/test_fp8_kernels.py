@@ -399,7 +399,7 @@ def test_per_token_quantization_kernel_matches_the_reference(device, rows, k):
 
 
 @pytest.mark.parametrize("rows,k,group,rows_to", [(1, 256, 128, 1), (5, 1000, 128, 4), (3, 320, 64, 1),
-                                                   (6, 256, 128, 4)])
+                                                   (6, 256, 128, 4), (2, 41 * 128 - 104, 128, 1)])  # 2 programs
 def test_per_group_quantization_kernel_matches_the_reference(device, rows, k, group, rows_to):
     from tp_lora.ops.triton.fp8_quant import quantize_per_group as kernel
     gen = torch.Generator().manual_seed(rows * k + group)

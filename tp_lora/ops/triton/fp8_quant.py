@@ -79,7 +79,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-GROUPS = 8  # groups of one row per program of the per-group kernel
+GROUPS = 32  # groups of one row per program of the per-group kernel, at most
 
 
 @triton.jit
@@ -109,7 +109,9 @@ def quantize_per_group(x: torch.Tensor, group: int, rows_to: int = 1) -> tuple[t
     if padded > t:  # rows past x: zeros (scale 1), exact in any GEMM
         q[t:].zero_()
         scales[t:].fill_(1.0)
+    groups = min(GROUPS, triton.next_power_of_2(g))
     if t:
-        _per_group_kernel[(t, triton.cdiv(g, GROUPS))](x, q, scales, k, g, x.stride(0), q.stride(0),
-                                                       scales.stride(1), GROUP=group, GROUPS=GROUPS, FMAX=FP8_MAX)
+        _per_group_kernel[(t, triton.cdiv(g, groups))](x, q, scales, k, g, x.stride(0), q.stride(0),
+                                                       scales.stride(1), GROUP=group, GROUPS=groups, FMAX=FP8_MAX,
+                                                       num_warps=max(4, min(16, groups * group // 512)))
     return q, scales
