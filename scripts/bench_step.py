@@ -30,10 +30,10 @@ step's GPU idles).
 --torch-ops runs the decoder layers' norms, RoPE + cache write and activations as torch ops instead of the fused
 Triton kernels (tp_lora/ops/fused.py). --allreduce sets parallel.allreduce (auto | nccl | symm_mem).
 --kernels: the device time per kernel of one graphed decode step of 32 sequences at each --contexts (torch.profiler
-over replays, this rank; no adapters), by kernel and by kind (GEMM, attention, all-reduce, norm, ...), into the
-JSON; `--kernel-compare A.json B.json` prints two runs' tables side by side (e.g. tp1 against tp2: what does not
-halve). Kernels launched early (tp_lora/ops/triton/pdl.py: the fp8 decode chain on Hopper) count their wait for the
-kernel before, so their times overlap and can sum past the step.
+over replays, this rank; without adapters, and unless --no-adapters-only with 32), by kernel and by kind (GEMM,
+attention, all-reduce, norm, ...), into the JSON; `--kernel-compare A.json B.json` prints two runs' tables side by
+side (e.g. tp1 against tp2: what does not halve). Kernels launched early (tp_lora/ops/triton/pdl.py: the fp8 decode
+chain on Hopper) count their wait for the kernel before, so their times overlap and can sum past the step.
 Prints a table; writes bench_step.json into --out.
 """
 from __future__ import annotations
@@ -252,6 +252,16 @@ def runner_batch(vocab: int, tables: list[list[int]], slot, gen, mixed: bool, co
     return step
 
 
+def slots_of(engine, adapters: bool):
+    """Sequence i -> its adapter slot in a runner step: with adapters i % max_loras, every slot loaded with one of
+    the bench's adapters; else none (-1)."""
+    if not adapters:
+        return lambda i: -1
+    for i in range(engine.cfg.lora.max_loras):
+        engine.registry.cache.load_slot(engine.registry.slots, i, engine.registry.cache.fetch(f"a{i:03d}"))
+    return lambda i: i % engine.cfg.lora.max_loras
+
+
 def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
     """Runner-level: one step of 31 decodes (context 128) + one 512-token prefill chunk, replayed from a graph and run
     eagerly (mixed graphs off), against a decode step of 32 sequences (a graph replay) at context 128 and 2048,
@@ -261,10 +271,7 @@ def mixed_step(engine, vocab: int, adapters: bool, profile: bool) -> dict:
     per_seq = -(-(2048 + 2) // bs)
     cache = engine.runner.kv_cache(32 * per_seq, bs, 2048 + 2)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(32)]
-    slot = (lambda i: i % engine.cfg.lora.max_loras) if adapters else (lambda i: -1)
-    if adapters:
-        for i in range(engine.cfg.lora.max_loras):  # every slot holds an adapter
-            engine.registry.cache.load_slot(engine.registry.slots, i, engine.registry.cache.fetch(f"a{i:03d}"))
+    slot = slots_of(engine, adapters)
     gen = torch.Generator().manual_seed(1)
 
     def batch(mixed: bool, context: int = 128):
@@ -318,18 +325,19 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def kernel_table(engine, vocab: int, contexts: list[int], steps: int = 20) -> dict:
-    """Device microseconds per kernel (and per kind) of one graphed decode step of 32 sequences (no adapters) at
-    each context: torch.profiler over `steps` replays on this rank, against the step's CUDA-event time."""
+def kernel_table(engine, vocab: int, contexts: list[int], adapters: bool, steps: int = 20) -> dict:
+    """Device microseconds per kernel (and per kind) of one graphed decode step of 32 sequences (with adapters: one
+    each, slots_of) at each context: torch.profiler over `steps` replays on this rank, against the step's CUDA-event
+    time."""
     from torch.profiler import ProfilerActivity, profile
     runner, bs = engine.runner, engine.cfg.scheduler.kv_block_size
     per_seq = -(-(max(contexts) + 2) // bs)
     cache = runner.kv_cache(32 * per_seq, bs, max(contexts) + 2)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(32)]
     gen = torch.Generator().manual_seed(2)
-    out = {}
+    slot, out = slots_of(engine, adapters), {}
     for ctx in contexts:
-        batches = [runner_batch(vocab, tables, lambda i: -1, gen, False, ctx) for _ in range(steps + 4)]
+        batches = [runner_batch(vocab, tables, slot, gen, False, ctx) for _ in range(steps + 4)]
         for b in batches[:4]:
             runner.execute(b, cache)
         step_ms = statistics.median(_ms(lambda b=b: runner.execute(b, cache)) for b in batches[4:])
@@ -531,7 +539,9 @@ def main() -> None:
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
         if args.kernels and device == "cuda":
-            kernels[shape] = kernel_table(engine, vocab, contexts)
+            kernels[shape] = kernel_table(engine, vocab, contexts, False)
+            if not args.no_adapters_only:
+                kernels[f"{shape} adapters"] = kernel_table(engine, vocab, contexts, True)
         if args.mixed:
             extra[f"{shape} {quant} kv={kv_dtype}"] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
                             "adapters": mixed_step(engine, vocab, True, args.profile)}

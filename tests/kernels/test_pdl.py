@@ -11,8 +11,10 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 
 
 
 def test_the_note_of_a_releasing_launch_is_taken_once_by_the_launch_reading_its_output(monkeypatch):
-    """The launchers' bookkeeping, as on a Hopper GPU (pdl_args / released / forget over any tensors)."""
-    monkeypatch.setattr(pdl, "_index", lambda device: 0)
+    """The launchers' bookkeeping, as on a Hopper GPU (pdl_args / released / forget over any tensors), one note per
+    stream: a launch on a side stream (the LoRA shrink) leaves the main stream's note alone."""
+    stream = [1]
+    monkeypatch.setattr(pdl, "_key", lambda device: (0, stream[0]))
     monkeypatch.setattr(pdl, "_released", {})
     a, b, c = torch.zeros(4), torch.zeros(4), torch.zeros(4)
     assert pdl.pdl_args(a) == dict(PDL=True, launch_pdl=False)  # nothing released yet
@@ -25,6 +27,15 @@ def test_the_note_of_a_releasing_launch_is_taken_once_by_the_launch_reading_its_
     pdl.released(a)
     pdl.forget(a.device)  # a launch that does not release came in between
     assert not pdl.pdl_args(a)["launch_pdl"]
+    pdl.released(a)
+    stream[0] = 2  # a side stream: its launches and notes are its own
+    pdl.forget(a.device)
+    assert not pdl.pdl_args(a)["launch_pdl"]
+    pdl.released(c)
+    stream[0] = 1
+    assert pdl.pdl_args(a)["launch_pdl"]  # the main stream's note outlived the side stream's launches
+    stream[0] = 2
+    assert pdl.pdl_args(c)["launch_pdl"]
 
 
 def test_a_launch_goes_early_only_right_after_a_releasing_one(device):
@@ -53,6 +64,28 @@ def _chain(x, res, w_norm, w13, s13, w2, s2):
     return add_rms_norm(down, res, w_norm, 1e-6)
 
 
+def _early_gives_plain_results(step, weights, inputs, monkeypatch):
+    """step(x, res, *weights) -> tensors, eagerly and replayed from a CUDA graph (fresh inputs each replay: a kernel
+    reading too early reads stale rows), then with plain launches (PDL compiled out): the same bits."""
+    x, res = torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
+    step(x, res, *weights)  # compile, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_graph = step(x, res, *weights)
+    got = []
+    for i in range(0, len(inputs), 2):
+        x.copy_(inputs[i])
+        res.copy_(inputs[i + 1])
+        graph.replay()
+        eager = step(inputs[i], inputs[i + 1], *weights)
+        got.append([v.clone() for v in got_graph + eager])
+    monkeypatch.setattr(pdl, "_index", lambda device: None)
+    for i in range(0, len(inputs), 2):
+        want = step(inputs[i], inputs[i + 1], *weights)
+        for j, g in enumerate(got[i // 2]):  # (graph's out, residual, eager's out, residual)
+            assert torch.equal(g, want[j % 2]), (i, j)
+
+
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
 def test_early_launches_give_the_plain_launches_results(monkeypatch):
     gen = torch.Generator().manual_seed(7)
@@ -61,20 +94,46 @@ def test_early_launches_give_the_plain_launches_results(monkeypatch):
     w2, s2 = quantize_fp8_per_channel(torch.randn(h, n, generator=gen) / 45)
     weights = [v.cuda() for v in (torch.rand(h, generator=gen).bfloat16() + 0.5, w13, s13, w2, s2)]
     inputs = [torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2 * 6)]
-    x, res = torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
-    _chain(x, res, *weights)  # compile, outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got_graph = _chain(x, res, *weights)
-    got = []
-    for i in range(0, len(inputs), 2):  # fresh inputs each replay: a kernel reading too early reads stale rows
-        x.copy_(inputs[i])
-        res.copy_(inputs[i + 1])
-        graph.replay()
-        eager = _chain(inputs[i], inputs[i + 1], *weights)
-        got.append([v.clone() for v in got_graph + eager])
-    monkeypatch.setattr(pdl, "_index", lambda device: None)  # plain launches, PDL compiled out
-    for i in range(0, len(inputs), 2):
-        want = _chain(inputs[i], inputs[i + 1], *weights)
-        for j, g in enumerate(got[i // 2]):  # (graph's out, residual, eager's out, residual)
-            assert torch.equal(g, want[j % 2]), (i, j)
+    _early_gives_plain_results(_chain, weights, inputs, monkeypatch)
+
+
+def _adapter_layer(x, res, w_norm, w, s, rt, lora_a, lora_b, scales):
+    """norm (fp8 rows) -> an fp8 layer with its LoRA, as an adapter step runs it: the shrink of the normed rows on a
+    side stream beside the GEMM of their fp8 copy (LoRARuntime.beside), then the expand into the GEMM's output."""
+    t, h = x.shape
+    q, qs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(t, device=x.device)
+    y, res = add_rms_norm(x, res, w_norm, 1e-6, out8=(q, qs))
+    u, z = rt.beside(lambda: rt.ops.shrink(y, lora_a, scales, rt.batch),
+                     lambda: fp8_gemm.w8a16_mm(q, w, s, None, fp8_gemm.w8a16_config(t, *w.shape, xq=True), qs,
+                                               x.dtype), x.device, t)
+    rt.ops.expand(u, lora_b, rt.batch, z)
+    return z, res
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
+def test_a_gemm_beside_a_side_stream_shrink_goes_early_with_the_plain_launches_results(monkeypatch):
+    """The side stream's shrink leaves the main stream's note: the fp8 GEMM after the norm launches early, eagerly
+    and in a CUDA graph, and the layer's outputs (fresh inputs each replay) are the bits of plain launches."""
+    from tp_lora.lora.layers import LoRARuntime
+    from tp_lora.ops import get_backend
+    from tp_lora.ops.batch import build_lora_batch
+    gen = torch.Generator().manual_seed(11)
+    h, n, t, rank, slots = 1024, 3072, 32, 16, 4
+    w, s = (v.cuda() for v in quantize_fp8_per_channel(torch.randn(n, h, generator=gen) / 32))
+    lora_a = [(torch.randn(slots, rank, h, generator=gen) / 32).bfloat16().cuda()]
+    lora_b = [(torch.randn(slots, n, rank, generator=gen) / 4).bfloat16().cuda()]
+    scales = torch.full((1, slots), 0.5, device="cuda")
+    rt = LoRARuntime(slots, rank, False, get_backend("triton"))
+    rt.batch = build_lora_batch([i % (slots + 1) - 1 for i in range(t)], slots, "cuda")
+    weights = ((torch.rand(h, generator=gen) + 0.5).bfloat16().cuda(), w, s, rt, lora_a, lora_b, scales)
+    inputs = [torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2 * 4)]
+    early = []
+
+    def args(x):
+        out = pdl.pdl_args(x)
+        early.append(out["launch_pdl"])
+        return out
+    monkeypatch.setattr(fp8_gemm, "pdl_args", args)
+    _early_gives_plain_results(_adapter_layer, weights, inputs, monkeypatch)
+    # compiling, capturing, each eager step early; the plain steps after them not
+    assert early == [True] * (2 + len(inputs) // 2) + [False] * (len(inputs) // 2), early

@@ -5,9 +5,10 @@ Every such kernel takes PDL (on for compiled kernels on Hopper and later) and ca
 program, before it reads or writes anything earlier kernels write or read and before any early return (a kernel
 that ended without waiting would let the next one pass it); once its main loads or loop are done it calls
 release_next(PDL), and its launcher notes the outputs (released()). A launch asks for PDL only where its first input
-was written by the launch just before it that released it (pdl_args): launched early after a kernel that does not
-release (cuBLAS, torch, the LoRA kernels), a kernel waits longer than a plain launch would. Off the GPU (CPU, the
-interpreter, older GPUs) both calls compile out and launches are plain.
+was written by the launch just before it on the same stream that released it (pdl_args): launched early after a
+kernel that does not release (cuBLAS, torch, the LoRA kernels), a kernel waits longer than a plain launch would. The
+notes are kept per stream, so a kernel on a side stream (the LoRA shrink beside a base GEMM) leaves the main stream's
+chain as it was. Off the GPU (CPU, the interpreter, older GPUs) both calls compile out and launches are plain.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tp_lora.ops.triton.dot import interpreting
 
-_released: dict[int, tuple[int, ...]] = {}  # device index -> data pointers written by the last releasing launch
+# (device index, stream) -> data pointers written by the last releasing launch on that stream
+_released: dict[tuple[int, int], tuple[int, ...]] = {}
 
 
 @triton.jit
@@ -50,24 +52,31 @@ def _index(device: torch.device) -> int | None:
     return index if _hopper(index) else None
 
 
+def _key(device: torch.device) -> tuple[int, int] | None:
+    """(device index, current stream) where kernels on the device can take PDL, else None."""
+    index = _index(device)
+    return None if index is None else (index, torch.cuda.current_stream(index).cuda_stream)
+
+
 def pdl_args(x: torch.Tensor) -> dict:
     """The PDL constexpr and launch option of a launch whose first input is x: PDL wherever supported, launched
-    early only where the launch just before it released it and wrote x."""
-    index = _index(x.device)
-    if index is None:
+    early only where the launch just before it on this stream released it and wrote x."""
+    key = _key(x.device)
+    if key is None:
         return dict(PDL=False, launch_pdl=False)
-    return dict(PDL=True, launch_pdl=x.data_ptr() in _released.pop(index, ()))
+    return dict(PDL=True, launch_pdl=x.data_ptr() in _released.pop(key, ()))
 
 
 def released(*outs: torch.Tensor) -> None:
     """Note the launch just made (a kernel that calls release_next) and the tensors it writes."""
-    index = _index(outs[0].device)
-    if index is not None:
-        _released[index] = tuple(o.data_ptr() for o in outs)
+    key = _key(outs[0].device)
+    if key is not None:
+        _released[key] = tuple(o.data_ptr() for o in outs)
 
 
 def forget(device: torch.device) -> None:
-    """Note a launch that does not release its successor early (and may write what the last releasing one did)."""
-    index = _index(device)
-    if index is not None:
-        _released.pop(index, None)
+    """Note a launch on the current stream that does not release its successor early (and may write what the last
+    releasing one did)."""
+    key = _key(device)
+    if key is not None:
+        _released.pop(key, None)
