@@ -449,6 +449,8 @@ def main() -> None:
                    help="scheduler.prefix_caching (on: the KV cache takes the whole budget)")
     p.add_argument("--quantization", default="none", help="comma list of none | fp8 (weights quantized at load)")
     p.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto | fp8")
+    p.add_argument("--lora-dtype", default="auto", choices=["auto", "fp8"],
+                   help="lora.dtype: the adapters' A and B as the model's dtype, or fp8 with per-channel scales")
     p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "symm_mem"],
                    help="parallel.allreduce: the tp group's all-reduce")
     p.add_argument("--in-memory", action="store_true",
@@ -496,6 +498,7 @@ def main() -> None:
         cfg.device = device
         cfg.dtype = "bfloat16" if device == "cuda" else "float32"
         cfg.lora.max_loras, cfg.lora.max_rank = ADAPTERS, RANK
+        cfg.lora.dtype = args.lora_dtype
         cfg.scheduler.max_batch_size = max(batches)
         cfg.scheduler.max_tokens_per_step = step_tokens
         cfg.quantization = None if quant == "none" else quant
@@ -531,7 +534,8 @@ def main() -> None:
                     t1 = statistics.median(ones)
                     lora_b = min(b, ADAPTERS) * ab if with_ad else 0
                     floor = (wb + lora_b + kv_bytes(engine.model, b, ctx + long_run(b, ctx) - args.new / 2)) / bw
-                    rows.append(dict(shape=shape, quantization=quant, kv_cache_dtype=kv_dtype, adapters=with_ad, batch=b, context=ctx,
+                    rows.append(dict(shape=shape, quantization=quant, kv_cache_dtype=kv_dtype, adapters=with_ad,
+                                     lora_dtype=args.lora_dtype, batch=b, context=ctx,
                                      floor_ms=floor * 1e3, of_floor=floor / (decode_ms / 1e3) if decode_ms else None,
                                      prefill_tokens_per_s=b * ctx / t1,
                                      graph_steps=graph_steps, decode_steps=decode_steps, decode_step_ms=decode_ms,

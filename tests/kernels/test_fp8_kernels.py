@@ -259,6 +259,18 @@ def test_xq_decode_config_takes_the_measured_shares(n, k):
     assert cfg["BLOCK_N"] == (256 if n == 28672 else 64), cfg
 
 
+# (out, in) -> the K shares of ACT8 on rows quantized per 128 columns by their producer (G8: o_proj, down_proj),
+# best of 48 launch configurations at 32 rows on an H200
+G8_SHARES = {(4096, 14336): 4, (4096, 7168): 4, (4096, 4096): 4, (4096, 2048): 2}
+
+
+@pytest.mark.parametrize("n,k", list(G8_SHARES))
+def test_g8_decode_config_takes_the_measured_shares(n, k):
+    from tp_lora.ops.triton.fp8_gemm import w8a16_config
+    cfg = w8a16_config(32, n, k, g8=True)
+    assert cfg["SPLIT_K"] == G8_SHARES[(n, k)] and cfg["ACT8"] and cfg["BLOCK_N"] == 64, cfg
+
+
 def test_fp8_linear_reads_rows_quantized_by_their_producer(device, monkeypatch):
     """x8 (x quantized per token) is what fp8_linear multiplies where takes_rows8 says so: per-channel weights and
     16-bit rows up to ACT8_ROWS (XQ) and, on CUDA, past the weight-only rows (torch._scaled_mm); not block scales,

@@ -75,7 +75,7 @@ def test_fp8_linear_reads_rows_quantized_per_head_where_act8_runs(device, monkey
     elsewhere (more rows, blocks of 64 columns, groups of 64)."""
     from tp_lora.ops.fp8 import dequantize
     from tp_lora.ops.triton.fp8_gemm import w8a16_config
-    assert all(w8a16_config(32, n, k, act8=True)["BLOCK_K"] == ACT8_GROUP for n, k in ((4096, 4096), (2048, 4096)))
+    assert all(w8a16_config(32, n, k, g8=True)["BLOCK_K"] == ACT8_GROUP for n, k in ((4096, 4096), (2048, 4096)))
     monkeypatch.setattr(fused, "KERNELS", True)
     gen = torch.Generator().manual_seed(7)
     k = 256

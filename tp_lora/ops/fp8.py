@@ -231,7 +231,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     if rows and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
         if x8 is not None and group is not None:  # ACT8 of rows quantized per (token, K tile) by their producer
-            return fp8_gemm.w8a16_mm(x8[0], w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True),
+            return fp8_gemm.w8a16_mm(x8[0], w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, g8=True),
                                      x8[1], x.dtype, sums=sums)
         if x8 is not None and rows <= ACT8_ROWS:
             return fp8_gemm.w8a16_mm(x8[0], w, scale, None, fp8_gemm.w8a16_config(rows, *w.shape, xq=True), x8[1],

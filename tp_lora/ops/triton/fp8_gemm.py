@@ -269,7 +269,7 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
     return out
 
 
-def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False) -> dict:
+def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g8: bool = False) -> dict:
     """The launch configuration of w8a16_mm for m rows and a weight [n, k]. Weight-only: 64 columns x 128 K per
     tile, 4 warps, 3 stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least
     1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
@@ -277,7 +277,13 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False) -
     stages, K shares by _act8_splits within 256 programs; wide layers (out >= 3 x in and >= 12288: gate_up at tp1 /
     tp2) 256 x 128 tiles, 5 stages, within 128 programs; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows, at
     tp1 / tp2 / tp4's layer shapes). xq (fp8 rows, XQ): the wide layers' tiles, else 64 x 128 tiles, 4 warps, 4
-    stages, K shares by _xq_splits."""
+    stages, K shares by _xq_splits. g8 (ACT8 of rows quantized per group by their producer, G8): XQ's 64 x 128
+    tiles, 4 warps, 4 stages, K shares by _splits within 256 programs (each product is scaled per K tile: narrower
+    tiles keep more of them in flight); chosen from 48 launch configurations at o_proj's and down_proj's tp1 / tp2
+    shapes."""
+    if g8:
+        return dict(W8A16_DEFAULT, num_stages=4, SWAP=True, ACT8=True,
+                    SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 256))
     wide = n >= 3 * k and n >= 12288  # not tp4's o (4096 x 1024): 16 programs of 256 columns
     if xq and not wide:
         return dict(W8A16_DEFAULT, num_stages=4, SWAP=True, SPLIT_K=_xq_splits(triton.cdiv(n, 64), k))

@@ -139,18 +139,25 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
 
 
 @triton.jit
-def _act_mul_block(x_row, out_row, i, ok, n, GELU: tl.constexpr, PDL: tl.constexpr):
-    """act(gate) * up at columns i of one row, stored (out's dtype) and returned in float32 (0 where masked); the
-    next kernel released once the inputs are loaded."""
-    dt = out_row.dtype.element_ty
-    g = tl.load(x_row + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(x_row + n + i, mask=ok, other=0.0).to(tl.float32)
-    release_next(PDL)
+def act_mul_of(gate, up, dt: tl.constexpr, GELU: tl.constexpr):
+    """act(gate) * up in dt, from gate and up (float32) each rounded to dt first, and act(gate) rounded to dt before
+    the product: act_mul's rounding of a gate_up output in dt."""
+    g = gate.to(dt).to(tl.float32)
     if GELU:  # 0.5 g (1 + tanh(z)) with z = sqrt(2 / pi) (g + 0.044715 g^3), and 1 + tanh(z) = 2 sigmoid(2z)
         a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
     else:
         a = g * tl.sigmoid(g)
-    y = (a.to(dt).to(tl.float32) * u).to(dt)
+    return (a.to(dt).to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _act_mul_block(x_row, out_row, i, ok, n, GELU: tl.constexpr, PDL: tl.constexpr):
+    """act(gate) * up at columns i of one row, stored (out's dtype) and returned in float32 (0 where masked); the
+    next kernel released once the inputs are loaded."""
+    g = tl.load(x_row + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_row + n + i, mask=ok, other=0.0).to(tl.float32)
+    release_next(PDL)
+    y = act_mul_of(g, u, out_row.dtype.element_ty, GELU)
     tl.store(out_row + i, y, mask=ok)
     return y.to(tl.float32)
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from tp_lora.ops.triton.configs import num_sms
 from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
+from tp_lora.ops.triton.fused import act_mul_of
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -80,13 +81,6 @@ def _act8_part(xq, xs, w_tile, s_row, k0, k_mask, n_mask, SCALES: tl.constexpr, 
 
 
 @triton.jit
-def _silu_mul(gate, up, dt: tl.constexpr):
-    """silu(gate) * up in float32, each rounded to dt as act_mul reads and writes them."""
-    g = gate.to(dt).to(tl.float32)
-    return (g * tl.sigmoid(g)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _act8_row_block(x_ptr, xs_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, K, s_xm, s_wn, s_om, s_sn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COL_BLOCKS: tl.constexpr,
                     SCALES: tl.constexpr, SCALE_K: tl.constexpr, DOT8: tl.constexpr, GATED: tl.constexpr,
@@ -129,7 +123,7 @@ def _act8_row_block(x_ptr, xs_ptr, src, rows, m_mask, w_e, s_e, out_ptr, n0, N, 
                 if GATED:
                     up_t *= xs[None, :]
             if GATED:
-                acc_t = _silu_mul(acc_t, up_t, dt)
+                acc_t = act_mul_of(acc_t, up_t, dt, False).to(tl.float32)
             o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
             tl.store(o, tl.trans(acc_t).to(dt), mask=m_mask[:, None] & n_mask[None, :])
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -181,7 +175,7 @@ def _grouped_mm_kernel(x_ptr, xs_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, 
             if SCALES == 1:
                 acc *= tl.load(s_row, mask=n_mask, other=0.0)[None, :]
             if GATED:
-                acc = _silu_mul(acc, acc_up, dt)
+                acc = act_mul_of(acc, acc_up, dt, False).to(tl.float32)
             o = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :]
             tl.store(o, acc.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
