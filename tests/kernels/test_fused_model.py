@@ -63,16 +63,16 @@ def test_forward_with_fused_kernels_matches_torch_path(family, device, monkeypat
         assert not torch.equal(g.flatten(0, 1)[meta.slots], h.flatten(0, 1)[meta.slots]), "K/V were not written"
 
 
-def _fp8_model(family, device, **config):
-    """A bf16 model of the family with per-channel fp8 layers (random weights; config.json overrides), and a decode
-    step's inputs."""
+def _fp8_model(family, device, block=False, **config):
+    """A bf16 model of the family with per-channel (block: [128, 128]-block) fp8 layers (random weights; config.json
+    overrides), and a decode step's inputs."""
     from tp_lora.layers.linear import ParallelLinear
     from tp_lora.layers.quant import FP8Scheme, QuantConfig
     from tp_lora.ops.fp8 import quantize_fp8_per_channel
     hf = {**COMMON, **FAMILIES[family], "hidden_size": 128, "intermediate_size": 192, **config}
     gen = torch.Generator().manual_seed(3)
     model = CausalLM(hf, comm.single_process(device).tp, dtype=torch.bfloat16, device=device,
-                     quant=QuantConfig(FP8Scheme(at_load=True)))
+                     quant=QuantConfig(FP8Scheme(block=(128, 128)) if block else FP8Scheme(at_load=True)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dtype != torch.float8_e4m3fn:
@@ -82,7 +82,8 @@ def _fp8_model(family, device, **config):
             if isinstance(m, ParallelLinear) and m.quant is not None:
                 q, s = quantize_fp8_per_channel(torch.randn(m.weight.shape, generator=gen) * m.weight.shape[1] ** -0.5)
                 m.weight.copy_(q)
-                m.weight_scale.copy_(s)
+                m.weight_scale.copy_(s if not block else  # a scale per block about the row's
+                                     s[:, None] * (0.5 + torch.rand(m.weight_scale.shape, generator=gen)))
     tokens, bs = 6, 4
     meta = build_attn_meta([[i] for i in range(tokens)], [2] * tokens, [1] * tokens, bs, device)
     input_ids = torch.randint(0, hf["vocab_size"], (tokens,), generator=gen).to(device)
@@ -112,6 +113,36 @@ def test_fp8_layers_take_their_rows_quantized_by_norms_and_act_mul(family, devic
     want, got = outs
     # Gemma's extra norms and scaled embeddings make it more sensitive: 0.17 with every layer on ACT8 too
     assert ((got - want).norm() / want.norm()).item() < (0.25 if family == "gemma3_text" else 0.1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_block_scaled_layers_take_rows_their_producers_quantized_per_group(family, device, monkeypatch):
+    """[128, 128]-block fp8 layers in a decode step, kernels forced on: qkv_proj, gate_up_proj and down_proj multiply
+    the rows the norms and act_mul quantized per 128 columns in their pass (G8), o_proj quantizes its own (ACT8:
+    heads narrower than 128); the hidden states are the bits of the same step with every GEMM quantizing its own
+    rows (ACT8), near the dequantised weights' torch path."""
+    from tp_lora.models import llama
+    from tp_lora.ops.triton import fp8_gemm
+    model, input_ids, meta, new_cache = _fp8_model(family, device, block=True, hidden_size=256, intermediate_size=384)
+    calls, kernel, rows8_for = [], fp8_gemm.w8a16_mm, llama.rows8_for
+    kind = lambda a: ("g8" if a[4]["ACT8"] else "xq") if len(a) > 5 and a[5] is not None else (  # noqa: E731
+        "act8" if a[4]["ACT8"] else "weight-only")
+    monkeypatch.setattr(fp8_gemm, "w8a16_mm", lambda *a, **k: calls.append(kind(a)) or kernel(*a, **k))
+    outs = []
+    for use, groups in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(fused, "KERNELS", use)
+        monkeypatch.setattr(llama, "rows8_for",
+                            lambda layer, rows, g=True, _on=groups: rows8_for(layer, rows, g and _on))
+        calls.clear()
+        with torch.no_grad():
+            outs.append(model(input_ids, new_cache(), meta).float())
+        layers = len(model.layers)
+        want_calls = (["g8"] * 3 + ["act8"] if groups else ["act8"] * 4) * layers if use else []
+        assert sorted(calls) == sorted(want_calls), (groups, calls)
+    want, got, act8 = outs
+    assert torch.equal(got, act8)
+    # Gemma's extra norms and scaled embeddings make it more sensitive
+    assert ((got - want).norm() / want.norm()).item() < (0.25 if family == "gemma3_text" else 0.2)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

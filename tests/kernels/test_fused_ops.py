@@ -210,6 +210,36 @@ def test_act_mul_writes_its_rows_quantized_per_token(device, tokens, n, act):
     assert torch.equal(out8[1], want_s) and torch.equal(out8[0].float(), want_q.float())
 
 
+def _poisoned8(rows, n, groups, device):
+    """out8 buffers full of NaN (e4m3's 0x7f): a value the kernel does not write stays NaN."""
+    q = torch.full((rows, n), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    return q, torch.full((rows, groups), float("nan"), device=device)
+
+
+@pytest.mark.parametrize("tokens, n, group", [(3, 384, 128), (5, 2176, 128), (2, 1024, 64)])
+def test_norm_and_act_mul_write_their_rows_quantized_per_group(device, tokens, n, group):
+    """out8 with scales [T, n / G]: the rows quantized per G columns (what block-scaled layers' ACT8 GEMM takes)
+    in the same pass, equal to the per-group quantization kernel's (every value written: poisoned buffers); the
+    outputs unchanged by it; act_mul's groups over its column tiles (2176: a last tile of one group). Refused:
+    groups of a width that is not a power of two or does not divide the row."""
+    from tp_lora.ops.triton.fp8_quant import quantize_per_group
+    from tp_lora.ops.triton.fused import act_mul, add_rms_norm
+    gen = torch.Generator().manual_seed(tokens + n + group)
+    x = _randn(gen, tokens, 2 * n, dtype=torch.bfloat16, device=device, std=3.0)
+    res = _randn(gen, tokens, n, dtype=torch.bfloat16, device=device)
+    w = _randn(gen, n, dtype=torch.bfloat16, device=device, std=0.3, mean=1.0)
+    for name, run in (("norm", lambda o8: add_rms_norm(x[:, :n], res, w, 1e-6, False, None, o8)[0]),
+                      ("act_mul", lambda o8: act_mul(x, "silu", o8))):
+        out8 = _poisoned8(tokens, n, n // group, device)
+        got = run(out8)
+        assert torch.equal(got, run(None)), name
+        want_q, want_s = quantize_per_group(got, group)
+        assert torch.equal(out8[1], want_s.contiguous()), name
+        assert torch.equal(out8[0].float(), want_q.float()), name
+    with pytest.raises(ValueError, match="a power of two"):  # groups of 192 / 1088 columns, or not dividing n
+        act_mul(x, "silu", (out8[0], torch.zeros(tokens, 3 if n == 1024 else 2, device=device)))
+
+
 def test_act_mul_reference_matches_formulas():
     gen = torch.Generator().manual_seed(5)
     g, u = torch.randn(2, 4, 10, generator=gen, dtype=torch.float64)

@@ -19,7 +19,7 @@ from tp_lora.layers.linear import ParallelLinear, column_spec, qkv_spec, row_spe
 from tp_lora.layers.quant import FP8Scheme, QuantConfig
 from tp_lora.lora.layers import LoRARuntime, maybe_wrap
 from tp_lora.models.attention import AttnMeta, KVCache, decodes_only, rope_attend
-from tp_lora.ops.fp8 import FP8_DTYPE, empty_rows8
+from tp_lora.ops.fp8 import ACT8_GROUP, FP8_DTYPE, empty_rows8
 from tp_lora.ops.fused import ACTIVATIONS, Rows8, act_mul, add_rms_norm, reduce_add_rms_norm
 from tp_lora.ops.paged_attention import rope_kernel_takes
 from tp_lora.ops.split_sums import SplitSums
@@ -50,8 +50,9 @@ class RMSNorm(nn.Module):
         the same eps and offset applied to x before the add (Gemma's post-attention norm), in the same pass. reduce:
         x is a row-parallel layer's partial output, summed over this group first (fused with the rest where it can
         be); scatter: x holds every rank's rows (EP experts' sums), of which this rank's chunk is summed. feeds: the
-        layer the normed rows go to; where it reads them quantized per token (an fp8 layer's takes_rows8), the
-        third item holds them so, from the same pass."""
+        layer the normed rows go to; where it reads them quantized (an fp8 layer's takes_rows8), the third item
+        holds them so, from the same pass: per token, else (block-scaled layers at decode, a local norm) per 128
+        columns."""
         xw = None if first is None else first.weight
         fused = reduce is not None and reduce.size > 1
         out8 = None
@@ -60,11 +61,22 @@ class RMSNorm(nn.Module):
                 rows = residual
             else:
                 rows = x[:x.shape[0] // reduce.size] if fused and scatter else x
-            out8 = empty_rows8(rows) if feeds.takes_rows8(rows) else None
+            out8 = rows8_for(feeds, rows, not fused)
         if fused:
             return *reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, reduce, scatter,
                                         out8), out8
         return *add_rms_norm(x, residual, self.weight, self.eps, self.offset, xw, out8), out8
+
+
+def rows8_for(layer: nn.Module, rows: torch.Tensor, groups: bool = True) -> Rows8 | None:
+    """Buffers for an op's output rows (rows: any tensor of their shape, dtype and device) quantized as `layer` reads
+    them: per token where it takes that (takes_rows8), else with groups per ACT8_GROUP columns where it takes those
+    (block-scaled fp8 layers at decode; the ACT8 GEMM without its quantization), else None."""
+    if layer.takes_rows8(rows):
+        return empty_rows8(rows)
+    n = rows.shape[-1]
+    whole = groups and n % ACT8_GROUP == 0 and n > ACT8_GROUP  # (one group's scales would read as a token's)
+    return empty_rows8(rows, n, n // ACT8_GROUP) if whole and layer.takes_rows8(rows, ACT8_GROUP) else None
 
 
 def rope_params(hf: dict, layer_type: str | None = None) -> dict:
@@ -248,15 +260,15 @@ class MLP(nn.Module):
                                                    quant=scheme(quant, [prefix + "down_proj"])), rt,
                                      [prefix + "down_proj"], targets)
 
-    def takes_rows8(self, x: torch.Tensor) -> bool:
-        return self.gate_up_proj.takes_rows8(x)
+    def takes_rows8(self, x: torch.Tensor, group: int | None = None) -> bool:
+        return self.gate_up_proj.takes_rows8(x, group)
 
     def forward(self, x, partial: bool = False, x8: Rows8 | None = None):
         """partial: down_proj's output before its all-reduce, or on one rank its SplitSums (the caller's norm
-        reduces or sums it, see DecoderLayer). x8: x quantized per token (takes_rows8); act_mul hands down_proj its
-        rows so where it takes them."""
+        reduces or sums it, see DecoderLayer). x8: x quantized (takes_rows8); act_mul hands down_proj its rows
+        quantized where it takes them (rows8_for)."""
         g = self.gate_up_proj(x, x8)
-        h8 = empty_rows8(g, g.shape[-1] // 2) if self.down_proj.takes_rows8(g) else None
+        h8 = rows8_for(self.down_proj, g[..., :g.shape[-1] // 2])
         h = act_mul(g, self.act, h8)
         return self.down_proj.partial(h, h8, sums=True) if partial else self.down_proj(h, h8)
 

@@ -102,11 +102,12 @@ class SparseMoE(nn.Module):
         return getattr(self.experts, "base", self.experts)
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def takes_rows8(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, partial, x8) reads x8, x quantized per token: fp8 per-channel experts that multiply the
-        hidden states where they lie (not gathered from the EP group's replicas), in a step without adapters."""
-        return ((self.chunked or self.ep.size == 1) and not (self.rt is not None and self.rt.active())
-                and self.base_experts.takes_rows8(x))
+    def takes_rows8(self, x: torch.Tensor, group: int | None = None) -> bool:
+        """Whether forward(x, partial, x8) reads x8, x quantized per token (group None: the experts take no rows
+        quantized per group): fp8 per-channel experts that multiply the hidden states where they lie (not gathered
+        from the EP group's replicas), in a step without adapters."""
+        return (group is None and (self.chunked or self.ep.size == 1)
+                and not (self.rt is not None and self.rt.active()) and self.base_experts.takes_rows8(x))
 
     def forward(self, x: torch.Tensor, partial: bool = False, x8: Rows8 | None = None) -> torch.Tensor:
         """partial (only with a defer_group / defer_scatter): the sum before its final reduce, which the caller does.

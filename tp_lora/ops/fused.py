@@ -9,8 +9,9 @@ model calls, which take the Triton kernels of tp_lora/ops/triton/fused.py on CUD
 - rope_write_kv: per-head RMSNorm of q and k (Qwen3 / Gemma 3, optional), rotate-half RoPE on the first r dims of
   each head, and the write of k and v into the paged cache at the step's slots; returns q.
 - act_mul: act(gate) * up on the packed [gate | up] output of gate_up_proj (silu, or Gemma's gelu_pytorch_tanh).
-- out8 (the norms, act_mul; kernels only): the output also written quantized per token into (q, scales), the
-  activations of the per-channel fp8 GEMM that reads it (tp_lora.ops.fp8.fp8_linear's x8).
+- out8 (the norms, act_mul; kernels only): the output also written quantized into (q, scales), the activations of
+  the fp8 GEMM that reads it (tp_lora.ops.fp8.fp8_linear's x8): per token (scales [T] or [T, 1]: per-channel
+  layers), or per G columns (scales [T, n / G]: block-scaled layers at decode, G 128).
 - add_rms_norm's x may be a decode GEMM's SplitSums (tp_lora.ops.split_sums: its K shares' partial sums), which
   the kernel adds, scales and rounds as the GEMM would have, while it loads them.
 - moe_topk: the MoE router's softmax (float32), top-k, optional renormalisation and rounding of the weights; a CUDA

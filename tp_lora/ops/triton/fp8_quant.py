@@ -1,7 +1,8 @@
 """Dynamic fp8 activation quantization in one launch, with the signatures of the references in tp_lora.ops.fp8:
 
-    quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)   (also quantize_row, which
-        the norms and act_mul of tp_lora.ops.triton.fused call to emit their rows quantized this way)
+    quantize_per_token(x [T, K]) -> (x_fp8 [T, K] float8_e4m3fn, scales [T, 1] float32)   (also quantize_row8,
+        which the norms and act_mul of tp_lora.ops.triton.fused call to emit their rows quantized this way or per
+        group)
     quantize_per_group(x [T, K], group, rows_to=1) -> (x_fp8 [T', K], scales [T', ceil(K / group)] float32)
 
 Each row (per token) or each group of `group` columns of a row (per group, the activations of block-scaled GEMMs) is
@@ -42,6 +43,21 @@ def quantize_row(v, q_row, s_row, i, ok):
     scale = row_scale(tl.max(tl.abs(v), 0), E4M3_MAX)
     tl.store(s_row, scale)
     to_e4m3(v, scale, q_row, i, ok, E4M3_MAX)
+
+
+@triton.jit
+def quantize_row8(v, q_row, s_row, i, ok, Q8: tl.constexpr):
+    """A row's tile v [BLOCK] float32 at columns i (0 where masked by ok) quantized per token (Q8 1: the whole row,
+    its scale to s_row) or per Q8 columns (Q8 > 1, dividing BLOCK; i's first column a multiple of it: each group's
+    scale to s_row at its index, as ACT8 quantizes a K tile of that width); v / scale to q_row + i."""
+    if Q8 == 1:
+        quantize_row(v, q_row, s_row, i, ok)
+    else:
+        groups: tl.constexpr = v.shape[0] // Q8
+        scale = row_scale(tl.max(tl.reshape(tl.abs(v), (groups, Q8)), 1), E4M3_MAX)
+        first = tl.min(tl.reshape(i, (groups, Q8)), 1)
+        tl.store(s_row + first // Q8, scale, mask=tl.max(tl.reshape(ok.to(tl.int32), (groups, Q8)), 1) > 0)
+        to_e4m3(v, tl.reshape(tl.broadcast_to(scale[:, None], (groups, Q8)), v.shape), q_row, i, ok, E4M3_MAX)
 
 
 @triton.jit

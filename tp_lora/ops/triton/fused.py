@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.split_sums import SplitSums
-from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, quantize_row
+from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, quantize_row8
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 
 ACT_BLOCK = 1024  # columns of act_mul per program
@@ -33,8 +33,8 @@ def _weighted(h, w, OFFSET: tl.constexpr, DT: tl.constexpr):
 def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, i, ok, n, eps,
                  HAS_RES: tl.constexpr, NORM_X: tl.constexpr, OFFSET: tl.constexpr, Q8: tl.constexpr):
     """One row of add_rms_norm from h [BLOCK] float32 (x, masked by ok): the optional norm of x, the residual add
-    (stored at res_out_row), the norm (stored at out_row; Q8: also quantized per token to q_row, its scale to
-    s_row); row pointers, columns i."""
+    (stored at res_out_row), the norm (stored at out_row; Q8: also quantized to q_row, its scales to s_row, per
+    token (1) or per Q8 columns (quantize_row8)); row pointers, columns i."""
     dt = out_row.dtype.element_ty
     if NORM_X:
         xw = tl.load(xw_ptr + i, mask=ok, other=0.0).to(tl.float32)
@@ -48,7 +48,7 @@ def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, 
     y = _weighted(h * rstd, w, OFFSET, dt)
     tl.store(out_row + i, y, mask=ok)
     if Q8:
-        quantize_row(y.to(tl.float32), q_row, s_row, i, ok)
+        quantize_row8(y.to(tl.float32), q_row, s_row, i, ok, Q8)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def load_shares(at, col_at, ok, rs, s_share, SHARES: tl.constexpr, COL: tl.const
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, col_ptr, row_ptr, s_x,
-                         s_part, s_r, s_o, s_ro, s_q, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                         s_part, s_r, s_o, s_ro, s_q, s_qs, n, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
                          NORM_X: tl.constexpr, OFFSET: tl.constexpr, Q8: tl.constexpr, PARTS: tl.constexpr,
                          COL: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
@@ -80,7 +80,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_
     h = load_shares(x_ptr + t * s_x + i, col_ptr + i, ok, rs, s_part, PARTS, COL, out_ptr.dtype.element_ty)
     release_next(PDL)
     add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, q_ptr + t * s_q,
-                 qs_ptr + t, i, ok, n, eps, HAS_RES, NORM_X, OFFSET, Q8)
+                 qs_ptr + t * s_qs, i, ok, n, eps, HAS_RES, NORM_X, OFFSET, Q8)
 
 
 @triton.jit
@@ -163,23 +163,16 @@ def _act_mul_block(x_row, out_row, i, ok, n, GELU: tl.constexpr, PDL: tl.constex
 
 
 @triton.jit
-def _act_mul_kernel(x_ptr, out_ptr, s_x, s_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
+def _act_mul_kernel(x_ptr, out_ptr, q_ptr, qs_ptr, s_x, s_o, s_q, s_qs, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                    Q8: tl.constexpr, PDL: tl.constexpr):
+    """Programs over (row, BLOCK columns). Q8: the output also quantized (quantize_row8): per token (1) the whole
+    row in one tile (its amax needs every column), per Q8 columns (> 1) a tile's groups."""
     wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, i < n, n, GELU, PDL)
-
-
-@triton.jit
-def _act_mul_q8_kernel(x_ptr, out_ptr, q_ptr, qs_ptr, s_x, s_o, s_q, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
-                       PDL: tl.constexpr):
-    """act_mul with out8: a program per row, the whole row in one tile (its amax needs every column)."""
-    wait_prior(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    ok = i < n
-    y = _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, ok, n, GELU, PDL)
-    quantize_row(y, q_ptr + t * s_q, qs_ptr + t, i, ok)
+    y = _act_mul_block(x_ptr + t * s_x, out_ptr + t * s_o, i, i < n, n, GELU, PDL)
+    if Q8:
+        quantize_row8(y, q_ptr + t * s_q, qs_ptr + t * s_qs, i, i < n, Q8)
 
 
 def as_rows(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -217,33 +210,38 @@ def add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, wei
     else:
         res, res_out = as_rows(residual, "add_rms_norm's residual"), torch.empty_like(out)
     res_rows = rows if residual is None else res_out.view(-1, n)
-    q, qs = check_rows8("add_rms_norm", out8, rows.shape[0], n, out)
+    q, qs, q8 = check_rows8("add_rms_norm", out8, rows.shape[0], n, out)
     col = None if sums is None else sums.col
     row = None if sums is None else sums.row
     if rows.shape[0]:
         _add_rms_norm_kernel[(rows.shape[0],)](
             rows if sums is None else sums.parts, res, weight, weight if x_weight is None else x_weight, out,
             res_rows, q, qs, weight if col is None else col, weight if row is None else row.reshape(-1),
-            rows.stride(0), rows.numel(), res.stride(0), n, n, q.stride(0), n, float(eps),
+            rows.stride(0), rows.numel(), res.stride(0), n, n, q.stride(0), qs.stride(0), n, float(eps),
             BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, NORM_X=x_weight is not None,
-            OFFSET=bool(offset), Q8=out8 is not None, PARTS=0 if sums is None else sums.parts.shape[0],
+            OFFSET=bool(offset), Q8=q8, PARTS=0 if sums is None else sums.parts.shape[0],
             COL=col is not None, ROW=row is not None, num_warps=4 if n <= 4096 else 8,
             **pdl_args(rows if sums is None else sums.parts))
         released(out, q)
     return out, res_out
 
 
-def check_rows8(op: str, out8, t: int, n: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (q, scales) buffers of an op's out8 for t rows of n columns, checked; without out8, any two tensors the
-    kernel never touches (out)."""
+def check_rows8(op: str, out8, t: int, n: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(q, scales [t, groups], Q8) of an op's out8 for t rows of n columns, checked: Q8 1 per token (scales [t] or
+    [t, 1]), else per Q8 columns (scales [t, n / Q8] row-major, Q8 a power of two of at most ACT_BLOCK); without
+    out8, any two tensors the kernel never touches (out) and Q8 0."""
     if out8 is None:
-        return out.view(-1, n), out
+        return out.view(-1, n), out.view(-1, n), 0
     q, qs = out8
-    if (q.shape != (t, n) or q.dtype != FP8_DTYPE or q.stride(-1) != 1 or qs.numel() != t
-            or qs.dtype != torch.float32 or not qs.is_contiguous()):
-        raise ValueError(f"{op}: out8 needs q [{t}, {n}] {FP8_DTYPE} (unit column stride) and {t} contiguous "
-                         f"float32 scales, got {tuple(q.shape)} {q.dtype} and {tuple(qs.shape)} {qs.dtype}")
-    return q, qs
+    groups = qs.shape[-1] if qs.dim() == 2 else 1
+    width = n // max(1, groups)
+    if (q.shape != (t, n) or q.dtype != FP8_DTYPE or q.stride(-1) != 1 or qs.numel() != t * groups
+            or qs.dtype != torch.float32 or qs.stride(-1) != 1 or (t > 1 and qs.stride(0) != groups)
+            or width * groups != n or (groups > 1 and (width & (width - 1) or width > ACT_BLOCK))):
+        raise ValueError(f"{op}: out8 needs q [{t}, {n}] {FP8_DTYPE} (unit column stride) and row-major float32 "
+                         f"scales, {t} (per token) or [{t}, {n} / G] (per G columns, G a power of two of at most "
+                         f"{ACT_BLOCK}), got {tuple(q.shape)} {q.dtype} and {tuple(qs.shape)} {qs.dtype}")
+    return q, qs.view(t, groups), 1 if groups == 1 else width
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -280,17 +278,13 @@ def act_mul(x: torch.Tensor, act: str, out8: tuple[torch.Tensor, torch.Tensor] |
     t, n = rows.shape[0], rows.shape[1] // 2
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     gelu = act == "gelu_pytorch_tanh"
-    if out8 is not None:
-        q, qs = check_rows8("act_mul", out8, t, n, out)
-        if t:
-            block = triton.next_power_of_2(n)
-            _act_mul_q8_kernel[(t,)](rows, out, q, qs, rows.stride(0), n, q.stride(0), n, BLOCK=block, GELU=gelu,
-                                     num_warps=min(16, max(4, block // 1024)), **pdl_args(rows))
-            released(out, q)
-    elif t:
-        _act_mul_kernel[(t, triton.cdiv(n, ACT_BLOCK))](rows, out, rows.stride(0), n, n, BLOCK=ACT_BLOCK, GELU=gelu,
-                                                        **pdl_args(rows))
-        released(out)
+    q, qs, q8 = check_rows8("act_mul", out8, t, n, out)
+    block = triton.next_power_of_2(n) if q8 == 1 else ACT_BLOCK
+    if t:
+        _act_mul_kernel[(t, triton.cdiv(n, block))](rows, out, q, qs, rows.stride(0), n, q.stride(0), qs.stride(0), n,
+                                                    BLOCK=block, GELU=gelu, Q8=q8,
+                                                    num_warps=min(16, max(4, block // 1024)), **pdl_args(rows))
+        released(out, q)
     return out
 
 

@@ -78,7 +78,10 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     out = torch.empty((keep, n) if scatter else x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out)
     res = rows[:keep] if residual is None else as_rows(residual, "reduce_add_rms_norm's residual")
-    q, qs = check_rows8("reduce_add_rms_norm", out8, keep, n, out)
+    q, qs, q8 = check_rows8("reduce_add_rms_norm", out8, keep, n, out)
+    if q8 > 1:
+        raise ValueError(f"reduce_add_rms_norm: out8 quantizes per token over peer memory, got scales per {q8} "
+                         f"columns")
     if t:
         buf.launch("reduce-scatter + norm" if scatter else "all_reduce + norm", rows)
         _reduce_add_rms_norm_kernel[(buf.programs,)](
@@ -86,6 +89,6 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
             buf.epochs, buf.report.address, buf.limit, t, keep, rows.stride(0), res.stride(0), n, n, q.stride(0), n,
             float(eps), buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n),
             HAS_RES=residual is not None, NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM,
-            POLL=buf.polls(t * n * x.element_size() * buf.world), SCATTER=scatter, Q8=out8 is not None,
+            POLL=buf.polls(t * n * x.element_size() * buf.world), SCATTER=scatter, Q8=q8,
             num_warps=4 if n <= 4096 else 8)
     return out, res_out
