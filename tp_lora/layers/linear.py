@@ -2,7 +2,8 @@
 
 Each layer splits its forward in two so a LoRA wrapper can add its delta in between:
 `partial(x)` is what this rank computes alone, `finish(z)` the communication that completes it. An fp8 layer may
-also take its input quantized per token (x8) from the op that made it, where `takes_rows8(x)` says it reads it.
+also take its input quantized (x8: per token, or per group of columns) from the op that made it, where
+`takes_rows8(x, group)` says it reads it.
 """
 from __future__ import annotations
 
