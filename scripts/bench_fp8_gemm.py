@@ -7,8 +7,9 @@ layer shapes, per-channel and [128, 128]-block scales (each W8A8 path's time inc
                   block scales cuBLAS's block-scaled GEMM where torch has it, else w8a8_mm)
     fp8_rows      per-channel: fp8_linear of rows already quantized per token (x8: what qkv, gate_up and down
                   get from the norm or act_mul before them, whose pass writes them; their quantization not timed)
-    head_rows     rows up to ACT8_ROWS already quantized per (row, 128 columns) (x8 with a scale a head: what o_proj
-                  gets from decode attention, whose epilogue writes them): ACT8 without its quantization (G8)
+    head_rows     rows up to ACT8_ROWS already quantized per (row, 128 columns) (x8 with a scale a head or group:
+                  what o_proj gets from decode attention, and block-scaled layers from the norm or act_mul before
+                  them, whose pass writes them): ACT8 without its quantization (G8)
     w8a16         tp_lora.ops.triton.fp8_gemm.w8a16_mm weight-only (split-K), rows <= 64 (what the layers ran
                   before ACT8)
     w8a8          block scales: per-group quantization kernel + w8a8_mm (Triton, fp8 tensor cores)
