@@ -246,9 +246,11 @@ def test_w8a16_mm_xq_multiplies_fp8_rows_and_their_scales(device, rows, n, k, cf
         fp8_gemm.w8a16_mm(q, w, scale, None, cfg, xs[1:], out_dtype)
 
 
-# (out, in) -> the XQ form's K shares at the shapes of ACT8_SHARES measured on an H200 (scripts/tune_fp8_gemm.py)
-XQ_SHARES = {(6144, 4096): 2, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 4, (3072, 4096): 4,
-             (4096, 2048): 1, (4096, 1024): 1}
+# (out, in) -> the XQ form's K shares on a 132-SM H200: the best of a sweep of tiles, stages and shares at the 8B
+# layers' tp1 / tp2 / tp4 shapes (or within its noise of the best)
+XQ_SHARES = {(6144, 4096): 1, (4096, 4096): 1, (28672, 4096): 1, (4096, 14336): 2, (3072, 4096): 2,
+             (4096, 2048): 1, (4096, 1024): 1, (14336, 4096): 1, (4096, 7168): 1, (1536, 4096): 4,
+             (7168, 4096): 1, (4096, 3584): 1}
 
 
 @pytest.mark.parametrize("n,k", list(XQ_SHARES))
@@ -256,7 +258,8 @@ def test_xq_decode_config_takes_the_measured_shares(n, k):
     from tp_lora.ops.triton.fp8_gemm import w8a16_config
     cfg = w8a16_config(32, n, k, xq=True)
     assert cfg["SPLIT_K"] == XQ_SHARES[(n, k)] and not cfg["ACT8"], cfg
-    assert cfg["BLOCK_N"] == (256 if n == 28672 else 64), cfg
+    assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == ((128, 128) if n >= 14336 else (64, 256)), cfg
+    assert w8a16_config(32, 4096, 14336, xq=True, sms=114)["SPLIT_K"] == 1  # 2 shares would take a second wave
 
 
 # (out, in) -> the K shares of ACT8 on rows quantized per 128 columns by their producer (G8: o_proj, down_proj),

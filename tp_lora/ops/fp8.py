@@ -230,12 +230,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: i
     small = small_rows(w, block_k)
     if rows and kernels_take(x, block_k):
         from tp_lora.ops.triton import fp8_gemm, fp8_quant  # noqa: PLC0415 - CUDA / forced only
+        from tp_lora.ops.triton.configs import num_sms  # noqa: PLC0415
         if x8 is not None and group is not None:  # ACT8 of rows quantized per (token, K tile) by their producer
             return fp8_gemm.w8a16_mm(x8[0], w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, g8=True),
                                      x8[1], x.dtype, sums=sums)
         if x8 is not None and rows <= ACT8_ROWS:
-            return fp8_gemm.w8a16_mm(x8[0], w, scale, None, fp8_gemm.w8a16_config(rows, *w.shape, xq=True), x8[1],
-                                     x.dtype, sums=sums)
+            cfg = fp8_gemm.w8a16_config(rows, *w.shape, xq=True, sms=num_sms(w.device.index))
+            return fp8_gemm.w8a16_mm(x8[0], w, scale, None, cfg, x8[1], x.dtype, sums=sums)
         if rows <= ACT8_ROWS and act8_takes(x, block_k):
             return fp8_gemm.w8a16_mm(x, w, scale, block_k, fp8_gemm.w8a16_config(rows, *w.shape, act8=True),
                                      sums=sums)

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.split_sums import SplitSums
+from tp_lora.ops.triton.configs import DEFAULT_NUM_SMS
 from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
@@ -269,15 +270,17 @@ def w8a8_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Te
     return out
 
 
-def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g8: bool = False) -> dict:
+def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g8: bool = False,
+                 sms: int = DEFAULT_NUM_SMS) -> dict:
     """The launch configuration of w8a16_mm for m rows and a weight [n, k]. Weight-only: 64 columns x 128 K per
     tile, 4 warps, 3 stages, the transposed tile (SWAP) past 16 rows, and the most K shares (up to 8, each at least
     1024 wide) that keep the programs within 512 (256 past 32 rows, where each program's tile costs more); chosen
     with scripts/bench_decode_gemm.py --weights fp8. act8 (ACT8, rows up to 32): 128 x 128 tiles, 8 warps, 4
     stages, K shares by _act8_splits within 256 programs; wide layers (out >= 3 x in and >= 12288: gate_up at tp1 /
     tp2) 256 x 128 tiles, 5 stages, within 128 programs; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows, at
-    tp1 / tp2 / tp4's layer shapes). xq (fp8 rows, XQ): the wide layers' tiles, else 64 x 128 tiles, 4 warps, 4
-    stages, K shares by _xq_splits. g8 (ACT8 of rows quantized per group by their producer, G8): XQ's 64 x 128
+    tp1 / tp2 / tp4's layer shapes). xq (fp8 rows, XQ): wide layers 128 x 128 tiles, 8 warps, 5 stages, K whole;
+    else 64 x 256 tiles, 4 warps, 6 stages and K shares by _xq_splits for the device's sms; chosen from a sweep of
+    tiles, stages and shares at the 8B layers' tp1 / tp2 / tp4 shapes (BENCHMARKS.md). g8 (ACT8 of rows quantized per group by their producer, G8): XQ's 64 x 128
     tiles, 4 warps, 4 stages, K shares by _splits within 256 programs (each product is scaled per K tile: narrower
     tiles keep more of them in flight); chosen from 48 launch configurations at o_proj's and down_proj's tp1 / tp2
     shapes."""
@@ -285,11 +288,14 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g
         return dict(W8A16_DEFAULT, num_stages=4, SWAP=True, ACT8=True,
                     SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 256))
     wide = n >= 3 * k and n >= 12288  # not tp4's o (4096 x 1024): 16 programs of 256 columns
-    if xq and not wide:
-        return dict(W8A16_DEFAULT, num_stages=4, SWAP=True, SPLIT_K=_xq_splits(triton.cdiv(n, 64), k))
-    if act8 or xq:
+    if xq and wide:
+        return dict(W8A16_DEFAULT, BLOCK_N=128, num_warps=8, num_stages=5, SWAP=True)
+    if xq:
+        return dict(W8A16_DEFAULT, BLOCK_K=256, num_stages=6, SWAP=True,
+                    SPLIT_K=_xq_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, sms))
+    if act8:
         block_n = 256 if wide else 128
-        return dict(W8A16_DEFAULT, BLOCK_N=block_n, num_warps=8, num_stages=5 if wide else 4, ACT8=not xq,
+        return dict(W8A16_DEFAULT, BLOCK_N=block_n, num_warps=8, num_stages=5 if wide else 4, ACT8=True,
                     SWAP=True, SPLIT_K=_act8_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
     return dict(W8A16_DEFAULT, SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 512 if m <= 32 else 256),
                 SWAP=m > 16)
@@ -303,11 +309,13 @@ def _splits(blocks: int, k: int, budget: int) -> int:
     return split
 
 
-def _xq_splits(blocks: int, k: int) -> int:
-    """K shares of the XQ form: none up to 2048 columns (the last split's sum would cost more than the share
-    saves), else the most (up to 4) of at least 1024 columns within 256 programs."""
+def _xq_splits(blocks: int, k: int, sms: int) -> int:
+    """K shares of the XQ form: doubled (up to 4, each at least 1024 wide) while blocks x shares stay within one wave
+    of sms programs, and only where the programs are still fewer than 64 or the shares stay at least 4096 wide (a
+    second wave, or short shares among enough programs, cost more than a share saves)."""
     split = 1
-    while k > 2048 and split < 4 and blocks * split * 2 <= 256 and k // (split * 2) >= 1024:
+    while (split < 4 and blocks * split * 2 <= sms and k // (split * 2) >= 1024
+           and (blocks * split < 64 or k // (split * 2) >= 4096)):
         split *= 2
     return split
 
