@@ -157,7 +157,7 @@ def test_fp8_decode_gemms_leave_their_k_shares_to_the_next_norm(family, device, 
     model, input_ids, meta, new_cache = _fp8_model(family, device, hidden_size=256, intermediate_size=384,
                                                    head_dim=64 if family == "gemma3_text" else 128)
     config, kernel, rows8 = fp8_gemm.w8a16_config, fp8_gemm.w8a16_mm, linear.takes_rows8
-    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), SPLIT_K=2))
+    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), SPLIT_K=2, BLOCK_K=128))
     monkeypatch.setattr(fused, "KERNELS", True)
     outs, left, heads8 = [], [], []
     for fast in (True, False):
