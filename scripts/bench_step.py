@@ -33,7 +33,9 @@ Triton kernels (tp_lora/ops/fused.py). --allreduce sets parallel.allreduce (auto
 over replays, this rank; without adapters, and unless --no-adapters-only with 32), by kernel and by kind (GEMM,
 attention, all-reduce, norm, ...), into the JSON; `--kernel-compare A.json B.json` prints two runs' tables side by
 side (e.g. tp1 against tp2: what does not halve). Kernels launched early (tp_lora/ops/triton/pdl.py: the fp8 decode
-chain on Hopper) count their wait for the kernel before, so their times overlap and can sum past the step.
+chain on Hopper) count their wait for the kernel before, so their times overlap and can sum past the step; the
+table's "roles" hold each kernel kind's (and each projection's GEMM's) marginal time on the step's critical path
+(scripts/kernel_marginals.py), which sums to the step.
 Prints a table; writes bench_step.json into --out.
 """
 from __future__ import annotations
@@ -58,6 +60,7 @@ from tp_lora.engine import engine as engine_module  # noqa: E402
 from tp_lora.engine.engine import Engine  # noqa: E402
 from tp_lora.engine.requests import Request  # noqa: E402
 from tp_lora.ops import fused  # noqa: E402
+from kernel_marginals import role_table  # noqa: E402
 
 SHAPES = {
     "llama-2048": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -316,7 +319,8 @@ KINDS = (("all-reduce + norm (fused)", ("reduce_add_rms_norm",)),
          ("RoPE + KV write", ("rope",)),
          ("act * mul", ("act_mul",)),
          ("LoRA", ("shrink", "expand", "lora", "sgmv")),
-         ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90", "matmul", "splitk", "ampere")),
+         ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90", "matmul", "splitk", "ampere", "w8a16", "w8a8",
+                   "grouped_mm")),
          ("copy / fill", ("copy", "fill", "memcpy", "memset", "elementwise")))
 
 
@@ -346,6 +350,8 @@ def kernel_table(engine, vocab: int, contexts: list[int], adapters: bool, steps:
             for b in batches[4:]:
                 runner.execute(b, cache)
             torch.cuda.synchronize()
+        device = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels = {}
         for e in prof.key_averages():
             us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -356,7 +362,8 @@ def kernel_table(engine, vocab: int, contexts: list[int], adapters: bool, steps:
             kind = kinds.setdefault(k["kind"], dict(us=0.0, calls=0.0))
             kind["us"] += k["us"]
             kind["calls"] += k["calls"]
-        out[str(ctx)] = dict(step_us=step_ms * 1e3, replayed=runner.replayed, kernels=kernels, kinds=kinds)
+        out[str(ctx)] = dict(step_us=step_ms * 1e3, replayed=runner.replayed, kernels=kernels, kinds=kinds,
+                             roles=role_table(device, kernel_kind, steps))
     return out
 
 
@@ -384,6 +391,11 @@ def kernel_compare(paths: list[str], top: int = 14) -> None:
                 print(f"| {kind} | {x['us']:.0f} ({x['calls']:.0f}) | {y['us']:.0f} ({y['calls']:.0f}) | {ratio} |")
             print(f"| kernels' sum | {sum(k['us'] for k in ta['kinds'].values()):.0f} | "
                   f"{sum(k['us'] for k in tb['kinds'].values()):.0f} | |")
+            print("marginal us per step by role (the critical path; kernel_marginals.py), A / B:")
+            for role in sorted(set(ta.get("roles", {})) | set(tb.get("roles", {})),
+                               key=lambda r: -ta.get("roles", {}).get(r, {"marginal_us": 0})["marginal_us"]):
+                x, y = (t.get("roles", {}).get(role, dict(marginal_us=0.0, calls=0.0)) for t in (ta, tb))
+                print(f"  {role}: {x['marginal_us']:.0f} ({x['calls']:.0f}) / {y['marginal_us']:.0f} ({y['calls']:.0f})")
             for name, t in (("A", ta), ("B", tb)):
                 print(f"top kernels of {name} ({label[0 if name == 'A' else 1]}): us per step, calls, us per call")
                 for k, v in sorted(t["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]:
