@@ -426,3 +426,13 @@ def test_race_greedy_rows_take_the_lowest_index_among_ties(device):
     assert got[0].tolist() == [5.0, 4200.0] and not got[1].isnan().any()
     torch.testing.assert_close(got[1], sampling.race_ref(*args)[1], rtol=1e-5, atol=1e-5)
 
+
+
+def test_norm_and_act_mul_take_the_warps_measured_at_decode():
+    """The launch constants an H200's 8B decode step measured (BENCHMARKS.md): 16 warps for a norm's row of 4096 at
+    decode (3.47 -> 2.96 us at 2 K shares), a warp per 512 columns for act_mul's whole-row per-token programs; past
+    decode's rows (prefill) the constants before them."""
+    from tp_lora.ops.triton.fused import DECODE_ROWS, act_warps, norm_warps
+    assert [norm_warps(32, 4096), norm_warps(32, 2048), norm_warps(DECODE_ROWS + 1, 4096)] == [16, 4, 4]
+    assert [norm_warps(32, 8192), norm_warps(2048, 8192)] == [16, 8]
+    assert [act_warps(32, 16384), act_warps(32, 1024), act_warps(2048, 16384), act_warps(2048, 1024)] == [32, 4, 16, 4]

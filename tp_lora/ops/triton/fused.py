@@ -17,6 +17,7 @@ from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
 EMBED_BLOCK = 1024  # columns of embedding_shard per program
+DECODE_ROWS = 64  # rows up to which the norms and act_mul take the launch constants measured at decode
 
 
 @triton.jit
@@ -220,10 +221,22 @@ def add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, wei
             rows.stride(0), rows.numel(), res.stride(0), n, n, q.stride(0), qs.stride(0), n, float(eps),
             BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, NORM_X=x_weight is not None,
             OFFSET=bool(offset), Q8=q8, PARTS=0 if sums is None else sums.parts.shape[0],
-            COL=col is not None, ROW=row is not None, num_warps=4 if n <= 4096 else 8,
+            COL=col is not None, ROW=row is not None, num_warps=norm_warps(rows.shape[0], n),
             **pdl_args(rows if sums is None else sums.parts))
         released(out, q)
     return out, res_out
+
+
+def norm_warps(t: int, n: int) -> int:
+    """Warps of add_rms_norm's program a row: 16 for decode's rows of 4096 columns or more (their latency), else
+    4 up to 4096 columns, 8 past them."""
+    return 16 if t <= DECODE_ROWS and n >= 4096 else 4 if n <= 4096 else 8
+
+
+def act_warps(t: int, block: int) -> int:
+    """Warps of act_mul's programs of block columns: a warp per 512 at decode's rows (the whole row's per-token
+    quantization), per 1024 past them; 4 to 32."""
+    return min(32, max(4, block // (512 if t <= DECODE_ROWS else 1024)))
 
 
 def check_rows8(op: str, out8, t: int, n: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -283,7 +296,7 @@ def act_mul(x: torch.Tensor, act: str, out8: tuple[torch.Tensor, torch.Tensor] |
     if t:
         _act_mul_kernel[(t, triton.cdiv(n, block))](rows, out, q, qs, rows.stride(0), n, q.stride(0), qs.stride(0), n,
                                                     BLOCK=block, GELU=gelu, Q8=q8,
-                                                    num_warps=min(16, max(4, block // 1024)), **pdl_args(rows))
+                                                    num_warps=act_warps(t, block), **pdl_args(rows))
         released(out, q)
     return out
 
