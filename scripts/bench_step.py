@@ -395,7 +395,8 @@ def kernel_compare(paths: list[str], top: int = 14) -> None:
             for role in sorted(set(ta.get("roles", {})) | set(tb.get("roles", {})),
                                key=lambda r: -ta.get("roles", {}).get(r, {"marginal_us": 0})["marginal_us"]):
                 x, y = (t.get("roles", {}).get(role, dict(marginal_us=0.0, calls=0.0)) for t in (ta, tb))
-                print(f"  {role}: {x['marginal_us']:.0f} ({x['calls']:.0f}) / {y['marginal_us']:.0f} ({y['calls']:.0f})")
+                print(f"  {role}: {x['marginal_us']:.0f} ({x['calls']:.0f}) / "
+                      f"{y['marginal_us']:.0f} ({y['calls']:.0f})")
             for name, t in (("A", ta), ("B", tb)):
                 print(f"top kernels of {name} ({label[0 if name == 'A' else 1]}): us per step, calls, us per call")
                 for k, v in sorted(t["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]:

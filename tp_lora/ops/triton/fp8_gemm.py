@@ -280,10 +280,10 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g
     tp2) 256 x 128 tiles, 5 stages, within 128 programs; chosen with scripts/tune_fp8_gemm.py (its ACT8 rows, at
     tp1 / tp2 / tp4's layer shapes). xq (fp8 rows, XQ): wide layers 128 x 128 tiles, 8 warps, 5 stages, K whole;
     else 64 x 256 tiles, 4 warps, 6 stages and K shares by _xq_splits for the device's sms; chosen from a sweep of
-    tiles, stages and shares at the 8B layers' tp1 / tp2 / tp4 shapes (BENCHMARKS.md). g8 (ACT8 of rows quantized per group by their producer, G8): XQ's 64 x 128
-    tiles, 4 warps, 4 stages, K shares by _splits within 256 programs (each product is scaled per K tile: narrower
-    tiles keep more of them in flight); chosen from 48 launch configurations at o_proj's and down_proj's tp1 / tp2
-    shapes."""
+    tiles, stages and shares at the 8B layers' tp1 / tp2 / tp4 shapes (BENCHMARKS.md). g8 (ACT8 of rows quantized
+    per group by their producer, G8): 64 x 128 tiles, 4 warps, 4 stages, K shares by _splits within 256 programs
+    (each product is scaled per K tile: narrower tiles keep more of them in flight); chosen from 48 launch
+    configurations at o_proj's and down_proj's tp1 / tp2 shapes."""
     if g8:
         return dict(W8A16_DEFAULT, num_stages=4, SWAP=True, ACT8=True,
                     SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 256))
