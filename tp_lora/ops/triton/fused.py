@@ -17,7 +17,7 @@ from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 ACT_BLOCK = 1024  # columns of act_mul per program
 COMBINE_BLOCK = 1024  # columns of moe_combine per program
 EMBED_BLOCK = 1024  # columns of embedding_shard per program
-DECODE_ROWS = 64  # rows up to which the norms and act_mul take the launch constants measured at decode
+DECODE_ROWS = 64  # rows up to which the norms and act_mul launch for latency (decode), not throughput
 
 
 @triton.jit
