@@ -85,12 +85,12 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_
 
 
 @triton.jit
-def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, col_src, rs, s_share, ROWS: tl.constexpr,
-              D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
-              DT: tl.constexpr, SHARES: tl.constexpr, COL: tl.constexpr):
-    """Heads [n_rows, D] at src (head stride s_h; SHARES: a GEMM's SplitSums there, as load_shares reads them, its
-    column scales at col_src with the same offsets) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
-    on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
+def rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, rs, s_share, ROWS: tl.constexpr,
+                D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr,
+                SHARES: tl.constexpr, COL: tl.constexpr):
+    """norm_rope's loads: heads [n_rows, D] at src and their rotate_half partners as load_shares reads them (x, xp
+    [ROWS, D_PAD] float32), cos and sin [1, D_PAD] and (NORM) the norm weights at the same columns (w, wp; else
+    cos, sin). Apart from rope_apply, so a kernel can issue several heads' loads at once."""
     h = tl.arange(0, ROWS)[:, None]
     i = tl.arange(0, D_PAD)[None, :]
     ok = (h < n_rows) & (i < D)
@@ -99,17 +99,39 @@ def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, col_src, rs, s_sha
     partner = tl.where(i < half, i + half, i - half)  # rotate_half reads dim i + R/2 (negated) or i - R/2
     x = load_shares(src + h * s_h + i, col_src + h * s_h + i, ok, rs, s_share, SHARES, COL, DT)
     xp = load_shares(src + h * s_h + partner, col_src + h * s_h + partner, ok & rot, rs, s_share, SHARES, COL, DT)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        w = tl.load(w_ptr + i, mask=i < D, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-        x = _weighted(x * rstd, w, OFFSET, DT).to(tl.float32)
-        xp = _weighted(xp * rstd, wp, OFFSET, DT).to(tl.float32)
     c = tl.load(cos_row + i, mask=rot, other=0.0).to(tl.float32)
     s = tl.load(sin_row + i, mask=rot, other=0.0).to(tl.float32)
-    xp = tl.where(i < half, -xp, xp)
+    w, wp = c, s
+    if NORM:
+        w = tl.load(w_ptr + i, mask=i < D, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    return x, xp, c, s, w, wp
+
+
+@triton.jit
+def rope_apply(x, xp, c, s, w, wp, eps, D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
+               OFFSET: tl.constexpr, DT: tl.constexpr):
+    """norm_rope's math on rope_inputs' loads: the optional per-head RMSNorm, then RoPE on the first R dims."""
+    i = tl.arange(0, D_PAD)[None, :]
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        x = _weighted(x * rstd, w, OFFSET, DT).to(tl.float32)
+        xp = _weighted(xp * rstd, wp, OFFSET, DT).to(tl.float32)
+    xp = tl.where(i < R // 2, -xp, xp)
     y = ((x * c).to(DT).to(tl.float32) + (xp * s).to(DT).to(tl.float32)).to(DT)
-    return tl.where(rot, y, x.to(DT))
+    return tl.where(i < R, y, x.to(DT))
+
+
+@triton.jit
+def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, col_src, rs, s_share, ROWS: tl.constexpr,
+              D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
+              DT: tl.constexpr, SHARES: tl.constexpr, COL: tl.constexpr):
+    """Heads [n_rows, D] at src (head stride s_h; SHARES: a GEMM's SplitSums there, as load_shares reads them, its
+    column scales at col_src with the same offsets) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
+    on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
+    x, xp, c, s, w, wp = rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, rs, s_share, ROWS, D, D_PAD,
+                                     R, NORM, DT, SHARES, COL)
+    return rope_apply(x, xp, c, s, w, wp, eps, D, D_PAD, R, NORM, OFFSET, DT)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from tp_lora.ops.split_sums import SplitSums
 from tp_lora.ops.triton.fp8_quant import E4M3_MAX, row_scale, to_e4m3
-from tp_lora.ops.triton.fused import load_shares, norm_rope
+from tp_lora.ops.triton.fused import load_shares, rope_apply, rope_inputs
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
 
@@ -67,6 +67,14 @@ def fp8_to_f16(x, ASM: tl.constexpr):
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
     return x.to(tl.float16)
+
+
+@triton.jit
+def prefetch_l1(ptr, ON: tl.constexpr):
+    """Ask L1 for the line at ptr (a compiled kernel's hint: ON; the interpreter runs no PTX)."""
+    if ON:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -215,33 +223,38 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
     b = tl.program_id(0)
     g = tl.program_id(1)
     part = tl.program_id(2)
+    d = tl.arange(0, D)
+    if ROPE:  # q, k, v of the new token as projected (SHARES: the qkv GEMM's SplitSums), RoPE'd (after the optional
+        # per-head norm) here. Their loads (query row b: no cu_q with RoPE) go out with the context length's, and
+        # the block table's first entries are asked into L1: one round trip to memory before the K / V tiles.
+        tl.static_assert(not CU_Q, "paged_decode's RoPE takes no cu_q")
+        dt = out_ptr.dtype.element_ty
+        cos_row, sin_row = cos_ptr + b * s_cos, sin_ptr + b * s_sin
+        rs = tl.load(rs_ptr + b) if ROW else 1.0
+        two = tl.arange(0, 2)[:, None]  # k's rows: the head in row 0, row 1 masked
+        q_in = rope_inputs(q_ptr + b * s_qb + g * REP * s_qh, REP, s_qh, cos_row, sin_row, qw_ptr,
+                           col_ptr + g * REP * s_qh, rs, s_share, REP_PAD, D, D, R, NORM, dt, SHARES, COL)
+        k_in = rope_inputs(kn_ptr + b * s_knb + g * s_knh, 1, s_knh, cos_row, sin_row, kw_ptr,
+                           col_ptr + k_col + g * s_knh, rs, s_share, 2, D, D, R, NORM, dt, SHARES, COL)
+        v_at = g * s_vnh + two * 0 + d[None, :]
+        v = load_shares(vn_ptr + b * s_vnb + v_at, col_ptr + v_col + v_at, two < 1, rs, s_share, SHARES, COL, dt)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        prefetch_l1(bt_ptr + b * s_btb, PDL)
     lo, hi, used, row, runs = sequence_split(ctx_ptr, cu_q_ptr, b, part, window, min_part, PARTS, BLOCK, CU_Q)
     if not runs:
         return
     r = tl.arange(0, REP_PAD)
-    d = tl.arange(0, D)
     heads = g * REP + r
-    if ROPE:  # q, k, v of the new token as projected (SHARES: the qkv GEMM's SplitSums): RoPE (after the optional
-        # per-head norm) here
-        dt = out_ptr.dtype.element_ty
-        cos_row, sin_row = cos_ptr + row * s_cos, sin_ptr + row * s_sin
-        rs = tl.load(rs_ptr + row) if ROW else 1.0
-        q = norm_rope(q_ptr + row * s_qb + g * REP * s_qh, REP, s_qh, cos_row, sin_row, qw_ptr, eps,
-                      col_ptr + g * REP * s_qh, rs, s_share, REP_PAD, D, D, R, NORM, OFFSET, dt, SHARES, COL)
+    if ROPE:
+        q = rope_apply(*q_in, eps, D, D, R, NORM, OFFSET, dt)
         if part == used - 1:  # the last partition used holds the new position: it writes its K and V first
-            two = tl.arange(0, 2)[:, None]  # norm_rope's rows: the head in row 0, row 1 masked
-            one = two < 1
-            k = norm_rope(kn_ptr + row * s_knb + g * s_knh, 1, s_knh, cos_row, sin_row, kw_ptr, eps,
-                          col_ptr + k_col + g * s_knh, rs, s_share, 2, D, D, R, NORM, OFFSET, dt, SHARES, COL)
-            v_at = g * s_vnh + two * 0 + d[None, :]
-            v = load_shares(vn_ptr + row * s_vnb + v_at, col_ptr + v_col + v_at, one, rs, s_share, SHARES, COL, dt)
+            k = rope_apply(*k_in, eps, D, D, R, NORM, OFFSET, dt)
             if SCALED:  # an fp8 cache holds k / k_scale and v / v_scale
                 k = k.to(tl.float32) * k_inv
                 v = v.to(tl.float32) * v_inv
-            slot = tl.load(slots_ptr + row).to(tl.int64)
             at = (slot // BS) * s_kb + (slot % BS) * s_ks + g * s_kh + two * 0 + d[None, :]
-            tl.store(k_ptr + at, k, mask=one)
-            tl.store(v_ptr + at, v, mask=one)
+            tl.store(k_ptr + at, k, mask=two < 1)
+            tl.store(v_ptr + at, v, mask=two < 1)
             tl.debug_barrier()  # stored before any thread of the program reads the position back
     else:
         q = tl.load(q_ptr + row * s_qb + heads[:, None] * s_qh + d[None, :], mask=(r < REP)[:, None], other=0.0)
