@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.split_sums import SplitSums
+from tp_lora.ops.triton.dot import interpreting
 from tp_lora.ops.triton.fp8_quant import E4M3_MAX, row_scale, to_e4m3
 from tp_lora.ops.triton.fused import load_shares, rope_apply, rope_inputs
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
@@ -36,6 +37,8 @@ MIN_PART = 128  # positions per partition at least (fewer: the merge costs more 
 MERGE = tl.constexpr(4)  # partials the merging program loads at once
 NUM_WARPS, NUM_STAGES = 8, 2  # of the decode kernel
 NUM_WARPS_FP8 = 4  # ... over an fp8 cache
+# Registers a thread at most over an fp8 cache (RoPE and the qkv shares in the kernel take more): four programs an SM
+MAX_REGS_FP8 = 128
 
 
 @triton.jit
@@ -286,6 +289,14 @@ def dot_flags(q: torch.Tensor, k_cache: torch.Tensor, kernel) -> dict:
                 FP8_ASM=fp8 and not interpreted)
 
 
+def launch_options(fp8: bool) -> dict:
+    """The decode kernel's warps and stages; over an fp8 cache also its register cap (compiled kernels only)."""
+    if not fp8:
+        return {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    cap = {} if interpreting() else {"maxnreg": MAX_REGS_FP8}
+    return {"num_warps": NUM_WARPS_FP8, "num_stages": NUM_STAGES, **cap}
+
+
 def tile_positions(elem_bytes: int) -> int:
     """Positions per inner iteration of the decode kernel over a cache of elem_bytes bytes per element."""
     return BLOCK_N_FP8 if elem_bytes == 1 else BLOCK_N
@@ -361,7 +372,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         OFFSET=bool(offset), SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
         SHARES=0 if sums is None else sums.parts.shape[0], COL=col is not None, ROW=row is not None,
         OUT8=out8 is not None,
-        num_warps=NUM_WARPS_FP8 if k_cache.element_size() == 1 else NUM_WARPS, num_stages=NUM_STAGES,
-        **pdl_args(q))
+        **launch_options(k_cache.element_size() == 1), **pdl_args(q))
     released(out, q8)
     return out
