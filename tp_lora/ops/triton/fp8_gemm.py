@@ -10,7 +10,8 @@ ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant.qu
 takes 16-bit weights in x's dtype with scale None (tp_lora.ops.head_mm: the LM head at decode).
 
 w8a16_mm: the decode GEMM. Few rows make the GEMM a stream of the weights, so programs own BLOCK_N output columns
-and a 1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight. Weight-only: the fp8 tile is widened
+and a 1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight; launched early (PDL), a program
+asks L2 for its first weight tiles before it waits on the kernel before it. Weight-only: the fp8 tile is widened
 to x's dtype in registers (exact) and block scales multiply each K tile's float32 partial sum. SWAP computes the
 transposed tile (w [BLOCK_N, BLOCK_K] @ x^T): the weight rows fill the MMA's 64-row side, so Hopper runs its
 warp-group MMA with the widened weights from registers where BLOCK_M (the rows, 16 to 64) would be too few for it.
@@ -46,18 +47,30 @@ import triton.language as tl
 from tp_lora.ops.split_sums import SplitSums
 from tp_lora.ops.triton.configs import DEFAULT_NUM_SMS
 from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
-from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
+from tp_lora.ops.triton.pdl import pdl_args, prefetch, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2  # w8a16_mm's scale layouts
 MAX_ROWS = 64  # w8a16_mm takes one row block of up to this many rows
 REDUCE = tl.constexpr(4)  # partial tiles the last split loads at once
+PREFETCH_TILES = tl.constexpr(2)  # a program's first weight tiles asked into L2 before its PDL wait
 
 W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, ACT8=False, num_warps=4, num_stages=3)
 # 16-bit weights of a vocabulary shard (tens of thousands of rows): one program streams all of K for 64 rows
 HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def prefetch_weights(w_ptr, offs_n, N, s_wn, k_lo, k_hi, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Ask L2 for a program's first PREFETCH_TILES weight tiles (rows offs_n, columns from k_lo up to k_hi) before
+    its PDL wait: no kernel writes the weights."""
+    if PDL:
+        line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
+        cols = k_lo + tl.arange(0, (PREFETCH_TILES * BLOCK_K + line - 1) // line) * line
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        prefetch(w_ptr + rows[:, None] * s_wn + tl.where(cols < k_hi, cols, k_lo)[None, :], True, PDL)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -79,6 +92,7 @@ def _w8a16_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     s_row = s_ptr + offs_n.to(tl.int64) * s_sn
     if SCALES == 1:  # loaded first (before the wait: weights' scales): off the critical path of the last split
         s_n = tl.load(s_row, mask=n_mask, other=0.0)
+    prefetch_weights(w_ptr, offs_n, N, s_wn, k_lo, k_hi, BLOCK_K, PDL)
     wait_prior(PDL)
     if XQ:
         s_m = tl.load(xs_ptr + rows, mask=m_mask, other=0.0)

@@ -25,7 +25,7 @@ from tp_lora.ops.split_sums import SplitSums
 from tp_lora.ops.triton.dot import interpreting
 from tp_lora.ops.triton.fp8_quant import E4M3_MAX, row_scale, to_e4m3
 from tp_lora.ops.triton.fused import load_shares, rope_apply, rope_inputs
-from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
+from tp_lora.ops.triton.pdl import pdl_args, prefetch, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
 
 BLOCK_N = 128  # positions per inner iteration over a 16-bit cache
@@ -70,14 +70,6 @@ def fp8_to_f16(x, ASM: tl.constexpr):
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
     return x.to(tl.float16)
-
-
-@triton.jit
-def prefetch_l1(ptr, ON: tl.constexpr):
-    """Ask L1 for the line at ptr (a compiled kernel's hint: ON; the interpreter runs no PTX)."""
-    if ON:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -242,7 +234,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
         v_at = g * s_vnh + two * 0 + d[None, :]
         v = load_shares(vn_ptr + b * s_vnb + v_at, col_ptr + v_col + v_at, two < 1, rs, s_share, SHARES, COL, dt)
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        prefetch_l1(bt_ptr + b * s_btb, PDL)
+        prefetch(bt_ptr + b * s_btb, False, PDL)
     lo, hi, used, row, runs = sequence_split(ctx_ptr, cu_q_ptr, b, part, window, min_part, PARTS, BLOCK, CU_Q)
     if not runs:
         return

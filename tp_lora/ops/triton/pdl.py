@@ -39,6 +39,19 @@ def release_next(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch(ptr, L2: tl.constexpr, ON: tl.constexpr):
+    """Ask L2 (else L1) for the lines at ptr, a pointer or a tensor of them: ON, a compiled kernel's hint (inline
+    PTX; the interpreter runs none), before its wait for what no earlier kernel writes."""
+    if ON:
+        if L2:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
