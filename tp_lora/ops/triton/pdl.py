@@ -41,8 +41,8 @@ def release_next(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch(ptr, L2: tl.constexpr, ON: tl.constexpr):
-    """Ask L2 (else L1) for the lines at ptr, a pointer or a tensor of them: ON, a compiled kernel's hint (inline
-    PTX; the interpreter runs none), before its wait for what no earlier kernel writes."""
+    """Ask L2 (else L1) for the lines at ptr, a pointer or a tensor of them, where ON (inline PTX: compiled kernels
+    only). A hint that changes no value, so a kernel may give it before its wait for what no earlier kernel writes."""
     if ON:
         if L2:
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
