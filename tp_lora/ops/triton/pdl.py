@@ -44,12 +44,9 @@ def prefetch(ptr, L2: tl.constexpr, ON: tl.constexpr):
     """Ask L2 (else L1) for the lines at ptr, a pointer or a tensor of them, where ON (inline PTX: compiled kernels
     only). A hint that changes no value, so a kernel may give it before its wait for what no earlier kernel writes."""
     if ON:
-        if L2:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+        level: tl.constexpr = "L2" if L2 else "L1"
+        tl.inline_asm_elementwise("prefetch.global." + level + " [$1]; mov.u32 $0, 0;", "=r,l", [ptr],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)
