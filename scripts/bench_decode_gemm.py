@@ -6,7 +6,8 @@ llama3-70b, a Llama-3-70B; qwen3-30b-a3b, the MoE model's attention and router) 
     python scripts/bench_decode_gemm.py [--model llama3-8b|llama3-70b|qwen3-30b-a3b] [--tp 1,2,4] [--rows 1,16,32,64]
         [--weights bf16|fp8] [--out DIR]
 
---weights bf16: w8a16_mm over the same bf16 weights (no scales); floor = N x K x 2 bytes / copy bandwidth.
+--weights bf16: w8a16_mm over the same bf16 weights (no scales), also with the rule the layers use (w16_config);
+                floor = N x K x 2 bytes / copy bandwidth.
 --weights fp8:  w8a16_mm over per-channel fp8 weights, also with the configuration rule the layers use
                 (w8a16_config) and W8A8 (per-token quantization kernel + torch._scaled_mm with fast accumulation);
                 floor = N x K bytes / copy bandwidth; speed-ups against the bf16 torch time.
@@ -45,8 +46,8 @@ MODELS = {"llama3-8b": {"qkv": (6144, 4096, "column"), "o": (4096, 4096, "row"),
           # attention and the router of the MoE decode step (the experts run grouped GEMMs: scripts/bench_moe.py)
           "qwen3-30b-a3b": {"qkv": (5120, 2048, "column"), "o": (2048, 4096, "row"), "router": (128, 2048, "full")}}
 LAYERS = MODELS["llama3-8b"]
-TILES = {"bf16": [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 4), (32, 128, 4, 3),
-                  (64, 64, 4, 6)],
+TILES = {"bf16": [(64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 8, 5), (128, 64, 4, 4), (64, 64, 4, 6),
+                  (128, 128, 8, 3)],
          "fp8": [(64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
                  (32, 256, 4, 3), (64, 64, 4, 4)]}
 SPLITS = (1, 2, 4, 8, 16, 32)
@@ -103,8 +104,8 @@ def rel_err(got, want) -> float:
 
 
 def measure(tp, name, n, k, m, weights, bw, q, wb):
-    """One (shape, rows): torch, the grid, the rule (fp8), W8A8 (fp8), the fastest re-timed."""
-    from tp_lora.ops.triton.fp8_gemm import w8a16_config, w8a16_mm  # noqa: PLC0415
+    """One (shape, rows): torch, the grid, the rule, W8A8 (fp8), the fastest re-timed."""
+    from tp_lora.ops.triton.fp8_gemm import w8a16_config, w8a16_mm, w16_config  # noqa: PLC0415
     from tp_lora.ops.triton.fp8_quant import quantize_per_token  # noqa: PLC0415
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     want = x.float() @ (q[0][0].float() * (1 if q[0][1] is None else q[0][1][:, None])).t()
@@ -125,10 +126,11 @@ def measure(tp, name, n, k, m, weights, bw, q, wb):
             row["sweep"].append(dict(cfg=c, us=graph_time(ours(c), repeat=2) * 1e6, rel_err=err))
     row["sweep"].sort(key=lambda r: r["us"])
     best = row["sweep"][0]
+    rule = w16_config(n, k, sms=torch.cuda.get_device_properties(0).multi_processor_count) if weights == "bf16" \
+        else w8a16_config(m, n, k)
+    row["rule"] = dict(cfg=rule, us=graph_time(ours(rule), repeat=2) * 1e6,
+                       rel_err=rel_err(w8a16_mm(x, *q[0], None, rule), want))
     if weights == "fp8":
-        rule = w8a16_config(m, n, k)
-        row["rule"] = dict(cfg=rule, us=graph_time(ours(rule), repeat=2) * 1e6,
-                           rel_err=rel_err(w8a16_mm(x, *q[0], None, rule), want))
 
         def w8a8(w, s):
             xq, xs = quantize_per_token(x)
@@ -176,21 +178,20 @@ def main() -> None:
             b = r["sweep"][0]
             print(f"tp{tp} {name} [{n}, {k}] rows {m}: torch {r['torch_us']:.1f} us (re {r['torch_re_us']:.1f}), "
                   f"best {fmt(b['cfg'])} {b['us']:.1f} (re {r['best_re_us']:.1f}), floor {r['floor_us']:.1f}"
-                  + (f", rule {r['rule']['us']:.1f}" if "rule" in r else "")
+                  + f", rule {r['rule']['us']:.1f}"
                   + (f", w8a8 {r['w8a8_us']:.1f}" if "w8a8_us" in r else ""), flush=True)
         del wb, q
         torch.cuda.empty_cache()
     print(f"\n{result['device']}, copy bandwidth {bw / 1e12:.2f} TB/s (read + written), {args.weights} weights")
     print("| tp | layer | [N, K] | rows | torch us | ours best us | cfg N/K/split/warps/stages | torch / ours "
-          "(re) | torch of floor | ours of floor |" + (" rule us | W8A8 us |" if args.weights == "fp8" else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.weights == "fp8" else ""))
+          "(re) | torch of floor | ours of floor | rule us |" + (" W8A8 us |" if args.weights == "fp8" else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.weights == "fp8" else ""))
     for r in result["rows"]:
         b = r["sweep"][0]
         t, o = min(r["torch_us"], r["torch_re_us"]), min(b["us"], r["best_re_us"])
-        extra = ""
+        extra = f" {r['rule']['us']:.1f} |"
         if args.weights == "fp8":
-            w8a8 = f"{r['w8a8_us']:.1f}" if "w8a8_us" in r else "-"
-            extra = f" {r['rule']['us']:.1f} | {w8a8} |"
+            extra += f" {r['w8a8_us']:.1f} |" if "w8a8_us" in r else " - |"
         torch_floor = r["floor_us"] * (2 if args.weights == "fp8" else 1)
         print(f"| {r['tp']} | {r['layer']} | [{r['n']}, {r['k']}] | {r['rows']} | {t:.1f} | {o:.1f} | "
               f"{fmt(b['cfg'])} | {t / o:.2f}x ({r['torch_re_us'] / r['best_re_us']:.2f}x) | {torch_floor / t:.0%} | "

@@ -9,7 +9,7 @@ from torch import nn
 from tp_lora import distributed as comm
 from tp_lora.layers.linear import copy_checked
 from tp_lora.ops.fused import embedding_shard
-from tp_lora.ops.head_mm import head_mm
+from tp_lora.ops.mm16 import mm16
 from tp_lora.sharding import LinearSpec, OutSlice, take, vocab_range
 
 
@@ -59,7 +59,7 @@ class ParallelLMHead(nn.Module):
         copy_checked(self.weight.data, take(weight, (self.vocab_start, self.vocab_end), 0), "lm_head")
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return head_mm(x, self.weight)
+        return mm16(x, self.weight, head=True)
 
     def finish(self, z: torch.Tensor) -> torch.Tensor:
         return comm.all_gather(z, self.tp, dim=-1)

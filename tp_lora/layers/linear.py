@@ -16,6 +16,7 @@ from tp_lora import distributed as comm
 from tp_lora.layers.quant import FP8Scheme
 from tp_lora.ops.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8_per_channel, takes_rows8
 from tp_lora.ops.fused import Rows8
+from tp_lora.ops.mm16 import mm16
 from tp_lora.ops.split_sums import SplitSums
 from tp_lora.sharding import LinearSpec, OutSlice, scale_part, shard_weight, take
 
@@ -106,7 +107,7 @@ class ParallelLinear(nn.Module):
         """sums: the output may be left as the fp8 decode GEMM's SplitSums where it is whole already (one rank, no
         bias), for a reader that adds them (the next norm)."""
         sums = sums and self.tp.size == 1 and self.bias is None
-        y = (x @ self.weight.t() if self.quant is None
+        y = (mm16(x, self.weight, sums) if self.quant is None
              else fp8_linear(x, self.weight, self.weight_scale, self.block_k, self.block_n, x8, sums))
         if self.bias is not None and self.spec.kind != "row":
             y = y + self.bias

@@ -7,7 +7,7 @@ references in tp_lora.ops.fp8:
 
 scale: [N] per output channel (block_k None) or [N, ceil(K / block_k)] per block of block_k columns; xs: [M,
 ceil(K / block_k)] per (token, block_k columns) (tp_lora.ops.triton.fp8_quant.quantize_per_group). w8a16_mm also
-takes 16-bit weights in x's dtype with scale None (tp_lora.ops.head_mm: the LM head at decode).
+takes 16-bit weights in x's dtype with scale None (tp_lora.ops.mm16: 16-bit layers at decode, w16_config).
 
 w8a16_mm: the decode GEMM. Few rows make the GEMM a stream of the weights, so programs own BLOCK_N output columns
 and a 1 / SPLIT_K share of K, enough of them to keep every SM's loads in flight; launched early (PDL), a program
@@ -58,6 +58,8 @@ PREFETCH_TILES = tl.constexpr(2)  # a program's first weight tiles asked into L2
 W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, ACT8=False, num_warps=4, num_stages=3)
 # 16-bit weights of a vocabulary shard (tens of thousands of rows): one program streams all of K for 64 rows
 HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
+# 16-bit projections: tiles of XQ's bytes (64 rows x 128 K), K shares as XQ's (w16_config)
+W16 = dict(W8A16_DEFAULT, BLOCK_K=128, num_stages=6, SWAP=True)
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
@@ -313,6 +315,14 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g
                     SWAP=True, SPLIT_K=_act8_splits(triton.cdiv(n, block_n), k, 128 if wide else 256))
     return dict(W8A16_DEFAULT, SPLIT_K=_splits(triton.cdiv(n, W8A16_DEFAULT["BLOCK_N"]), k, 512 if m <= 32 else 256),
                 SWAP=m > 16)
+
+
+def w16_config(n: int, k: int, head: bool = False, sms: int = DEFAULT_NUM_SMS) -> dict:
+    """w8a16_mm's launch for decode rows of 16-bit weights [n, k] (no scales): a vocabulary shard (head) HEAD_CONFIG,
+    else W16 with XQ's K shares (_xq_splits) for the device's sms."""
+    if head:
+        return dict(HEAD_CONFIG)
+    return dict(W16, SPLIT_K=_xq_splits(triton.cdiv(n, W16["BLOCK_N"]), k, sms))
 
 
 def _splits(blocks: int, k: int, budget: int) -> int:
