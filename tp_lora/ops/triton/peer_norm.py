@@ -4,7 +4,8 @@ buffer in place of the group.
 
 Program p pushes its rows of x into every rank's buffer and takes every rank's as they arrive (the exchange of
 tp_lora.distributed.peer), sums each row over the ranks in rank order (float32, rounded to x's dtype as the
-all-reduce's result is: every rank gets the same bits), then adds the residual and norms as add_rms_norm does. One
+all-reduce's result is: every rank gets the same bits), then adds the residual and norms as add_rms_norm does, at its
+warps (the same bits). One
 launch instead of all-reduce + add_rms_norm, one one-way trip over NVLink; out8: the normed rows quantized per
 token too (tp_lora.ops.fused's out8). scatter: x holds a chunk of rows per
 rank and each rank pushes rank r's chunk to rank r only, which norms its own rows (reduce_scatter + add_rms_norm).
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from tp_lora.distributed.peer import PeerBuffer
 from tp_lora.distributed.peer_kernels import ASM, done_call, exchange, next_call, push_row, push_to, take_row
-from tp_lora.ops.triton.fused import add_norm_row, as_rows, check_rows8
+from tp_lora.ops.triton.fused import add_norm_row, as_rows, check_rows8, norm_warps
 
 
 @triton.jit
@@ -90,5 +91,5 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
             float(eps), buf.slot, RANK=buf.rank, WORLD=buf.world, BLOCK=triton.next_power_of_2(n),
             HAS_RES=residual is not None, NORM_X=x_weight is not None, OFFSET=bool(offset), ASM=ASM,
             POLL=buf.polls(t * n * x.element_size() * buf.world), SCATTER=scatter, Q8=q8,
-            num_warps=4 if n <= 4096 else 8)
+            num_warps=norm_warps(keep, n))
     return out, res_out
