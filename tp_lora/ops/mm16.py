@@ -20,7 +20,7 @@ HEAD_MIN_ROWS = 16384  # vocabulary rows from which the LM head runs the kernel
 def mm16(x: torch.Tensor, w: torch.Tensor, sums: bool = False, head: bool = False) -> torch.Tensor | SplitSums:
     """sums: the reader takes the output as SplitSums. head: w is a vocabulary shard (the LM head)."""
     if (x.dim() == 2 and x.shape[0] and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-            and w.stride(-1) == 1 and (sums or head and w.shape[0] >= HEAD_MIN_ROWS)
+            and w.stride(-1) == 1 and (sums or (head and w.shape[0] >= HEAD_MIN_ROWS))
             and use_kernels(x)):
         from tp_lora.ops.triton import fp8_gemm  # noqa: PLC0415 - CUDA / forced only
         from tp_lora.ops.triton.configs import num_sms  # noqa: PLC0415
