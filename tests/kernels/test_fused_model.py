@@ -63,15 +63,15 @@ def test_forward_with_fused_kernels_matches_torch_path(family, device, monkeypat
         assert not torch.equal(g.flatten(0, 1)[meta.slots], h.flatten(0, 1)[meta.slots]), "K/V were not written"
 
 
-def _fp8_model(family, device, block=False, **config):
-    """A bf16 model of the family with per-channel (block: [128, 128]-block) fp8 layers (random weights; config.json
-    overrides), and a decode step's inputs."""
+def _fp8_model(family, device, block=False, rt=None, **config):
+    """A bf16 model of the family with per-channel (block: [128, 128]-block) fp8 layers (random weights, and random
+    adapters in every slot with rt; config.json overrides), and a decode step's inputs."""
     from tp_lora.layers.linear import ParallelLinear
     from tp_lora.layers.quant import FP8Scheme, QuantConfig
     from tp_lora.ops.fp8 import quantize_fp8_per_channel
     hf = {**COMMON, **FAMILIES[family], "hidden_size": 128, "intermediate_size": 192, **config}
     gen = torch.Generator().manual_seed(3)
-    model = CausalLM(hf, comm.single_process(device).tp, dtype=torch.bfloat16, device=device,
+    model = CausalLM(hf, comm.single_process(device).tp, dtype=torch.bfloat16, device=device, rt=rt,
                      quant=QuantConfig(FP8Scheme(block=(128, 128)) if block else FP8Scheme(at_load=True)))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -84,6 +84,9 @@ def _fp8_model(family, device, block=False, **config):
                 m.weight.copy_(q)
                 m.weight_scale.copy_(s if not block else  # a scale per block about the row's
                                      s[:, None] * (0.5 + torch.rand(m.weight_scale.shape, generator=gen)))
+        for name, b in model.named_buffers():
+            if name.endswith("scales") and b.dtype == torch.float32:  # the adapters' scales
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
     tokens, bs = 6, 4
     meta = build_attn_meta([[i] for i in range(tokens)], [2] * tokens, [1] * tokens, bs, device)
     input_ids = torch.randint(0, hf["vocab_size"], (tokens,), generator=gen).to(device)
@@ -175,6 +178,40 @@ def test_fp8_decode_gemms_leave_their_k_shares_to_the_next_norm(family, device, 
     per_layer = (1 if family == "gemma3_text" else 2) + (device == "cuda")
     assert left.count(True) == per_layer * layers and len(left) == 8 * layers, left
     assert heads8.count(True) == (layers if device == "cuda" and family == "llama" else 0), heads8
+    (got, got_cache), (want, want_cache) = outs
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v))
+
+
+def test_lora_expands_beside_the_fp8_gemm_into_the_delta_of_its_shares(device, monkeypatch):
+    """An adapter step (tokens of three adapters and none), one rank, kernels on, every K in two shares: o_proj's
+    and down_proj's LoRA (and on CUDA qkv_proj's, into the decode kernel) is expanded beside the GEMM into the delta
+    of its SplitSums, which the reader adds; the step's hidden states and K / V are the bits of the same step with
+    every GEMM summing its own shares and the LoRA expanded into its output."""
+    from tp_lora.lora import layers
+    from tp_lora.ops import get_backend
+    from tp_lora.ops.batch import build_lora_batch
+    from tp_lora.ops.split_sums import SplitSums
+    from tp_lora.ops.triton import fp8_gemm
+    from tp_lora.ops.triton import fused as kernels
+    rt = layers.LoRARuntime(3, 8, False, get_backend("triton"))
+    model, input_ids, meta, new_cache = _fp8_model("llama", device, rt=rt, hidden_size=256, intermediate_size=384,
+                                                   head_dim=128)
+    rt.batch = build_lora_batch([0, -1, 2, 1, 0, 2], 3, device)
+    config = fp8_gemm.w8a16_config
+    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), SPLIT_K=2, BLOCK_K=128))
+    monkeypatch.setattr(fused, "KERNELS", True)
+    norm, deltas = kernels.add_rms_norm, []
+    monkeypatch.setattr(kernels, "add_rms_norm", lambda x, *a: deltas.append(
+        isinstance(x, SplitSums) and x.delta is not None) or norm(x, *a))
+    outs = []
+    for beside in (True, False):
+        monkeypatch.setattr(layers, "SIDE_STREAM_MAX_ROWS", 256 if beside else 0)
+        cache = new_cache()
+        with torch.no_grad():
+            outs.append((model(input_ids, cache, meta), cache))
+    layers_n = len(model.layers)
+    assert deltas.count(True) == 2 * layers_n and len(deltas) == 2 * (2 * layers_n + 1), deltas
     (got, got_cache), (want, want_cache) = outs
     assert torch.equal(got, want)
     assert all(torch.equal(g, w) for g, w in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v))

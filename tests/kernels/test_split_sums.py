@@ -4,6 +4,8 @@ channel or block scales), the norm's outputs (normed rows, residual stream, rows
 it computes from the GEMM's own output; SplitSums.total, the reference of that sum, against the GEMM's output and
 against the norm on shares whose order shows; one K share, or float32 outputs, give the output itself; without a
 residual the shares are summed before the norm."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -105,12 +107,13 @@ def test_one_k_share_gives_the_output_and_no_residual_sums_first(device):
         add_rms_norm(sums, None, w, 1e-6)
 
 
-@pytest.mark.parametrize("form,fp8,norm,r", [("xq", False, False, 16), ("weight-only", True, True, 8),
-                                              ("block", False, True, 16)])
-def test_decode_kernel_sums_the_qkv_gemms_shares(device, form, fp8, norm, r):
+@pytest.mark.parametrize("form,fp8,norm,r,delta", [
+    ("xq", False, False, 16, False), ("weight-only", True, True, 8, False), ("block", False, True, 16, False),
+    ("weight-only", False, True, 16, True)])
+def test_decode_kernel_sums_the_qkv_gemms_shares(device, form, fp8, norm, r, delta):
     """The decode kernel with RoPE reading q, k and v as views of the qkv GEMM's SplitSums: its output and every
     cache entry (the new K / V at their slots, per-head norms, partial rotary, an fp8 cache with scales) are the
-    bits of the same launch on the GEMM's own output."""
+    bits of the same launch on the GEMM's own output; with a delta (a LoRA's), on that output plus the delta."""
     from _paged import poisoned_cache
 
     from tp_lora.ops.triton import fp8_gemm
@@ -122,6 +125,10 @@ def test_decode_kernel_sums_the_qkv_gemms_shares(device, form, fp8, norm, r):
     qkv = fp8_gemm.w8a16_mm(*args, **kwargs)
     sums = fp8_gemm.w8a16_mm(*args, **kwargs, sums=True)
     assert isinstance(sums, SplitSums)
+    if delta:
+        d_rows = torch.randn(qkv.shape, generator=gen).to(device) * qkv.float().abs().mean()
+        sums = replace(sums, delta=d_rows)
+        qkv = (qkv.float() + d_rows).to(qkv.dtype)  # as the LoRA expand adds into the GEMM's output
     kc, vc, table = poisoned_cache(gen, lens, b, kv, d, bs, torch.bfloat16)
     if fp8:
         kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
@@ -141,5 +148,17 @@ def test_decode_kernel_sums_the_qkv_gemms_shares(device, form, fp8, norm, r):
         out = pa.paged_decode(q, *caches, table, ctx, 0.25, rope=(k, v, cos, sin) + rope, sums=s)
         outs.append((out, *caches))
     assert outs[1][0].dtype == torch.bfloat16
+    # with a delta on the CPU, the interpreter's casts truncate where torch's reference rounds: a step apart
+    tol = {"rtol": 0, "atol": 0} if device == "cuda" or not delta else {"rtol": 0.05, "atol": 0.05}
     for got, want in zip(*outs):
-        assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+        torch.testing.assert_close(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0), **tol)
+
+
+def test_a_delta_the_readers_cannot_place_is_refused(device):
+    """A SplitSums' delta is float32 at its parts' row strides (the readers find it at the parts' offsets)."""
+    parts = torch.zeros(2, 4, 8, device=device)
+    SplitSums(parts, None, None, torch.bfloat16, torch.zeros(4, 8, device=device))
+    for bad in (torch.zeros(4, 8, device=device, dtype=torch.bfloat16), torch.zeros(8, 4, device=device).t(),
+                torch.zeros(4, 9, device=device)[:, :8], torch.zeros(3, 8, device=device)):
+        with pytest.raises(ValueError, match="SplitSums' delta needs float32 \\(4, 8\\) at strides \\(8, 1\\)"):
+            SplitSums(parts, None, None, torch.bfloat16, bad)

@@ -10,7 +10,7 @@ communication (see ARCHITECTURE.md):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -269,12 +269,29 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
     def forward(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
         return self.base.finish(self.partial(x, x8))
 
+    def _expand(self, u: torch.Tensor, z: torch.Tensor) -> None:
+        """z += u's expand by each token's B (the base's output, or a float32 delta of its shape)."""
+        ops, batch = self.rt.ops, self.rt.batch
+        if self.b_scales is None:
+            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
+        else:
+            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The LoRA of x [T, in] alone: [T, out] float32, 0 for tokens without an adapter."""
+        u = self.rt.ops.shrink(x, self.lora_a, self.scales, self.rt.batch)
+        delta = torch.zeros(x.shape[0], self.base.weight.shape[0], dtype=torch.float32, device=x.device)
+        self._expand(u, delta)
+        return delta
+
     def takes_rows8(self, x: torch.Tensor, group: int | None = None) -> bool:
         return self.base.takes_rows8(x, group)
 
     def partial(self, x: torch.Tensor, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
         """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA (on x;
-        the base may read x8, x quantized per token). sums: the base's SplitSums may pass where no adapter runs."""
+        the base may read x8, x quantized per token). sums: the base's output may be its SplitSums; at decode sizes
+        the LoRA is then expanded beside the base GEMM into their delta (added by their reader), where nothing else
+        acts on the output."""
         if sums and not self.rt.active():
             return self.base.partial(x, x8, sums=True)
         # x8 only where given: a wrapped LM head's partial takes x alone
@@ -282,16 +299,19 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
         if not self.rt.active():
             return base()
         ops, batch = self.rt.ops, self.rt.batch
+        saved = self.saved_active(batch)
+        if sums and x.shape[0] <= SIDE_STREAM_MAX_ROWS and not (self.fully_sharded or saved or self.epilogue):
+            delta, y = self.rt.beside(lambda: self._delta(x), lambda: self.base.partial(x, x8, sums=True), x.device,
+                                      x.shape[0])
+            if isinstance(y, SplitSums):
+                return replace(y, delta=delta)
+            return y.add_(delta)  # the expand's sum and rounding
         u, z = self.rt.beside(lambda: ops.shrink(x, self.lora_a, self.scales, batch),  # [S, T, r_local] float32
                               base, x.device, x.shape[0])
         if self.fully_sharded:
             # One collective for every slice of a packed layer: the slices travel together in u.
             u = comm.all_gather(u, self.tp, dim=-1) if self.spec.kind == "column" else comm.all_reduce(u, self.tp)
-        if self.b_scales is None:
-            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
-        else:
-            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
-        saved = self.saved_active(batch)
+        self._expand(u, z)
         if saved:
             ops.saved_logits(x, self.saved_table, saved, batch, z)
         if self.epilogue:
