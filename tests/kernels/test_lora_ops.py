@@ -123,14 +123,17 @@ def _check_shrink(out, ref, slots, dtype):
 
 def _run_expand(buf, lora_b, batch, out0, slots, offset, add, scheme, **kw):
     """Run both backends on copies of out0; check the Triton result against the reference and that every element
-    outside (tokens with an adapter) x (target columns) is bit-identical to out0."""
+    outside (tokens with an adapter, or with add=False every token) x (target columns) is bit-identical to out0,
+    and (add=False) the rows of tokens without an adapter there exactly 0."""
     out, ref = out0.clone(), out0.clone()
     tri.expand(buf, lora_b, batch, out, offset=offset, add=add, scheme=scheme, **kw)
     torch_ref.expand(buf, lora_b, batch, ref, offset=offset, add=add, **kw)
     written = torch.zeros_like(out, dtype=torch.bool)
     width = sum(b.shape[1] for b in lora_b)
     has = torch.tensor(slots, dtype=torch.long, device=out.device) >= 0
-    written[has, offset:offset + width] = True
+    written[has if add else slice(None), offset:offset + width] = True
+    if not add:
+        assert (out[~has, offset:offset + width] == 0).all() and (ref[~has, offset:offset + width] == 0).all()
     iv = INT_VIEW[out.dtype]
     assert torch.equal(out.view(iv)[~written], out0.view(iv)[~written]), "expand touched rows/columns it must not"
     assert not out[written].isnan().any(), "expand left (NaN-poisoned) elements of its region unwritten"

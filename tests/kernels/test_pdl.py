@@ -1,5 +1,7 @@
 """Programmatic dependent launch in the decode chain (tp_lora.ops.triton.pdl): which launches go early, and that a
 chain of early launches, eager or replayed from a CUDA graph, gives exactly what the same kernels give without it."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -98,27 +100,33 @@ def test_early_launches_give_the_plain_launches_results(monkeypatch):
 
 
 def _adapter_layer(x, res, w_norm, w, s, rt, lora_a, lora_b, scales):
-    """norm (fp8 rows) -> an fp8 layer with its LoRA, as an adapter step runs it: the shrink of the normed rows on a
-    side stream beside the GEMM of their fp8 copy (LoRARuntime.beside), then the expand into the GEMM's output."""
+    """norm (fp8 rows) -> an fp8 layer with its LoRA -> the next norm, as a decode step with adapters runs them: the
+    shrink of the normed rows and its expand into a float32 delta on a side stream (LoRARuntime.beside) beside the
+    GEMM of their fp8 copy, which leaves its K shares (SplitSums) for the next norm to sum and add the delta to."""
     t, h = x.shape
     q, qs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(t, device=x.device)
     y, res = add_rms_norm(x, res, w_norm, 1e-6, out8=(q, qs))
-    u, z = rt.beside(lambda: rt.ops.shrink(y, lora_a, scales, rt.batch),
-                     lambda: fp8_gemm.w8a16_mm(q, w, s, None, fp8_gemm.w8a16_config(t, *w.shape, xq=True), qs,
-                                               x.dtype), x.device, t)
-    rt.ops.expand(u, lora_b, rt.batch, z)
-    return z, res
+    cfg = dict(fp8_gemm.w8a16_config(t, *w.shape, xq=True), SPLIT_K=2, BLOCK_K=128)
+
+    def side():
+        delta = torch.empty(t, w.shape[0], dtype=torch.float32, device=x.device)
+        rt.ops.expand(rt.ops.shrink(y, lora_a, scales, rt.batch), lora_b, rt.batch, delta, add=False)
+        return delta
+    delta, z = rt.beside(side, lambda: fp8_gemm.w8a16_mm(q, w, s, None, cfg, qs, x.dtype, sums=True), x.device, t)
+    return add_rms_norm(replace(z, delta=delta), res, w_norm, 1e-6)
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
-def test_a_gemm_beside_a_side_stream_shrink_goes_early_with_the_plain_launches_results(monkeypatch):
-    """The side stream's shrink leaves the main stream's note: the fp8 GEMM after the norm launches early, eagerly
-    and in a CUDA graph, and the layer's outputs (fresh inputs each replay) are the bits of plain launches."""
+def test_a_gemm_beside_a_side_stream_lora_goes_early_and_the_join_ends_the_chain(monkeypatch):
+    """The side stream's LoRA leaves the main stream's note: the fp8 GEMM after the norm launches early, eagerly and
+    in a CUDA graph; the norm after the join does not (an early start would not wait for the side's delta); the
+    layer's outputs (fresh inputs each replay) are the bits of plain launches."""
     from tp_lora.lora.layers import LoRARuntime
     from tp_lora.ops import get_backend
     from tp_lora.ops.batch import build_lora_batch
+    from tp_lora.ops.triton import fused
     gen = torch.Generator().manual_seed(11)
-    h, n, t, rank, slots = 1024, 3072, 32, 16, 4
+    h, n, t, rank, slots = 1024, 1024, 32, 16, 4
     w, s = (v.cuda() for v in quantize_fp8_per_channel(torch.randn(n, h, generator=gen) / 32))
     lora_a = [(torch.randn(slots, rank, h, generator=gen) / 32).bfloat16().cuda()]
     lora_b = [(torch.randn(slots, n, rank, generator=gen) / 4).bfloat16().cuda()]
@@ -127,13 +135,19 @@ def test_a_gemm_beside_a_side_stream_shrink_goes_early_with_the_plain_launches_r
     rt.batch = build_lora_batch([i % (slots + 1) - 1 for i in range(t)], slots, "cuda")
     weights = ((torch.rand(h, generator=gen) + 0.5).bfloat16().cuda(), w, s, rt, lora_a, lora_b, scales)
     inputs = [torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2 * 4)]
-    early = []
+    early = {"gemm": [], "norm": []}
 
-    def args(x):
-        out = pdl.pdl_args(x)
-        early.append(out["launch_pdl"])
-        return out
-    monkeypatch.setattr(fp8_gemm, "pdl_args", args)
+    def args(kind):
+        def note(x):
+            out = pdl.pdl_args(x)
+            early[kind].append(out["launch_pdl"])
+            return out
+        return note
+    monkeypatch.setattr(fp8_gemm, "pdl_args", args("gemm"))
+    monkeypatch.setattr(fused, "pdl_args", args("norm"))
     _early_gives_plain_results(_adapter_layer, weights, inputs, monkeypatch)
-    # compiling, capturing, each eager step early; the plain steps after them not
-    assert early == [True] * (2 + len(inputs) // 2) + [False] * (len(inputs) // 2), early
+    # compiling, capturing, each eager step early; the plain steps after them not; no norm early (the first reads
+    # a fresh input, the second comes after the join)
+    steps = 2 + len(inputs)
+    assert early == {"gemm": [True] * (2 + len(inputs) // 2) + [False] * (len(inputs) // 2),
+                     "norm": [False] * 2 * steps}, early

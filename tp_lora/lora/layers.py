@@ -25,6 +25,7 @@ from tp_lora.lora.saved import SavedCopies
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.ops.fused import Rows8
 from tp_lora.ops.split_sums import SplitSums
+from tp_lora.ops.triton.pdl import forget
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 
 
@@ -68,6 +69,7 @@ class LoRARuntime:
             u = shrink()
         z = base()
         main.wait_stream(self._side)
+        forget(device)  # a launch after the join starts in full (an early, PDL one would not wait for the side's work)
         return u, z
 
 
@@ -269,19 +271,19 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
     def forward(self, x: torch.Tensor, x8: Rows8 | None = None) -> torch.Tensor:
         return self.base.finish(self.partial(x, x8))
 
-    def _expand(self, u: torch.Tensor, z: torch.Tensor) -> None:
-        """z += u's expand by each token's B (the base's output, or a float32 delta of its shape)."""
+    def _expand(self, u: torch.Tensor, z: torch.Tensor, add: bool = True) -> None:
+        """z (+)= u's expand by each token's B (add: into the base's output; else a float32 delta of its shape)."""
         ops, batch = self.rt.ops, self.rt.batch
         if self.b_scales is None:
-            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset)
+            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, add=add)
         else:
-            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, b_scales=self.b_scales)
+            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, add=add, b_scales=self.b_scales)
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:
         """The LoRA of x [T, in] alone: [T, out] float32, 0 for tokens without an adapter."""
         u = self.rt.ops.shrink(x, self.lora_a, self.scales, self.rt.batch)
-        delta = torch.zeros(x.shape[0], self.base.weight.shape[0], dtype=torch.float32, device=x.device)
-        self._expand(u, delta)
+        delta = torch.empty(x.shape[0], self.base.weight.shape[0], dtype=torch.float32, device=x.device)
+        self._expand(u, delta, add=False)
         return delta
 
     def takes_rows8(self, x: torch.Tensor, group: int | None = None) -> bool:

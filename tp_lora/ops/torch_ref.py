@@ -40,8 +40,11 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, out: torch.Tensor,
            offset: int = 0, add: bool = True, *, b_scales: Sequence[torch.Tensor] | None = None) -> None:
     """buf [S, T, r], lora_b S x [L, out_s, r], out [T, O]:
-    out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T, for tokens with an adapter.
+    out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T, for tokens with an adapter;
+    add=False: those columns of every row set, 0 for tokens without one.
     b_scales: S x [L, out_s] float32 when lora_b is stored as fp8 (B = B_fp8 * b_scales[..., None])."""
+    if not add:
+        out[:, offset:offset + sum(b.shape[1] for b in lora_b)] = 0
     for slot, idx in _groups(batch):
         col = offset
         for s, b in enumerate(lora_b):

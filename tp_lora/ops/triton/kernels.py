@@ -298,8 +298,8 @@ def expand_rows_kernel(
 ):
     """expand_kernel's result for few tokens, one token per program: out[t, col_s + n] (+)= buf[slice_base + s, t]
     @ B_s[slot_t]^T over one BLOCK_N run of the slices' concatenated columns (as expand_kernel's n-block axis), on
-    the CUDA cores in float32 (buf rounded to CDT first, as the dot's operand). Rows of slot -1 are not touched.
-    Grid: (T, n blocks of all slices)."""
+    the CUDA cores in float32 (buf rounded to CDT first, as the dot's operand). Rows of slot -1 are not touched (not
+    ADD: set to 0). Grid: (T, n blocks of all slices)."""
     t = tl.program_id(0).to(tl.int64)
     pid_x = tl.program_id(1)
     s, nb, col, width = _n_block(pid_x, col0, width0, width1, width2, nb_end0, nb_end1, NUM_SLICES)
@@ -325,6 +325,8 @@ def expand_rows_kernel(
         acc = acc * tl.load(bs_ptr + slot * stride_bsl + offs_n * stride_bsn, mask=n_mask, other=0.0)
     if ADD:
         acc += prev.to(tl.float32)
+    else:  # every row: 0 where slot -1 (its B and buf loads masked to 0)
+        n_mask = offs_n < width
     tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 

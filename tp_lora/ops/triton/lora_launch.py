@@ -124,8 +124,8 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
            scheme: str | None = None) -> None:
     """buf [S, T, r], lora_b S x [L, out_s, r], out [T, O]:
     out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T for tokens with an adapter;
-    other rows are not touched. Computed in float32, stored in out.dtype. b_scales: S x [L, out_s] float32 when
-    lora_b is fp8 (per output channel). scheme: "sorted" | "chunked" | None (the module setting)."""
+    other rows are not touched (add=False: set to 0). Computed in float32, stored in out.dtype. b_scales: S x [L, out_s]
+    float32 when lora_b is fp8 (per output channel). scheme: "sorted" | "chunked" | None (the module setting)."""
     forget(out.device)  # it writes into out, which the base layer's releasing kernel may have written before
     t = out.shape[0]
     if t == 0 or not len(lora_b):
@@ -138,6 +138,8 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
         sched = prepare(batch, scheme)
         cfg = configs.expand_config(t, rank, max(widths), sched.scheme)
         block_m, block_n = sched.segment_size or cfg["BLOCK_M"], cfg["BLOCK_N"]
+        if not add:  # expand_kernel visits the tokens with an adapter only
+            out[:, cols[0]:cols[-1]].zero_()
     else:
         cfg, block_n = rows, rows["BLOCK_N"]
 
