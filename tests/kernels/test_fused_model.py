@@ -183,11 +183,12 @@ def test_fp8_decode_gemms_leave_their_k_shares_to_the_next_norm(family, device, 
     assert all(torch.equal(g, w) for g, w in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v))
 
 
-def test_lora_expands_beside_the_fp8_gemm_into_the_delta_of_its_shares(device, monkeypatch):
-    """An adapter step (tokens of three adapters and none), one rank, kernels on, every K in two shares: o_proj's
+@pytest.mark.parametrize("split", [1, 2])
+def test_lora_expands_beside_the_fp8_gemm_into_the_delta_of_its_shares(device, monkeypatch, split):
+    """An adapter step (tokens of three adapters and none), one rank, kernels on, every K in `split` shares: o_proj's
     and down_proj's LoRA (and on CUDA qkv_proj's, into the decode kernel) is expanded beside the GEMM into the delta
-    of its SplitSums, which the reader adds; the step's hidden states and K / V are the bits of the same step with
-    every GEMM summing its own shares and the LoRA expanded into its output."""
+    of its SplitSums (one share: the GEMM's output), which the reader adds; the step's hidden states and K / V are
+    the bits of the same step with every GEMM summing its own shares and the LoRA expanded into its output."""
     from tp_lora.lora import layers
     from tp_lora.ops import get_backend
     from tp_lora.ops.batch import build_lora_batch
@@ -199,7 +200,7 @@ def test_lora_expands_beside_the_fp8_gemm_into_the_delta_of_its_shares(device, m
                                                    head_dim=128)
     rt.batch = build_lora_batch([0, -1, 2, 1, 0, 2], 3, device)
     config = fp8_gemm.w8a16_config
-    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), SPLIT_K=2, BLOCK_K=128))
+    monkeypatch.setattr(fp8_gemm, "w8a16_config", lambda *a, **k: dict(config(*a, **k), SPLIT_K=split, BLOCK_K=128))
     monkeypatch.setattr(fused, "KERNELS", True)
     norm, deltas = kernels.add_rms_norm, []
     monkeypatch.setattr(kernels, "add_rms_norm", lambda x, *a: deltas.append(

@@ -302,12 +302,12 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
             return base()
         ops, batch = self.rt.ops, self.rt.batch
         saved = self.saved_active(batch)
-        if sums and x.shape[0] <= SIDE_STREAM_MAX_ROWS and not (self.fully_sharded or saved or self.epilogue):
+        if sums and self.tp.size == 1 and x.shape[0] <= SIDE_STREAM_MAX_ROWS and not (saved or self.epilogue):
             delta, y = self.rt.beside(lambda: self._delta(x), lambda: self.base.partial(x, x8, sums=True), x.device,
                                       x.shape[0])
-            if isinstance(y, SplitSums):
-                return replace(y, delta=delta)
-            return y.add_(delta)  # the expand's sum and rounding
+            # a GEMM that did not split K: its output as the one share
+            return replace(y, delta=delta) if isinstance(y, SplitSums) else SplitSums(y[None], None, None, y.dtype,
+                                                                                      delta)
         u, z = self.rt.beside(lambda: ops.shrink(x, self.lora_a, self.scales, batch),  # [S, T, r_local] float32
                               base, x.device, x.shape[0])
         if self.fully_sharded:

@@ -13,7 +13,8 @@ class SplitSums:
     for the op that reads it: summed in share order, times col [N] and then row [M] (each float32, or None), rounded
     to dtype. The GEMM then skips the sum its last share would make (tp_lora.ops.triton.fp8_gemm). delta [M, N]
     float32 (or None), at the parts' strides: added to that rounded sum, rounded again, as a LoRA expand adds into
-    the GEMM's output (the expand ran beside the GEMM, tp_lora.lora.layers)."""
+    the GEMM's output (the expand ran beside the GEMM, tp_lora.lora.layers; the output of a GEMM that did not split
+    K then comes as one share in dtype)."""
     parts: torch.Tensor
     col: torch.Tensor | None
     row: torch.Tensor | None
@@ -26,11 +27,6 @@ class SplitSums:
                               or d.stride() != self.parts[0].stride()):
             raise ValueError(f"SplitSums' delta needs float32 {tuple(self.parts.shape[1:])} at strides "
                              f"{tuple(self.parts[0].stride())}, got {d.dtype} {tuple(d.shape)} at {tuple(d.stride())}")
-
-    def delta_offset(self) -> int:
-        """The delta's place relative to the first part, in float32 elements (a kernel reads it at a part's offsets
-        plus this)."""
-        return 0 if self.delta is None else (self.delta.data_ptr() - self.parts.data_ptr()) // 4
 
     def total(self) -> torch.Tensor:
         """The output as the GEMM writes it when it sums the shares itself (the reference of the readers' sum)."""

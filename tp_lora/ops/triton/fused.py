@@ -53,11 +53,11 @@ def add_norm_row(h, res_row, w_ptr, xw_ptr, out_row, res_out_row, q_row, s_row, 
 
 
 @triton.jit
-def load_shares(at, col_at, ok, rs, s_share, d_off, SHARES: tl.constexpr, COL: tl.constexpr, DELTA: tl.constexpr,
+def load_shares(at, col_at, d_at, ok, rs, s_share, SHARES: tl.constexpr, COL: tl.constexpr, DELTA: tl.constexpr,
                 DT: tl.constexpr):
     """The values at `at` in float32; SHARES > 0: a GEMM's SplitSums output there (its SHARES float32 partials
     s_share apart, added in order, times the column scales at col_at (COL) and the row's scale rs, rounded to DT;
-    DELTA: plus its delta d_off elements past `at`, rounded again)."""
+    DELTA: plus their delta at d_at, rounded again)."""
     x = tl.load(at, mask=ok, other=0.0).to(tl.float32)
     if SHARES:
         x = tl.zeros_like(x) + x  # 0 + the first share, as SplitSums.total adds them
@@ -67,13 +67,13 @@ def load_shares(at, col_at, ok, rs, s_share, d_off, SHARES: tl.constexpr, COL: t
             x *= tl.load(col_at, mask=ok, other=0.0)
         x = (x * rs).to(DT).to(tl.float32)
         if DELTA:
-            x = (x + tl.load(at + d_off, mask=ok, other=0.0)).to(DT).to(tl.float32)
+            x = (x + tl.load(d_at, mask=ok, other=0.0)).to(DT).to(tl.float32)
     return x
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, col_ptr, row_ptr, s_x,
-                         s_part, s_r, s_o, s_ro, s_q, s_qs, n, eps, d_off, BLOCK: tl.constexpr,
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, col_ptr, row_ptr,
+                         d_ptr, s_x, s_part, s_r, s_o, s_ro, s_q, s_qs, n, eps, BLOCK: tl.constexpr,
                          HAS_RES: tl.constexpr, NORM_X: tl.constexpr, OFFSET: tl.constexpr, Q8: tl.constexpr,
                          PARTS: tl.constexpr, COL: tl.constexpr, ROW: tl.constexpr, DELTA: tl.constexpr,
                          PDL: tl.constexpr):
@@ -83,7 +83,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_
     ok = i < n
     rs = tl.load(row_ptr + t) if ROW else 1.0
     # PARTS: x is a GEMM's SplitSums, its K shares added in order, scaled and rounded as the GEMM would have
-    h = load_shares(x_ptr + t * s_x + i, col_ptr + i, ok, rs, s_part, d_off, PARTS, COL, DELTA,
+    h = load_shares(x_ptr + t * s_x + i, col_ptr + i, d_ptr + t * s_x + i, ok, rs, s_part, PARTS, COL, DELTA,
                     out_ptr.dtype.element_ty)
     release_next(PDL)
     add_norm_row(h, res_ptr + t * s_r, w_ptr, xw_ptr, out_ptr + t * s_o, res_out_ptr + t * s_ro, q_ptr + t * s_q,
@@ -91,7 +91,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, xw_ptr, out_ptr, res_out_ptr, q_
 
 
 @triton.jit
-def rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, rs, s_share, d_off, ROWS: tl.constexpr,
+def rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, d_src, rs, s_share, ROWS: tl.constexpr,
                 D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr,
                 SHARES: tl.constexpr, COL: tl.constexpr, DELTA: tl.constexpr):
     """norm_rope's loads: heads [n_rows, D] at src and their rotate_half partners as load_shares reads them (x, xp
@@ -103,9 +103,10 @@ def rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, rs, s_share,
     rot = i < R
     half = R // 2
     partner = tl.where(i < half, i + half, i - half)  # rotate_half reads dim i + R/2 (negated) or i - R/2
-    x = load_shares(src + h * s_h + i, col_src + h * s_h + i, ok, rs, s_share, d_off, SHARES, COL, DELTA, DT)
-    xp = load_shares(src + h * s_h + partner, col_src + h * s_h + partner, ok & rot, rs, s_share, d_off, SHARES, COL,
-                     DELTA, DT)
+    x = load_shares(src + h * s_h + i, col_src + h * s_h + i, d_src + h * s_h + i, ok, rs, s_share, SHARES, COL,
+                    DELTA, DT)
+    xp = load_shares(src + h * s_h + partner, col_src + h * s_h + partner, d_src + h * s_h + partner, ok & rot, rs,
+                     s_share, SHARES, COL, DELTA, DT)
     c = tl.load(cos_row + i, mask=rot, other=0.0).to(tl.float32)
     s = tl.load(sin_row + i, mask=rot, other=0.0).to(tl.float32)
     w, wp = c, s
@@ -136,7 +137,7 @@ def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, col_src, rs, s_sha
     """Heads [n_rows, D] at src (head stride s_h; SHARES: a GEMM's SplitSums there, as load_shares reads them, its
     column scales at col_src with the same offsets) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
     on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
-    x, xp, c, s, w, wp = rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, rs, s_share, 0, ROWS, D,
+    x, xp, c, s, w, wp = rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, src, rs, s_share, ROWS, D,
                                      D_PAD, R, NORM, DT, SHARES, COL, False)
     return rope_apply(x, xp, c, s, w, wp, eps, D, D_PAD, R, NORM, OFFSET, DT)
 
@@ -247,8 +248,9 @@ def add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, wei
         _add_rms_norm_kernel[(rows.shape[0],)](
             rows if sums is None else sums.parts, res, weight, weight if x_weight is None else x_weight, out,
             res_rows, q, qs, weight if col is None else col, weight if row is None else row.reshape(-1),
+            rows if sums is None or sums.delta is None else sums.delta,
             rows.stride(0), rows.numel(), res.stride(0), n, n, q.stride(0), qs.stride(0), n, float(eps),
-            0 if sums is None else sums.delta_offset(), BLOCK=triton.next_power_of_2(n),
+            BLOCK=triton.next_power_of_2(n),
             HAS_RES=residual is not None, NORM_X=x_weight is not None, OFFSET=bool(offset), Q8=q8,
             PARTS=0 if sums is None else sums.parts.shape[0], COL=col is not None, ROW=row is not None,
             DELTA=sums is not None and sums.delta is not None, num_warps=norm_warps(rows.shape[0], n),

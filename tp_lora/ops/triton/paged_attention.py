@@ -207,7 +207,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
                    scale, window, softcap, min_part,
                    s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_ob, s_oh,
                    kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, qw_ptr, kw_ptr, eps, k_inv, v_inv,
-                   s_knb, s_knh, s_vnb, s_vnh, s_cos, s_sin, col_ptr, rs_ptr, s_share, k_col, v_col, d_off,
+                   s_knb, s_knh, s_vnb, s_vnh, s_cos, s_sin, col_ptr, rs_ptr, dl_ptr, s_share, k_col, v_col,
                    q8_ptr, qs8_ptr, s_q8, s_qs8,
                    REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK: tl.constexpr, PARTS: tl.constexpr, CU_Q: tl.constexpr, F32_DOT: tl.constexpr,
@@ -228,14 +228,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, part
         cos_row, sin_row = cos_ptr + b * s_cos, sin_ptr + b * s_sin
         rs = tl.load(rs_ptr + b) if ROW else 1.0
         two = tl.arange(0, 2)[:, None]  # k's rows: the head in row 0, row 1 masked
-        q_in = rope_inputs(q_ptr + b * s_qb + g * REP * s_qh, REP, s_qh, cos_row, sin_row, qw_ptr,
-                           col_ptr + g * REP * s_qh, rs, s_share, d_off, REP_PAD, D, D, R, NORM, dt, SHARES, COL,
-                           DELTA)
-        k_in = rope_inputs(kn_ptr + b * s_knb + g * s_knh, 1, s_knh, cos_row, sin_row, kw_ptr,
-                           col_ptr + k_col + g * s_knh, rs, s_share, d_off, 2, D, D, R, NORM, dt, SHARES, COL, DELTA)
+        q_at = b * s_qb + g * REP * s_qh  # the delta (DELTA) at the shares' element offsets
+        q_in = rope_inputs(q_ptr + q_at, REP, s_qh, cos_row, sin_row, qw_ptr, col_ptr + g * REP * s_qh,
+                           dl_ptr + q_at, rs, s_share, REP_PAD, D, D, R, NORM, dt, SHARES, COL, DELTA)
+        k_at = b * s_knb + g * s_knh
+        k_in = rope_inputs(kn_ptr + k_at, 1, s_knh, cos_row, sin_row, kw_ptr, col_ptr + k_col + g * s_knh,
+                           dl_ptr + k_col + k_at, rs, s_share, 2, D, D, R, NORM, dt, SHARES, COL, DELTA)
         v_at = g * s_vnh + two * 0 + d[None, :]
-        v = load_shares(vn_ptr + b * s_vnb + v_at, col_ptr + v_col + v_at, two < 1, rs, s_share, d_off, SHARES, COL,
-                        DELTA, dt)
+        v = load_shares(vn_ptr + b * s_vnb + v_at, col_ptr + v_col + v_at, dl_ptr + v_col + b * s_vnb + v_at, two < 1,
+                        rs, s_share, SHARES, COL, DELTA, dt)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         prefetch(bt_ptr + b * s_btb, False, PDL)
     lo, hi, used, row, runs = sequence_split(ctx_ptr, cu_q_ptr, b, part, window, min_part, PARTS, BLOCK, CU_Q)
@@ -360,9 +361,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         kn, vn, cos, sin, slots, qw, kw, float(eps), 1.0 / kv_scales[0], 1.0 / kv_scales[1],
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0), sin.stride(0),
-        q if col is None else col, q if row is None else row, 0 if sums is None else sums.parts.stride(0),
+        q if col is None else col, q if row is None else row, q if sums is None or sums.delta is None else sums.delta,
+        0 if sums is None else sums.parts.stride(0),
         (kn.data_ptr() - q.data_ptr()) // q.element_size(), (vn.data_ptr() - q.data_ptr()) // q.element_size(),
-        0 if sums is None else sums.delta_offset(), q8, qs8, q8.stride(0), qs8.stride(0),
+        q8, qs8, q8.stride(0), qs8.stride(0),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs, BLOCK=block, PARTS=parts,
         CU_Q=cu_q is not None, **dot_flags(out, k_cache, _decode_kernel), ROPE=rope is not None, R=r, NORM=norm,
         OFFSET=bool(offset), SCALED=k_cache.dtype == torch.float8_e4m3fn and tuple(kv_scales) != (1.0, 1.0),
