@@ -25,7 +25,6 @@ from tp_lora.lora.saved import SavedCopies
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.ops.fused import Rows8
 from tp_lora.ops.split_sums import SplitSums
-from tp_lora.ops.triton.pdl import forget
 from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, take
 
 
@@ -56,11 +55,13 @@ class LoRARuntime:
     def beside(self, shrink: Callable[[], torch.Tensor], base: Callable[[], torch.Tensor],
                device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(shrink(), base()): on CUDA, where the base GEMM multiplies at most SIDE_STREAM_MAX_ROWS rows by each of
-        its weight matrices, the LoRA shrink runs on a side stream beside it (both then wait on memory and leave SMs
-        idle; with more rows the GEMM needs every SM and the two would contend). Every side-stream use waits on the
-        main stream first, so the shrink's output memory is safe to reuse once freed."""
+        its weight matrices, the LoRA shrink (at decode sizes with its expand) runs on a side stream beside it (both
+        then wait on memory and leave SMs idle; with more rows the GEMM needs every SM and the two would contend).
+        Every side-stream use waits on the main stream first, so the shrink's output memory is safe to reuse once
+        freed."""
         if device.type != "cuda" or rows > SIDE_STREAM_MAX_ROWS:
             return shrink(), base()
+        from tp_lora.ops.triton.pdl import forget  # noqa: PLC0415 - CUDA only (the Triton kernels' launch notes)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         main = torch.cuda.current_stream(device)
