@@ -207,7 +207,7 @@ def test_lora_expands_beside_the_fp8_gemm_into_the_delta_of_its_shares(device, m
         isinstance(x, SplitSums) and x.delta is not None) or norm(x, *a))
     outs = []
     for beside in (True, False):
-        monkeypatch.setattr(layers, "SIDE_STREAM_MAX_ROWS", 256 if beside else 0)
+        monkeypatch.setattr(layers, "DELTA_MAX_ROWS", 64 if beside else 0)
         cache = new_cache()
         with torch.no_grad():
             outs.append((model(input_ids, cache, meta), cache))

@@ -31,6 +31,9 @@ from tp_lora.sharding import row_lora_out_offset, shard_lora_a, shard_lora_b, ta
 # Rows per weight matrix up to which a base GEMM is bound by reading its weights (below the GPU's FLOPs-per-byte
 # ridge), so a LoRA shrink beside it costs little (LoRARuntime.beside; measured in BENCHMARKS.md).
 SIDE_STREAM_MAX_ROWS = 256
+# Rows up to which a step's LoRA is expanded beside the base GEMM into a delta its reader adds (LoRALinear.partial's
+# sums): decode sizes, where the expand is a latency on the GEMM's chain; past them it adds into the base's output.
+DELTA_MAX_ROWS = 64
 
 
 @dataclass
@@ -303,7 +306,7 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
             return base()
         ops, batch = self.rt.ops, self.rt.batch
         saved = self.saved_active(batch)
-        if sums and self.tp.size == 1 and x.shape[0] <= SIDE_STREAM_MAX_ROWS and not (saved or self.epilogue):
+        if sums and self.tp.size == 1 and x.shape[0] <= DELTA_MAX_ROWS and not (saved or self.epilogue):
             delta, y = self.rt.beside(lambda: self._delta(x), lambda: self.base.partial(x, x8, sums=True), x.device,
                                       x.shape[0])
             # a GEMM that did not split K: its output as the one share
