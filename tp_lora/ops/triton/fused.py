@@ -131,14 +131,12 @@ def rope_apply(x, xp, c, s, w, wp, eps, D: tl.constexpr, D_PAD: tl.constexpr, R:
 
 
 @triton.jit
-def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, col_src, rs, s_share, ROWS: tl.constexpr,
-              D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
-              DT: tl.constexpr, SHARES: tl.constexpr, COL: tl.constexpr):
-    """Heads [n_rows, D] at src (head stride s_h; SHARES: a GEMM's SplitSums there, as load_shares reads them, its
-    column scales at col_src with the same offsets) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE
-    on the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
-    x, xp, c, s, w, wp = rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, col_src, src, rs, s_share, ROWS, D,
-                                     D_PAD, R, NORM, DT, SHARES, COL, False)
+def norm_rope(src, n_rows, s_h, cos_row, sin_row, w_ptr, eps, ROWS: tl.constexpr, D: tl.constexpr,
+              D_PAD: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, DT: tl.constexpr):
+    """Heads [n_rows, D] at src (head stride s_h) -> [ROWS, D_PAD] in DT: the optional per-head RMSNorm, then RoPE on
+    the first R dims (x * cos + rotate_half(x) * sin), the rest passed through."""
+    x, xp, c, s, w, wp = rope_inputs(src, n_rows, s_h, cos_row, sin_row, w_ptr, src, src, 1.0, 0, ROWS, D, D_PAD, R,
+                                     NORM, DT, 0, False, False)
     return rope_apply(x, xp, c, s, w, wp, eps, D, D_PAD, R, NORM, OFFSET, DT)
 
 
@@ -153,14 +151,12 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     cos_row, sin_row = cos_ptr + t * s_cos, sin_ptr + t * s_sin
     i = tl.arange(0, D_PAD)[None, :]
     hq = tl.arange(0, H_PAD)[:, None]
-    q = norm_rope(q_ptr + t * s_qt, H, s_qh, cos_row, sin_row, qw_ptr, eps, q_ptr, 1.0, 0, H_PAD, D, D_PAD, R, NORM,
-                  OFFSET, dt, 0, False)
+    q = norm_rope(q_ptr + t * s_qt, H, s_qh, cos_row, sin_row, qw_ptr, eps, H_PAD, D, D_PAD, R, NORM, OFFSET, dt)
     tl.store(q_out_ptr + t * H * D + hq * D + i, q, mask=(hq < H) & (i < D))
     hk = tl.arange(0, KV_PAD)[:, None]
     ok = (hk < KV) & (i < D)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    k = norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, k_ptr, 1.0, 0, KV_PAD, D, D_PAD, R,
-                  NORM, OFFSET, dt, 0, False)
+    k = norm_rope(k_ptr + t * s_kt, KV, s_kh, cos_row, sin_row, kw_ptr, eps, KV_PAD, D, D_PAD, R, NORM, OFFSET, dt)
     v = tl.load(v_ptr + t * s_vt + hk * s_vh + i, mask=ok, other=0.0)
     if SCALED:  # an fp8 cache holds k / k_scale and v / v_scale
         k = k.to(tl.float32) * k_inv
