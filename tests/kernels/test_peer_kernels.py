@@ -12,6 +12,7 @@ from tp_lora.distributed.peer import EMPTY, POLL_MAX_BYTES, PeerBuffer, PeerRepo
 from tp_lora.distributed.peer_kernels import all_gather, all_reduce
 from tp_lora.ops.fp8 import empty_rows8
 from tp_lora.ops.fused import add_rms_norm_ref
+from tp_lora.ops.split_sums import SplitSums
 from tp_lora.ops.triton.fused import add_rms_norm
 from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm
 
@@ -94,6 +95,40 @@ def test_fused_reduce_norm_refuses_a_message_over_the_buffer(device):
     x = torch.ones(3, 128, device=device)
     with pytest.raises(ValueError, match="3 x 128 elements exceed the peer buffer's slot of 256"):
         reduce_add_rms_norm(x, None, torch.ones(128, device=device), 1e-6, False, None, buf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("kind", ["one_share_delta", "shares_scaled", "shares_delta"])
+def test_fused_reduce_norm_sums_a_gemms_split_sums_before_the_exchange(device, dtype, rows, kind, exchange):
+    """x as a GEMM's SplitSums (its float32 K shares with column / row scales, or its output as one share in its
+    dtype, with or without a LoRA delta): this rank's rows are summed and rounded as the GEMM (and the expand adding
+    into its output) would leave them, before they are exchanged, summed and normed: one rank's add_rms_norm kernel
+    over the same SplitSums, bit for bit."""
+    gen = torch.Generator().manual_seed(rows + 17)
+    x, res = (torch.randn(rows, 160, generator=gen).to(dtype).to(device) for _ in range(2))
+    w = torch.randn(160, generator=gen).to(dtype).to(device)
+    delta = (torch.randn(rows, 160, generator=gen) * 0.37).to(device)
+    delta[1:2] = 0.0  # a token without an adapter (where there are two)
+    if kind == "one_share_delta":
+        sums = SplitSums(x[None], None, None, dtype, delta)
+    else:
+        parts = torch.randn(3, rows, 160, generator=gen).to(device)
+        col, row = (torch.rand(m, generator=gen).to(device) + 0.5 for m in (160, rows))
+        sums = SplitSums(parts, col, row, dtype, delta if kind == "shares_delta" else None)
+    staging, pads, buf = group_of_one(dtype, device)
+    want = add_rms_norm(sums, res, w, 1e-6, False, None)  # one rank's kernel, the same rounding (the interpreter's)
+    ref = add_rms_norm_ref(sums.total(), res, w, 1e-6)
+    for call in (1, 2):
+        got = reduce_add_rms_norm(sums, res, w, 1e-6, False, None, buf)
+        assert all(g.dtype == dtype and torch.equal(g, k) for g, k in zip(got, want))
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g.float(), r.float(), atol=8e-2, rtol=8e-2)
+        check_exchange(staging, pads, buf, call, exchange)
+    plain = add_rms_norm(sums.parts[0].to(dtype), res, w, 1e-6, False, None)[1]
+    assert not torch.equal(want[1], plain), "the sum (and delta) change the rows"
+    with pytest.raises(ValueError, match="SplitSums need contiguous parts and no scatter"):
+        reduce_add_rms_norm(sums, res, w, 1e-6, False, None, buf, scatter=True)
 
 
 @pytest.mark.parametrize("two_shot", [False, True])

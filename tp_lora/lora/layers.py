@@ -296,8 +296,9 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
     def partial(self, x: torch.Tensor, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
         """The base layer's output before its collective (as ParallelLinear.partial), plus this layer's LoRA (on x;
         the base may read x8, x quantized per token). sums: the base's output may be its SplitSums; at decode sizes
-        the LoRA is then expanded beside the base GEMM into their delta (added by their reader), where nothing else
-        acts on the output."""
+        the LoRA is then expanded beside the base GEMM into their delta (added by their reader: decode attention, the
+        next norm, or under tp that norm's fused all-reduce before the exchange), where nothing else acts on the
+        output and no collective sits between shrink and expand (fully sharded LoRA keeps the add into the output)."""
         if sums and not self.rt.active():
             return self.base.partial(x, x8, sums=True)
         # x8 only where given: a wrapped LM head's partial takes x alone
@@ -306,7 +307,7 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
             return base()
         ops, batch = self.rt.ops, self.rt.batch
         saved = self.saved_active(batch)
-        if sums and self.tp.size == 1 and x.shape[0] <= DELTA_MAX_ROWS and not (saved or self.epilogue):
+        if sums and not self.fully_sharded and x.shape[0] <= DELTA_MAX_ROWS and not (saved or self.epilogue):
             delta, y = self.rt.beside(lambda: self._delta(x), lambda: self.base.partial(x, x8, sums=True), x.device,
                                       x.shape[0])
             # a GEMM that did not split K: its output as the one share

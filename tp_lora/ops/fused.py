@@ -67,12 +67,13 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return rms_norm_ref(h, weight, eps, offset), h
 
 
-def reduce_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                            offset: bool, x_weight: torch.Tensor | None, group: comm.Group, scatter: bool = False
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, N] this rank's partial sums -> add_rms_norm_ref of x summed over the group (x is reduced in place).
-    scatter: x [world * C, N] holds each rank's chunk of C rows; this rank's chunk, summed, to its first rows (the
-    residual's, else C): add_rms_norm_ref of reduce_scatter(x)[:rows]."""
+def reduce_add_rms_norm_ref(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float, offset: bool, x_weight: torch.Tensor | None, group: comm.Group,
+                            scatter: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] this rank's partial sums (or a GEMM's SplitSums of them) -> add_rms_norm_ref of x summed over the
+    group (a tensor x is reduced in place). scatter: x [world * C, N] holds each rank's chunk of C rows; this rank's
+    chunk, summed, to its first rows (the residual's, else C): add_rms_norm_ref of reduce_scatter(x)[:rows]."""
+    x = x.total() if isinstance(x, SplitSums) else x
     return add_rms_norm_ref(_summed(x, residual, group, scatter), residual, weight, eps, offset, x_weight)
 
 
@@ -179,12 +180,18 @@ def add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, wei
     return add_rms_norm_ref(x, residual, weight, eps, offset, x_weight)
 
 
-def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def reduce_add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                         offset: bool, x_weight: torch.Tensor | None, group: comm.Group, scatter: bool = False,
                         out8: Rows8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: a tensor, or a GEMM's SplitSums (the peer kernel sums them; else, or without a residual, summed first)."""
     if residual is None and x_weight is not None:
         raise ValueError("reduce_add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
-    buf = comm.fused_peer(x, group, scatter)
+    if isinstance(x, SplitSums) and (residual is None or scatter):
+        x = x.total()
+    # the message: x's rows in the stream's dtype (a SplitSums' rows have the residual's shape and dtype)
+    buf = comm.fused_peer(residual if isinstance(x, SplitSums) else x, group, scatter)
+    if isinstance(x, SplitSums) and buf is None:
+        x = x.total()
     if buf is not None:
         from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm as kernel  # noqa: PLC0415 - peer path only
         return kernel(x, residual, weight, eps, offset, x_weight, buf, scatter, out8)
