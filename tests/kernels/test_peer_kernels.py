@@ -117,7 +117,9 @@ def test_fused_reduce_norm_sums_a_gemms_split_sums_before_the_exchange(device, d
         col, row = (torch.rand(m, generator=gen).to(device) + 0.5 for m in (160, rows))
         sums = SplitSums(parts, col, row, dtype, delta if kind == "shares_delta" else None)
     staging, pads, buf = group_of_one(dtype, device)
-    want = add_rms_norm(sums, res, w, 1e-6, False, None)  # one rank's kernel, the same rounding (the interpreter's)
+    # one rank's kernel over the same SplitSums: the same rounding (the interpreter's too); float32 rows are summed
+    # first, as the NCCL path does (that kernel may fuse the row scale's product with the residual add)
+    want = add_rms_norm(sums.total() if dtype == torch.float32 else sums, res, w, 1e-6, False, None)
     ref = add_rms_norm_ref(sums.total(), res, w, 1e-6)
     for call in (1, 2):
         got = reduce_add_rms_norm(sums, res, w, 1e-6, False, None, buf)
