@@ -220,8 +220,8 @@ class Attention(nn.Module):
         self.kv_scales = (1.0, 1.0)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta, partial: bool = False, x8: Rows8 | None = None):
-        """partial: o_proj's output before its all-reduce, or on one rank its SplitSums (the caller's norm reduces or
-        sums it, see DecoderLayer). x8: x quantized per token (qkv_proj.takes_rows8)."""
+        """partial: o_proj's output before its all-reduce, possibly as SplitSums (the caller's norm reduces or sums
+        it, see DecoderLayer). x8: x quantized per token (qkv_proj.takes_rows8)."""
         d = self.head_dim
         ks, vs = self.kv_scales if cache.k[self.layer_idx].dtype == FP8_DTYPE else (1.0, 1.0)
         # A step of decodes only in the decode kernel: it sums the qkv GEMM's K shares (SplitSums) itself, and
@@ -264,8 +264,8 @@ class MLP(nn.Module):
         return self.gate_up_proj.takes_rows8(x, group)
 
     def forward(self, x, partial: bool = False, x8: Rows8 | None = None):
-        """partial: down_proj's output before its all-reduce, or on one rank its SplitSums (the caller's norm
-        reduces or sums it, see DecoderLayer). x8: x quantized (takes_rows8); act_mul hands down_proj its rows
+        """partial: down_proj's output before its all-reduce, possibly as SplitSums (the caller's norm reduces or
+        sums it, see DecoderLayer). x8: x quantized (takes_rows8); act_mul hands down_proj its rows
         quantized where it takes them (rows8_for)."""
         g = self.gate_up_proj(x, x8)
         h8 = rows8_for(self.down_proj, g[..., :g.shape[-1] // 2])
@@ -283,8 +283,9 @@ class DecoderLayer(nn.Module):
     returns down_proj's partial output where it defers the reduce (`defer`: the group and whether it scatters), and
     the next norm (the next layer's, or the model's final one) sums it; so does an MoE block whose last collective is
     a sum over tp (its defer_group) or EP's reduce-scatter (its defer_scatter). On one rank o_proj and down_proj
-    hand on their fp8 decode GEMM's K shares (SplitSums) the same way, for the next norm to sum. Row layers with a
-    bias, the other MoE layouts and Gemma's post-feedforward norm keep it in the layer."""
+    hand on their decode GEMM's K shares (SplitSums) the same way, for the next norm to sum; under tp, at decode
+    sizes with adapters, their output as one share with the LoRA delta, summed by the fused all-reduce. Row layers
+    with a bias, the other MoE layouts and Gemma's post-feedforward norm keep it in the layer."""
 
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None,
                  quant: QuantConfig | None = None):
