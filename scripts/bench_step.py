@@ -555,10 +555,11 @@ def main() -> None:
                                      prefix_hit_tokens=hits, one_token_runs_s=ones))
                     if ps.is_driver:  # as measured, so a run cut short still shows its rows
                         print("row", json.dumps(rows[-1]), flush=True)
-        if args.kernels and device == "cuda":
-            kernels[shape] = kernel_table(engine, vocab, contexts, False)
+        if args.kernels and device == "cuda":  # one table per engine: every weight and cache dtype keeps its own
+            label = shape if (quant, kv_dtype) == ("none", "auto") else f"{shape} {quant} kv={kv_dtype}"
+            kernels[label] = kernel_table(engine, vocab, contexts, False)
             if not args.no_adapters_only:
-                kernels[f"{shape} adapters"] = kernel_table(engine, vocab, contexts, True)
+                kernels[f"{label} adapters"] = kernel_table(engine, vocab, contexts, True)
         if args.mixed:
             extra[f"{shape} {quant} kv={kv_dtype}"] = {"no_adapters": mixed_step(engine, vocab, False, args.profile),
                             "adapters": mixed_step(engine, vocab, True, args.profile)}
