@@ -277,11 +277,7 @@ class LoRALinear(SlotBuffers, SavedCopies, nn.Module):
 
     def _expand(self, u: torch.Tensor, z: torch.Tensor, add: bool = True) -> None:
         """z (+)= u's expand by each token's B (add: into the base's output; else a float32 delta of its shape)."""
-        ops, batch = self.rt.ops, self.rt.batch
-        if self.b_scales is None:
-            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, add=add)
-        else:
-            ops.expand(u, self.lora_b, batch, z, offset=self.out_offset, add=add, b_scales=self.b_scales)
+        self.rt.ops.expand(u, self.lora_b, self.rt.batch, z, offset=self.out_offset, add=add, b_scales=self.b_scales)
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:
         """The LoRA of x [T, in] alone: [T, out] float32, 0 for tokens without an adapter."""

@@ -186,11 +186,10 @@ def reduce_add_rms_norm(x: torch.Tensor | SplitSums, residual: torch.Tensor | No
     """x: a tensor, or a GEMM's SplitSums (the peer kernel sums them; else, or without a residual, summed first)."""
     if residual is None and x_weight is not None:
         raise ValueError("reduce_add_rms_norm: x_weight (a norm before the residual add) needs a residual, got None")
-    if isinstance(x, SplitSums) and (residual is None or scatter):
-        x = x.total()
+    sums = isinstance(x, SplitSums)
     # the message: x's rows in the stream's dtype (a SplitSums' rows have the residual's shape and dtype)
-    buf = comm.fused_peer(residual if isinstance(x, SplitSums) else x, group, scatter)
-    if isinstance(x, SplitSums) and buf is None:
+    buf = None if sums and (residual is None or scatter) else comm.fused_peer(residual if sums else x, group, scatter)
+    if sums and buf is None:
         x = x.total()
     if buf is not None:
         from tp_lora.ops.triton.peer_norm import reduce_add_rms_norm as kernel  # noqa: PLC0415 - peer path only
