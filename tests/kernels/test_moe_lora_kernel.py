@@ -84,6 +84,15 @@ def test_moe_lora_matches_reference(device, dtype, case, launch, monkeypatch):
     moe_lora.moe_lora_fused(x, a13, scales[:2], b13, pairs, z)
     torch.testing.assert_close(z, z_ref, equal_nan=True, **tol)
     assert torch.isnan(z[~lora_rows]).all(), "rows of pairs without an adapter were written"
+    # ... reading each pair's row where it lies (rows: the pairs' tokens, as the model passes the dispatched tokens)
+    tokens = rnd(n + 5, hidden)
+    rows = torch.randint(0, n + 5, (p,), generator=gen).to(device)
+    z_rows = poison.clone()
+    moe_lora.moe_lora_fused(tokens, a13, scales[:2], b13, pairs, z_rows, rows=rows)
+    z_ref = poison.clone()
+    moe_ref.moe_lora_fused(tokens[rows], a13, scales[:2], b13, pairs, z_ref)
+    torch.testing.assert_close(z_rows, z_ref, equal_nan=True, **tol)
+    assert torch.isnan(z_rows[~lora_rows]).all(), "rows of pairs without an adapter were written"
 
     # w2: one slice, expanded at an offset into a wider output (a fully sharded rank's columns of the sum).
     h = rnd(p, inter)

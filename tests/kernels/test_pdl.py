@@ -151,3 +151,59 @@ def test_a_gemm_beside_a_side_stream_lora_goes_early_and_the_join_ends_the_chain
     steps = 2 + len(inputs)
     assert early == {"gemm": [True] * (2 + len(inputs) // 2) + [False] * (len(inputs) // 2),
                      "norm": [False] * 2 * steps}, early
+
+
+def _moe_adapter_experts(x, unused, plan, w13, w2, a13, b13, a2, b2, scales):
+    """An expert block with adapters at decode (tp_lora.lora.moe's default mode): the gate_up grouped GEMM reading
+    the pairs' tokens, its fused LoRA (its shrink before its wait), act_mul, the down GEMM, its fused LoRA."""
+    from tp_lora.ops.triton import grouped_mm, moe_lora
+    from tp_lora.ops.triton.fused import act_mul
+    z = grouped_mm.grouped_mm(x, w13, plan.expert_ends, rows_per_expert=8, rows=plan.token)
+    moe_lora.moe_lora_fused(x, a13, scales[:2], b13, plan, z, rows=plan.token)
+    h = act_mul(z, "silu")
+    y = grouped_mm.grouped_mm(h, w2, plan.expert_ends, rows_per_expert=8)
+    moe_lora.moe_lora_fused(h, a2, scales[2:], b2, plan, y)
+    return [y, h]
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
+def test_moe_lora_shrinks_beside_the_expert_gemms_and_gives_the_plain_launches_results(monkeypatch):
+    """Each expert GEMM releases its successor: the fused MoE LoRA launches early (its shrink beside the GEMM's last
+    programs, its add into the GEMM's output after the wait), and so do act_mul and the down GEMM after it; the
+    block's outputs (fresh tokens each replay) are the bits of plain launches."""
+    from tp_lora.ops.moe_plan import build_plan
+    from tp_lora.ops.triton import grouped_mm, moe_lora
+    from tp_lora.ops.triton import fused
+    gen = torch.Generator().manual_seed(13)
+    t, h, inter, experts, k, rank, slots = 32, 1024, 512, 16, 4, 16, 4
+    ids = torch.rand(t, experts, generator=gen).topk(k, -1).indices
+    plan = build_plan(ids.cuda(), torch.rand(t, k, generator=gen).cuda(),
+                      (torch.arange(t) % (slots + 1) - 1).to(torch.int32).cuda(), 0, experts, slots, lora=True)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()
+    weights = (plan, rnd(experts, 2 * inter, h, scale=h ** -0.5), rnd(experts, h, inter, scale=inter ** -0.5),
+               [rnd(slots, experts, rank, h, scale=h ** -0.5) for _ in range(2)],
+               [rnd(slots, experts, inter, rank) for _ in range(2)], [rnd(slots, experts, rank, inter)],
+               [rnd(slots, experts, h, rank, scale=rank ** -0.5)], torch.full((3, slots, experts), 0.5).cuda())
+    inputs = [rnd(t, h) for _ in range(2 * 4)]
+    early = {"gemm": [], "lora": [], "act": []}
+
+    def args(kind, module):
+        real = module.pdl_args
+
+        def note(x):
+            out = real(x)
+            early[kind].append(out["launch_pdl"])
+            return out
+        monkeypatch.setattr(module, "pdl_args", note)
+    args("gemm", grouped_mm)
+    args("lora", moe_lora)
+    args("act", fused)
+    _early_gives_plain_results(_moe_adapter_experts, weights, inputs, monkeypatch)
+    # compiling, capturing, each eager step: the up GEMM plain (its tokens come from before), the rest early; the
+    # plain steps after them not
+    early_steps, plain = 2 + len(inputs) // 2, len(inputs) // 2
+    assert early == {"gemm": [False, True] * early_steps + [False] * 2 * plain,
+                     "lora": [True, True] * early_steps + [False] * 2 * plain,
+                     "act": [True] * early_steps + [False] * plain}, early

@@ -125,16 +125,16 @@ class LoRAExperts(SlotBuffers, nn.Module):
         base, rt, ops = self.base, self.rt, self.rt.ops
         if not plan.any_lora:  # the same on every moe-tp rank: they dispatched the same tokens
             return base(x, plan, x8)
-        xp = x[plan.token]
         if not self.fully_sharded:  # no collective between shrink and expand: one fused launch after each GEMM
-            z = base.up(xp, plan)
-            ops.moe_lora_fused(xp, list(self.lora_a13), self.scales[:base.slices], list(self.lora_b13), plan, z,
-                               b_scales=self.b13_scales)
+            z = base.up(x, plan, plan.token)  # both read the pairs' tokens where they lie
+            ops.moe_lora_fused(x, list(self.lora_a13), self.scales[:base.slices], list(self.lora_b13), plan, z,
+                               b_scales=self.b13_scales, rows=plan.token)
             h = base.act(z)
             y = base.down(h, plan)
             ops.moe_lora_fused(h, [self.lora_a2], self.scales[base.slices:], [self.lora_b2], plan, y,
                                b_scales=None if self.b2_scales is None else [self.b2_scales])
             return y
+        xp = x[plan.token]
         u, z = rt.beside(lambda: ops.moe_lora_shrink(xp, list(self.lora_a13), self.scales[:base.slices], plan),
                          lambda: base.up(xp, plan), xp.device, xp.shape[0] // base.num_experts)
         u = comm.all_gather(u, self.tp, dim=-1)  # w1 and w3 travel together

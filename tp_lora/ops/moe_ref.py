@@ -54,9 +54,11 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], plan: MoE
 
 def moe_lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,
                    lora_b: Sequence[torch.Tensor], plan: MoEPlan, out: torch.Tensor, offset: int = 0, *,
-                   b_scales: Sequence[torch.Tensor] | None = None) -> None:
+                   b_scales: Sequence[torch.Tensor] | None = None, rows: torch.Tensor | None = None) -> None:
     """shrink then expand (add=True) where no collective sits between them (the default LoRA mode): one launch on
-    Triton. x [P, in], lora_a S x [L, E, r, in], scales [S, L, E], lora_b S x [L, E, out_s, r], out [P, O]."""
+    Triton. x [P, in] in pair order, or [N, in] read at rows [P] (the pairs' tokens); lora_a S x [L, E, r, in],
+    scales [S, L, E], lora_b S x [L, E, out_s, r], out [P, O]."""
+    x = x if rows is None else x[rows]
     moe_lora_expand(moe_lora_shrink(x, lora_a, scales, plan), lora_b, plan, out, offset, b_scales=b_scales)
 
 

@@ -27,6 +27,7 @@ import triton.language as tl
 from tp_lora.ops.triton.configs import num_sms
 from tp_lora.ops.triton.dot import check_act8, compute_types, fp8_dot, mm
 from tp_lora.ops.triton.fused import act_mul_of
+from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -135,7 +136,10 @@ def _grouped_mm_kernel(x_ptr, xs_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, 
                        s_se, s_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        COL_BLOCKS: tl.constexpr, SCALES: tl.constexpr, SCALE_K: tl.constexpr, ENDS: tl.constexpr,
                        CDT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ACT8: tl.constexpr,
-                       DOT8: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, XQ: tl.constexpr):
+                       DOT8: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, XQ: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_prior(PDL)
+    release_next(PDL)  # every program resident lets the next kernel's start beside the last ones (MoE LoRA's shrink)
     e = tl.program_id(0)
     if ENDS:
         start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)
@@ -240,5 +244,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         c, n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, COL_BLOCKS=col_blocks,
         SCALES=mode, SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
-        DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, XQ=xq, num_warps=warps, num_stages=stages)
+        DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, XQ=xq, num_warps=warps, num_stages=stages,
+        **pdl_args(x))
+    released(out)
     return out

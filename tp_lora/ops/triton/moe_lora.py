@@ -25,6 +25,7 @@ import triton.language as tl
 from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan
 from tp_lora.ops.triton.dot import FP8, compute_types, mm
 from tp_lora.ops.triton.kernels import pick
+from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 
 __all__ = ["moe_lora_shrink", "moe_lora_expand", "moe_lora_fused"]
 
@@ -58,7 +59,8 @@ def _block_rows(groups_ptr, pid_g, pid_m, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.
 def _shrink_tile(x_ptr, a_ptr, rows, m_mask, offs_r, r_mask, K, stride_xp, stride_xk, stride_ar, stride_ak,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CDT: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr):
-    """x[rows] @ A^T over all of K -> [BLOCK_M, BLOCK_R] float32; a_ptr: this (slot, expert)'s A [R, K]."""
+    """x[rows] @ A^T over all of K -> [BLOCK_M, BLOCK_R] float32; a_ptr: this (slot, expert)'s A [R, K]; rows: the
+    block's rows of x (its pairs, or their tokens where x is not in pair order)."""
     offs_k = tl.arange(0, BLOCK_K)
     x_blk = x_ptr + rows[:, None] * stride_xp + offs_k[None, :] * stride_xk
     a_blk = a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
@@ -148,7 +150,7 @@ def moe_expand_kernel(
 
 @triton.jit
 def moe_fused_kernel(
-    x_ptr, a0_ptr, a1_ptr, scale_ptr, b0_ptr, b1_ptr, bs0_ptr, bs1_ptr, out_ptr, groups_ptr,
+    x_ptr, idx_ptr, a0_ptr, a1_ptr, scale_ptr, b0_ptr, b1_ptr, bs0_ptr, bs1_ptr, out_ptr, groups_ptr,
     K, R, N, col0, n_per_program, n_programs,
     stride_xp, stride_xk,
     stride_al, stride_ae, stride_ar, stride_ak,
@@ -158,23 +160,32 @@ def moe_fused_kernel(
     stride_op, stride_oc,
     NUM_SLICES: tl.constexpr, HAS_B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, CDT_A: tl.constexpr, DOT_A: tl.constexpr, PREC_A: tl.constexpr,
-    CDT_B: tl.constexpr, DOT_B: tl.constexpr, PREC_B: tl.constexpr,
+    CDT_B: tl.constexpr, DOT_B: tl.constexpr, PREC_B: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr,
 ):
     """The shrink's u = scale * x[p] @ A_s^T kept in registers, then out[p, col0 + s*N + n] += u @ B_s[n]^T over the
-    program's n_per_program columns, for the pairs p of one (expert, slot) group. Shapes as the two kernels above.
-    Grid: (blocks, token blocks, slices x n_programs)."""
+    program's n_per_program columns, for the pairs p of one (expert, slot) group. Shapes as the two kernels above;
+    GATHER: pair p's row of x is x[idx[p]]. Grid: (blocks, token blocks, slices x n_programs).
+    PDL: the shrink reads nothing the kernel before it (the base GEMM writing out) writes, so it runs before the wait
+    (tp_lora.ops.triton.pdl), beside that GEMM's last programs; the expand's read-modify-write of out after it."""
     pid_x = tl.program_id(2)
     s = pid_x // n_programs
     pid_n = pid_x % n_programs
     e, slot, live, m_mask, rows, offs_r, r_mask = _block_rows(groups_ptr, tl.program_id(0), tl.program_id(1), R,
                                                               BLOCK_M, BLOCK_R)
+    u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if live:
+        src = rows
+        if GATHER:
+            src = tl.load(idx_ptr + rows, mask=m_mask, other=0).to(tl.int64)
         a_ptr = pick(s, a0_ptr, a1_ptr, a1_ptr, NUM_SLICES)
-        b_ptr = pick(s, b0_ptr, b1_ptr, b1_ptr, NUM_SLICES)
-        bs_ptr = pick(s, bs0_ptr, bs1_ptr, bs1_ptr, NUM_SLICES)
-        u = _shrink_tile(x_ptr, a_ptr + slot * stride_al + e * stride_ae, rows, m_mask, offs_r, r_mask, K,
+        u = _shrink_tile(x_ptr, a_ptr + slot * stride_al + e * stride_ae, src, m_mask, offs_r, r_mask, K,
                          stride_xp, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, CDT_A, DOT_A, PREC_A)
         u *= tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
+    wait_prior(PDL)
+    release_next(PDL)
+    if live:
+        b_ptr = pick(s, b0_ptr, b1_ptr, b1_ptr, NUM_SLICES)
+        bs_ptr = pick(s, bs0_ptr, bs1_ptr, bs1_ptr, NUM_SLICES)
         n_lo = pid_n * n_per_program
         n_hi = tl.minimum(N, n_lo + n_per_program)
         b_ptr += slot * stride_bl + e * stride_be
@@ -298,10 +309,11 @@ def moe_lora_expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], pairs: Mo
 
 def moe_lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor,
                    lora_b: Sequence[torch.Tensor], pairs: MoEPlan, out: torch.Tensor, offset: int = 0, *,
-                   b_scales: Sequence[torch.Tensor] | None = None) -> None:
-    """moe_lora_expand(moe_lora_shrink(x, lora_a, scales, pairs), lora_b, pairs, out, offset, add=True, b_scales=...)
-    in one launch per slice pair, u never leaving registers (no collective between the two: the default LoRA mode).
-    x [P, in], lora_a S x [L, E, r, in], scales [S, L, E] float32, lora_b S x [L, E, out_s, r], out [P, O]."""
+                   b_scales: Sequence[torch.Tensor] | None = None, rows: torch.Tensor | None = None) -> None:
+    """moe_lora_expand(moe_lora_shrink(x[rows], lora_a, scales, pairs), lora_b, pairs, out, offset, add=True,
+    b_scales=...) in one launch per slice pair, u never leaving registers (no collective between the two: the default
+    LoRA mode). x [P, in] in pair order (rows None) or [N, in] read at rows [P] (the pairs' tokens), lora_a
+    S x [L, E, r, in], scales [S, L, E] float32, lora_b S x [L, E, out_s, r], out [P, O]."""
     groups = pairs.groups.shape[0]
     if groups == 0 or out.shape[0] == 0:
         return
@@ -321,7 +333,7 @@ def moe_lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torc
         per, n_programs = cfg.pop("n_per_program"), cfg.pop("n_programs")
         sc = scales[idx[0]:idx[-1] + 1]
         moe_fused_kernel[(groups, triton.cdiv(LORA_BLOCK, BLOCK_M), len(idx) * n_programs)](
-            x, a0, a1, sc, b0, b1, bs0, bs1, out, pairs.groups,
+            x, x if rows is None else rows, a0, a1, sc, b0, b1, bs0, bs1, out, pairs.groups,
             k, rank, width, col, per, n_programs,
             *x.stride(),
             *a0.stride(),
@@ -330,6 +342,7 @@ def moe_lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torc
             *(bs0.stride() if has_bs else (0, 0, 0)),
             *out.stride(),
             NUM_SLICES=len(idx), HAS_B_SCALES=has_bs, BLOCK_M=BLOCK_M, CDT_A=cdt_a, DOT_A=dot_a, PREC_A=prec_a,
-            CDT_B=cdt_b, DOT_B=dot_b, PREC_B=prec_b, **cfg,
+            CDT_B=cdt_b, DOT_B=dot_b, PREC_B=prec_b, GATHER=rows is not None, **cfg, **pdl_args(out),
         )
+        released(out)
         col += width * len(idx)
