@@ -23,11 +23,15 @@ def _pairs(n: int, e0: int, e_local: int, gen: torch.Generator, device, skew: bo
 
 
 # Launch settings besides the defaults: narrow tiles with ragged last ones (K = 48 / 20 in 16- or 32-wide runs; widths
-# 20 and 48 in 16- or 32-column tiles), the fused op's columns over several programs (one 20-column slice in 2 or 3).
+# 20 and 48 in 16- or 32-column tiles), the fused op's columns over several programs (one 20-column slice in 2 or 3);
+# the fused op's one-pair blocks on its rows path in narrow tiles ("narrow"; by default in wide ones), or on the tiles
+# as larger blocks ("ragged").
 LAUNCHES = {"default": ({}, {}, {}),
             "narrow": (dict(BLOCK_K=16, num_warps=1, num_stages=2), dict(BLOCK_N=16, num_warps=1, num_stages=1),
-                       dict(BLOCK_K=16, BLOCK_N=16, N_PER_PROGRAM=16, num_warps=1, num_stages=2)),
-            "ragged": (dict(BLOCK_K=32), dict(BLOCK_N=32), dict(BLOCK_K=32, BLOCK_N=16, N_PER_PROGRAM=8))}
+                       dict(BLOCK_K=16, BLOCK_N=16, N_PER_PROGRAM=16, num_warps=1, num_stages=2, ROW_K=16,
+                            ROW_N=16)),
+            "ragged": (dict(BLOCK_K=32), dict(BLOCK_N=32),
+                       dict(BLOCK_K=32, BLOCK_N=16, N_PER_PROGRAM=8, ONE_ROW=False))}
 
 
 CASES = [(case, dtype, "default") for case in ("local_half", "all_experts", "skewed_elsewhere", "no_lora")

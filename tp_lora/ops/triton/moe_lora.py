@@ -35,10 +35,11 @@ BLOCK_M = LORA_BLOCK  # pairs per program: one LoRA block of the plan, so A / B 
 # decode a group is one or two pairs, so a program streams r x in of A (or out x r of B) for a few rows. The expand
 # and the fused op cut a slice's outputs into runs of columns, one B tile of BLOCK_N columns at a time; the fused op
 # gives each program N_PER_PROGRAM columns of a slice (each program of a block recomputes the block's shrink, its A
-# read again from L2).
+# read again from L2); its blocks of one pair (ONE_ROW) read A in ROW_K-wide and B in ROW_N-column tiles.
 SHRINK = dict(BLOCK_K=128, num_warps=2, num_stages=4)
 EXPAND = dict(BLOCK_N=128, num_warps=2, num_stages=2)
-FUSED = dict(BLOCK_K=256, BLOCK_N=256, N_PER_PROGRAM=1024, num_warps=2, num_stages=3)
+FUSED = dict(BLOCK_K=256, BLOCK_N=256, N_PER_PROGRAM=1024, num_warps=2, num_stages=3, ONE_ROW=True, ROW_K=512,
+             ROW_N=512)
 
 
 @triton.jit
@@ -91,6 +92,43 @@ def _expand_tile(u, b_ptr, bs_ptr, out_ptr, rows, m_mask, offs_r, r_mask, offs_n
     if ADD:
         acc += tl.load(o_ptr, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _shrink_row(x_row, a_ptr, offs_r, r_mask, K, stride_xk, stride_ar, stride_ak, BLOCK_R: tl.constexpr,
+                ROW_K: tl.constexpr, CDT: tl.constexpr):
+    """One row's x @ A^T over all of K on the CUDA cores -> [BLOCK_R] float32 (operands rounded to CDT, as the dot
+    path rounds them); x_row: the row's start, a_ptr: this (slot, expert)'s A [R, K]. No shared memory: A's tiles
+    go straight to registers."""
+    offs_k = tl.arange(0, ROW_K)
+    acc = tl.zeros((BLOCK_R, ROW_K), dtype=tl.float32)
+    for k0 in range(0, K, ROW_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        av = tl.load(a_ptr + offs_r[:, None] * stride_ar + kk[None, :] * stride_ak,
+                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        xv = tl.load(x_row + kk * stride_xk, mask=k_mask, other=0.0)
+        acc += av.to(CDT).to(tl.float32) * xv.to(CDT).to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _expand_row(u, b_ptr, bs_ptr, o_row, offs_r, r_mask, n_lo, n_hi, stride_bn, stride_br, stride_bsn, stride_oc,
+                HAS_B_SCALES: tl.constexpr, ROW_N: tl.constexpr, CDT: tl.constexpr):
+    """o_row[n] += u @ B[n]^T for n in [n_lo, n_hi) on the CUDA cores (u rounded to CDT first, as the dot path
+    rounds it; B widened to float32, exact for fp8 and 16-bit B): u [BLOCK_R] float32, o_row the row's start."""
+    u = u.to(CDT).to(tl.float32)
+    for n0 in range(n_lo, n_hi, ROW_N):
+        offs_n = n0 + tl.arange(0, ROW_N)
+        n_mask = offs_n < n_hi
+        bv = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                     mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        d = tl.sum(bv.to(tl.float32) * u[None, :], axis=1)
+        if HAS_B_SCALES:
+            d = d * tl.load(bs_ptr + offs_n * stride_bsn, mask=n_mask, other=0.0)
+        o = o_row + offs_n * stride_oc
+        d += tl.load(o, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(o, d.to(o_row.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -161,10 +199,14 @@ def moe_fused_kernel(
     NUM_SLICES: tl.constexpr, HAS_B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, CDT_A: tl.constexpr, DOT_A: tl.constexpr, PREC_A: tl.constexpr,
     CDT_B: tl.constexpr, DOT_B: tl.constexpr, PREC_B: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr,
+    ONE_ROW: tl.constexpr, ROW_K: tl.constexpr, ROW_N: tl.constexpr,
 ):
     """The shrink's u = scale * x[p] @ A_s^T kept in registers, then out[p, col0 + s*N + n] += u @ B_s[n]^T over the
     program's n_per_program columns, for the pairs p of one (expert, slot) group. Shapes as the two kernels above;
     GATHER: pair p's row of x is x[idx[p]]. Grid: (blocks, token blocks, slices x n_programs).
+    ONE_ROW: a block of one pair (a decode step's groups, mostly) takes the rows path, its shrink and expand on the
+    CUDA cores with A's and B's tiles straight in registers (the tensor cores' 16-row tiles would be padding staged
+    through shared memory); larger blocks take the tiles.
     PDL: the shrink reads nothing the kernel before it (the base GEMM writing out) writes, so it runs before the wait
     (tp_lora.ops.triton.pdl), beside that GEMM's last programs; the expand's read-modify-write of out after it."""
     pid_x = tl.program_id(2)
@@ -172,15 +214,23 @@ def moe_fused_kernel(
     pid_n = pid_x % n_programs
     e, slot, live, m_mask, rows, offs_r, r_mask = _block_rows(groups_ptr, tl.program_id(0), tl.program_id(1), R,
                                                               BLOCK_M, BLOCK_R)
+    one = ONE_ROW and tl.sum(m_mask.to(tl.int32), axis=0) == 1
+    row = tl.min(rows, axis=0)  # the block's first pair (rows are consecutive)
     u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    u_row = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if live:
         src = rows
         if GATHER:
             src = tl.load(idx_ptr + rows, mask=m_mask, other=0).to(tl.int64)
-        a_ptr = pick(s, a0_ptr, a1_ptr, a1_ptr, NUM_SLICES)
-        u = _shrink_tile(x_ptr, a_ptr + slot * stride_al + e * stride_ae, src, m_mask, offs_r, r_mask, K,
-                         stride_xp, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, CDT_A, DOT_A, PREC_A)
-        u *= tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
+        a_ptr = pick(s, a0_ptr, a1_ptr, a1_ptr, NUM_SLICES) + slot * stride_al + e * stride_ae
+        scale = tl.load(scale_ptr + s * stride_ss + slot * stride_sl + e * stride_se)
+        if one:
+            x_row = x_ptr + tl.sum(tl.where(m_mask, src, 0), axis=0) * stride_xp
+            u_row = scale * _shrink_row(x_row, a_ptr, offs_r, r_mask, K, stride_xk, stride_ar, stride_ak, BLOCK_R,
+                                        ROW_K, CDT_A)
+        else:
+            u = scale * _shrink_tile(x_ptr, a_ptr, src, m_mask, offs_r, r_mask, K, stride_xp, stride_xk, stride_ar,
+                                     stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, CDT_A, DOT_A, PREC_A)
     wait_prior(PDL)
     release_next(PDL)
     if live:
@@ -190,11 +240,15 @@ def moe_fused_kernel(
         n_hi = tl.minimum(N, n_lo + n_per_program)
         b_ptr += slot * stride_bl + e * stride_be
         bs_ptr += slot * stride_bsl + e * stride_bse
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            _expand_tile(u, b_ptr, bs_ptr, out_ptr, rows, m_mask, offs_r, r_mask, offs_n, offs_n < n_hi,
-                         col0 + s * N, stride_bn, stride_br, stride_bsn, stride_op, stride_oc, True, HAS_B_SCALES,
-                         CDT_B, DOT_B, PREC_B)
+        if one:
+            _expand_row(u_row, b_ptr, bs_ptr, out_ptr + row * stride_op + (col0 + s * N) * stride_oc, offs_r, r_mask,
+                        n_lo, n_hi, stride_bn, stride_br, stride_bsn, stride_oc, HAS_B_SCALES, ROW_N, CDT_B)
+        else:
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                _expand_tile(u, b_ptr, bs_ptr, out_ptr, rows, m_mask, offs_r, r_mask, offs_n, offs_n < n_hi,
+                             col0 + s * N, stride_bn, stride_br, stride_bsn, stride_op, stride_oc, True, HAS_B_SCALES,
+                             CDT_B, DOT_B, PREC_B)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -214,7 +268,8 @@ def expand_config(width: int, rank: int) -> dict:
 def fused_config(k: int, rank: int, width: int) -> dict:
     """The fused op's launch for x [*, k] x A^T [k, rank] x B^T [rank, width] (one slice)."""
     cfg = dict(FUSED, BLOCK_K=_pow2(k, 16, FUSED["BLOCK_K"]), BLOCK_N=_pow2(width, 16, FUSED["BLOCK_N"]),
-               BLOCK_R=_pow2(rank, 16, 1 << 30))
+               BLOCK_R=_pow2(rank, 16, 1 << 30), ROW_K=_pow2(k, 16, FUSED["ROW_K"]),
+               ROW_N=_pow2(width, 16, FUSED["ROW_N"]))
     per = triton.cdiv(min(cfg.pop("N_PER_PROGRAM"), width), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     cfg["n_per_program"], cfg["n_programs"] = per, triton.cdiv(width, per)
     return cfg
