@@ -69,7 +69,7 @@ def _chain(x, res, w_norm, w13, s13, w2, s2):
 def _early_gives_plain_results(step, weights, inputs, monkeypatch):
     """step(x, res, *weights) -> tensors, eagerly and replayed from a CUDA graph (fresh inputs each replay: a kernel
     reading too early reads stale rows), then with plain launches (PDL compiled out): the same bits."""
-    x, res = torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
+    x, res = torch.empty_like(inputs[0]), torch.empty_like(inputs[1])
     step(x, res, *weights)  # compile, outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -153,57 +153,57 @@ def test_a_gemm_beside_a_side_stream_lora_goes_early_and_the_join_ends_the_chain
                      "norm": [False] * 2 * steps}, early
 
 
-def _moe_adapter_experts(x, unused, plan, w13, w2, a13, b13, a2, b2, scales):
-    """An expert block with adapters at decode (tp_lora.lora.moe's default mode): the gate_up grouped GEMM reading
-    the pairs' tokens, its fused LoRA (its shrink before its wait), act_mul, the down GEMM, its fused LoRA."""
+def _moe_adapter_block(x, logits, w13, w2, slots, max_loras, a13, b13, a2, b2, scales):
+    """A MoE block with adapters at decode after its router's GEMM (tp_lora.models.moe, tp_lora.lora.moe's default
+    mode): top-k, the routing plan, the gate_up grouped GEMM reading the pairs' tokens, its fused LoRA (its shrink
+    before its wait), act_mul, the down GEMM, its fused LoRA, the weighted sum of each token's pairs."""
+    from tp_lora.ops.moe_plan import build_plan
     from tp_lora.ops.triton import grouped_mm, moe_lora
-    from tp_lora.ops.triton.fused import act_mul
+    from tp_lora.ops.triton.fused import act_mul, moe_combine, moe_topk
+    ids, weights = moe_topk(logits, 4, True, True)
+    plan = build_plan(ids, weights, slots, 0, w13.shape[0], max_loras, lora=True)
     z = grouped_mm.grouped_mm(x, w13, plan.expert_ends, rows_per_expert=8, rows=plan.token)
     moe_lora.moe_lora_fused(x, a13, scales[:2], b13, plan, z, rows=plan.token)
     h = act_mul(z, "silu")
     y = grouped_mm.grouped_mm(h, w2, plan.expert_ends, rows_per_expert=8)
     moe_lora.moe_lora_fused(h, a2, scales[2:], b2, plan, y)
-    return [y, h]
+    return [moe_combine(y, plan.pos, plan.weight), h]
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
-def test_moe_lora_shrinks_beside_the_expert_gemms_and_gives_the_plain_launches_results(monkeypatch):
-    """Each expert GEMM releases its successor: the fused MoE LoRA launches early (its shrink beside the GEMM's last
-    programs, its add into the GEMM's output after the wait), and so do act_mul and the down GEMM after it; the
-    block's outputs (fresh tokens each replay) are the bits of plain launches."""
-    from tp_lora.ops.moe_plan import build_plan
-    from tp_lora.ops.triton import grouped_mm, moe_lora
-    from tp_lora.ops.triton import fused
+def test_a_moe_block_launches_early_after_its_router_and_gives_the_plain_launches_results(monkeypatch):
+    """After the router's GEMM (cuBLAS: a plain launch) every kernel of the block launches early: the plan after the
+    top-k, the expert GEMMs after the plan or act_mul, the fused MoE LoRA after its GEMM (its shrink beside the GEMM's
+    last programs, its add into the GEMM's output after the wait), act_mul, the combine; the block's outputs (fresh
+    tokens and logits each replay) are the bits of plain launches."""
+    from tp_lora.ops.triton import fused, grouped_mm, moe_lora, moe_plan
     gen = torch.Generator().manual_seed(13)
-    t, h, inter, experts, k, rank, slots = 32, 1024, 512, 16, 4, 16, 4
-    ids = torch.rand(t, experts, generator=gen).topk(k, -1).indices
-    plan = build_plan(ids.cuda(), torch.rand(t, k, generator=gen).cuda(),
-                      (torch.arange(t) % (slots + 1) - 1).to(torch.int32).cuda(), 0, experts, slots, lora=True)
+    t, h, inter, experts, rank, slots = 32, 1024, 512, 16, 16, 4
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()
-    weights = (plan, rnd(experts, 2 * inter, h, scale=h ** -0.5), rnd(experts, h, inter, scale=inter ** -0.5),
+    weights = (rnd(experts, 2 * inter, h, scale=h ** -0.5), rnd(experts, h, inter, scale=inter ** -0.5),
+               (torch.arange(t) % (slots + 1) - 1).to(torch.int32).cuda(), slots,
                [rnd(slots, experts, rank, h, scale=h ** -0.5) for _ in range(2)],
                [rnd(slots, experts, inter, rank) for _ in range(2)], [rnd(slots, experts, rank, inter)],
                [rnd(slots, experts, h, rank, scale=rank ** -0.5)], torch.full((3, slots, experts), 0.5).cuda())
-    inputs = [rnd(t, h) for _ in range(2 * 4)]
-    early = {"gemm": [], "lora": [], "act": []}
+    inputs = [rnd(t, h) if i % 2 == 0 else rnd(t, experts) for i in range(2 * 4)]
+    early = {"gemm": [], "lora": [], "plan": [], "fused": []}
 
     def args(kind, module):
         real = module.pdl_args
 
-        def note(x):
-            out = real(x)
+        def note(*xs):
+            out = real(*xs)
             early[kind].append(out["launch_pdl"])
             return out
         monkeypatch.setattr(module, "pdl_args", note)
-    args("gemm", grouped_mm)
-    args("lora", moe_lora)
-    args("act", fused)
-    _early_gives_plain_results(_moe_adapter_experts, weights, inputs, monkeypatch)
-    # compiling, capturing, each eager step: the up GEMM plain (its tokens come from before), the rest early; the
-    # plain steps after them not
-    early_steps, plain = 2 + len(inputs) // 2, len(inputs) // 2
-    assert early == {"gemm": [False, True] * early_steps + [False] * 2 * plain,
-                     "lora": [True, True] * early_steps + [False] * 2 * plain,
-                     "act": [True] * early_steps + [False] * plain}, early
+    for kind, module in (("gemm", grouped_mm), ("lora", moe_lora), ("plan", moe_plan), ("fused", fused)):
+        args(kind, module)
+    _early_gives_plain_results(_moe_adapter_block, weights, inputs, monkeypatch)
+    # compiling, capturing, each eager step: all but the top-k early (its logits come from before); the plain steps
+    # after them not. fused: top-k, act_mul, combine.
+    steps, plain = 2 + len(inputs) // 2, len(inputs) // 2
+    assert early == {"gemm": [True, True] * steps + [False] * 2 * plain,
+                     "lora": [True, True] * steps + [False] * 2 * plain, "plan": [True] * steps + [False] * plain,
+                     "fused": [False, True, True] * steps + [False] * 3 * plain}, early

@@ -352,7 +352,10 @@ def embedding_shard(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torc
 
 
 @triton.jit
-def _moe_combine_kernel(yp_ptr, pos_ptr, w_ptr, out_ptr, s_y, s_w, s_o, n, K: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_combine_kernel(yp_ptr, pos_ptr, w_ptr, out_ptr, s_y, s_w, s_o, n, K: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    wait_prior(PDL)
+    release_next(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
@@ -373,13 +376,17 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
     grid = (n, triton.cdiv(h, COMBINE_BLOCK))
     w = unit_rows(weight.float())
     _moe_combine_kernel[grid](yp, pos.contiguous(), w, out, yp.stride(0), w.stride(0), out.stride(0), h, K=k,
-                              BLOCK=COMBINE_BLOCK)
+                              BLOCK=COMBINE_BLOCK, **pdl_args(yp))
+    released(out)
     return out
 
 
 @triton.jit
 def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, E, first, K: tl.constexpr, K_PAD: tl.constexpr,
-                     E_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, HAS_VALID: tl.constexpr):
+                     E_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, HAS_VALID: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_prior(PDL)
+    release_next(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     x = tl.load(logits_ptr + t * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -414,5 +421,6 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: boo
     w = torch.empty(n, k, dtype=torch.float32, device=rows.device)
     _moe_topk_kernel[(n,)](rows, ids, w, ids if valid is None else valid, rows.stride(0), e, first, K=k,
                            K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), RENORM=renormalize,
-                           ROUND=round_weights, HAS_VALID=valid is not None)
+                           ROUND=round_weights, HAS_VALID=valid is not None, **pdl_args(rows))
+    released(ids, w)
     return ids, w

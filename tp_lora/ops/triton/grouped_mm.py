@@ -245,6 +245,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor | None, scal
         w.stride(1), out.stride(0), s_se, s_sn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, COL_BLOCKS=col_blocks,
         SCALES=mode, SCALE_K=block_k or 1, ENDS=ends is not None, CDT=cdt, DOT=dot, PREC=prec, ACT8=act8,
         DOT8=fp8_dot(), GATHER=rows is not None, GATED=gated, XQ=xq, num_warps=warps, num_stages=stages,
-        **pdl_args(x))
+        **pdl_args(x, *(t for t in (ends, rows) if t is not None)))
     released(out)
     return out

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tp_lora.ops.moe_layout import LORA_BLOCK, num_lora_blocks
 from tp_lora.ops.triton.fused import unit_rows
+from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 from tp_lora.ops.triton.tickets import tickets
 
 BLOCK_I, BLOCK_J = 4, 256  # pairs a program ranks (many small programs: ranking is the work), compared at once
@@ -73,7 +74,10 @@ def _lora_block_rows(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr
 @triton.jit
 def _plan_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, K, s_ids, s_slot,
                  e0, E, cap, B, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
-                 BLOCK_J: tl.constexpr, OWN: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr):
+                 BLOCK_J: tl.constexpr, OWN: tl.constexpr, C_PAD: tl.constexpr, LORA_BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_prior(PDL)
+    release_next(PDL)
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
     key, mine = _keys(ids_ptr, slots_ptr, i, ok, K, s_ids, s_slot, e0, E, PER_EXPERT, HAS_SLOTS)
@@ -122,5 +126,6 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
         p, k, ids.stride(0), 0 if slots is None else slots.stride(0), expert_start, E, cap, blocks,
         PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J,
         OWN=triton.next_power_of_2(triton.cdiv(E, programs)), C_PAD=triton.next_power_of_2(max(cap, 16)),
-        LORA_BLOCK=LORA_BLOCK, num_warps=NUM_WARPS)
+        LORA_BLOCK=LORA_BLOCK, num_warps=NUM_WARPS, **pdl_args(ids, *(() if slots is None else (slots,))))
+    released(token, pos, skey, ends, groups)
     return token, pos, skey, ends, groups

@@ -68,13 +68,14 @@ def _key(device: torch.device) -> tuple[int, int] | None:
     return None if index is None else (index, torch.cuda.current_stream(index).cuda_stream)
 
 
-def pdl_args(x: torch.Tensor) -> dict:
-    """The PDL constexpr and launch option of a launch whose first input is x: PDL wherever supported, launched
-    early only where the launch just before it on this stream released it and wrote x."""
+def pdl_args(x: torch.Tensor, *more: torch.Tensor) -> dict:
+    """The PDL constexpr and launch option of a launch reading x (and more): PDL wherever supported, launched early
+    only where the launch just before it on this stream released it and wrote one of them."""
     key = _key(x.device)
     if key is None:
         return dict(PDL=False, launch_pdl=False)
-    return dict(PDL=True, launch_pdl=x.data_ptr() in _released.pop(key, ()))
+    written = _released.pop(key, ())
+    return dict(PDL=True, launch_pdl=any(t.data_ptr() in written for t in (x, *more)))
 
 
 def released(*outs: torch.Tensor) -> None:
