@@ -139,7 +139,7 @@ def _grouped_mm_kernel(x_ptr, xs_ptr, w_ptr, ends_ptr, out_ptr, s_ptr, idx_ptr, 
                        DOT8: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, XQ: tl.constexpr,
                        PDL: tl.constexpr):
     wait_prior(PDL)
-    release_next(PDL)  # every program resident lets the next kernel's start beside the last ones (MoE LoRA's shrink)
+    release_next(PDL)  # at once: the next kernel (the fused MoE LoRA's shrink) starts beside this one's last programs
     e = tl.program_id(0)
     if ENDS:
         start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0)

@@ -1,12 +1,15 @@
-"""Programmatic dependent launch (Hopper and later) in the decode chain (norms, fp8 GEMMs, attention, act_mul): a
-kernel launches while the one before it finishes, so the launch gap overlaps that kernel's tail.
+"""Programmatic dependent launch (Hopper and later) in the decode chain (norms, fp8 GEMMs, attention, act_mul; a MoE
+block's top-k, routing plan, expert GEMMs, fused LoRA and combine): a kernel launches while the one before it
+finishes, so the launch gap overlaps that kernel's tail.
 
-Every such kernel takes PDL (on for compiled kernels on Hopper and later) and calls wait_prior(PDL) first in every
-program, before it reads or writes anything earlier kernels write or read and before any early return (a kernel
-that ended without waiting would let the next one pass it); once its main loads or loop are done it calls
-release_next(PDL), and its launcher notes the outputs (released()). A launch asks for PDL only where its first input
-was written by the launch just before it on the same stream that released it (pdl_args): launched early after a
-kernel that does not release (cuBLAS, torch, the LoRA kernels), a kernel waits longer than a plain launch would. The
+Every such kernel takes PDL (on for compiled kernels on Hopper and later) and calls wait_prior(PDL) in every program,
+before it reads what the kernel just before it writes or writes anything an earlier kernel reads or writes, and
+before any early return (a kernel that ended without waiting would let the next one pass it); everything older than
+the kernel just before it has finished by then (that one released after its own wait), so work on older inputs may
+come first (the fused MoE LoRA's shrink). Once its main loads or loop are done, or at once, it calls
+release_next(PDL), and its launcher notes the outputs (released()). A launch asks for PDL only where an input was
+written by the launch just before it on the same stream that released it (pdl_args): launched early after a kernel
+that does not release (cuBLAS, torch, the dense LoRA kernels), a kernel waits longer than a plain launch would. The
 notes are kept per stream, so a kernel on a side stream (the LoRA shrink beside a base GEMM) leaves the main stream's
 chain as it was. Off the GPU (CPU, the interpreter, older GPUs) both calls compile out and launches are plain.
 """
