@@ -17,6 +17,7 @@ CASES = {  # name: (tokens, k, global experts, expert_start, local experts, ids 
     "one_local_expert": (40, 3, 8, 7, 1, None),
     "many_pairs": (200, 8, 64, 32, 32, None),  # 1600 pairs: 25 ranking programs, 7 comparison blocks each
     "more_experts_than_programs": (3, 2, 64, 0, 48, None),  # 6 pairs: 2 programs count 24 ends each (of 32 lanes)
+    "mixed_step": (1086, 8, 128, 0, 128, None),  # 8688 pairs (an ep2 mixed step's; past what build_plan sends it)
 }
 
 
@@ -26,6 +27,8 @@ def test_plan_kernel_matches_torch_stable_sort(device, name, lora):
     from tp_lora.ops.triton.moe_plan import plan_pairs
     from tp_lora.ops.triton.tickets import tickets
     n, k, e_all, e0, e_local, fixed = CASES[name]
+    if n * k > 4096 and device != "cuda":
+        pytest.skip("tens of thousands of pairs: minutes under the interpreter")
     g = torch.Generator().manual_seed(len(name) + 100 * lora)
     if fixed is None:
         ids = torch.rand(n, e_all, generator=g).topk(k, -1).indices
