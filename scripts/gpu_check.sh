@@ -17,8 +17,10 @@
 #   MoE across GPUs (issue 37): on 2 GPUs one call `moe2 moe_tests` (~7 minutes: the 2-GPU table tp1, tp2, ep2,
 #   tp2_ep2 with NCCL rows and kernel tables, then the GPU tests: EP peer collectives, graphed = eager in every layout,
 #   MoE parity against one process); on a 4-GPU host `moe4` (tp1 baseline, tp4, ep4, ep2_tp2, tp4_ep4) in a call of
-#   its own (adapters in both LoRA modes), then `moe_tests` (adds the 4-GPU layouts). `moe_engine` (2 or 4 GPUs,
-#   ~5 minutes): the same shape's decode step through the engine in every layout, run ahead and not.
+#   its own (adapters in both LoRA modes), then `moe_tests` (adds the 4-GPU layouts). `moe_plan` (one GPU, ~2
+#   minutes): the routing plan alone at decode to mixed-step sizes, torch's sort against the one-launch kernel's
+#   settings. `moe_engine` (2 or 4 GPUs, ~5 minutes): the same shape's decode step through the engine in every layout,
+#   run ahead and not.
 #   The open issues' unmeasured targets on one GPU, in calls of under 10 minutes: `pending_a` (GPU tests of the
 #   paths never run on a GPU, fp8, DoRA, n / grammar), `pending_b` (prefix caching at moderate load and saturated),
 #   `pending_c` (HTTP against offline at 1 / 100 / 1000 adapters).
@@ -160,6 +162,9 @@ if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else Non
       [ "$NGPU" -ge 2 ] && run moe_decode_2gpu24 560 40 torchrun --nproc_per_node=2 scripts/bench_moe_decode.py \
         --layouts ep2,tp1,tp2,tp2_ep2 --nccl-layouts ep2,tp2_ep2 --layers 24 --prefill 512 --profile \
         --out "$RES/moe_decode_2gpu24" ;;
+    moe_plan)
+      step "issue 37: the routing plan alone, torch's sort against the one-launch kernel, decode to mixed-step sizes"
+      run moe_plan 240 20 python3 scripts/bench_moe_plan.py --out "$RES/moe_plan" ;;
     moe_engine)
       step "issue 37: the MoE decode step through the engine (Qwen3 shape, 24 layers), every layout of $NGPU GPUs,"
       step "  steps run ahead against read one by one"

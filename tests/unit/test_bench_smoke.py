@@ -123,3 +123,11 @@ def test_bench_step_decodes_the_whole_batch_for_about_new_steps(tmp_path):
          "--reps", "1", "--no-adapters-only", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"))
     (row,) = _report(tmp_path / "out" / "bench_step.json")["rows"]
     assert row["decode_steps"] >= 3 and row["decode_step_ms"] > 0, row
+
+
+def test_bench_moe_plan_smoke(tmp_path):
+    _run(tmp_path, "bench_moe_plan.py", "--tokens", "4,16", "--slots", "0,2", "--reps", "3",
+         "--out", str(tmp_path / "out"))
+    rows = _report(tmp_path / "out" / "bench_moe_plan.json")["rows"]
+    assert [(r["tokens"], r["slots"]) for r in rows] == [(4, 0), (4, 2), (16, 0), (16, 2)]
+    assert all(r["torch_us"] > 0 and r["pairs"] == 8 * r["tokens"] for r in rows)
