@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -22,35 +23,21 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_moe_lora import time_graph  # noqa: E402 - this directory's (scripts/)
 from tp_lora.ops import moe_plan  # noqa: E402
 
 
 def timed_us(fn, reps: int, calls: int, cuda: bool) -> float:
     """Median µs per call: replays of a CUDA graph of `calls` calls on a GPU, else wall time of one call."""
+    if cuda:
+        return time_graph([fn] * calls, reps)
     fn()
-    if not cuda:
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        return sorted(ts)[len(ts) // 2]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
     ts = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return sorted(ts)[len(ts) // 2]
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
 
 
 def build(ids, w, slots, experts: int, max_loras: int, kernel: bool):
