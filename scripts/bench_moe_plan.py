@@ -1,14 +1,15 @@
 """The MoE routing plan alone (tp_lora.ops.moe_plan.build_plan) at decode and mixed-step sizes: torch's path (stable
-sort, searchsorted, the LoRA blocks' torch ops) against the one-launch Triton kernel (all-pairs ranking, the block
-table in one program) at several launch settings, with and without adapter slots; where build_plan's limits
-(SMALL_SORT, SMALL_SORT_LORA) should sit.
+sort, searchsorted, the LoRA blocks' torch ops) against the Triton kernels (all-pairs ranking, then with adapter slots
+the block table) at several launch settings, with and without adapter slots; where build_plan's limit (SMALL_SORT)
+and the kernels' SETTINGS should sit.
 
     python scripts/bench_moe_plan.py --out bench_results/moe_plan          # GPU: graphs of --calls builds, medians
     python scripts/bench_moe_plan.py --tokens 4,16 --reps 3                  # CPU: torch's path only (smoke)
 
 Tokens are dispatched tokens (a mixed step of 31 decodes + a 512-token chunk: 543 a replica, 1086 at ep2); pairs =
 tokens x --k over --experts local experts (one rank holding all: tp layouts). Settings: BLOCK_I:NUM_WARPS:BLOCK_J of
-tp_lora.ops.triton.moe_plan ("default": its own). Prints a table, writes bench_moe_plan.json into --out.
+the ranking kernel (tp_lora.ops.triton.moe_plan; "default": its SETTINGS). Prints a table, writes bench_moe_plan.json
+into --out.
 """
 from __future__ import annotations
 
@@ -41,13 +42,13 @@ def timed_us(fn, reps: int, calls: int, cuda: bool) -> float:
 
 
 def build(ids, w, slots, experts: int, max_loras: int, kernel: bool):
-    """build_plan on torch's path (kernel False) or the one-launch kernel (kernel True), whatever the limits say."""
-    saved = moe_plan.SMALL_SORT, moe_plan.SMALL_SORT_LORA
-    moe_plan.SMALL_SORT = moe_plan.SMALL_SORT_LORA = (1 << 30) if kernel else 0
+    """build_plan on torch's path (kernel False) or the Triton kernels (kernel True), whatever the limit says."""
+    saved = moe_plan.SMALL_SORT
+    moe_plan.SMALL_SORT = (1 << 30) if kernel else 0
     try:
         return moe_plan.build_plan(ids, w, slots, 0, experts, max_loras, lora=slots is not None)
     finally:
-        moe_plan.SMALL_SORT, moe_plan.SMALL_SORT_LORA = saved
+        moe_plan.SMALL_SORT = saved
 
 
 def main() -> None:
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--slots", default="0,32", help="adapter slots (0: a plan without LoRA), comma list")
-    ap.add_argument("--settings", default="default,8:8:256,16:8:256,32:4:256,16:4:128",
+    ap.add_argument("--settings", default="default,4:8:256,8:4:256,16:4:256,16:4:512,32:8:256",
                     help="kernel launch settings BLOCK_I:NUM_WARPS:BLOCK_J (GPU), comma list")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=10, help="builds per graph (GPU)")
@@ -65,8 +66,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if cuda:
-        from tp_lora.ops.triton import moe_plan as kplan  # noqa: PLC0415 - the kernel's launch settings (GPU)
-        base = (kplan.BLOCK_I, kplan.NUM_WARPS, kplan.BLOCK_J)
+        from tp_lora.ops.triton.moe_plan import plan_pairs  # noqa: PLC0415 - GPU only
     rows = []
     print("| tokens | pairs | slots | torch µs | same plan | " + " | ".join(args.settings.split(",")) + " |" if cuda
           else "| tokens | pairs | slots | torch µs |")
@@ -84,18 +84,17 @@ def main() -> None:
                 row["same_plan"] = all(torch.equal(getattr(got, f), getattr(want, f))
                                        for f in ("token", "pos", "sorted_key", "expert_ends"))
             for name in args.settings.split(",") if cuda else ():
-                bi, nw, bj = base if name == "default" else (int(v) for v in name.split(":"))
-                kplan.BLOCK_I, kplan.NUM_WARPS, kplan.BLOCK_J = bi, nw, bj
-                try:
-                    row[name] = round(timed_us(lambda: build(ids, w, slots, args.experts, L, True), args.reps,
-                                               args.calls, cuda), 1)
-                finally:
-                    kplan.BLOCK_I, kplan.NUM_WARPS, kplan.BLOCK_J = base
+                if name == "default":
+                    fn = lambda: build(ids, w, slots, args.experts, L, True)  # noqa: E731
+                else:
+                    setting = tuple(int(v) for v in name.split(":"))
+                    fn = lambda: plan_pairs(ids, slots, 0, args.experts, L, setting)  # noqa: E731
+                row[name] = round(timed_us(fn, args.reps, args.calls, cuda), 1)
             rows.append(row)
             print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", k=args.k, experts=args.experts,
-                limits=dict(SMALL_SORT=moe_plan.SMALL_SORT, SMALL_SORT_LORA=moe_plan.SMALL_SORT_LORA))
+                limit=moe_plan.SMALL_SORT)
     with open(os.path.join(args.out, "bench_moe_plan.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

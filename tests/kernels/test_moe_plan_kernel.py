@@ -1,8 +1,9 @@
-"""The routing plan's one Triton launch (the pairs' sort, the expert ends, the LoRA block table) against
+"""The routing plan's Triton launches (the pairs' sort, the expert ends, the LoRA block table) against
 sort_pairs_ref (torch's stable sort), torch.searchsorted and lora_blocks_ref on the device under test: random
 routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows, one local
-expert, with and without adapter slots, more pairs than one program ranks (several blocks: the last program to
-finish writes the blocks), and more local experts than programs (each counts the ends of several)."""
+expert, with and without adapter slots, more pairs than one program ranks (the last to finish writes a small block
+table), more sorted pairs than one program of the block table's own launch takes (each counts the block starts of the
+others), more local experts than programs (each counts the ends of several), and two launch settings."""
 import pytest
 import torch
 
@@ -15,15 +16,18 @@ CASES = {  # name: (tokens, k, global experts, expert_start, local experts, ids 
     "rank_receives_nothing": (9, 3, 8, 4, 4, [0, 1, 2]),
     "padding_rows": (6, 3, 8, 0, 8, [-1, -1, -1]),
     "one_local_expert": (40, 3, 8, 7, 1, None),
-    "many_pairs": (200, 8, 64, 32, 32, None),  # 1600 pairs: 25 ranking programs, 7 comparison blocks each
+    "many_pairs": (200, 8, 64, 32, 32, None),  # 1600 pairs: 50 ranking programs, 7 comparison blocks each
+    "groups_across_chunks": (300, 2, 2, 0, 2, [0, 1]),  # 600 pairs, ~75 an (expert, slot) group: blocks across
+    # the block table's chunks of 512 sorted pairs
     "more_experts_than_programs": (3, 2, 64, 0, 48, None),  # 6 pairs: 2 programs count 24 ends each (of 32 lanes)
-    "mixed_step": (1086, 8, 128, 0, 128, None),  # 8688 pairs (an ep2 mixed step's; past what build_plan sends it)
+    "mixed_step": (1086, 8, 128, 0, 128, None),  # 8688 pairs (an ep2 mixed step's)
 }
 
 
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
-def test_plan_kernel_matches_torch_stable_sort(device, name, lora):
+@pytest.mark.parametrize("settings", [None, (32, 4, 64)])
+def test_plan_kernel_matches_torch_stable_sort(device, name, lora, settings):
     from tp_lora.ops.triton.moe_plan import plan_pairs
     from tp_lora.ops.triton.tickets import tickets
     n, k, e_all, e0, e_local, fixed = CASES[name]
@@ -39,7 +43,7 @@ def test_plan_kernel_matches_torch_stable_sort(device, name, lora):
     want = sort_pairs_ref(ids, slots, e0, e_local, L)
     bounds = torch.arange(L + 1, (e_local + 1) * (L + 1), L + 1, dtype=torch.int32)
     want += (torch.searchsorted(want[2], bounds, out_int32=True),)
-    got = plan_pairs(ids.to(device), None if slots is None else slots.to(device), e0, e_local, L)
+    got = plan_pairs(ids.to(device), None if slots is None else slots.to(device), e0, e_local, L, settings)
     for field, w, x in zip(("token", "pos", "sorted_key", "expert_ends"), want, got[:4], strict=True):
         assert x.dtype == w.dtype and x.shape == w.shape, field
         assert torch.equal(x.cpu(), w), f"{name}: {field} differs"

@@ -52,6 +52,16 @@ def num_lora_blocks(cap: int, E: int, L: int) -> int:
     return cap // LORA_BLOCK + min(E * L, cap) + 1
 
 
+def code_shift(pairs: int) -> int:
+    """Bits of a pair's index in its sort code (key << shift | index: the Triton plan's stable order)."""
+    return max(pairs - 1, 1).bit_length()
+
+
+def codes_fit(pairs: int, E: int, L: int) -> bool:
+    """Whether every sort code, the largest key E * (L + 1) included, fits in an int32."""
+    return (E * (L + 1) + 2) << code_shift(pairs) < 1 << 31
+
+
 PACK_ALIGN = 16  # bytes: a dispatch row (tp_lora.ops.moe_pack) is a whole number of 16-byte vectors
 
 

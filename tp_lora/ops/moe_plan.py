@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from tp_lora.ops.fused import use_kernels
-from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan, num_lora_blocks
+from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan, codes_fit, num_lora_blocks
 
-# pairs (N * k) up to which CUDA builds the plan in one Triton launch (else torch.sort and co.): with adapter slots
-# (its LoRA block table in one program), and without (the pairs' ranking alone: O(pairs^2) comparisons)
-SMALL_SORT_LORA, SMALL_SORT = 4096, 6144
+# pairs (N * k) up to which CUDA builds the plan with the Triton kernels (their ranking makes O(pairs^2)
+# comparisons), else with torch.sort and co.
+SMALL_SORT = 12288
 
 
 def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: torch.Tensor | None,
@@ -23,7 +23,7 @@ def build_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_slot: t
     E = num_local
     L = max_loras if (lora and token_slot is not None) else 0
     slots = token_slot if L else None
-    if use_kernels(topk_ids) and 0 < n * k <= (SMALL_SORT_LORA if L else SMALL_SORT):
+    if use_kernels(topk_ids) and 0 < n * k <= SMALL_SORT and codes_fit(n * k, E, L):
         from tp_lora.ops.triton.moe_plan import plan_pairs  # noqa: PLC0415 - CUDA / forced only
         token, pos, sorted_key, ends, groups = plan_pairs(topk_ids, slots, expert_start, E, L)
     else:
