@@ -3,15 +3,14 @@ tp_lora.ops.moe_plan's references (sort_pairs_ref, the expert ends' searchsorted
 
 - The sort: each pair gets a unique code, key << SHIFT | pair index, so its place in the stable (key, index) order is
   the count of codes below its own (an all-pairs comparison, cheap for some thousands of pairs); the program that
-  ranked a pair writes its rows of the plan there, and with adapter slots its group's start (the codes below its
-  key's first code).
+  ranked a pair writes its rows of the plan there.
 - In the same pass each program counts, for the experts it owns (every num_programs-th), the codes below the expert's
   end: the expert ends, with no sorted keys needed.
-- With adapter slots the LoRA block table: a block starts at each sorted pair of an adapter group whose distance from
-  its group's start is a multiple of LORA_BLOCK; its row is the count of block starts before it. Up to CHUNK sorted
-  pairs the last ranking program to finish writes it (a ticket, tp_lora.ops.triton.tickets: decode stays one
-  launch); past that a second launch, each program counting the block starts before its own chunk of pairs, then
-  running a cumulative sum over its chunk.
+- With adapter slots the LoRA block table from the sorted keys: a block starts at each sorted pair of an adapter
+  group whose distance from its group's first pair is a multiple of LORA_BLOCK; its row is the count of block starts
+  before it. Up to CHUNK sorted pairs the last ranking program to finish writes it (a ticket,
+  tp_lora.ops.triton.tickets: decode stays one launch); past that a second launch, each program counting the block
+  starts before its own chunk of pairs, then running a cumulative sum over its chunk.
 """
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ def _codes(ids_ptr, slots_ptr, i, ok, s_ids, s_slot, e0, E, K: tl.constexpr, PER
 
 
 @triton.jit
-def _rank_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, gstart_ptr, groups_ptr, cnt_ptr, P, s_ids,
+def _rank_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, s_ids,
                  s_slot, e0, E, cap, B, K: tl.constexpr, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr,
                  SHIFT: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, OWN: tl.constexpr,
                  ONE_TABLE: tl.constexpr, CHUNK: tl.constexpr, LORA_BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -56,18 +55,14 @@ def _rank_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, gst
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < P
     code, key, mine = _codes(ids_ptr, slots_ptr, i, ok, s_ids, s_slot, e0, E, K, PER_EXPERT, HAS_SLOTS, SHIFT)
-    first = key << SHIFT  # the first code of the pair's key
     e = tl.program_id(0) + tl.num_programs(0) * tl.arange(0, OWN)  # the experts whose end this program counts
     bound = ((e + 1) * PER_EXPERT) << SHIFT  # expert e + 1's first code
     rank = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.int32)  # per lane: summed once after the loop
-    start = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.int32)
     below = tl.zeros((OWN, BLOCK_J), dtype=tl.int32)
     for j0 in range(0, P, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         cj, _, _ = _codes(ids_ptr, slots_ptr, j, j < P, s_ids, s_slot, e0, E, K, PER_EXPERT, HAS_SLOTS, SHIFT)
         rank += (cj[None, :] < code[:, None]).to(tl.int32)
-        if HAS_SLOTS:
-            start += (cj[None, :] < first[:, None]).to(tl.int32)
         below += (cj[None, :] < bound[:, None]).to(tl.int32)
     rank = tl.sum(rank, 1)
     below = tl.sum(below, 1)
@@ -76,53 +71,49 @@ def _rank_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, gst
     kept = ok & (rank < cap)
     tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
     tl.store(skey_ptr + rank, key, mask=kept)
-    if HAS_SLOTS:
-        tl.store(gstart_ptr + rank, tl.sum(start, 1), mask=kept)
-        if ONE_TABLE:  # the last program to finish writes the block table
-            tl.debug_barrier()  # every thread's rows stored before the ticket publishes them
-            if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-                _block_rows(skey_ptr, gstart_ptr, groups_ptr, cap, B, E * PER_EXPERT, 0, 1, PER_EXPERT, CHUNK,
-                            LORA_BLOCK)
-                tl.atomic_xchg(cnt_ptr, 0)
+    if HAS_SLOTS and ONE_TABLE:  # the last program to finish writes the block table
+        tl.debug_barrier()  # every thread's keys stored before the ticket publishes them
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            _block_rows(skey_ptr, groups_ptr, cap, B, E * PER_EXPERT, 0, 1, PER_EXPERT, CHUNK, LORA_BLOCK)
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
-def _block_starts(skey_ptr, gstart_ptr, q, C, LIMIT, PER_EXPERT: tl.constexpr, LORA_BLOCK: tl.constexpr):
-    """(is a LoRA block's first pair, key) of sorted pairs q: this rank's pairs with an adapter whose distance from
-    their group's start is a multiple of LORA_BLOCK."""
-    ok = q < C
-    key = tl.load(skey_ptr + q, mask=ok, other=LIMIT, cache_modifier=".cg")  # L2: other programs' rows
-    gs = tl.load(gstart_ptr + q, mask=ok, other=0, cache_modifier=".cg")
-    lora = ok & (key < LIMIT) & (key % PER_EXPERT != 0)
-    return lora & ((q - gs) % LORA_BLOCK == 0), key
+def _max(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
-def _block_rows(skey_ptr, gstart_ptr, groups_ptr, C, B, LIMIT, pid, programs, PER_EXPERT: tl.constexpr,
-                CHUNK: tl.constexpr, LORA_BLOCK: tl.constexpr):
+def _block_rows(skey_ptr, groups_ptr, C, B, LIMIT, pid, programs, PER_EXPERT: tl.constexpr, CHUNK: tl.constexpr,
+                LORA_BLOCK: tl.constexpr):
     """Program pid of `programs`' part of the LoRA block table [B, 4] of the C sorted keys (used rows first, in key
-    order; the rest all 0): the block rows of its CHUNK sorted pairs and its stripe of the unused rows."""
+    order; the rest all 0): the block rows of its CHUNK sorted pairs and its stripe of the unused rows. A block starts
+    at each pair with an adapter whose distance from its group's first pair (a running max of the key changes,
+    carried over the chunks in order) is a multiple of LORA_BLOCK."""
     q0 = pid * CHUNK
     lanes = tl.arange(0, CHUNK)
-    before = q0 * 0  # block starts before this program's chunk, and in all
-    used = q0 * 0
+    used = q0 * 0  # block starts before the chunk in hand
+    group = q0 * 0  # the first pair of the group that runs into the chunk in hand
     for t0 in range(0, C, CHUNK):
-        s, _ = _block_starts(skey_ptr, gstart_ptr, t0 + lanes, C, LIMIT, PER_EXPERT, LORA_BLOCK)
-        n = tl.sum(s.to(tl.int32), 0)
-        before += tl.where(t0 < q0, n, 0)
-        used += n
-    q = q0 + lanes
-    s, key = _block_starts(skey_ptr, gstart_ptr, q, C, LIMIT, PER_EXPERT, LORA_BLOCK)
-    row = before + tl.cumsum(s.to(tl.int32), 0) - 1
-    count = tl.zeros((CHUNK,), dtype=tl.int32)
-    for d in tl.static_range(LORA_BLOCK):
-        count += (tl.load(skey_ptr + q + d, mask=s & (q + d < C), other=-1, cache_modifier=".cg") == key
-                  ).to(tl.int32)
-    out = groups_ptr + row * 4
-    tl.store(out, key // PER_EXPERT, mask=s)
-    tl.store(out + 1, key % PER_EXPERT - 1, mask=s)
-    tl.store(out + 2, q, mask=s)
-    tl.store(out + 3, count, mask=s)
+        q = t0 + lanes
+        ok = q < C
+        key = tl.load(skey_ptr + q, mask=ok, other=LIMIT, cache_modifier=".cg")  # L2: other programs' rows
+        prev = tl.load(skey_ptr + q - 1, mask=ok & (q > 0), other=-1, cache_modifier=".cg")
+        gs = tl.maximum(tl.associative_scan(tl.where(key != prev, q, 0), 0, _max), group)
+        s = ok & (key < LIMIT) & (key % PER_EXPERT != 0) & ((q - gs) % LORA_BLOCK == 0)
+        if t0 == q0:
+            row = used + tl.cumsum(s.to(tl.int32), 0) - 1
+            count = tl.zeros((CHUNK,), dtype=tl.int32)
+            for d in tl.static_range(LORA_BLOCK):
+                count += (tl.load(skey_ptr + q + d, mask=s & (q + d < C), other=-1, cache_modifier=".cg") == key
+                          ).to(tl.int32)
+            out = groups_ptr + row * 4
+            tl.store(out, key // PER_EXPERT, mask=s)
+            tl.store(out + 1, key % PER_EXPERT - 1, mask=s)
+            tl.store(out + 2, q, mask=s)
+            tl.store(out + 3, count, mask=s)
+        used += tl.sum(s.to(tl.int32), 0)
+        group = tl.max(gs, 0)
     for b0 in range(used + q0, B, programs * CHUNK):  # this program's stripe of the rows no block took
         b = b0 + lanes
         for c in tl.static_range(4):
@@ -130,12 +121,12 @@ def _block_rows(skey_ptr, gstart_ptr, groups_ptr, C, B, LIMIT, pid, programs, PE
 
 
 @triton.jit
-def _blocks_kernel(skey_ptr, gstart_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr, CHUNK: tl.constexpr,
+def _blocks_kernel(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr, CHUNK: tl.constexpr,
                    LORA_BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     release_next(PDL)
-    _block_rows(skey_ptr, gstart_ptr, groups_ptr, C, B, LIMIT, tl.program_id(0), tl.num_programs(0), PER_EXPERT,
-                CHUNK, LORA_BLOCK)
+    _block_rows(skey_ptr, groups_ptr, C, B, LIMIT, tl.program_id(0), tl.num_programs(0), PER_EXPERT, CHUNK,
+                LORA_BLOCK)
 
 
 def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
@@ -154,7 +145,6 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     pos = torch.empty(n, k, dtype=torch.int32, device=dev)
     skey = torch.empty(cap, dtype=torch.int32, device=dev)
     ends = torch.empty(E, dtype=torch.int32, device=dev)
-    gstart = torch.empty(cap if max_loras else 0, dtype=torch.int32, device=dev)
     blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
     groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
     ids = unit_rows(topk_ids)
@@ -162,15 +152,15 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     programs = triton.cdiv(p, block_i)
     one_table = cap <= CHUNK
     _rank_kernel[(programs,)](
-        ids, ids if slots is None else slots, token, pos, skey, ends, gstart, groups,
+        ids, ids if slots is None else slots, token, pos, skey, ends, groups,
         tickets(dev, 1) if max_loras else ends, p, ids.stride(0), 0 if slots is None else slots.stride(0),
         expert_start, E, cap, blocks, K=k, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), SHIFT=code_shift(p),
         BLOCK_I=block_i, BLOCK_J=block_j, OWN=triton.next_power_of_2(triton.cdiv(E, programs)), ONE_TABLE=one_table,
         CHUNK=CHUNK, LORA_BLOCK=LORA_BLOCK, num_warps=warps, **pdl_args(ids, *(() if slots is None else (slots,))))
-    released(token, pos, skey, ends, gstart, groups)
+    released(token, pos, skey, ends, groups)
     if max_loras and not one_table:
         _blocks_kernel[(triton.cdiv(cap, CHUNK),)](
-            skey, gstart, groups, cap, blocks, E * (max_loras + 1), PER_EXPERT=max_loras + 1, CHUNK=CHUNK,
-            LORA_BLOCK=LORA_BLOCK, num_warps=4, **pdl_args(skey, gstart))
+            skey, groups, cap, blocks, E * (max_loras + 1), PER_EXPERT=max_loras + 1, CHUNK=CHUNK,
+            LORA_BLOCK=LORA_BLOCK, num_warps=4, **pdl_args(skey))
         released(groups, token, pos, skey, ends)
     return token, pos, skey, ends, groups
