@@ -403,7 +403,7 @@ def row_name(r: dict) -> str:
 KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")),
          ("expert grouped GEMM (ours, torch's)", ("_grouped_mm", "GroupProblemShape", "prepare_grouped_gemm")),
          ("MoE LoRA shrink + expand", ("moe_shrink", "moe_expand", "moe_fused")),
-         ("dense LoRA shrink + expand", ("shrink_rows", "expand_rows")),
+         ("dense LoRA shrink + expand", ("shrink_rows", "expand_rows", "shrink_kernel", "expand_kernel")),
          ("EP dispatch: peer all-gather", ("_all_gather_kernel",)),
          ("NCCL all-gather (EP counts / dispatch, tp logits)", ("AllGather",)),
          ("combine / MoE all-reduce: peer kernels, NCCL", ("_all_reduce_kernel", "two_shot", "ReduceScatter",
@@ -411,7 +411,7 @@ KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")),
          ("fused all-reduce + add + RMSNorm", ("_reduce_add_rms",)),
          ("attention", ("_decode_kernel", "_varlen")),
          ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass", "_w8a16")),
-         ("routing (top-k, the plan)", ("_moe_topk", "_plan_kernel", "searchsorted", "RadixSort")),
+         ("routing (top-k, the plan)", ("_moe_topk", "_rank_kernel", "_blocks_kernel", "searchsorted", "RadixSort")),
          ("pack, combine, act, norms, rope (Triton)", ("_pack_kernel", "_moe_combine", "_act_mul", "_add_rms_norm",
                                                        "_rope_write")))
 OTHER = "torch elementwise / copies / fills / gathers"

@@ -150,13 +150,15 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     ids = unit_rows(topk_ids)
     block_i, warps, block_j = settings or next(s[1:] for s in SETTINGS if p <= s[0])
     programs = triton.cdiv(p, block_i)
-    one_table = cap <= CHUNK
+    table_chunk = max(16, triton.next_power_of_2(cap))
+    one_table = table_chunk <= CHUNK  # then the last ranking program takes every sorted pair at once
     _rank_kernel[(programs,)](
         ids, ids if slots is None else slots, token, pos, skey, ends, groups,
         tickets(dev, 1) if max_loras else ends, p, ids.stride(0), 0 if slots is None else slots.stride(0),
         expert_start, E, cap, blocks, K=k, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), SHIFT=code_shift(p),
         BLOCK_I=block_i, BLOCK_J=block_j, OWN=triton.next_power_of_2(triton.cdiv(E, programs)), ONE_TABLE=one_table,
-        CHUNK=CHUNK, LORA_BLOCK=LORA_BLOCK, num_warps=warps, **pdl_args(ids, *(() if slots is None else (slots,))))
+        CHUNK=table_chunk if one_table else CHUNK, LORA_BLOCK=LORA_BLOCK, num_warps=warps,
+        **pdl_args(ids, *(() if slots is None else (slots,))))
     released(token, pos, skey, ends, groups)
     if max_loras and not one_table:
         _blocks_kernel[(triton.cdiv(cap, CHUNK),)](
