@@ -18,7 +18,7 @@
 #   tp2_ep2 with NCCL rows and kernel tables, then the GPU tests: EP peer collectives, graphed = eager in every layout,
 #   MoE parity against one process); on a 4-GPU host `moe4` (tp1 baseline, tp4, ep4, ep2_tp2, tp4_ep4) in a call of
 #   its own (adapters in both LoRA modes), then `moe_tests` (adds the 4-GPU layouts). `moe_plan` (one GPU, ~2
-#   minutes): the routing plan alone at decode to mixed-step sizes, torch's sort against the one-launch kernel's
+#   minutes): the routing plan alone at decode to mixed-step sizes, torch's sort against the Triton kernels' launch
 #   settings. `moe_engine` (2 or 4 GPUs, ~5 minutes): the same shape's decode step through the engine in every layout,
 #   run ahead and not.
 #   The open issues' unmeasured targets on one GPU, in calls of under 10 minutes: `pending_a` (GPU tests of the
@@ -163,7 +163,7 @@ if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else Non
         --layouts ep2,tp1,tp2,tp2_ep2 --nccl-layouts ep2,tp2_ep2 --layers 24 --prefill 512 --profile \
         --out "$RES/moe_decode_2gpu24" ;;
     moe_plan)
-      step "issue 37: the routing plan alone, torch's sort against the one-launch kernel, decode to mixed-step sizes"
+      step "issue 37: the routing plan alone, torch's sort against the Triton kernels, decode to mixed-step sizes"
       run moe_plan 240 20 python3 scripts/bench_moe_plan.py --out "$RES/moe_plan" ;;
     moe_engine)
       step "issue 37: the MoE decode step through the engine (Qwen3 shape, 24 layers), every layout of $NGPU GPUs,"
