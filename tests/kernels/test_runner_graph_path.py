@@ -105,9 +105,9 @@ def test_a_host_read_in_the_graphed_forward_fails(tmp_path, device, monkeypatch)
     engine = _engine(tmp_path / "m", None, True, device)
     logits = engine.model.logits
 
-    def checked(hidden):  # a planted sync: a finiteness check on the host
+    def checked(hidden, gather=True):  # a planted sync: a finiteness check on the host
         assert bool(hidden.isfinite().all())
-        return logits(hidden)
+        return logits(hidden, gather)
 
     monkeypatch.setattr(engine.model, "logits", checked)
     with pytest.raises(RuntimeError, match=r"host read \(__bool__\)"):

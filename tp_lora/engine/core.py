@@ -290,7 +290,7 @@ class EngineCore:
         for seq, n in work:
             step.add(seq.tokens[seq.computed:seq.computed + n], seq.blocks, seq.computed, seq.slot)
         self.registry.sync()
-        logits = self.runner.execute(step, self.kv)  # [sequences, V]: each one's last new token
+        logits = self.runner.execute(step, self.kv)  # [sequences, V] (or a vocabulary shard): each one's last token
         for seq, n in work:
             seq.computed += n
             self.sched.cache_blocks(seq)
@@ -304,7 +304,13 @@ class EngineCore:
             rows = logits  # the rows to sample (an index from a list would sync the host with the device)
             if idx != list(range(logits.shape[0])):
                 rows = logits[to_device([torch.tensor(idx)], logits.device)[0]]
-            drawn = self.sampler.sample(rows, reqs, self.stats)
+            shard = self.runner.vocab_shard
+            if shard is not None and self.sampler.plain(reqs):
+                drawn = self.sampler.sample_shard(rows, *shard, reqs)
+            else:
+                if shard is not None:
+                    rows = comm.all_gather(rows, shard[1], dim=-1)
+                drawn = self.sampler.sample(rows, reqs, self.stats)
             self.runner.keep_sampled(drawn[0])
             k = max(r.logprobs for r in reqs)
             tops = top_logprobs(rows, k) if k else None

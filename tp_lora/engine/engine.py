@@ -99,6 +99,7 @@ class Engine(EngineCore):
             print(f"cuda_graphs=true: steps run eagerly: {blocker}", flush=True)
         runner = ModelRunner(self.model, rt, ps.device, graphs, cfg.scheduler.max_tokens_per_step,
                              cfg.scheduler.max_batch_size)
+        runner.vocab_shard = self.model.vocab_shard()  # plain rows drawn from each rank's logits shard
         super().__init__(cfg, ps, runner, registry, sampler, self.hf["vocab_size"],
                          self.hf.get("max_position_embeddings", 4096), lockstep)
         sizes = getattr(rt.ops, "warm_up_sizes", None) if rt is not None else None

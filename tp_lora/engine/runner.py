@@ -121,6 +121,9 @@ class ModelRunner:
         self.pool = None
         self.replayed = False  # whether the last execute() replayed a graph
         self.captured = False  # whether that graph was captured by it (its first use)
+        # (first token, TP group) where execute() leaves each rank its vocabulary shard of the logits (the caller
+        # draws from the shards or gathers them: set before any step, from model.vocab_shard()); None: gathered
+        self.vocab_shard = None
         if self.use_graphs:
             self.plan_graphs(max_tokens, max_seqs)
 
@@ -187,7 +190,7 @@ class ModelRunner:
         if step.all_logits:
             return self.model.logits(hidden)
         self._set_lora(step.slots)
-        return self.model.logits(hidden[meta.last_token])
+        return self.model.logits(hidden[meta.last_token], self.vocab_shard is None)
 
     @torch.no_grad()
     def warm_up(self, sizes: list[int], block_size: int) -> None:
@@ -317,7 +320,8 @@ class ModelRunner:
             if self.rt is not None:
                 self.rt.batch = static_lora
             meta = inputs.meta(self.model.sliding_window)
-            return self.model.logits(self.model(self._fed(inputs.ids, inputs.feed), self.cache, meta))
+            return self.model.logits(self.model(self._fed(inputs.ids, inputs.feed), self.cache, meta),
+                                     self.vocab_shard is None)
 
         return _Graph(staging, loras, forward, fields=len(fields))
 
@@ -334,7 +338,7 @@ class ModelRunner:
             hidden = self.model(self._fed(inputs.ids, inputs.feed), self.cache, inputs.meta(self.model.sliding_window))
             if self.rt is not None:
                 self.rt.batch = row_lora
-            return self.model.logits(hidden[inputs.last_token])
+            return self.model.logits(hidden[inputs.last_token], self.vocab_shard is None)
 
         return _Graph(staging, loras, forward, fields=len(fields))
 

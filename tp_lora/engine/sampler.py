@@ -1,8 +1,9 @@
-"""Token choice from gathered logits, and the per-request rules around it: sampling parameters (the request's or the
-run's defaults), logit rules (tp_lora.engine.logit_rules), grammars (tp_lora.engine.grammar), seeds, and when a
-sequence ends (EOS, stop_token_ids, stop strings, a complete grammar, length) with its text. Reported
-log-probabilities are the model's (before logit rules, grammars and temperature). Every TP rank holds the same logits
-and the same generator states, so every rank picks the same token without a broadcast."""
+"""Token choice from gathered logits (or, for rows that need only the race, from each TP rank's vocabulary shard), and
+the per-request rules around it: sampling parameters (the request's or the run's defaults), logit rules
+(tp_lora.engine.logit_rules), grammars (tp_lora.engine.grammar), seeds, and when a sequence ends (EOS,
+stop_token_ids, stop strings, a complete grammar, length) with its text. Reported log-probabilities are the model's
+(before logit rules, grammars and temperature). Every TP rank holds the same logits (or the same exchanged race
+parts) and the same generator states, so every rank picks the same token without a broadcast."""
 from __future__ import annotations
 
 import functools
@@ -10,13 +11,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from tp_lora import distributed as comm
 from tp_lora.config import GenerationConfig
 from tp_lora.engine.grammar import Grammars
-from tp_lora.engine.logit_rules import LogitRules
+from tp_lora.engine.logit_rules import LogitRules, has_rules
 from tp_lora.engine.requests import Request, Result
 from tp_lora.engine.tokenizer import Detokenizer, TextTokenizer
 from tp_lora.hostcopy import to_device
-from tp_lora.ops.sampling import MASK32, grammar_allowed, mix32, race
+from tp_lora.ops.sampling import MASK32, grammar_allowed, mix32, race, race_combine, race_shard
 
 
 # Temperatures below this are greedy: float32 logits divided by a tinier one overflow (NaN probabilities), and the
@@ -44,9 +46,7 @@ def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Se
     n = len(temperatures)
     temps = [t if t >= GREEDY_BELOW else 0.0 for t in temperatures]
     tops = [top_p] * n if isinstance(top_p, (int, float)) else list(top_p)
-    keys = torch.randint(0, 1 << 32, (n,), generator=generator)
-    if seeds is not None and any(s is not None for s in seeds):
-        keys = torch.tensor([k if s is None else seed_key(s, step) for k, s, step in zip(keys.tolist(), seeds, steps)])
+    keys = noise_keys(n, generator, seeds, steps)
     sel, words, allow = grammar if grammar is not None else ([], None, None)
     where = [-1] * n
     for k, i in enumerate(sel):
@@ -59,6 +59,30 @@ def draw(logits: torch.Tensor, temperatures: list[float], top_p: Union[float, Se
             raw = logits
         logits = top_p_filter(logits, nucleus_t, temps_t, tops_t, words, where_t, allow)
     return race(logits, raw, temps_t, keys_t, words, where_t if words is not None else None, allow)
+
+
+def noise_keys(n: int, generator: Optional[torch.Generator], seeds: Optional[list[Optional[int]]],
+               steps: Optional[list[int]]) -> torch.Tensor:
+    """[n] int64 noise keys on the CPU: seed_key(seed, step) for seeded rows, else drawn from `generator`."""
+    keys = torch.randint(0, 1 << 32, (n,), generator=generator)
+    if seeds is not None and any(s is not None for s in seeds):
+        keys = torch.tensor([k if s is None else seed_key(s, step) for k, s, step in zip(keys.tolist(), seeds, steps)])
+    return keys
+
+
+def draw_shard(logits: torch.Tensor, offset: int, temperatures: list[float], generator: Optional[torch.Generator],
+               group, seeds: Optional[list[Optional[int]]] = None, steps: Optional[list[int]] = None
+               ) -> torch.Tensor:
+    """draw(logits, temperatures, 1.0, ...) where each rank of the TP group `group` holds its vocabulary shard of the
+    logits, [N, V / p] from token `offset` on: each races its shard, the ranks exchange the 4 numbers a row
+    (tp_lora.ops.sampling.race_shard, one all-gather) and every rank combines them alike. The same tokens as draw()
+    on the gathered logits; log-probabilities within float32 rounding."""
+    n = len(temperatures)
+    keys_t, = to_device([noise_keys(n, generator, seeds, steps)], logits.device)
+    temps_t = row_params(tuple(t if t >= GREEDY_BELOW else 0.0 for t in temperatures), (1.0,) * n, (-1,) * n,
+                         logits.device)[0]
+    parts = race_shard(logits, temps_t, keys_t, offset)  # [4, N]
+    return race_combine(comm.all_gather(parts.reshape(1, 4 * n), group, dim=0).view(-1, 4, n))
 
 
 @functools.lru_cache(maxsize=8)
@@ -114,12 +138,32 @@ class Sampler:
         """Why req's grammar cannot run on a model of `vocab` logits, or None (compiled then, once per schema)."""
         return self.grammars.check(req, vocab)
 
+    def _params(self, reqs: list[Request]) -> tuple[list[float], list[float], list[int]]:
+        """Each request's temperature and top_p (its own, else the run's) and its tokens drawn so far."""
+        temps = [r.temperature if r.temperature is not None else self.gen.temperature for r in reqs]
+        top_ps = [r.top_p if r.top_p is not None else self.gen.top_p for r in reqs]
+        return temps, top_ps, [self._drawn.get(r.index, 0) for r in reqs]
+
+    def plain(self, reqs: list[Request]) -> bool:
+        """Whether the rows of reqs need nothing but the race (no logit rule, grammar, nucleus or top
+        log-probabilities): sample_shard can draw them from vocabulary shards."""
+        temps, top_ps, _ = self._params(reqs)
+        return all(not has_rules(r) and r.grammar is None and not r.logprobs and (t < GREEDY_BELOW or p >= 1.0)
+                   for r, t, p in zip(reqs, temps, top_ps))
+
+    def sample_shard(self, rows: torch.Tensor, offset: int, group, reqs: list[Request]) -> torch.Tensor:
+        """sample() of plain rows (plain(reqs)) where each rank of the TP group holds its vocabulary shard `rows`
+        [N, V / p], tokens `offset` onward (draw_shard)."""
+        temps, _, steps = self._params(reqs)
+        self.rules.apply(rows, reqs, steps)  # none: this step's rule plan is empty
+        out = draw_shard(rows, offset, temps, self.generator, group, [r.seed for r in reqs], steps)
+        self._drawn_now(reqs, steps, out, rows.device)
+        return out
+
     def sample(self, rows: torch.Tensor, reqs: list[Request], stats=None) -> torch.Tensor:
         """draw() over logits `rows` [N, V], row i for reqs[i], after their logit rules and grammars. stats: a
         StepStats that counts the host's wait for grammar masks."""
-        temps = [r.temperature if r.temperature is not None else self.gen.temperature for r in reqs]
-        top_ps = [r.top_p if r.top_p is not None else self.gen.top_p for r in reqs]
-        steps = [self._drawn.get(r.index, 0) for r in reqs]
+        temps, top_ps, steps = self._params(reqs)
         chosen = self.rules.apply(rows, reqs, steps)
         # the grammar rows' bitmask last: filled ahead by their matchers' process while the device runs the step
         masks, waited = self.grammars.masks(reqs, steps, pin=rows.device.type == "cuda")
@@ -132,11 +176,14 @@ class Sampler:
                 stats.mask_device_wait_seconds += self.grammars.device_waited()
         out = draw(chosen, temps, top_ps, self.generator, [r.seed for r in reqs], steps,
                    None if chosen is rows else rows, grammar)
+        self._drawn_now(reqs, steps, out, rows.device)
+        return out
+
+    def _drawn_now(self, reqs: list[Request], steps: list[int], out: torch.Tensor, device: torch.device) -> None:
         self.rules.update(out[0])
         for r, n in zip(reqs, steps):
             self._drawn[r.index] = n + 1
-        self._last = (reqs, [n + 1 for n in steps], rows.device)
-        return out
+        self._last = (reqs, [n + 1 for n in steps], device)
 
     def follow(self, host: torch.Tensor, done: Optional[torch.cuda.Event]) -> None:
         """The last sample()'s tokens are copied into `host` ([2, N], pinned where on CUDA), there once `done` has

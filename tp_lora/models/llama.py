@@ -383,9 +383,17 @@ class CausalLM(nn.Module):
         group, scatter = defer or (None, False)
         return self.norm.with_residual(x, residual, reduce=group, scatter=scatter)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] (gathered over the TP group), float32; Gemma's final soft-cap applied."""
-        logits = self.lm_head(hidden).float()
+    def vocab_shard(self) -> tuple[int, comm.Group] | None:
+        """(this rank's first token, the TP group) where logits(gather=False) leaves each TP rank its vocabulary
+        shard (p > 1, a head without logits LoRA), else None."""
+        head = self.lm_head
+        return (head.vocab_start, self.tp) if self.tp.size > 1 and isinstance(head, ParallelLMHead) else None
+
+    def logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] (gathered over the TP group), float32; Gemma's final soft-cap applied.
+        gather False where vocab_shard(): this rank's shard [N, V / p]."""
+        head = self.lm_head
+        logits = (head(hidden) if gather or self.vocab_shard() is None else head.partial(hidden)).float()
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

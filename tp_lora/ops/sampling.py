@@ -5,6 +5,8 @@ sampler calls, which takes the Triton kernel of tp_lora/ops/triton/sampling.py o
   A row at temperature 0 takes its argmax (the lowest id among equals); a hot row the exponential race, argmax of
   logit / T - log E with E ~ Exp(1) drawn from a hash of (the row's key, token id): a draw from softmax(logit / T)
   that depends only on the key. Grammar rows choose among the tokens their bitmask row allows (grammar_allowed).
+- race_shard / race_combine: the race on vocabulary-parallel logits (each TP rank its shard; the noise depends on the
+  token id only, so the shards' winners hold the whole race's), the ranks exchanging 4 numbers a row, not logits.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, vocab] float32 Exp(1) variates of keys [R] (int64 in [0, 2^32)) and the token ids."""
-    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+def race_noise(keys: torch.Tensor, vocab: int, offset: int = 0) -> torch.Tensor:
+    """[R, vocab] float32 Exp(1) variates of keys [R] (int64 in [0, 2^32)) and the token ids offset .. offset +
+    vocab - 1."""
+    ids = torch.arange(offset, offset + vocab, device=keys.device, dtype=torch.int64)
     h = mix32(mix32((keys[:, None] + ids[None, :] * TOKEN_STRIDE) & MASK32) ^ keys[:, None])
     return -torch.log(((h >> 8).float() + 0.5) / float(1 << 24))
 
@@ -64,6 +67,43 @@ def race_ref(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Ten
     tokens = score.argmax(-1)
     lp = torch.log_softmax((logits if raw is None else raw).float(), -1).gather(-1, tokens[:, None]).flatten()
     return torch.stack([tokens.double(), lp.double()])
+
+
+def race_shard_ref(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int) -> torch.Tensor:
+    """race_ref's part on one vocabulary shard (no grammar, raw = logits): logits [N, V/p] holding tokens offset ..
+    offset + V/p - 1 -> [4, N] float32: each row's best race score here, its token (the lowest id among equals; exact
+    below 2^24), the token's logit, and the shard's log-sum-exp. race_combine of every shard's parts gives race_ref's
+    tokens and its log-probabilities but for float32 rounding."""
+    x = logits.float()
+    hot = temps > 0
+    noise = race_noise(keys, x.shape[1], offset)
+    score = torch.where(hot[:, None], x / torch.where(hot, temps, 1.0)[:, None] - torch.log(noise), x)
+    best, arg = score.max(-1)
+    return torch.stack([best, (arg + offset).float(), x.gather(-1, arg[:, None]).flatten(), torch.logsumexp(x, -1)])
+
+
+def race_combine_ref(parts: torch.Tensor) -> torch.Tensor:
+    """parts [p, 4, N] float32 (race_shard's, shards in vocabulary order) -> [2, N] float64: each row's token, the
+    best score's (the first shard's among equals: the lowest id), and its log-probability over the whole
+    vocabulary."""
+    parts = parts.double()
+    win = parts[:, 0].argmax(0)
+    got = parts.gather(0, win[None, None, :].expand(1, 4, -1))[0]
+    return torch.stack([got[1], got[2] - torch.logsumexp(parts[:, 3], 0)])
+
+
+def race_combine(parts: torch.Tensor) -> torch.Tensor:
+    if use_kernels(parts) and parts.shape[-1]:
+        from tp_lora.ops.triton.sampling import race_combine as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(parts)
+    return race_combine_ref(parts)
+
+
+def race_shard(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int) -> torch.Tensor:
+    if use_kernels(logits) and logits.shape[0]:
+        from tp_lora.ops.triton.sampling import race_shard as kernel  # noqa: PLC0415 - CUDA / forced only
+        return kernel(logits, temps, keys, offset)
+    return race_shard_ref(logits, temps, keys, offset)
 
 
 def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor, keys: torch.Tensor,

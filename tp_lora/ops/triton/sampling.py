@@ -22,11 +22,13 @@ def _mix32(x):
 
 
 @triton.jit
-def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s_x, s_raw, s_w, s_a, n, V,
-                 HAS_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s_x, s_raw, s_w, s_a, n, V, offset,
+                 HAS_WORDS: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program: the running best score and its first index among the tokens the row allows (and, for
     a grammar row, among its stop tokens, taken where it allows none); the running max of the raw logits and the sum
-    of exp(raw - max), rescaled as the max grows; then the chosen token's raw logit."""
+    of exp(raw - max), rescaled as the max grows; then the chosen token's raw logit. The row's tokens are offset ..
+    offset + V - 1 (a vocabulary shard); SHARD: race_shard's four float32 numbers instead of (token,
+    log-probability) in float64."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     temp = tl.load(t_ptr + r)
@@ -51,7 +53,7 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s
         inside = i < V
         x = tl.load(x_ptr + r * s_x + i, mask=inside, other=none).to(tl.float32)
         y = tl.load(raw_ptr + r * s_raw + i, mask=inside, other=none).to(tl.float32)
-        h = _mix32(_mix32(key + i.to(tl.uint32) * stride) ^ key)
+        h = _mix32(_mix32(key + (i + offset).to(tl.uint32) * stride) ^ key)
         e = -tl.log(((h >> 8).to(tl.float32) + 0.5) / 16777216.0)  # Exp(1)
         s = tl.where(hot, x / scale - tl.log(e), x)
         if HAS_WORDS:
@@ -76,8 +78,14 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s
     if HAS_WORDS:
         arg = tl.where(alive > 0, arg, arg_stop)  # a row allowing nothing ends: its stop tokens
     chosen = tl.load(raw_ptr + r * s_raw + arg).to(tl.float32)
-    tl.store(out_ptr + r, arg.to(tl.float64))
-    tl.store(out_ptr + n + r, (chosen - top - tl.log(total)).to(tl.float64))
+    if SHARD:
+        tl.store(out_ptr + r, best)
+        tl.store(out_ptr + n + r, (arg + offset).to(tl.float32))
+        tl.store(out_ptr + 2 * n + r, chosen)
+        tl.store(out_ptr + 3 * n + r, top + tl.log(total))
+    else:
+        tl.store(out_ptr + r, arg.to(tl.float64))
+        tl.store(out_ptr + n + r, (chosen - top - tl.log(total)).to(tl.float64))
 
 
 def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor, keys: torch.Tensor,
@@ -89,6 +97,45 @@ def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor,
     out = torch.empty(2, n, dtype=torch.float64, device=x.device)
     has_words = words is not None
     w, g, a = (words, grammar_rows, allow) if has_words else (temps, temps, temps)  # unread without a grammar
-    _race_kernel[(n,)](x, y, temps, keys, w, g, a, out, x.stride(0), y.stride(0), w.stride(0), a.stride(0), n, v,
-                       HAS_WORDS=has_words, BLOCK=RACE_BLOCK)
+    _race_kernel[(n,)](x, y, temps, keys, w, g, a, out, x.stride(0), y.stride(0), w.stride(0), a.stride(0), n, v, 0,
+                       HAS_WORDS=has_words, SHARD=False, BLOCK=RACE_BLOCK)
+    return out
+
+
+def race_shard(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int) -> torch.Tensor:
+    x = as_rows(logits, "race's logits")
+    n, v = x.shape
+    out = torch.empty(4, n, dtype=torch.float32, device=x.device)
+    _race_kernel[(n,)](x, x, temps, keys, temps, temps, temps, out, x.stride(0), x.stride(0), 0, 0, n, v, offset,
+                       HAS_WORDS=False, SHARD=True, BLOCK=RACE_BLOCK)
+    return out
+
+
+@triton.jit
+def _combine_kernel(p_ptr, out_ptr, n, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """race_combine for BLOCK rows: the shard with the best score (the first among equals), its token, and its raw
+    logit less the log-sum-exp of the shards' log-sum-exps (float64)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    w = tl.arange(0, P_PAD)
+    m = (w[:, None] < P) & (r[None, :] < n)
+    at = p_ptr + w[:, None] * 4 * n + r[None, :]
+    best = tl.load(at, mask=m, other=-float("inf")).to(tl.float64)
+    top = tl.max(best, 0)
+    win = tl.min(tl.where(m & (best == top[None, :]), w[:, None], P_PAD), 0)
+    sel = w[:, None] == win[None, :]
+    token = tl.sum(tl.where(sel, tl.load(at + n, mask=m, other=0.0), 0.0), 0)
+    chosen = tl.sum(tl.where(sel, tl.load(at + 2 * n, mask=m, other=0.0), 0.0), 0).to(tl.float64)
+    lse = tl.load(at + 3 * n, mask=m, other=-float("inf")).to(tl.float64)
+    big = tl.maximum(tl.max(lse, 0), -1e30)  # finite: the rows past n (all -inf) give no NaN
+    total = big + tl.log(tl.where(r < n, tl.sum(tl.exp(lse - big[None, :]), 0), 1.0))
+    tl.store(out_ptr + r, token.to(tl.float64), mask=r < n)
+    tl.store(out_ptr + n + r, chosen - total, mask=r < n)
+
+
+def race_combine(parts: torch.Tensor) -> torch.Tensor:
+    p, _, n = parts.shape
+    x = parts.contiguous()
+    out = torch.empty(2, n, dtype=torch.float64, device=x.device)
+    block = min(128, triton.next_power_of_2(max(n, 1)))
+    _combine_kernel[(triton.cdiv(n, block),)](x, out, n, P=p, P_PAD=triton.next_power_of_2(p), BLOCK=block)
     return out
