@@ -22,16 +22,18 @@ rank; fully_sharded: A split on the rank dim too); --quantization none,fp8 runs 
 weights (fp8_experts: fp8 experts beside bf16 attention).
 
 A step is ModelRunner.execute of --batch decode tokens at position --context (CUDA graphs where the model's layout is
-capturable; the table says which ran), timed from the host call to the logits on the device, median of --iters after
-warm-up (and capture); the slowest rank's median. "back to back": --iters steps launched with no host wait between
-them (the engine's run-ahead overlaps a step's host preparation with the last step on the device), per step. Floor: the bytes one rank must read in the step (its attention,
-norm and LM-head weights, the weights of its experts that the step's tokens are actually routed to, measured on
-one eager step over its EP group, and the K/V its sequences attend over) over the measured device copy bandwidth (a copy's read +
-written bytes per second); "% of floor" is floor / step. Adapters' bytes are not in the floor. --prefill N also times
-a mixed step (batch - 1 decodes + one N-token prompt chunk) replayed from its graph (EP over DP replicas: every
-replica the same mix, replaying the group's agreed size) and run eagerly. --hf (one process) also times transformers + PEFT on the same
-shape (adapters on attention only: PEFT refuses mixed-adapter batches over 3D expert weights). Prints each row as it
-is done (a cut run keeps them), then a markdown table; writes bench_moe_decode.json to --out.
+capturable; the table says which ran) and its greedy draw as the engine draws (from each rank's vocabulary shard of
+the logits where tp > 1, else from the gathered logits), timed from the host call to the tokens on the device, median
+of --iters after warm-up (and capture); the slowest rank's median. "back to back": --iters steps launched with no host
+wait between them (the engine's run-ahead overlaps a step's host preparation with the last step on the device), per
+step. Floor: the bytes one rank must read in the step (its attention, norm and LM-head weights, the weights of its
+experts that the step's tokens are actually routed to, measured on one eager step over its EP group, and the K/V its
+sequences attend over) over the measured device copy bandwidth (a copy's read + written bytes per second); "% of
+floor" is floor / step. Adapters' bytes are not in the floor. --prefill N also times a mixed step (batch - 1 decodes +
+one N-token prompt chunk) replayed from its graph (EP over DP replicas: every replica the same mix, replaying the
+group's agreed size) and run eagerly. --hf (one process) also times transformers + PEFT on the same shape (adapters on
+attention only: PEFT refuses mixed-adapter batches over 3D expert weights). Prints each row as it is done (a cut run
+keeps them), then a markdown table; writes bench_moe_decode.json to --out.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_step import copy_bandwidth, kv_bytes  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
+from tp_lora.engine.sampler import draw, draw_shard  # noqa: E402
 from tp_lora.layers.moe import Router  # noqa: E402
 from tp_lora.layers.quant import FP8Scheme, QuantConfig, quant_config  # noqa: E402
 from tp_lora.lora.layers import LoRARuntime  # noqa: E402
@@ -110,9 +113,14 @@ def randomize(model: torch.nn.Module, device) -> None:
 
 
 def execute(runner: ModelRunner, model: MoECausalLM, step: StepBatch, cache) -> torch.Tensor:
-    """One step; EP over DP replicas first agrees on the step's token counts and LoRA flag (the engine's lockstep)."""
+    """One step and its greedy tokens [2, N] (token, log-probability); EP over DP replicas first agrees on the step's
+    token counts and LoRA flag (the engine's lockstep)."""
     model.lockstep(len(step.ids), any(s >= 0 for s in step.slots))  # a no-op outside EP over DP replicas
-    return runner.execute(step, cache)
+    logits = runner.execute(step, cache)
+    greedy = [0.0] * logits.shape[0]
+    if runner.vocab_shard is None:
+        return draw(logits, greedy, 1.0, None)
+    return draw_shard(logits, runner.vocab_shard[0], greedy, None, runner.vocab_shard[1])
 
 
 def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> int:
@@ -175,6 +183,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     graphs = args.graphs and device.type == "cuda" and model.graph_blocker is None
     runner = ModelRunner(model, rt, device, graphs)
     eager = ModelRunner(model, rt, device, False)
+    runner.vocab_shard = eager.vocab_shard = model.vocab_shard()  # as the engine sets it
     bs, per_seq = 16, -(-(args.context + 2) // 16)
     chunk_blocks = -(-args.prefill // bs)
     cache = runner.kv_cache(args.batch * per_seq + chunk_blocks, bs, max(args.context + 2, args.prefill))
@@ -412,6 +421,7 @@ KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")),
          ("attention", ("_decode_kernel", "_varlen")),
          ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass", "_w8a16")),
          ("routing (top-k, the plan)", ("_moe_topk", "_rank_kernel", "_blocks_kernel", "searchsorted", "RadixSort")),
+         ("the token draw (race, shards' combine)", ("_race_kernel", "_combine_kernel")),
          ("pack, combine, act, norms, rope (Triton)", ("_pack_kernel", "_moe_combine", "_act_mul", "_add_rms_norm",
                                                        "_rope_write")))
 OTHER = "torch elementwise / copies / fills / gathers"
