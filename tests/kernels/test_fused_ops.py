@@ -374,7 +374,7 @@ def _race_inputs(gen, rows, vocab, device, dtype=torch.float32):
 
 @pytest.mark.parametrize("rows, vocab", [
     (1, 7),  # a vocabulary smaller than one block
-    (5, 4096),  # exactly one block
+    (5, 4096),  # whole blocks only
     (7, 10007),  # several blocks, the last one partial
     (64, 33),  # many hot rows: the kernel's noise is the reference's (whose draws follow softmax(x / T): test_sampler)
 ])
@@ -419,7 +419,7 @@ def test_race_greedy_rows_take_the_lowest_index_among_ties(device):
     logits = torch.full((2, 9000), -3.0, device=device)
     logits[0, [5, 70, 4100, 8999]] = 1.0  # ties in three blocks (two in the first): the first block's first wins
     logits[1, [4200, 4300, 8300]] = 2.0  # ties in later blocks only (two in one)
-    logits[1, :4096] = -float("inf")  # a first block masked out whole
+    logits[1, :4096] = -float("inf")  # the first blocks (and chunks) masked out whole
     args = (logits, None, torch.zeros(2, device=device), torch.zeros(2, dtype=torch.long, device=device), None, None,
             None)
     got = race(*args)

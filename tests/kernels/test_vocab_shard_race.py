@@ -1,7 +1,7 @@
-"""The race on vocabulary shards (tp_lora.ops.sampling.race_shard, race_combine): each TP rank's four numbers a row
-combine into the whole vocabulary's race (race_ref): the same tokens, greedy and hot rows, a tie across shards won by
-the lowest id, a shard of several kernel blocks; log-probabilities within float32 rounding. The torch references and
-the Triton kernels alike."""
+"""The race on vocabulary shards (tp_lora.ops.sampling.race_shard, race_combine): each TP rank's parts, four numbers
+a row each, combine into the whole vocabulary's race (race_ref): the same tokens, greedy and hot rows, a tie across
+shards (and across one shard's chunks: 5000 wide is two kernel parts) won by the lowest id; log-probabilities within
+float32 rounding. The torch references and the Triton kernels alike."""
 import pytest
 import torch
 
@@ -23,7 +23,7 @@ def test_vocab_shards_race_to_the_whole_vocabularys_token(device, shards, width,
     for shard, combine in ((sampling.race_shard_ref, sampling.race_combine_ref), (race_shard, race_combine)):
         parts = [shard(logits[:, r * width:(r + 1) * width].to(device), temps.to(device), keys.to(device), r * width)
                  for r in range(shards)]
-        assert all(p.dtype == torch.float32 and p.shape == (4, rows) for p in parts)
-        got = combine(torch.stack(parts)).cpu()
+        assert all(p.dtype == torch.float32 and p.shape[1:] == (4, rows) for p in parts)
+        got = combine(torch.cat(parts)).cpu()
         assert got.dtype == torch.float64 and torch.equal(got[0], want[0]), shard.__name__
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=2e-5)

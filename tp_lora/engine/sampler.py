@@ -74,15 +74,15 @@ def draw_shard(logits: torch.Tensor, offset: int, temperatures: list[float], gen
                group, seeds: Optional[list[Optional[int]]] = None, steps: Optional[list[int]] = None
                ) -> torch.Tensor:
     """draw(logits, temperatures, 1.0, ...) where each rank of the TP group `group` holds its vocabulary shard of the
-    logits, [N, V / p] from token `offset` on: each races its shard, the ranks exchange the 4 numbers a row
+    logits, [N, V / p] from token `offset` on: each races its shard, the ranks exchange 4 numbers a row and part
     (tp_lora.ops.sampling.race_shard, one all-gather) and every rank combines them alike. The same tokens as draw()
     on the gathered logits; log-probabilities within float32 rounding."""
     n = len(temperatures)
     keys_t, = to_device([noise_keys(n, generator, seeds, steps)], logits.device)
     temps_t = row_params(tuple(t if t >= GREEDY_BELOW else 0.0 for t in temperatures), (1.0,) * n, (-1,) * n,
                          logits.device)[0]
-    parts = race_shard(logits, temps_t, keys_t, offset)  # [4, N]
-    return race_combine(comm.all_gather(parts.reshape(1, 4 * n), group, dim=0).view(-1, 4, n))
+    parts = race_shard(logits, temps_t, keys_t, offset)  # [P, 4, N], P alike on every rank
+    return race_combine(comm.all_gather(parts.reshape(1, -1), group, dim=0).view(-1, 4, n))
 
 
 @functools.lru_cache(maxsize=8)

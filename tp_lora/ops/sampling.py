@@ -6,7 +6,8 @@ sampler calls, which takes the Triton kernel of tp_lora/ops/triton/sampling.py o
   logit / T - log E with E ~ Exp(1) drawn from a hash of (the row's key, token id): a draw from softmax(logit / T)
   that depends only on the key. Grammar rows choose among the tokens their bitmask row allows (grammar_allowed).
 - race_shard / race_combine: the race on vocabulary-parallel logits (each TP rank its shard; the noise depends on the
-  token id only, so the shards' winners hold the whole race's), the ranks exchanging 4 numbers a row, not logits.
+  token id only, so the shards' winners hold the whole race's), the ranks exchanging a few numbers a row, not logits.
+  The race kernel without grammars splits rows the same way over chunks of the vocabulary.
 """
 from __future__ import annotations
 
@@ -70,21 +71,23 @@ def race_ref(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Ten
 
 
 def race_shard_ref(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int) -> torch.Tensor:
-    """race_ref's part on one vocabulary shard (no grammar, raw = logits): logits [N, V/p] holding tokens offset ..
-    offset + V/p - 1 -> [4, N] float32: each row's best race score here, its token (the lowest id among equals; exact
-    below 2^24), the token's logit, and the shard's log-sum-exp. race_combine of every shard's parts gives race_ref's
-    tokens and its log-probabilities but for float32 rounding."""
+    """race_ref's parts on one vocabulary shard (no grammar, raw = logits): logits [N, V/p] holding tokens offset ..
+    offset + V/p - 1 -> [P, 4, N] float32, P parts of the shard in vocabulary order (here 1; the kernel's: chunks):
+    each row's best race score there, its token (the lowest id among equals; exact below 2^24), the token's logit,
+    and the part's log-sum-exp. race_combine of every shard's parts gives race_ref's tokens and its
+    log-probabilities but for float32 rounding."""
     x = logits.float()
     hot = temps > 0
     noise = race_noise(keys, x.shape[1], offset)
     score = torch.where(hot[:, None], x / torch.where(hot, temps, 1.0)[:, None] - torch.log(noise), x)
     best, arg = score.max(-1)
-    return torch.stack([best, (arg + offset).float(), x.gather(-1, arg[:, None]).flatten(), torch.logsumexp(x, -1)])
+    return torch.stack([best, (arg + offset).float(), x.gather(-1, arg[:, None]).flatten(),
+                        torch.logsumexp(x, -1)])[None]
 
 
 def race_combine_ref(parts: torch.Tensor) -> torch.Tensor:
-    """parts [p, 4, N] float32 (race_shard's, shards in vocabulary order) -> [2, N] float64: each row's token, the
-    best score's (the first shard's among equals: the lowest id), and its log-probability over the whole
+    """parts [P, 4, N] float32 (race_shard's, concatenated in vocabulary order) -> [2, N] float64: each row's token,
+    the best score's (the first part's among equals: the lowest id), and its log-probability over the whole
     vocabulary."""
     parts = parts.double()
     win = parts[:, 0].argmax(0)

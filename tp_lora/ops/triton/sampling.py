@@ -10,7 +10,8 @@ import triton.language as tl
 
 from tp_lora.ops.triton.fused import as_rows
 
-RACE_BLOCK = 4096  # vocabulary entries per iteration of the one program per row
+RACE_BLOCK = 2048  # vocabulary entries per iteration of a race program
+RACE_PROGRAMS = 1024  # a race's programs (rows x vocabulary chunks) to aim for
 
 
 @triton.jit
@@ -23,17 +24,18 @@ def _mix32(x):
 
 @triton.jit
 def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s_x, s_raw, s_w, s_a, n, V, offset,
-                 HAS_WORDS: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
-    """One row per program: the running best score and its first index among the tokens the row allows (and, for
-    a grammar row, among its stop tokens, taken where it allows none); the running max of the raw logits and the sum
-    of exp(raw - max), rescaled as the max grows; then the chosen token's raw logit. The row's tokens are offset ..
-    offset + V - 1 (a vocabulary shard); SHARD: race_shard's four float32 numbers instead of (token,
-    log-probability) in float64."""
+                 CHUNK, HAS_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r, c): row r's tokens c * CHUNK .. (c + 1) * CHUNK - 1 (ids offset on: a vocabulary shard). The
+    running best score and its first index among the tokens the row allows (and, for a grammar row, among its stop
+    tokens, taken where it allows none); the running max of the raw logits and the sum of exp(raw - max), rescaled as
+    the max grows; then the chosen token's raw logit. HAS_WORDS (one chunk a row): the row's (token,
+    log-probability) in float64; else the chunk's four float32 numbers (race_shard's part c)."""
     r = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
     offs = tl.arange(0, BLOCK)
     temp = tl.load(t_ptr + r)
     hot = temp > 0
-    scale = tl.where(hot, temp, 1.0)
     key = tl.load(key_ptr + r).to(tl.uint32)
     stride = tl.full([BLOCK], 0x9E3779B1, tl.uint32)  # sampling.TOKEN_STRIDE
     if HAS_WORDS:
@@ -42,20 +44,23 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s
         g = -1
     none = -float("inf")
     best = none
-    arg = 0
+    arg = lo
     best_stop = none
     arg_stop = 0
     alive = 0
     top = none
     total = 0.0
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         i = start + offs
-        inside = i < V
+        inside = i < hi
         x = tl.load(x_ptr + r * s_x + i, mask=inside, other=none).to(tl.float32)
         y = tl.load(raw_ptr + r * s_raw + i, mask=inside, other=none).to(tl.float32)
-        h = _mix32(_mix32(key + (i + offset).to(tl.uint32) * stride) ^ key)
-        e = -tl.log(((h >> 8).to(tl.float32) + 0.5) / 16777216.0)  # Exp(1)
-        s = tl.where(hot, x / scale - tl.log(e), x)
+        if hot:  # greedy rows draw no noise
+            h = _mix32(_mix32(key + (i + offset).to(tl.uint32) * stride) ^ key)
+            e = -tl.log(((h >> 8).to(tl.float32) + 0.5) / 16777216.0)  # Exp(1)
+            s = x / temp - tl.log(e)
+        else:
+            s = x
         if HAS_WORDS:
             w = tl.load(w_ptr + tl.maximum(g, 0).to(tl.int64) * s_w + i // 32, mask=inside, other=0)
             w = w & tl.load(a_ptr + i // 32, mask=inside, other=0)  # tokens a grammar may emit
@@ -78,14 +83,15 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s
     if HAS_WORDS:
         arg = tl.where(alive > 0, arg, arg_stop)  # a row allowing nothing ends: its stop tokens
     chosen = tl.load(raw_ptr + r * s_raw + arg).to(tl.float32)
-    if SHARD:
-        tl.store(out_ptr + r, best)
-        tl.store(out_ptr + n + r, (arg + offset).to(tl.float32))
-        tl.store(out_ptr + 2 * n + r, chosen)
-        tl.store(out_ptr + 3 * n + r, top + tl.log(total))
-    else:
+    if HAS_WORDS:
         tl.store(out_ptr + r, arg.to(tl.float64))
         tl.store(out_ptr + n + r, (chosen - top - tl.log(total)).to(tl.float64))
+    else:
+        at = out_ptr + tl.program_id(1) * 4 * n + r
+        tl.store(at, best)
+        tl.store(at + n, (arg + offset).to(tl.float32))
+        tl.store(at + 2 * n, chosen)
+        tl.store(at + 3 * n, top + tl.log(total))
 
 
 def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor, keys: torch.Tensor,
@@ -93,28 +99,42 @@ def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor,
          allow: Optional[torch.Tensor]) -> torch.Tensor:
     x = as_rows(logits, "race's logits")
     y = x if raw is None else as_rows(raw, "race's raw logits")
+    if words is None:  # the rows split over chunks of the vocabulary, then combined
+        return race_combine(_race_parts(x, y, temps, keys, 0))
     n, v = x.shape
     out = torch.empty(2, n, dtype=torch.float64, device=x.device)
-    has_words = words is not None
-    w, g, a = (words, grammar_rows, allow) if has_words else (temps, temps, temps)  # unread without a grammar
-    _race_kernel[(n,)](x, y, temps, keys, w, g, a, out, x.stride(0), y.stride(0), w.stride(0), a.stride(0), n, v, 0,
-                       HAS_WORDS=has_words, SHARD=False, BLOCK=RACE_BLOCK)
+    _race_kernel[(n, 1)](x, y, temps, keys, words, grammar_rows, allow, out, x.stride(0), y.stride(0),
+                         words.stride(0), allow.stride(0), n, v, 0, v, HAS_WORDS=True, BLOCK=RACE_BLOCK)
+    return out
+
+
+def race_chunk(rows: int, vocab: int) -> int:
+    """Vocabulary entries per program of a race over [rows, vocab]: whole blocks, about RACE_PROGRAMS programs in
+    all (a row's serial loop over the whole vocabulary leaves most SMs idle)."""
+    blocks = triton.cdiv(vocab, RACE_BLOCK)
+    return RACE_BLOCK * triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(RACE_PROGRAMS, rows))))
+
+
+def _race_parts(x: torch.Tensor, y: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int
+                ) -> torch.Tensor:
+    n, v = x.shape
+    chunk = race_chunk(n, v)
+    parts = triton.cdiv(v, chunk)
+    out = torch.empty(parts, 4, n, dtype=torch.float32, device=x.device)
+    _race_kernel[(n, parts)](x, y, temps, keys, temps, temps, temps, out, x.stride(0), y.stride(0), 0, 0, n, v,
+                             offset, chunk, HAS_WORDS=False, BLOCK=RACE_BLOCK)
     return out
 
 
 def race_shard(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int) -> torch.Tensor:
     x = as_rows(logits, "race's logits")
-    n, v = x.shape
-    out = torch.empty(4, n, dtype=torch.float32, device=x.device)
-    _race_kernel[(n,)](x, x, temps, keys, temps, temps, temps, out, x.stride(0), x.stride(0), 0, 0, n, v, offset,
-                       HAS_WORDS=False, SHARD=True, BLOCK=RACE_BLOCK)
-    return out
+    return _race_parts(x, x, temps, keys, offset)
 
 
 @triton.jit
-def _combine_kernel(p_ptr, out_ptr, n, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """race_combine for BLOCK rows: the shard with the best score (the first among equals), its token, and its raw
-    logit less the log-sum-exp of the shards' log-sum-exps (float64)."""
+def _combine_kernel(p_ptr, out_ptr, n, P, P_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """race_combine for BLOCK rows: the part with the best score (the first among equals), its token, and its raw
+    logit less the log-sum-exp of the parts' log-sum-exps (float64)."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     w = tl.arange(0, P_PAD)
     m = (w[:, None] < P) & (r[None, :] < n)
@@ -136,6 +156,7 @@ def race_combine(parts: torch.Tensor) -> torch.Tensor:
     p, _, n = parts.shape
     x = parts.contiguous()
     out = torch.empty(2, n, dtype=torch.float64, device=x.device)
-    block = min(128, triton.next_power_of_2(max(n, 1)))
-    _combine_kernel[(triton.cdiv(n, block),)](x, out, n, P=p, P_PAD=triton.next_power_of_2(p), BLOCK=block)
+    pad = triton.next_power_of_2(p)
+    block = min(max(1, 4096 // pad), triton.next_power_of_2(max(n, 1)))  # a [pad, block] tile
+    _combine_kernel[(triton.cdiv(n, block),)](x, out, n, p, P_PAD=pad, BLOCK=block)
     return out
