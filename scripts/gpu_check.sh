@@ -19,8 +19,8 @@
 #   MoE parity against one process); on a 4-GPU host `moe4` (tp1 baseline, tp4, ep4, ep2_tp2, tp4_ep4) in a call of
 #   its own (adapters in both LoRA modes), then `moe_tests` (adds the 4-GPU layouts). `moe_plan` (one GPU, ~2
 #   minutes): the routing plan alone at decode to mixed-step sizes, torch's sort against the Triton kernels' launch
-#   settings. `moe_engine` (2 or 4 GPUs, ~5 minutes): the same shape's decode step through the engine in every layout,
-#   run ahead and not.
+#   settings. `race` (one GPU, ~1 minute): the sampler's race alone (bench_race.py). `moe_engine` (2 or 4 GPUs, ~5
+#   minutes): the same shape's decode step through the engine in every layout, run ahead and not.
 #   The open issues' unmeasured targets on one GPU, in calls of under 10 minutes: `pending_a` (GPU tests of the
 #   paths never run on a GPU, fp8, DoRA, n / grammar), `pending_b` (prefix caching at moderate load and saturated),
 #   `pending_c` (HTTP against offline at 1 / 100 / 1000 adapters).
@@ -165,6 +165,9 @@ if u.find_spec(n) is None]; print("gpu_suite: missing modules", m) if m else Non
     moe_plan)
       step "issue 37: the routing plan alone, torch's sort against the Triton kernels, decode to mixed-step sizes"
       run moe_plan 240 20 python3 scripts/bench_moe_plan.py --out "$RES/moe_plan" ;;
+    race)
+      step "the token draw's race alone: gathered logits (plain, grammar rows), a tp2 rank's shard + combine"
+      run race 180 40 python3 scripts/bench_race.py --out "$RES/race" ;;
     moe_engine)
       step "issue 37: the MoE decode step through the engine (Qwen3 shape, 24 layers), every layout of $NGPU GPUs,"
       step "  steps run ahead against read one by one"

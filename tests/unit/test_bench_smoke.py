@@ -131,3 +131,10 @@ def test_bench_moe_plan_smoke(tmp_path):
     rows = _report(tmp_path / "out" / "bench_moe_plan.json")["rows"]
     assert [(r["tokens"], r["slots"]) for r in rows] == [(4, 0), (4, 2), (16, 0), (16, 2)]
     assert all(r["torch_us"] > 0 and r["pairs"] == 8 * r["tokens"] for r in rows)
+
+
+def test_bench_race_smoke(tmp_path):
+    _run(tmp_path, "bench_race.py", "--rows", "2", "--vocab", "512", "--temperatures", "0", "--reps", "2",
+         "--out", str(tmp_path / "out"))
+    (row,) = _report(tmp_path / "out" / "bench_race.json")["rows"]
+    assert row["race"] > 0 and row["race, grammar rows"] > 0 and row["shard 1/2 + combine"] > 0, row
