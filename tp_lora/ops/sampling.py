@@ -36,6 +36,14 @@ def race_noise(keys: torch.Tensor, vocab: int, offset: int = 0) -> torch.Tensor:
     return -torch.log(((h >> 8).float() + 0.5) / float(1 << 24))
 
 
+def race_scores(x: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """float32 logits x [N, V] of tokens offset .. offset + V - 1 -> each token's race score: its logit in greedy
+    rows (temps 0), logit / T - log E in hot ones (E: race_noise)."""
+    hot = temps > 0
+    noise = race_noise(keys, x.shape[1], offset)
+    return torch.where(hot[:, None], x / torch.where(hot, temps, 1.0)[:, None] - torch.log(noise), x)
+
+
 def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """Bitmask rows [G, ceil(vocab / 32)] int32 -> [G, vocab] bool: bit v % 32 of word v // 32 set."""
     shifts = torch.arange(32, device=words.device, dtype=torch.int32)
@@ -60,8 +68,7 @@ def race_ref(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Ten
     row, or -1 (every token)."""
     x = logits.float()
     vocab = x.shape[1]
-    hot = temps > 0
-    score = torch.where(hot[:, None], x / torch.where(hot, temps, 1.0)[:, None] - torch.log(race_noise(keys, vocab)), x)
+    score = race_scores(x, temps, keys)
     if words is not None:
         allowed = grammar_allowed(words, allow, vocab)[grammar_rows.long().clamp(min=0)] | (grammar_rows < 0)[:, None]
         score = score.masked_fill(~allowed, float("-inf"))
@@ -77,10 +84,7 @@ def race_shard_ref(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor
     and the part's log-sum-exp. race_combine of every shard's parts gives race_ref's tokens and its
     log-probabilities but for float32 rounding."""
     x = logits.float()
-    hot = temps > 0
-    noise = race_noise(keys, x.shape[1], offset)
-    score = torch.where(hot[:, None], x / torch.where(hot, temps, 1.0)[:, None] - torch.log(noise), x)
-    best, arg = score.max(-1)
+    best, arg = race_scores(x, temps, keys, offset).max(-1)
     return torch.stack([best, (arg + offset).float(), x.gather(-1, arg[:, None]).flatten(),
                         torch.logsumexp(x, -1)])[None]
 
