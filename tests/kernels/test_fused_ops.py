@@ -414,6 +414,31 @@ def test_race(device, rows, vocab, grammar, dtype):
         assert abs(float(want[1, i]) - float(torch.log_softmax(base, -1)[toks[i]])) < 1e-4
 
 
+def test_race_grammar_rows_allowing_tokens_of_one_chunk_only(device):
+    """A grammar row whose allowed tokens all lie in one part of the vocabulary (the kernel splits rows over chunks)
+    takes one of them, not a stop token; a row allowing none takes the best stop token, which lies in another."""
+    from tp_lora.ops.triton.sampling import race
+    rows, vocab = 3, 9000
+    gen = torch.Generator().manual_seed(9)
+    logits = _randn(gen, rows, vocab, device=device, std=4.0)
+    logits[:, 8990] = -30.0  # allowed, yet far below the stop tokens' logits
+    logits[:, [1, 4500]] = 20.0
+    width = (vocab + 31) // 32
+    words = torch.zeros(2, width, dtype=torch.int32)
+    words[0, 8990 // 32] = 1 << (8990 % 32)  # one allowed token, in the last chunk; words[1] allows none
+    stops = torch.zeros(width, dtype=torch.int32)
+    for t in (1, 4500):
+        stops[t // 32] |= 1 << (t % 32)
+    allow = torch.stack([torch.full((width,), -1, dtype=torch.int32), stops]).to(device)
+    temps = torch.tensor([0.0, 0.9, 0.0], device=device)
+    keys = torch.randint(0, 1 << 32, (rows,), generator=gen).to(device)
+    where = torch.tensor([0, 0, 1], dtype=torch.int32, device=device)
+    args = (logits, None, temps, keys, words.to(device), where, allow)
+    got, want = race(*args), sampling.race_ref(*args)
+    assert got[0].tolist() == want[0].tolist() == [8990.0, 8990.0, 1.0]
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
 def test_race_greedy_rows_take_the_lowest_index_among_ties(device):
     from tp_lora.ops.triton.sampling import race
     logits = torch.full((2, 9000), -3.0, device=device)

@@ -7,7 +7,7 @@ sampler calls, which takes the Triton kernel of tp_lora/ops/triton/sampling.py o
   that depends only on the key. Grammar rows choose among the tokens their bitmask row allows (grammar_allowed).
 - race_shard / race_combine: the race on vocabulary-parallel logits (each TP rank its shard; the noise depends on the
   token id only, so the shards' winners hold the whole race's), the ranks exchanging a few numbers a row, not logits.
-  The race kernel without grammars splits rows the same way over chunks of the vocabulary.
+  The race kernel splits every row the same way over chunks of the vocabulary.
 """
 from __future__ import annotations
 

@@ -25,11 +25,12 @@ def _mix32(x):
 @triton.jit
 def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s_x, s_raw, s_w, s_a, n, V, offset,
                  CHUNK, HAS_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (r, c): row r's tokens c * CHUNK .. (c + 1) * CHUNK - 1 (ids offset on: a vocabulary shard). The
-    running best score and its first index among the tokens the row allows (and, for a grammar row, among its stop
-    tokens, taken where it allows none); the running max of the raw logits and the sum of exp(raw - max), rescaled as
-    the max grows; then the chosen token's raw logit. HAS_WORDS (one chunk a row): the row's (token,
-    log-probability) in float64; else the chunk's four float32 numbers (race_shard's part c)."""
+    """Program (r, c): part c of row r, its tokens c * CHUNK .. (c + 1) * CHUNK - 1 (ids offset on: a vocabulary
+    shard). The running best score and its first index among the tokens the row allows; the running max of the raw
+    logits and the sum of exp(raw - max), rescaled as the max grows; the chosen token's raw logit. Written as the
+    part's float32 numbers (best, token, its raw logit, log-sum-exp); HAS_WORDS adds whether the part holds a token
+    the row's grammar allows, and the best among the stop tokens, its token and raw logit (taken where a row allows
+    none)."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
@@ -46,7 +47,7 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s
     best = none
     arg = lo
     best_stop = none
-    arg_stop = 0
+    arg_stop = lo
     alive = 0
     top = none
     total = 0.0
@@ -80,18 +81,16 @@ def _race_kernel(x_ptr, raw_ptr, t_ptr, key_ptr, w_ptr, g_ptr, a_ptr, out_ptr, s
         kept = tl.sum(tl.where(y > none, tl.exp(y - new), 0.0), 0)  # masked-out logits add nothing, never a NaN
         total = total * tl.where(top > none, tl.exp(top - new), 0.0) + kept
         top = new
+    at = out_ptr + tl.program_id(1) * (8 if HAS_WORDS else 4) * n + r
+    tl.store(at, best)
+    tl.store(at + n, (arg + offset).to(tl.float32))
+    tl.store(at + 2 * n, tl.load(raw_ptr + r * s_raw + arg).to(tl.float32))
+    tl.store(at + 3 * n, top + tl.log(total))
     if HAS_WORDS:
-        arg = tl.where(alive > 0, arg, arg_stop)  # a row allowing nothing ends: its stop tokens
-    chosen = tl.load(raw_ptr + r * s_raw + arg).to(tl.float32)
-    if HAS_WORDS:
-        tl.store(out_ptr + r, arg.to(tl.float64))
-        tl.store(out_ptr + n + r, (chosen - top - tl.log(total)).to(tl.float64))
-    else:
-        at = out_ptr + tl.program_id(1) * 4 * n + r
-        tl.store(at, best)
-        tl.store(at + n, (arg + offset).to(tl.float32))
-        tl.store(at + 2 * n, chosen)
-        tl.store(at + 3 * n, top + tl.log(total))
+        tl.store(at + 4 * n, alive.to(tl.float32))
+        tl.store(at + 5 * n, best_stop)
+        tl.store(at + 6 * n, (arg_stop + offset).to(tl.float32))
+        tl.store(at + 7 * n, tl.load(raw_ptr + r * s_raw + arg_stop).to(tl.float32))
 
 
 def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor, keys: torch.Tensor,
@@ -99,13 +98,8 @@ def race(logits: torch.Tensor, raw: Optional[torch.Tensor], temps: torch.Tensor,
          allow: Optional[torch.Tensor]) -> torch.Tensor:
     x = as_rows(logits, "race's logits")
     y = x if raw is None else as_rows(raw, "race's raw logits")
-    if words is None:  # the rows split over chunks of the vocabulary, then combined
-        return race_combine(_race_parts(x, y, temps, keys, 0))
-    n, v = x.shape
-    out = torch.empty(2, n, dtype=torch.float64, device=x.device)
-    _race_kernel[(n, 1)](x, y, temps, keys, words, grammar_rows, allow, out, x.stride(0), y.stride(0),
-                         words.stride(0), allow.stride(0), n, v, 0, v, HAS_WORDS=True, BLOCK=RACE_BLOCK)
-    return out
+    grammar = (words, grammar_rows, allow) if words is not None else None
+    return race_combine(_race_parts(x, y, temps, keys, 0, grammar))
 
 
 def race_chunk(rows: int, vocab: int) -> int:
@@ -115,14 +109,16 @@ def race_chunk(rows: int, vocab: int) -> int:
     return RACE_BLOCK * triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(RACE_PROGRAMS, rows))))
 
 
-def _race_parts(x: torch.Tensor, y: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int
-                ) -> torch.Tensor:
+def _race_parts(x: torch.Tensor, y: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, offset: int,
+                grammar: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """The race's parts [P, 4, N] float32 (with grammar rows (words, rows, allow): [P, 8, N]), P chunks a row."""
     n, v = x.shape
     chunk = race_chunk(n, v)
     parts = triton.cdiv(v, chunk)
-    out = torch.empty(parts, 4, n, dtype=torch.float32, device=x.device)
-    _race_kernel[(n, parts)](x, y, temps, keys, temps, temps, temps, out, x.stride(0), y.stride(0), 0, 0, n, v,
-                             offset, chunk, HAS_WORDS=False, BLOCK=RACE_BLOCK)
+    w, g, a = grammar if grammar is not None else (temps, temps, temps)  # unread without a grammar
+    out = torch.empty(parts, 4 if grammar is None else 8, n, dtype=torch.float32, device=x.device)
+    _race_kernel[(n, parts)](x, y, temps, keys, w, g, a, out, x.stride(0), y.stride(0), w.stride(0), a.stride(0), n,
+                             v, offset, chunk, HAS_WORDS=grammar is not None, BLOCK=RACE_BLOCK)
     return out
 
 
@@ -132,19 +128,27 @@ def race_shard(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, of
 
 
 @triton.jit
-def _combine_kernel(p_ptr, out_ptr, n, P, P_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """race_combine for BLOCK rows: the part with the best score (the first among equals), its token, and its raw
-    logit less the log-sum-exp of the parts' log-sum-exps (float64)."""
+def _combine_kernel(p_ptr, out_ptr, n, P, HAS_WORDS: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Parts -> each of BLOCK rows' (token, log-probability) in float64: the part with the best score (the first
+    among equals), its token, and its raw logit less the log-sum-exp of the parts' log-sum-exps. HAS_WORDS: a row
+    whose parts hold no token its grammar allows takes the best of the stop tokens instead."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     w = tl.arange(0, P_PAD)
     m = (w[:, None] < P) & (r[None, :] < n)
-    at = p_ptr + w[:, None] * 4 * n + r[None, :]
-    best = tl.load(at, mask=m, other=-float("inf")).to(tl.float64)
+    at = p_ptr + w[:, None] * (8 if HAS_WORDS else 4) * n + r[None, :]
+    best = tl.load(at, mask=m, other=-float("inf"))
+    token = tl.load(at + n, mask=m, other=0.0)
+    chosen = tl.load(at + 2 * n, mask=m, other=0.0)
+    if HAS_WORDS:
+        alive = tl.max(tl.load(at + 4 * n, mask=m, other=0.0), 0) > 0
+        best = tl.where(alive[None, :], best, tl.load(at + 5 * n, mask=m, other=-float("inf")))
+        token = tl.where(alive[None, :], token, tl.load(at + 6 * n, mask=m, other=0.0))
+        chosen = tl.where(alive[None, :], chosen, tl.load(at + 7 * n, mask=m, other=0.0))
     top = tl.max(best, 0)
     win = tl.min(tl.where(m & (best == top[None, :]), w[:, None], P_PAD), 0)
     sel = w[:, None] == win[None, :]
-    token = tl.sum(tl.where(sel, tl.load(at + n, mask=m, other=0.0), 0.0), 0)
-    chosen = tl.sum(tl.where(sel, tl.load(at + 2 * n, mask=m, other=0.0), 0.0), 0).to(tl.float64)
+    token = tl.sum(tl.where(sel, token, 0.0), 0)
+    chosen = tl.sum(tl.where(sel, chosen, 0.0), 0).to(tl.float64)
     lse = tl.load(at + 3 * n, mask=m, other=-float("inf")).to(tl.float64)
     big = tl.maximum(tl.max(lse, 0), -1e30)  # finite: the rows past n (all -inf) give no NaN
     total = big + tl.log(tl.where(r < n, tl.sum(tl.exp(lse - big[None, :]), 0), 1.0))
@@ -153,10 +157,11 @@ def _combine_kernel(p_ptr, out_ptr, n, P, P_PAD: tl.constexpr, BLOCK: tl.constex
 
 
 def race_combine(parts: torch.Tensor) -> torch.Tensor:
-    p, _, n = parts.shape
+    """sampling.race_combine_ref's signature; also takes the grammar parts [P, 8, N] of race's own launch."""
+    p, k, n = parts.shape
     x = parts.contiguous()
     out = torch.empty(2, n, dtype=torch.float64, device=x.device)
     pad = triton.next_power_of_2(p)
     block = min(max(1, 4096 // pad), triton.next_power_of_2(max(n, 1)))  # a [pad, block] tile
-    _combine_kernel[(triton.cdiv(n, block),)](x, out, n, p, P_PAD=pad, BLOCK=block)
+    _combine_kernel[(triton.cdiv(n, block),)](x, out, n, p, HAS_WORDS=k == 8, P_PAD=pad, BLOCK=block)
     return out
