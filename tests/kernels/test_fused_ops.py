@@ -312,6 +312,26 @@ def test_moe_topk(device, dtype, tokens, experts, k, renormalize, round_weights)
     torch.testing.assert_close(w, want_w, **_tol(device, dtype))
 
 
+@pytest.mark.parametrize("shares, experts, k", [(2, 128, 8), (3, 60, 4)])
+def test_moe_topk_sums_the_router_gemms_shares(device, shares, experts, k):
+    """The router GEMM's K shares (SplitSums) summed in order and rounded to the logits' dtype by the top-k kernel:
+    the top k of their total's softmax, as moe_topk_ref takes it; the weights rounded through that dtype. (float16
+    under the interpreter, which rounds bfloat16 by truncation.)"""
+    from tp_lora.ops.split_sums import SplitSums
+    from tp_lora.ops.triton.fused import moe_topk
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(shares * experts)
+    parts = _randn(gen, shares, 19, experts, dtype=torch.float32, device=device, std=1.5)
+    sums = SplitSums(parts, None, None, dtype)
+    ids, w = moe_topk(sums, k, False, True)
+    logits = sums.total()
+    want_ids, want_w = ref.moe_topk_ref(logits, k, False, True)
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids)) and (ids.sort(1)[0].diff(1) > 0).all()
+    assert torch.equal(w, want_w) and torch.equal(w, w.to(dtype).float())
+    with pytest.raises(ValueError, match="no scales"):
+        moe_topk(SplitSums(parts, parts[0, 0], None, dtype), k, False, True)
+
+
 @pytest.mark.parametrize("hidden", [64, 1500])  # one block, several with a partial last one
 def test_embedding_shard(device, hidden):
     """Rows of a vocabulary shard (ids 40..69 of 100) for ids inside, at its edges and outside it (zeros), bit-equal

@@ -57,12 +57,14 @@ def test_lm_head_decode_rows_run_the_kernel(device, kernel_calls, rows):
     assert got.shape == (rows, 203) and got.dtype == torch.bfloat16 and rel_err(got, x, head.weight) < 1e-2
 
 
-@pytest.mark.parametrize("rows,spec,split", [(1, column_spec(256, 80, 80), 1), (32, column_spec(2048, 96), 2),
-                                             (64, row_spec(4096, 64), 4), (17, column_spec(64, 320), 1)])
+@pytest.mark.parametrize("rows,spec,split", [(1, column_spec(256, 80, 80), 1), (32, column_spec(2048, 96), 4),
+                                             (64, row_spec(4096, 64), 4), (17, column_spec(64, 320), 1),
+                                             (32, column_spec(2048, 192), 2)])
 def test_layer_k_shares_run_the_kernel(device, kernel_calls, rows, spec, split):
     """partial(sums=True) on one rank: packed, short and deep layers (K split in 1024-wide shares within a wave of
-    programs) at 1 to 64 rows; split K leaves the shares' float32 sums (SplitSums), whose total is the product the
-    kernel writes when asked for the output (to an ulp: the interpreter rounds float32 to bf16 its own way)."""
+    programs; layers of up to two 64-column blocks, as MoE routers, in 512-wide shares, at most 4) at 1 to 64 rows;
+    split K leaves the shares' float32 sums (SplitSums), whose total is the product the kernel writes when asked for
+    the output (to an ulp: the interpreter rounds float32 to bf16 its own way)."""
     gen = torch.Generator().manual_seed(rows + spec.in_features)
     layer = linear(device, spec, torch.bfloat16, gen)
     x = torch.randn(rows, spec.in_features, generator=gen).to(torch.bfloat16).to(device)
@@ -90,3 +92,23 @@ def test_other_gemms_take_torch(device, kernel_calls, rows, dtype, sums):
     h = torch.randn(rows, 96, generator=gen).to(dtype).to(device)
     assert torch.equal(layer.partial(x, sums=sums), x @ layer.weight.t())
     assert torch.equal(small.partial(h), h @ small.weight.t()) and kernel_calls == []
+
+
+def test_moe_router_takes_the_kernels_shares(device, kernel_calls):
+    """A MoE router at decode rows (128 experts x 2048): its logits as the split-K kernel's 4 K shares, which the top-k
+    kernel sums; the experts it picks carry the top logits of the float64 product (to a 16-bit rounding), their weights those of moe_topk_ref over the shares' total. (float16 under the
+    interpreter, which rounds bfloat16 by truncation.)"""
+    from tp_lora.layers.moe import Router
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(5)
+    router = Router(2048, 128, 8, False, True, dtype=dtype, device=device)
+    router.weight.data.copy_((torch.randn(128, 2048, generator=gen) * 2048 ** -0.5).to(dtype))
+    x = torch.randn(24, 2048, generator=gen).to(dtype).to(device)
+    ids, w = router(x)
+    assert kernel_calls == [(24, 4)]
+    exact = (x.double() @ router.weight.double().t())
+    picked, best = exact.gather(1, ids), exact.topk(8, dim=1).values
+    assert (picked.sort(1, descending=True).values - best).abs().max().item() < 0.03
+    want_ids, want_w = fused.moe_topk_ref(mm16.mm16(x, router.weight, sums=True).total(), 8, False, True)
+    assert torch.equal(ids.sort(1).values, want_ids.sort(1).values)
+    torch.testing.assert_close(w.sort(1).values, want_w.sort(1).values, rtol=0, atol=0)

@@ -19,6 +19,7 @@ from tp_lora.layers.quant import FP8Scheme
 from tp_lora.ops.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from tp_lora.ops.fused import Rows8, act_mul, moe_topk
 from tp_lora.ops.grouped_mm import experts_take_rows8, grouped_mm
+from tp_lora.ops.mm16 import mm16
 from tp_lora.ops.moe_layout import MoEPlan
 from tp_lora.sharding import even_range, expert_range, take, take_nd
 
@@ -40,7 +41,8 @@ class Router(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32; rows first + i >= valid[0] (a CUDA graph's
         padding) get ids -1."""
-        return moe_topk(F.linear(x, self.weight), self.top_k, self.renormalize, self.round_weights, valid, first)
+        logits = mm16(x, self.weight, sums=True)  # at decode sizes the K shares, summed by the top-k kernel
+        return moe_topk(logits, self.top_k, self.renormalize, self.round_weights, valid, first)
 
 
 class Experts(nn.Module):

@@ -221,9 +221,12 @@ def act_mul(x: torch.Tensor, act: str, out8: Rows8 | None = None) -> torch.Tenso
     return act_mul_ref(x, act)
 
 
-def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
+def moe_topk(logits: torch.Tensor | SplitSums, k: int, renormalize: bool, round_weights: bool,
              valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_kernels(logits) and logits.shape[0]:
+    """logits: a tensor, or the router GEMM's SplitSums (the kernel sums them)."""
+    if isinstance(logits, SplitSums) and not use_kernels(logits.parts):
+        logits = logits.total()
+    if isinstance(logits, SplitSums) or use_kernels(logits) and logits.shape[0]:
         from tp_lora.ops.triton.fused import moe_topk as kernel  # noqa: PLC0415 - CUDA / forced only
         return kernel(logits, k, renormalize, round_weights, valid, first)
     return moe_topk_ref(logits, k, renormalize, round_weights, valid, first)

@@ -4,7 +4,8 @@ Up to tp_lora.ops.triton.fp8_gemm.MAX_ROWS rows of 16-bit activations, weights i
 on, the split-K GEMM w8a16_mm without scales (tiles by fp8_gemm.w16_config) runs
 - the LM head's vocabulary shard (head) of at least HEAD_MIN_ROWS rows, which it streams faster than cuBLAS;
 - the layers whose reader takes their K shares' sums (sums: qkv into decode attention, one rank's o and down into the
-  next norm): it leaves them as SplitSums and joins the decode chain's programmatic dependent launch (cuBLAS cannot).
+  next norm, a MoE router into its top-k): it leaves them as SplitSums and joins the decode chain's programmatic
+  dependent launch (cuBLAS cannot).
 Elsewhere (other layers, where cuBLAS is as fast alone; the CPU, float32, more rows) x @ w^T;
 tp_lora.ops.fp8.w8a16_mm_ref is the kernel's reference."""
 from __future__ import annotations

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 FP8 = (torch.float8_e4m3fn,)
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+TL_TYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # torch -> Triton
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def compute_types(act: torch.dtype, weight: torch.dtype):
     if weight in FP8:
         weight = act  # fp8 is widened to the activations' type before the dot (exact for e4m3 into bf16/fp16)
     if act == weight and act in (torch.float16, torch.bfloat16):
-        cdt = _TL[act]
+        cdt = TL_TYPES[act]
         dot = tl.float32 if (act == torch.bfloat16 and interpreting()) else cdt
         return cdt, dot, "tf32"  # precision flag only matters for fp32 operands
     return tl.float32, tl.float32, "ieee"  # fp32 layers ask for fp32 accuracy: no tf32 rounding

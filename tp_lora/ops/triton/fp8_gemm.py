@@ -60,6 +60,7 @@ W8A16_DEFAULT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP=False, ACT8=False,
 HEAD_CONFIG = dict(W8A16_DEFAULT, SWAP=True)
 # 16-bit projections: tiles of XQ's bytes (64 rows x 128 K), K shares as XQ's (w16_config)
 W16 = dict(W8A16_DEFAULT, BLOCK_K=128, num_stages=6, SWAP=True)
+NARROW_BLOCKS, NARROW_SHARE = 2, 512  # w16_config's narrow layers (column blocks) and their K shares' width
 # W8A8 tiles at prefill sizes (scripts/tune_fp8_gemm.py picks them)
 W8A8_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
@@ -318,11 +319,14 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g
 
 
 def w16_config(n: int, k: int, head: bool = False, sms: int = DEFAULT_NUM_SMS) -> dict:
-    """w8a16_mm's launch for decode rows of 16-bit weights [n, k] (no scales): a vocabulary shard (head) HEAD_CONFIG,
-    else W16 with XQ's K shares (_xq_splits) for the device's sms."""
+    """w8a16_mm's launch for decode rows of 16-bit weights [n, k] (no scales): a vocabulary shard (head) HEAD_CONFIG;
+    layers of at most NARROW_BLOCKS column blocks (MoE routers) K shares of NARROW_SHARE columns (up to 4), so a few
+    more programs stream their few weights; else W16 with XQ's K shares (_xq_splits) for the device's sms."""
     if head:
         return dict(HEAD_CONFIG)
-    return dict(W16, SPLIT_K=_xq_splits(triton.cdiv(n, W16["BLOCK_N"]), k, sms))
+    blocks = triton.cdiv(n, W16["BLOCK_N"])
+    split = min(4, max(1, k // NARROW_SHARE)) if blocks <= NARROW_BLOCKS else _xq_splits(blocks, k, sms)
+    return dict(W16, SPLIT_K=split)
 
 
 def _splits(blocks: int, k: int, budget: int) -> int:

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.split_sums import SplitSums
+from tp_lora.ops.triton.dot import TL_TYPES
 from tp_lora.ops.triton.fp8_quant import FP8_DTYPE, quantize_row8
 from tp_lora.ops.triton.pdl import pdl_args, release_next, released, wait_prior
 
@@ -382,14 +383,16 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
 
 
 @triton.jit
-def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, E, first, K: tl.constexpr, K_PAD: tl.constexpr,
-                     E_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr, HAS_VALID: tl.constexpr,
-                     PDL: tl.constexpr):
+def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, s_share, E, first, K: tl.constexpr,
+                     K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr,
+                     HAS_VALID: tl.constexpr, SHARES: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     release_next(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
-    x = tl.load(logits_ptr + t * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    # SHARES: the router GEMM's SplitSums, its K shares added in order and rounded to the logits' dtype DT
+    x = load_shares(logits_ptr + t * s_l + e, logits_ptr, logits_ptr, e < E, 1.0, s_share, SHARES, False, False, DT)
+    x = tl.where(e < E, x, -float("inf"))
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     j = tl.arange(0, K_PAD)
@@ -404,23 +407,30 @@ def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, E, first, K: tl
     if RENORM:
         w = w / tl.sum(w, 0)
     if ROUND:
-        w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        w = w.to(DT).to(tl.float32)
     if HAS_VALID:  # a graph's padding row routes nowhere
         ids = tl.where(j * 0 + first + t >= tl.load(valid_ptr), -1, ids)
     tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
     tl.store(w_ptr + t * K + j, w, mask=j < K)
 
 
-def moe_topk(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
+def moe_topk(logits: torch.Tensor | SplitSums, k: int, renormalize: bool, round_weights: bool,
              valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = as_rows(logits, "moe_topk's logits")
+    """logits: a tensor, or the router GEMM's SplitSums (the kernel sums its shares)."""
+    sums = logits if isinstance(logits, SplitSums) else None
+    if sums is not None and (sums.col is not None or sums.row is not None or sums.delta is not None):
+        raise ValueError("moe_topk takes SplitSums of a 16-bit GEMM's shares only (no scales, no delta)")
+    rows = as_rows(logits if sums is None else sums.parts[0], "moe_topk's logits")
     n, e = rows.shape
     if not 1 <= k <= e:
         raise ValueError(f"moe_topk: k={k} outside 1..{e} (the number of experts)")
     ids = torch.empty(n, k, dtype=torch.int64, device=rows.device)
     w = torch.empty(n, k, dtype=torch.float32, device=rows.device)
-    _moe_topk_kernel[(n,)](rows, ids, w, ids if valid is None else valid, rows.stride(0), e, first, K=k,
+    dt = rows.dtype if sums is None else sums.dtype
+    _moe_topk_kernel[(n,)](rows, ids, w, ids if valid is None else valid, rows.stride(0),
+                           0 if sums is None else sums.parts.stride(0), e, first, K=k,
                            K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), RENORM=renormalize,
-                           ROUND=round_weights, HAS_VALID=valid is not None, **pdl_args(rows))
+                           ROUND=round_weights, HAS_VALID=valid is not None,
+                           SHARES=0 if sums is None else sums.parts.shape[0], DT=TL_TYPES[dt], **pdl_args(rows))
     released(ids, w)
     return ids, w
