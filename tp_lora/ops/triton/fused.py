@@ -427,10 +427,12 @@ def moe_topk(logits: torch.Tensor | SplitSums, k: int, renormalize: bool, round_
     ids = torch.empty(n, k, dtype=torch.int64, device=rows.device)
     w = torch.empty(n, k, dtype=torch.float32, device=rows.device)
     dt = rows.dtype if sums is None else sums.dtype
+    # one warp a row: its softmax and k rounds of max / min reduce within the warp (no shared-memory round trips)
     _moe_topk_kernel[(n,)](rows, ids, w, ids if valid is None else valid, rows.stride(0),
                            0 if sums is None else sums.parts.stride(0), e, first, K=k,
                            K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), RENORM=renormalize,
                            ROUND=round_weights, HAS_VALID=valid is not None,
-                           SHARES=0 if sums is None else sums.parts.shape[0], DT=TL_TYPES[dt], **pdl_args(rows))
+                           SHARES=0 if sums is None else sums.parts.shape[0], DT=TL_TYPES[dt], num_warps=1,
+                           **pdl_args(rows))
     released(ids, w)
     return ids, w
