@@ -96,8 +96,9 @@ def test_other_gemms_take_torch(device, kernel_calls, rows, dtype, sums):
 
 def test_moe_router_takes_the_kernels_shares(device, kernel_calls):
     """A MoE router at decode rows (128 experts x 2048): its logits as the split-K kernel's 4 K shares, which the top-k
-    kernel sums; the experts it picks carry the top logits of the float64 product (to a 16-bit rounding), their weights those of moe_topk_ref over the shares' total. (float16 under the
-    interpreter, which rounds bfloat16 by truncation.)"""
+    kernel sums; the experts it picks carry the top logits of the float64 product (to a 16-bit rounding), their
+    weights those of moe_topk_ref over the shares' total. (float16 under the interpreter, which rounds bfloat16 by
+    truncation.)"""
     from tp_lora.layers.moe import Router
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     gen = torch.Generator().manual_seed(5)
