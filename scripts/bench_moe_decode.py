@@ -4,7 +4,7 @@ active-weight floor.
 
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model qwen3-30b-a3b --out bench_results/moe_decode
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --model mixtral-8x7b --layers 16
-    torchrun --nproc_per_node=4 scripts/bench_moe_decode.py --layers 24 --prefill 512   # tp1, tp4, ep4, ep2_tp2, tp4_ep4
+    torchrun --nproc_per_node=4 scripts/bench_moe_decode.py --layers 24 --prefill 512  # tp1, tp4, ep4, ep2_tp2, tp4_ep4
     torchrun --nproc_per_node=2 scripts/bench_moe_decode.py --smoke                  # tiny, CPU + gloo (4 ranks too)
     torchrun --nproc_per_node=1 scripts/bench_moe_decode.py --layouts tp1 --profile  # one GPU, with its kernels
 
@@ -29,11 +29,12 @@ wait between them (the engine's run-ahead overlaps a step's host preparation wit
 step. Floor: the bytes one rank must read in the step (its attention, norm and LM-head weights, the weights of its
 experts that the step's tokens are actually routed to, measured on one eager step over its EP group, and the K/V its
 sequences attend over) over the measured device copy bandwidth (a copy's read + written bytes per second); "% of
-floor" is floor / step. Adapters' bytes are not in the floor. --prefill N also times a mixed step (batch - 1 decodes +
-one N-token prompt chunk) replayed from its graph (EP over DP replicas: every replica the same mix, replaying the
-group's agreed size) and run eagerly. --hf (one process) also times transformers + PEFT on the same shape (adapters on
-attention only: PEFT refuses mixed-adapter batches over 3D expert weights). Prints each row as it is done (a cut run
-keeps them), then a markdown table; writes bench_moe_decode.json to --out.
+floor" is floor / step. Adapters' bytes are not in the floor. The lockstep floor (JSON) counts each layer's busiest
+rank's experts, as a step whose every MoE layer ends in a collective must wait for them. --prefill N also times a
+mixed step (batch - 1 decodes + one N-token prompt chunk) replayed from its graph (EP over DP replicas: every replica
+the same mix, replaying the group's agreed size) and run eagerly. --hf (one process) also times transformers + PEFT
+on the same shape (adapters on attention only: PEFT refuses mixed-adapter batches over 3D expert weights). Prints
+each row as it is done (a cut run keeps them), then a markdown table; writes bench_moe_decode.json to --out.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_step import copy_bandwidth, kv_bytes  # noqa: E402
+from kernel_marginals import marginals  # noqa: E402
 from tp_lora import distributed as comm  # noqa: E402
 from tp_lora.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from tp_lora.engine.sampler import draw, draw_shard  # noqa: E402
@@ -123,10 +125,11 @@ def execute(runner: ModelRunner, model: MoECausalLM, step: StepBatch, cache) -> 
     return draw_shard(logits, runner.vocab_shard[0], greedy, None, runner.vocab_shard[1])
 
 
-def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> int:
-    """Bytes this rank reads in one decode step of `step`: every non-expert, non-LoRA weight except the embedding
-    table (one row per token), plus its experts that the step's tokens are routed to (one eager step, every rank's
-    routing over its EP group gathered: the tokens dispatched to its experts)."""
+def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> tuple[int, list[int]]:
+    """(bytes this rank reads in one decode step of `step`, its experts' share of them layer by layer): every
+    non-expert, non-LoRA weight except the embedding table (one row per token), plus its experts that the step's
+    tokens are routed to (one eager step, every rank's routing over its EP group gathered: the tokens dispatched to
+    its experts)."""
     routed: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: routed.append(out[0].flatten().cpu()))
              for m in model.modules() if isinstance(m, Router)]
@@ -140,28 +143,34 @@ def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, 
             continue
         total += p.numel() * p.element_size()
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    layers = []
     for block, layer_ids in zip(blocks, ids):
         ex = block.base_experts
         hit = layer_ids[(layer_ids >= ex.e0) & (layer_ids < ex.e1)].unique().numel()
-        total += hit * (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size()
-    return total
+        layers.append(hit * (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size())
+    return total + sum(layers), layers
 
 
 def kernel_times(run, steps: int = 3) -> dict[str, list[float]]:
-    """{kernel name: [µs per step, launches per step]} of `steps` calls of run() on this rank's device
-    (torch.profiler; every rank profiles, so the collectives inside run() meet their peers)."""
+    """{kernel name: [µs per step, launches per step, marginal µs per step]} of `steps` calls of run() on this
+    rank's device (torch.profiler; every rank profiles, so the collectives inside run() meet their peers). The
+    marginal µs is the kernel's time on the step's critical path (kernel_marginals.py: under PDL device times
+    overlap); the first call is a warm-up whose marginals are not counted."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+        for _ in range(steps + 1):
             run()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None)
-        us = e.cuda_time_total if us is None else us
-        if us > 0 and e.count:
-            out[e.key] = [round(us / steps, 2), round(e.count / steps, 2)]
-    return out
+            torch.cuda.synchronize()
+    events = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e[1])
+    cut = len(events) // (steps + 1)  # the warm-up call's kernels (every call launches the same ones)
+    out: dict[str, list[float]] = {}
+    for (name, start, end), m in zip(events[cut:], marginals([(s, e) for _, s, e in events[cut:]])):
+        row = out.setdefault(name, [0.0, 0.0, 0.0])
+        row[0] += (end - start) / steps
+        row[1] += 1 / steps
+        row[2] += m / steps
+    return {k: [round(v, 2) for v in row] for k, row in out.items()}
 
 
 def bench_quant(hf: dict, weights: str) -> QuantConfig | None:
@@ -191,8 +200,13 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     step = StepBatch()
     for i, tok in enumerate(torch.randint(0, hf["vocab_size"], (args.batch,), generator=gen).tolist()):
         step.add([tok], list(range(i * per_seq, (i + 1) * per_seq)), args.context, i % n_adapters if n_adapters else -1)
-    nbytes = floor_bytes(model, eager, step, cache, ps) + int(kv_bytes(model, args.batch, args.context + 1))
+    nbytes, layer_bytes = floor_bytes(model, eager, step, cache, ps)
+    nbytes += int(kv_bytes(model, args.batch, args.context + 1))
     floor = nbytes / bandwidth * 1e3 if bandwidth else 0.0
+    # Lockstep: every layer waits for its busiest rank's experts (EP layouts), not the step for the busiest rank's.
+    ranks = comm.all_gather_object((nbytes - sum(layer_bytes), layer_bytes), ps.world)
+    lockstep = max(b for b, _ in ranks) + sum(max(layer) for layer in zip(*(lb for _, lb in ranks)))
+    lock_floor = lockstep / bandwidth * 1e3 if bandwidth else 0.0
     cuda = device.type == "cuda"
 
     def timed(run: ModelRunner, s: StepBatch) -> tuple[float, bool]:
@@ -228,7 +242,7 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
 
     ms, replayed = timed(runner, step)
     ahead_ms = back_to_back(runner, step)
-    floor, nbytes = max(comm.all_gather_object((floor, nbytes), ps.world))
+    floor, nbytes, lock_floor = max(comm.all_gather_object((floor, nbytes, lock_floor), ps.world))
     mixed = {}
     if args.prefill:  # batch - 1 decodes + one prefill chunk from position 0, graphed (where the layout allows) / eager
         m = StepBatch()
@@ -251,7 +265,9 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
                 back_to_back_ms=round(ahead_ms, 3),
                 pct_of_floor_back_to_back=round(100 * floor / ahead_ms, 1) if floor else None,
-                floor_mb=round(nbytes / 2**20, 3), floor_ms=round(floor, 3), pct_of_floor=round(100 * floor / ms, 1) if floor else None,
+                floor_mb=round(nbytes / 2**20, 3), floor_ms=round(floor, 3),
+                pct_of_floor=round(100 * floor / ms, 1) if floor else None, lockstep_floor_ms=round(lock_floor, 3),
+                pct_of_lockstep_floor_back_to_back=round(100 * lock_floor / ahead_ms, 1) if floor else None,
                 peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed,
                 **(dict(kernels=kernels) if kernels else {}))
 
@@ -428,26 +444,27 @@ OTHER = "torch elementwise / copies / fills / gathers"
 
 
 def kernel_table(rows: list[dict], key: str = "kernels") -> str:
-    """Rank 0's µs per graphed decode step (key "kernels"; "mixed_kernels": per mixed step) by kind of kernel
-    (launches in brackets), one column per profiled case, then the sum beside the step's wall time (the rest: the
-    host's part of the step, gaps between kernels)."""
+    """Rank 0's µs per graphed decode step (key "kernels"; "mixed_kernels": per mixed step) by kind of kernel:
+    device time / time on the critical path (launches in brackets), one column per profiled case, then the sums
+    beside the step's wall time (the rest: the host's part of the step, gaps between kernels)."""
     cases = [r for r in rows if key in r]
     mixed = key == "mixed_kernels"
     sums = []
     for r in cases:
         kinds = {}
-        for name, (us, n) in r[key].items():
+        for name, (us, n, marginal) in r[key].items():
             kind = next((k for k, subs in KINDS if any(x in name for x in subs)), OTHER)
-            got = kinds.setdefault(kind, [0.0, 0.0])
-            got[0], got[1] = got[0] + us, got[1] + n
+            got = kinds.setdefault(kind, [0.0, 0.0, 0.0])
+            got[0], got[1], got[2] = got[0] + us, got[1] + n, got[2] + marginal
         sums.append(kinds)
     lines = [f"| {'mixed-step ' if mixed else ''}kernels | " + " | ".join(row_name(r) for r in cases) + " |",
              "|---" * (len(cases) + 1) + "|"]
     for kind in [k for k, _ in KINDS] + [OTHER]:
         if any(kind in k for k in sums):
-            lines.append(f"| {kind} | " + " | ".join("-" if kind not in k else f"{k[kind][0]:.0f} ({k[kind][1]:g})"
-                                                     for k in sums) + " |")
-    lines.append("| sum of kernels | " + " | ".join(f"{sum(v[0] for v in k.values()):.0f}" for k in sums) + " |")
+            lines.append(f"| {kind} | " + " | ".join(
+                "-" if kind not in k else f"{k[kind][0]:.0f} / {k[kind][2]:.0f} ({k[kind][1]:g})" for k in sums) + " |")
+    lines.append("| sum of kernels | " + " | ".join(
+        f"{sum(v[0] for v in k.values()):.0f} / {sum(v[2] for v in k.values()):.0f}" for k in sums) + " |")
     lines.append("| step (wall, slowest rank) | " + " | ".join(
         f"{1e3 * r['mixed_ms' if mixed else 'ms']:.0f}" for r in cases) + " |")
     return "\n".join(lines)

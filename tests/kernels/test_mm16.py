@@ -59,9 +59,9 @@ def test_lm_head_decode_rows_run_the_kernel(device, kernel_calls, rows):
 
 @pytest.mark.parametrize("rows,spec,split", [(1, column_spec(256, 80, 80), 1), (32, column_spec(2048, 96), 4),
                                              (64, row_spec(4096, 64), 4), (17, column_spec(64, 320), 1),
-                                             (32, column_spec(2048, 192), 2)])
+                                             (32, column_spec(2048, 192), 4)])
 def test_layer_k_shares_run_the_kernel(device, kernel_calls, rows, spec, split):
-    """partial(sums=True) on one rank: packed, short and deep layers (K split in 1024-wide shares within a wave of
+    """partial(sums=True) on one rank: packed, short and deep layers (K split in shares of 1024+ bytes within a wave of
     programs; layers of up to two 64-column blocks, as MoE routers, in 512-wide shares, at most 4) at 1 to 64 rows;
     split K leaves the shares' float32 sums (SplitSums), whose total is the product the kernel writes when asked for
     the output (to an ulp: the interpreter rounds float32 to bf16 its own way)."""
@@ -78,6 +78,20 @@ def test_layer_k_shares_run_the_kernel(device, kernel_calls, rows, spec, split):
         torch.testing.assert_close(got, whole, rtol=8e-3, atol=0)
     assert got.shape == (rows, spec.out_features) and got.dtype == torch.bfloat16
     assert rel_err(got, x, layer.weight) < 1e-2
+
+
+def test_a_row_layer_under_tp_leaves_its_shares_to_the_fused_all_reduce(device, kernel_calls):
+    """Under tp a 16-bit row layer's decode GEMM (o_proj, down_proj) leaves its K shares too: the fused all-reduce +
+    norm sums them before the exchange. Their total is this rank's partial product (its half of K); no collective
+    runs here."""
+    gen = torch.Generator().manual_seed(5)
+    spec = row_spec(4096, 256)
+    layer = ParallelLinear(spec, comm.Group("tp", rank=1, size=2, ranks=(0, 1)), dtype=torch.bfloat16, device=device)
+    layer.load_slice(0, (torch.randn(256, 4096, generator=gen) * 4096 ** -0.5).to(torch.bfloat16))
+    x = torch.randn(32, 2048, generator=gen).to(torch.bfloat16).to(device)
+    got = layer.partial(x, sums=True)
+    assert kernel_calls == [(32, 4)] and isinstance(got, SplitSums) and got.parts.shape == (4, 32, 256)
+    assert rel_err(got.total(), x, layer.weight) < 1e-2
 
 
 @pytest.mark.parametrize("rows,dtype,sums", [(8, torch.bfloat16, False), (65, torch.bfloat16, True),

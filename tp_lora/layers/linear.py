@@ -104,10 +104,10 @@ class ParallelLinear(nn.Module):
         return self.quant is not None and takes_rows8(x, self.weight, self.block_k, group)
 
     def partial(self, x: torch.Tensor, x8: Rows8 | None = None, sums: bool = False) -> torch.Tensor | SplitSums:
-        """sums: the output may be left as the decode GEMM's SplitSums (fp8 or 16-bit weights) where it is whole
-        already (one rank, or a column layer; no bias), for a reader that adds them (decode attention, the next
-        norm)."""
-        sums = sums and self.bias is None and (self.tp.size == 1 or self.spec.kind != "row")
+        """sums: the output may be left as the decode GEMM's SplitSums where it is whole already (one rank, or a
+        column layer) or, with 16-bit weights, before a row layer's all-reduce; no bias. Its reader adds them
+        (decode attention, the next norm, the fused all-reduce + norm)."""
+        sums = sums and self.bias is None and (self.tp.size == 1 or self.spec.kind != "row" or self.quant is None)
         y = (mm16(x, self.weight, sums) if self.quant is None
              else fp8_linear(x, self.weight, self.weight_scale, self.block_k, self.block_n, x8, sums))
         if self.bias is not None and self.spec.kind != "row":

@@ -283,9 +283,10 @@ class DecoderLayer(nn.Module):
     returns down_proj's partial output where it defers the reduce (`defer`: the group and whether it scatters), and
     the next norm (the next layer's, or the model's final one) sums it; so does an MoE block whose last collective is
     a sum over tp (its defer_group) or EP's reduce-scatter (its defer_scatter). On one rank o_proj and down_proj
-    hand on their decode GEMM's K shares (SplitSums) the same way, for the next norm to sum; under tp, at decode
-    sizes with adapters, their output as one share with the LoRA delta, summed by the fused all-reduce. Row layers
-    with a bias, the other MoE layouts and Gemma's post-feedforward norm keep it in the layer."""
+    hand on their decode GEMM's K shares (SplitSums) the same way, for the next norm to sum; under tp 16-bit ones do
+    too (fp8 GEMMs sum their own), summed by the fused all-reduce, and with adapters the LoRA delta beside them (an
+    unsplit output as one share). Row layers with a bias, the other MoE layouts and Gemma's post-feedforward norm
+    keep it in the layer."""
 
     def __init__(self, hf, idx, tp, dtype, device, rt, targets, mlp: nn.Module | None = None,
                  quant: QuantConfig | None = None):

@@ -321,11 +321,12 @@ def w8a16_config(m: int, n: int, k: int, act8: bool = False, xq: bool = False, g
 def w16_config(n: int, k: int, head: bool = False, sms: int = DEFAULT_NUM_SMS) -> dict:
     """w8a16_mm's launch for decode rows of 16-bit weights [n, k] (no scales): a vocabulary shard (head) HEAD_CONFIG;
     layers of at most NARROW_BLOCKS column blocks (MoE routers) K shares of NARROW_SHARE columns (up to 4), so a few
-    more programs stream their few weights; else W16 with XQ's K shares (_xq_splits) for the device's sms."""
+    more programs stream their few weights; else W16 with XQ's K shares (_xq_splits) for the device's sms, their
+    widths counted in bytes (a 16-bit share half as many columns as an fp8 one)."""
     if head:
         return dict(HEAD_CONFIG)
     blocks = triton.cdiv(n, W16["BLOCK_N"])
-    split = min(4, max(1, k // NARROW_SHARE)) if blocks <= NARROW_BLOCKS else _xq_splits(blocks, k, sms)
+    split = min(4, max(1, k // NARROW_SHARE)) if blocks <= NARROW_BLOCKS else _xq_splits(blocks, 2 * k, sms)
     return dict(W16, SPLIT_K=split)
 
 
@@ -338,9 +339,10 @@ def _splits(blocks: int, k: int, budget: int) -> int:
 
 
 def _xq_splits(blocks: int, k: int, sms: int) -> int:
-    """K shares of the XQ form: doubled (up to 4, each at least 1024 wide) while blocks x shares stay within one wave
-    of sms programs, and only where the programs are still fewer than 64 or the shares stay at least 4096 wide (a
-    second wave, or short shares among enough programs, cost more than a share saves)."""
+    """K shares of the XQ form (k: a weight row's bytes): doubled (up to 4, each at least 1024 bytes wide) while
+    blocks x shares stay within one wave of sms programs, and only where the programs are still fewer than 64 or the
+    shares stay at least 4096 bytes wide (a second wave, or short shares among enough programs, cost more than a
+    share saves)."""
     split = 1
     while (split < 4 and blocks * split * 2 <= sms and k // (split * 2) >= 1024
            and (blocks * split < 64 or k // (split * 2) >= 4096)):
