@@ -259,9 +259,9 @@ def expected_collectives(tp: int, ep: int, attn: str, fully: bool, layers: int =
 
     Base: embedding all-reduce, one o_proj all-reduce per layer, the logits all-gather (tp > 1). Per MoE layer:
     TP: one all-reduce. EP/DP: one packed all-gather + one reduce-scatter over ep (+ the expert partial sums'
-    all-reduce over tp on the 2D mesh), and one token-count exchange per step. EP/TP: the all-gather of the chunks'
-    routing (hidden states are already replicated) and one all-reduce of the sum (over tp: the decoder fuses it
-    with the next norm, as it does the moe-tp sums of TP and EP x TP). Fully sharded LoRA: per layer an
+    all-reduce over tp on the 2D mesh), and one token-count exchange per step. EP/TP: one all-reduce of the sum
+    (hidden states are replicated and every rank routes every token; over tp: the decoder fuses it with the next
+    norm, as it does the moe-tp sums of TP and EP x TP). Fully sharded LoRA: per layer an
     all-gather (qkv) and an all-reduce (o) over tp, and the experts' all-gather (w1|w3) and all-reduce (w2) over the
     moe-tp group when it has more than one rank (tp in the TP and EP x TP layouts; none in EP/TP, whose experts are
     whole).
@@ -277,7 +277,6 @@ def expected_collectives(tp: int, ep: int, attn: str, fully: bool, layers: int =
         if ep == 1:
             c["all_reduce:tp"] += tp > 1
         elif attn == "tp":
-            c["all_gather:ep"] += 1
             c["all_reduce:tp"] += 1  # the sum over ep (the tp group's ranks), taken into the next norm over tp
         else:
             c["all_gather:ep"] += 1

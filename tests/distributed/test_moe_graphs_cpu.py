@@ -218,15 +218,16 @@ def _bookkeeping_cases(ps) -> list[str]:
     step, exchanged = prepared(mine + [-1] * (8 - len(mine)), (1, 2, 4, 8), valid=torch.tensor([len(mine)]))
     assert (step.rows, step.owned, exchanged) == (8, (0, 8), 0)  # a graph's padded rows: the agreed capacity
     checked.append("no adapters, idle rank, stashed counts, mismatch, graph rows")
-    # EP over the attention TP group: replicated tokens, each rank routes its ceil(T / 2) chunk, no exchange.
+    # EP over the attention TP group: replicated tokens, each rank owns its ceil(T / 2) chunk (its shared expert)
+    # and routes every token, with every token's slot; no exchange, no dispatch rows.
     ps2 = comm.init_expert_parallel(comm.init_parallel(2, "cpu"), 2, "tp")
     step = MoEStep()
     slots = [0, -1, 1, -1, 0]
     rt.batch = build_lora_batch(slots, 2, "cpu")
     before = comm.STATS.total("counts")
     prepare_step(step, ps2, rt, 5, "cpu")
-    assert (step.owned, step.rows, comm.STATS.total("counts") - before) == ([(0, 3), (3, 5)][rank], 3, 0)
-    assert step.slots.tolist() == slots[slice(*step.owned)]
+    assert (step.owned, step.rows, comm.STATS.total("counts") - before) == ([(0, 3), (3, 5)][rank], 0, 0)
+    assert step.slots.tolist() == slots
     checked.append("tp attention chunks")
     return checked
 

@@ -37,12 +37,11 @@ class Router(nn.Module):
         self.top_k, self.renormalize, self.round_weights = top_k, renormalize, weights_in_model_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None, first: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32; rows first + i >= valid[0] (a CUDA graph's
-        padding) get ids -1."""
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H] -> topk ids [n, k] int64, weights [n, k] float32; rows from valid[0] on (a CUDA graph's padding)
+        get ids -1."""
         logits = mm16(x, self.weight, sums=True)  # at decode sizes the K shares, summed by the top-k kernel
-        return moe_topk(logits, self.top_k, self.renormalize, self.round_weights, valid, first)
+        return moe_topk(logits, self.top_k, self.renormalize, self.round_weights, valid)
 
 
 class Experts(nn.Module):

@@ -9,11 +9,10 @@ parallel layout (see ARCHITECTURE.md, "MoE and expert parallelism"):
            pad to a fixed capacity (the max, rounded up to a CUDA-graph size when graphs replay), padding rows
            routed nowhere; `lockstep` keeps idle ranks stepping. No layer reads a device value on the host, so decode
            and mixed steps are capturable: a graph's rows are padded to that capacity, a validity count masks the rest.
-  EP/TP    ep over the attention TP group (ep_attention=tp): tokens are replicated after attention, each rank routes a
-           1/tp chunk and runs the shared expert on it (no token routed or shared-expert-computed twice). Every rank
-           already holds every hidden state, so only the routing travels: all_gather(topk ids | weights | slot) ->
-           local experts on all tokens' pairs -> one all_reduce returns the replicated sum the next attention needs
-           (one collective fewer than all-gathering hidden states, reduce-scattering and all-gathering them back).
+  EP/TP    ep over the attention TP group (ep_attention=tp): tokens are replicated after attention (bit for bit, as
+           TP's routing needs too), so every rank routes every token itself (nothing travels before the experts) and
+           runs the shared expert on a 1/tp chunk of them -> local experts on all tokens' pairs -> one all_reduce
+           returns the replicated sum the next attention needs.
   EP x TP  ep over DP replicas and each expert's intermediate over the tp group (2D mesh): the EP collectives run over
            ep, the expert partial sums (and fully sharded LoRA collectives) over tp.
 The EP dispatch / combine take NVLink peer memory where parallel.allreduce gives the ep group it (tp_lora.distributed:
@@ -115,20 +114,15 @@ class SparseMoE(nn.Module):
         step, ex = self.step, self.base_experts
         c0, c1 = step.owned
         xs = x[c0:c1]
-        ids, w = self.gate(xs, step.valid, c0)  # a graph's padding rows route nowhere
+        # Every rank routes every row it holds: under EP/TP the hidden states are replicated, so each rank routes
+        # every token as TP does (no exchange). A graph's padding rows route nowhere.
+        ids, w = self.gate(x, step.valid)
         shared = self._shared(xs) if self.shared_gate_up is not None else None
-        tags = step.slots
-        if self.chunked:  # hidden states are replicated: gather the chunks' routing only
-            packed = comm.all_gather(pack_tokens(None, ids, w, tags, step.rows), self.ep, dim=0)[:x.shape[0]]
-            _, ids, w, tags = unpack_tokens(packed, 0, xs.dtype, self.shape.top_k, tags is not None)
-            xg = x
-        elif self.ep.size > 1:  # one packed all-gather carries hidden, ids, weights and adapter slots
-            packed = comm.all_gather(pack_tokens(xs, ids, w, tags, step.rows), self.ep, dim=0)
-            xg, ids, w, tags = unpack_tokens(packed, self.hidden, xs.dtype, self.shape.top_k, tags is not None)
+        tags, xg = step.slots, x
+        if self.ep.size > 1 and not self.chunked:  # one packed all-gather carries hidden, ids, weights and slots
+            packed = comm.all_gather(pack_tokens(x, ids, w, tags, step.rows), self.ep, dim=0)
+            xg, ids, w, tags = unpack_tokens(packed, self.hidden, x.dtype, self.shape.top_k, tags is not None)
             x8 = None  # the gathered rows are not x's (takes_rows8 never asks for them here)
-        else:
-            xg = xs
-            x8 = None if x8 is None else (x8[0][c0:c1], x8[1][c0:c1])
         plan = build_plan(ids, w, tags, ex.e0, ex.num_local, self.rt.max_loras if self.rt is not None else 0,
                           self._expert_lora(tags))
         yp = self.experts(xg, plan, x8) if plan.num_pairs else xg[:0]

@@ -69,9 +69,10 @@ def validate_moe(hf: dict, ps: comm.ParallelState) -> MoEShape:
 @dataclass
 class MoEStep:
     """Per-step facts every MoE block of a model reads (set once per forward, like LoRARuntime.batch)."""
-    owned: tuple[int, int] = (0, 0)  # tokens [c0, c1) of the step this rank routes
-    rows: int = 0  # rows each EP rank contributes to the dispatch all-gather (max owned tokens over the EP group)
-    slots: torch.Tensor | None = None  # [c1 - c0] int32 adapter slot per owned token (None: no LoRA runtime)
+    owned: tuple[int, int] = (0, 0)  # tokens [c0, c1) of the step this rank owns: all of them but under EP/TP,
+    # whose replicated tokens are split in chunks (each rank's shared expert runs over its own)
+    rows: int = 0  # EP over DP replicas: rows each rank contributes to the dispatch all-gather (max over the group)
+    slots: torch.Tensor | None = None  # [tokens] int32 adapter slot per token of the step (None: no LoRA runtime)
     batch: LoRABatch | None = None  # LoRA metadata of the owned tokens (shared expert; None without one)
     shared_expert: bool = False  # whether a block has a shared expert (set by SparseMoE; it reads `batch`)
     counts: list[int] | None = field(default=None)  # token counts of the EP group, stashed by lockstep()
@@ -94,8 +95,7 @@ def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, 
     the EP group's token counts and LoRA flag: those stashed by lockstep, else exchanged here (one collective); a
     forward over a graph's padded rows (step.valid set) needs neither: its rows are the capacity the group agreed."""
     if ps.ep.size > 1 and ps.ep_attention == "tp":
-        step.owned = token_chunk(num_tokens, ps.ep.rank, ps.ep.size)
-        step.rows = -(-num_tokens // ps.ep.size)
+        step.owned, step.rows = token_chunk(num_tokens, ps.ep.rank, ps.ep.size), 0
     elif ps.ep.size > 1 and step.valid is not None:
         step.owned, step.rows = (0, num_tokens), num_tokens
     elif ps.ep.size > 1:
@@ -116,7 +116,7 @@ def prepare_step(step: MoEStep, ps: comm.ParallelState, rt: LoRARuntime | None, 
         raise RuntimeError(f"the LoRA batch describes {None if rt.batch is None else rt.batch.num_tokens} tokens, "
                            f"the MoE step {num_tokens}")
     else:
-        step.slots = rt.batch.token_slot[c0:c1]
+        step.slots = rt.batch.token_slot
         if (c0, c1) == (0, num_tokens):
             step.batch = rt.batch
         elif step.shared_expert:  # a chunk's batch is built on the host (a sync)

@@ -137,17 +137,17 @@ def embedding_shard_ref(weight: torch.Tensor, ids: torch.Tensor, start: int) -> 
 
 
 def moe_topk_ref(logits: torch.Tensor, k: int, renormalize: bool, round_weights: bool,
-                 valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] in the model dtype -> topk ids [n, k] int64, weights [n, k] float32 of softmax(logits) in float32,
     renormalised to sum 1 (renormalize), rounded through the logits' dtype (round_weights). valid [1] int (a CUDA
-    graph's real rows): row i is step row first + i, and rows from valid[0] on route nowhere (ids -1)."""
+    graph's real rows): rows from valid[0] on route nowhere (ids -1)."""
     w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
     if renormalize:
         w = w / w.sum(-1, keepdim=True)
     if round_weights:
         w = w.to(logits.dtype).float()
     if valid is not None:
-        ids = ids.masked_fill((torch.arange(first, first + ids.shape[0], device=ids.device) >= valid)[:, None], -1)
+        ids = ids.masked_fill((torch.arange(ids.shape[0], device=ids.device) >= valid)[:, None], -1)
     return ids, w
 
 
@@ -222,14 +222,14 @@ def act_mul(x: torch.Tensor, act: str, out8: Rows8 | None = None) -> torch.Tenso
 
 
 def moe_topk(logits: torch.Tensor | SplitSums, k: int, renormalize: bool, round_weights: bool,
-             valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: a tensor, or the router GEMM's SplitSums (the kernel sums them)."""
     if isinstance(logits, SplitSums) and not use_kernels(logits.parts):
         logits = logits.total()
     if isinstance(logits, SplitSums) or use_kernels(logits) and logits.shape[0]:
         from tp_lora.ops.triton.fused import moe_topk as kernel  # noqa: PLC0415 - CUDA / forced only
-        return kernel(logits, k, renormalize, round_weights, valid, first)
-    return moe_topk_ref(logits, k, renormalize, round_weights, valid, first)
+        return kernel(logits, k, renormalize, round_weights, valid)
+    return moe_topk_ref(logits, k, renormalize, round_weights, valid)
 
 
 def embedding_shard(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:

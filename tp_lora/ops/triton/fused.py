@@ -383,7 +383,7 @@ def moe_combine(yp: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> to
 
 
 @triton.jit
-def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, s_share, E, first, K: tl.constexpr,
+def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, s_share, E, K: tl.constexpr,
                      K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr,
                      HAS_VALID: tl.constexpr, SHARES: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
@@ -409,13 +409,13 @@ def _moe_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, s_l, s_share, E, fir
     if ROUND:
         w = w.to(DT).to(tl.float32)
     if HAS_VALID:  # a graph's padding row routes nowhere
-        ids = tl.where(j * 0 + first + t >= tl.load(valid_ptr), -1, ids)
+        ids = tl.where(j * 0 + t >= tl.load(valid_ptr), -1, ids)
     tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
     tl.store(w_ptr + t * K + j, w, mask=j < K)
 
 
 def moe_topk(logits: torch.Tensor | SplitSums, k: int, renormalize: bool, round_weights: bool,
-             valid: torch.Tensor | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: a tensor, or the router GEMM's SplitSums (the kernel sums its shares)."""
     sums = logits if isinstance(logits, SplitSums) else None
     if sums is not None and (sums.col is not None or sums.row is not None or sums.delta is not None):
@@ -429,7 +429,7 @@ def moe_topk(logits: torch.Tensor | SplitSums, k: int, renormalize: bool, round_
     dt = rows.dtype if sums is None else sums.dtype
     # one warp a row: its softmax and k rounds of max / min reduce within the warp (no shared-memory round trips)
     _moe_topk_kernel[(n,)](rows, ids, w, ids if valid is None else valid, rows.stride(0),
-                           0 if sums is None else sums.parts.stride(0), e, first, K=k,
+                           0 if sums is None else sums.parts.stride(0), e, K=k,
                            K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), RENORM=renormalize,
                            ROUND=round_weights, HAS_VALID=valid is not None,
                            SHARES=0 if sums is None else sums.parts.shape[0], DT=TL_TYPES[dt], num_warps=1,

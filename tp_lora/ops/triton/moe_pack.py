@@ -14,13 +14,11 @@ BLOCK = 512  # words per program
 
 @triton.jit
 def _pack_kernel(x_ptr, ids_ptr, w_ptr, tag_ptr, out_ptr, n, s_x, s_ids, s_w, XW, W, K: tl.constexpr,
-                 HAS_X: tl.constexpr, HAS_TAGS: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_TAGS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     real = (c * 0 + r) < n  # a mask per word (the interpreter takes no scalar one)
-    v = tl.zeros((BLOCK,), dtype=tl.int32)
-    if HAS_X:
-        v = tl.load(x_ptr + r * s_x + c, mask=(c < XW) & real, other=0)
+    v = tl.load(x_ptr + r * s_x + c, mask=(c < XW) & real, other=0)
     j = c - XW
     is_id = (j >= 0) & (j < K)
     v = tl.where(is_id, tl.load(ids_ptr + r * s_ids + j, mask=is_id & real, other=-1).to(tl.int32), v)
@@ -33,13 +31,13 @@ def _pack_kernel(x_ptr, ids_ptr, w_ptr, tag_ptr, out_ptr, n, s_x, s_ids, s_w, XW
     tl.store(out_ptr + r * W + c, v, mask=c < W)
 
 
-def pack_tokens(x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,
+def pack_tokens(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tags: torch.Tensor | None,
                 rows: int) -> torch.Tensor:
     n, k = ids.shape
-    xw = 0 if x is None else x.shape[1] * x.element_size() // 4
+    xw = x.shape[1] * x.element_size() // 4
     width = row_bytes(4 * xw, k, tags is not None) // 4
     out = torch.empty(max(rows, n), width, dtype=torch.int32, device=ids.device)
-    xi = out if x is None else x.view(torch.int32)  # out: an unused placeholder
+    xi = x.view(torch.int32)
     w = weights.float()
     if w.stride(-1) != 1:
         w = w.contiguous()
@@ -48,6 +46,6 @@ def pack_tokens(x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor
     if ids.stride(-1) != 1:
         ids = ids.contiguous()
     _pack_kernel[(out.shape[0], triton.cdiv(width, BLOCK))](
-        xi, ids, wi, t, out, n, xi.stride(0), ids.stride(0), wi.stride(0), xw, width, K=k, HAS_X=x is not None,
+        xi, ids, wi, t, out, n, xi.stride(0), ids.stride(0), wi.stride(0), xw, width, K=k,
         HAS_TAGS=tags is not None, BLOCK=BLOCK)
     return out.view(torch.float32)
