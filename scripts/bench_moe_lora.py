@@ -148,11 +148,11 @@ def op_bytes(plan, H: int, I: int, R: int, size: int) -> dict[str, float]:
 
 @contextmanager
 def launch(op: str, cfg: dict | None):
-    """The op's kernel with launch settings cfg (None: the module's own)."""
+    """The op's kernel with launch settings cfg over the module's own (None: the module's own)."""
     name = SETTINGS[kind(op)]
     saved = getattr(moe_lora, name)
     if cfg is not None:
-        setattr(moe_lora, name, dict(cfg))
+        setattr(moe_lora, name, dict(saved, **cfg))
     try:
         yield
     finally:
