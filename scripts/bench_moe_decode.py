@@ -436,7 +436,7 @@ KINDS = (("step inputs (memcpy, memset)", ("Memcpy", "Memset")),
          ("fused all-reduce + add + RMSNorm", ("_reduce_add_rms",)),
          ("attention", ("_decode_kernel", "_varlen")),
          ("dense GEMMs (qkv, o, LM head)", ("nvjet", "splitKreduce", "gemm", "cutlass", "_w8a16")),
-         ("routing (top-k, the plan)", ("_moe_topk", "_rank_kernel", "searchsorted", "RadixSort")),
+         ("routing (top-k, the plan)", ("_moe_topk", "_rank_kernel", "_blocks_kernel", "searchsorted", "RadixSort")),
          ("the token draw (race, shards' combine)", ("_race_kernel", "_combine_kernel")),
          ("pack, combine, act, norms, rope (Triton)", ("_pack_kernel", "_moe_combine", "_act_mul", "_add_rms_norm",
                                                        "_rope_write")))

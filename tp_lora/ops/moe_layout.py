@@ -2,7 +2,7 @@
 kernels) and the ops that read it (grouped GEMMs, fused MoE LoRA); the width of an EP dispatch row (row_bytes).
 
 Shapes: N dispatched tokens, k top-k, E local experts, L adapter slots (0 without LoRA), C = N * min(k, E) the static
-capacity (a token sends at most min(k, E) pairs to this rank's experts).
+capacity (a token sends at most min(k, E) pairs to this rank's experts), B the static number of LoRA blocks.
 
 Pair order: the first expert_ends[-1] of the C pairs are this rank's, sorted stably by (expert, slot); the rest are
 pairs of other ranks' experts (or of padding rows), which no GEMM reads and no token's combine (`pos`) points at.
@@ -23,9 +23,8 @@ class MoEPlan:
     weight: torch.Tensor  # [N, k] float32, router weights (token order)
     sorted_key: torch.Tensor  # [C] int32, the pair's (expert, slot) key: expert * S + slot + 1, E * S past this rank's
     expert_ends: torch.Tensor  # [E] int32, cumulative end of each expert's pairs (grouped GEMM offsets)
-    groups: torch.Tensor  # [C, 4] int32 LoRA blocks: row q (expert, slot, q, count) where a block of at most
-    # LORA_BLOCK pairs of one (expert, slot) group starts at pair q, else 0s; [0, 4] when the LoRA ops do not run (no
-    # adapter in the step: a host fact the caller knows)
+    groups: torch.Tensor  # [B, 4] int32 LoRA blocks (expert, slot, start, count), count 0 for unused blocks; [0, 4]
+    # when the LoRA ops do not run (no adapter in the step: a host fact the caller knows)
     keys_per_expert: int  # S = adapter slots + 1 (no adapter, then slots 0..L-1)
 
     @property
@@ -46,6 +45,11 @@ class MoEPlan:
         """[C] int32, adapter slot of each pair's token (-1: none, or not this rank's)."""
         on_rank = self.sorted_key < self.expert_ends.shape[0] * self.keys_per_expert
         return torch.where(on_rank, self.sorted_key % self.keys_per_expert - 1, -1).to(torch.int32)
+
+
+def num_lora_blocks(cap: int, E: int, L: int) -> int:
+    """Static row count of the LoRA block table: every group's blocks fit, whatever the routing."""
+    return cap // LORA_BLOCK + min(E * L, cap) + 1
 
 
 def code_shift(pairs: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tp_lora.ops.fused import use_kernels
-from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan, codes_fit
+from tp_lora.ops.moe_layout import LORA_BLOCK, MoEPlan, codes_fit, num_lora_blocks
 
 # pairs (N * k) up to which CUDA builds the plan with the Triton kernels (their ranking makes O(pairs^2)
 # comparisons), else with torch.sort and co.
@@ -58,13 +58,17 @@ def sort_pairs_ref(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_st
 
 
 def lora_blocks_ref(sorted_key: torch.Tensor, E: int, L: int) -> torch.Tensor:
-    """sorted_key [C] (sort_pairs_ref's, L >= 1 slots) -> [C, 4] LoRA blocks: row q holds (expert, slot, q, count)
-    where a block of count <= LORA_BLOCK pairs of one (expert, slot) group starts at pair q (its distance from the
-    group's first pair a multiple of LORA_BLOCK), else zeros."""
-    per = L + 1
-    q = torch.arange(sorted_key.shape[0], device=sorted_key.device)
-    first = torch.searchsorted(sorted_key, sorted_key)
-    last = torch.searchsorted(sorted_key, sorted_key, right=True)
-    start = (sorted_key < E * per) & (sorted_key % per != 0) & ((q - first) % LORA_BLOCK == 0)
-    rows = torch.stack([sorted_key // per, sorted_key % per - 1, q, (last - q).clamp(max=LORA_BLOCK)], 1)
-    return torch.where(start[:, None], rows, 0).to(torch.int32)
+    """sorted_key [C] (sort_pairs_ref's, L >= 1 slots) -> [B, 4] (expert, slot, start, count) blocks of at most
+    LORA_BLOCK pairs covering every (expert, slot) group in key order, B = num_lora_blocks (unused blocks: count 0)."""
+    dev, cap = sorted_key.device, sorted_key.shape[0]
+    g = torch.arange(E * L, device=dev)
+    key = ((g // L) * (L + 1) + g % L + 1).to(torch.int32)
+    start = torch.searchsorted(sorted_key, key)
+    count = torch.searchsorted(sorted_key, key, right=True) - start
+    blocks = (count + LORA_BLOCK - 1) // LORA_BLOCK
+    ends = torch.cumsum(blocks, 0)
+    b = torch.arange(num_lora_blocks(cap, E, L), device=dev)
+    gb = torch.searchsorted(ends, b, right=True).clamp_(max=E * L - 1)
+    m = b - (ends[gb] - blocks[gb])  # block index inside its group
+    n = (count[gb] - m * LORA_BLOCK).clamp(0, LORA_BLOCK) * (b < ends[-1])
+    return torch.stack([gb // L, gb % L, start[gb] + m * LORA_BLOCK, n], 1).to(torch.int32)

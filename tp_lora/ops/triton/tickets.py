@@ -1,5 +1,5 @@
 """Ticket counters of the kernels whose last program to finish does the closing work (the split-K GEMM's reduce, the
-decode attention's merge): int32, all 0 between launches, each
+decode attention's merge, the routing plan's LoRA block table at decode sizes): int32, all 0 between launches, each
 launch resetting the counters it took. One buffer per device, made at the first call (the runner's eager warm-up,
 before any graph is captured); kernels on one stream take turns on it.
 """
