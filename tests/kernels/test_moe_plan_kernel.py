@@ -1,9 +1,11 @@
 """The routing plan's Triton launches (the pairs' sort, the expert ends, the LoRA block table) against
 sort_pairs_ref (torch's stable sort), torch.searchsorted and lora_blocks_ref on the device under test: random
 routings, half of the experts local, all pairs to one expert, a rank that receives nothing, padding rows, one local
-expert, with and without adapter slots, more pairs than one program ranks (the last to finish writes a small block
-table), more sorted pairs than one program of the block table's own launch takes (each counts the block starts of the
-others), more local experts than programs (each counts the ends of several), and two launch settings."""
+expert, with and without adapter slots (few: a compact block table, by the last ranking program to finish or by a
+launch of its own; many: a row per sorted pair, written as the pairs are ranked), more pairs than one program ranks,
+more sorted pairs than one program of the block table's own launch takes (each counts the block starts of the
+others), (expert, slot) groups of many LoRA blocks, more local experts than programs (each counts the ends of
+several), and two launch settings."""
 import pytest
 import torch
 
@@ -24,22 +26,21 @@ CASES = {  # name: (tokens, k, global experts, expert_start, local experts, ids 
 }
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("L", [0, 3, 64])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("settings", [None, (32, 4, 64)])
-def test_plan_kernel_matches_torch_stable_sort(device, name, lora, settings):
+def test_plan_kernel_matches_torch_stable_sort(device, name, L, settings):
     from tp_lora.ops.triton.moe_plan import plan_pairs
     from tp_lora.ops.triton.tickets import tickets
     n, k, e_all, e0, e_local, fixed = CASES[name]
     if n * k > 4096 and device != "cuda":
         pytest.skip("tens of thousands of pairs: minutes under the interpreter")
-    g = torch.Generator().manual_seed(len(name) + 100 * lora)
+    g = torch.Generator().manual_seed(len(name) + 100 * L)
     if fixed is None:
         ids = torch.rand(n, e_all, generator=g).topk(k, -1).indices
     else:
         ids = torch.tensor([fixed] * n)
-    L = 3 if lora else 0
-    slots = torch.randint(-1, L, (n,), generator=g, dtype=torch.int32) if lora else None
+    slots = torch.randint(-1, L, (n,), generator=g, dtype=torch.int32) if L else None
     want = sort_pairs_ref(ids, slots, e0, e_local, L)
     bounds = torch.arange(L + 1, (e_local + 1) * (L + 1), L + 1, dtype=torch.int32)
     want += (torch.searchsorted(want[2], bounds, out_int32=True),)
@@ -47,14 +48,40 @@ def test_plan_kernel_matches_torch_stable_sort(device, name, lora, settings):
     for field, w, x in zip(("token", "pos", "sorted_key", "expert_ends"), want, got[:4], strict=True):
         assert x.dtype == w.dtype and x.shape == w.shape, field
         assert torch.equal(x.cpu(), w), f"{name}: {field} differs"
-    if lora:
-        want_g, got_g = lora_blocks_ref(want[2], e_local, L), got[4].cpu()
-        assert got_g.shape == want_g.shape
-        used = want_g[:, 3] > 0
-        assert torch.equal(got_g[:int(used.sum())], want_g[used]) and (got_g[int(used.sum()):] == 0).all()
+    if L:
+        check_blocks(got[4].cpu(), want[2], e_local, L, name)
     else:
         assert got[4].shape == (0, 4)
     assert not tickets(got[0].device, 1).any()
+
+
+def check_blocks(got_g: torch.Tensor, sorted_key: torch.Tensor, E: int, L: int, name: str):
+    """The kernel's LoRA block table holds lora_blocks_ref's used rows, in key order: each at its start pair's row
+    where the table has a row per sorted pair (C <= min(B, CHUNK)), else first; every other row 0."""
+    from tp_lora.ops.moe_layout import num_lora_blocks
+    from tp_lora.ops.triton.moe_plan import CHUNK
+    want_g, cap = lora_blocks_ref(sorted_key, E, L), sorted_key.shape[0]
+    used, rows = want_g[:, 3] > 0, got_g[:, 3] > 0
+    if cap <= min(num_lora_blocks(cap, E, L), CHUNK):
+        assert got_g.shape == (cap, 4) and torch.equal(got_g[rows, 2], rows.nonzero()[:, 0].int()), name
+    else:
+        assert got_g.shape == want_g.shape and rows[:int(used.sum())].all(), name
+    assert torch.equal(got_g[rows], want_g[used]) and (got_g[~rows] == 0).all(), f"{name}: LoRA blocks differ"
+
+
+def test_plan_kernel_rows_per_pair_of_groups_of_many_blocks(device):
+    """A table with a row per sorted pair (a decode step's) where (expert, slot) groups of 33 pairs take 3 blocks
+    each: a block starts every LORA_BLOCK pairs of its group, whatever the groups before it."""
+    from tp_lora.ops.triton.moe_plan import plan_pairs
+    n, E, L = 40, 8, 64
+    ids = torch.tensor([[5, 0, 1]] * n)
+    slots = torch.full((n,), 9, dtype=torch.int32)
+    slots[::6] = 2  # groups (e, 2) of 7 pairs ahead of groups (e, 9) of 33
+    want = sort_pairs_ref(ids, slots, 0, E, L)
+    got = plan_pairs(ids.to(device), slots.to(device), 0, E, L)
+    assert torch.equal(got[2].cpu(), want[2])
+    assert got[4].shape[0] == want[2].shape[0], "expected a row per sorted pair"
+    check_blocks(got[4].cpu(), want[2], E, L, "groups of many blocks")
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -23,8 +23,8 @@ class MoEPlan:
     weight: torch.Tensor  # [N, k] float32, router weights (token order)
     sorted_key: torch.Tensor  # [C] int32, the pair's (expert, slot) key: expert * S + slot + 1, E * S past this rank's
     expert_ends: torch.Tensor  # [E] int32, cumulative end of each expert's pairs (grouped GEMM offsets)
-    groups: torch.Tensor  # [B, 4] int32 LoRA blocks (expert, slot, start, count), count 0 for unused blocks; [0, 4]
-    # when the LoRA ops do not run (no adapter in the step: a host fact the caller knows)
+    groups: torch.Tensor  # [B or C, 4] int32 LoRA blocks (expert, slot, start, count) in any order, rows of count 0
+    # unused; [0, 4] when the LoRA ops do not run (no adapter in the step: a host fact the caller knows)
     keys_per_expert: int  # S = adapter slots + 1 (no adapter, then slots 0..L-1)
 
     @property

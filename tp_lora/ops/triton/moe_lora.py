@@ -3,8 +3,9 @@ tp_lora.ops.moe_ref (read its docstring for the pair order and shapes).
 
 One launch per call covers every (local expert, adapter slot) group and every slice (w1 and w3 together). The grid is
 (LoRA blocks of the routing plan, token blocks of the largest block, slices x output blocks [x K splits: shrink]); a
-program reads its block's row of the plan's [B, 4] (expert, slot, start, count) table and walks rows start .. start +
-count of the pair-ordered input, so it reads one expert's weights of one adapter only, once for the block's pairs.
+program reads its block's row of the plan's (expert, slot, start, count) table (count 0: no block) and walks rows
+start .. start + count of the pair-ordered input, so it reads one expert's weights of one adapter only, once for the
+block's pairs.
 Pairs of tokens without an adapter belong to no block: shrink leaves their rows 0 and expand never touches them.
 
 FP8 B (lora.dtype=fp8): float8_e4m3fn with per-output-channel float32 scales b_scales S x [L, E, out_s]

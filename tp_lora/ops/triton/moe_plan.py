@@ -6,11 +6,15 @@ tp_lora.ops.moe_plan's references (sort_pairs_ref, the expert ends' searchsorted
   ranked a pair writes its rows of the plan there.
 - In the same pass each program counts, for the experts it owns (every num_programs-th), the codes below the expert's
   end: the expert ends, with no sorted keys needed.
-- With adapter slots the LoRA block table from the sorted keys: a block starts at each sorted pair of an adapter
-  group whose distance from its group's first pair is a multiple of LORA_BLOCK; its row is the count of block starts
-  before it. Up to CHUNK sorted pairs the last ranking program to finish writes it (a ticket,
-  tp_lora.ops.triton.tickets: decode stays one launch); past that a second launch, each program counting the block
-  starts before its own chunk of pairs, then running a cumulative sum over its chunk.
+- With adapter slots the LoRA block table, one row per program of the LoRA kernels. Where a row per sorted pair is
+  no more rows than the compact table's num_lora_blocks (decode steps with many slots), the same pass also counts
+  the codes below each pair's key and below the next key, where its (expert, slot) group begins and ends in the
+  sorted order, so a pair that starts a LoRA block (its distance from the group's first pair a multiple of
+  LORA_BLOCK) writes the block's row at its own sorted place and every other pair a row of zeros. Else the compact
+  table from the sorted keys, used rows first: a block's row is the count of block starts before it. Up to CHUNK
+  sorted pairs the last ranking program to finish writes it (a ticket, tp_lora.ops.triton.tickets: decode stays one
+  launch); past that a second launch, each program counting the block starts before its own chunk of pairs, then
+  running a cumulative sum over its chunk.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from tp_lora.ops.triton.tickets import tickets
 # (largest pair count, BLOCK_I pairs a program ranks, NUM_WARPS, BLOCK_J codes compared at once): many small programs
 # for decode plans, wider ones where each program's pass over every code costs more than its launch
 SETTINGS = ((1024, 4, 8, 256), (1 << 62, 16, 4, 256))
-CHUNK = 512  # sorted pairs a program of the block table takes
+CHUNK = 512  # sorted pairs a program of the compact block table takes
 
 
 @triton.jit
@@ -49,7 +53,7 @@ def _codes(ids_ptr, slots_ptr, i, ok, s_ids, s_slot, e0, E, K: tl.constexpr, PER
 def _rank_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, groups_ptr, cnt_ptr, P, s_ids,
                  s_slot, e0, E, cap, B, K: tl.constexpr, PER_EXPERT: tl.constexpr, HAS_SLOTS: tl.constexpr,
                  SHIFT: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, OWN: tl.constexpr,
-                 ONE_TABLE: tl.constexpr, CHUNK: tl.constexpr, LORA_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 TABLE: tl.constexpr, CHUNK: tl.constexpr, LORA_BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     release_next(PDL)
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -59,11 +63,16 @@ def _rank_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, gro
     bound = ((e + 1) * PER_EXPERT) << SHIFT  # expert e + 1's first code
     rank = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.int32)  # per lane: summed once after the loop
     below = tl.zeros((OWN, BLOCK_J), dtype=tl.int32)
+    first = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.int32)  # TABLE 1: codes below the pair's key, below the next key
+    last = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.int32)
     for j0 in range(0, P, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         cj, _, _ = _codes(ids_ptr, slots_ptr, j, j < P, s_ids, s_slot, e0, E, K, PER_EXPERT, HAS_SLOTS, SHIFT)
         rank += (cj[None, :] < code[:, None]).to(tl.int32)
         below += (cj[None, :] < bound[:, None]).to(tl.int32)
+        if TABLE == 1:
+            first += (cj[None, :] < (key << SHIFT)[:, None]).to(tl.int32)
+            last += (cj[None, :] < ((key + 1) << SHIFT)[:, None]).to(tl.int32)
     rank = tl.sum(rank, 1)
     below = tl.sum(below, 1)
     tl.store(ends_ptr + e, below, mask=e < E)
@@ -71,7 +80,14 @@ def _rank_kernel(ids_ptr, slots_ptr, token_ptr, pos_ptr, skey_ptr, ends_ptr, gro
     kept = ok & (rank < cap)
     tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=kept)
     tl.store(skey_ptr + rank, key, mask=kept)
-    if HAS_SLOTS and ONE_TABLE:  # the last program to finish writes the block table
+    if TABLE == 1:  # row `rank` of the block table: every sorted place < cap is some pair's rank, so all are written
+        start = mine & (key % PER_EXPERT != 0) & ((rank - tl.sum(first, 1)) % LORA_BLOCK == 0)
+        out = groups_ptr + rank * 4
+        tl.store(out, tl.where(start, key // PER_EXPERT, 0), mask=kept)
+        tl.store(out + 1, tl.where(start, key % PER_EXPERT - 1, 0), mask=kept)
+        tl.store(out + 2, tl.where(start, rank, 0), mask=kept)
+        tl.store(out + 3, tl.where(start, tl.minimum(tl.sum(last, 1) - rank, LORA_BLOCK), 0), mask=kept)
+    if TABLE == 2:  # the last program to finish writes the compact block table
         tl.debug_barrier()  # every thread's keys stored before the ticket publishes them
         if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             _block_rows(skey_ptr, groups_ptr, cap, B, E * PER_EXPERT, 0, 1, PER_EXPERT, CHUNK, LORA_BLOCK)
@@ -132,10 +148,10 @@ def _blocks_kernel(skey_ptr, groups_ptr, C, B, LIMIT, PER_EXPERT: tl.constexpr, 
 def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start: int, num_local: int,
                max_loras: int, settings: tuple[int, int, int] | None = None):
     """(token, pos, sorted_key) as sort_pairs_ref, expert_ends [E] int32 (searchsorted of each expert's end key)
-    and, with max_loras, the LoRA block table [B, 4] (lora_blocks_ref's used rows first, then rows of 0; [0, 4]
-    without), for topk_ids [N, k] with N * k > 0 pairs whose codes fit (rows of unit-stride columns: the EP
-    dispatch's unpacked views are read where they lie, as are the slots). settings: (BLOCK_I, NUM_WARPS, BLOCK_J)
-    in place of SETTINGS' (benchmarks)."""
+    and, with max_loras, the LoRA block table: lora_blocks_ref's used rows, each at its start pair's row of a [C, 4]
+    table where C <= min(B, CHUNK), else first in a [B, 4] one; rows of 0 elsewhere ([0, 4] without), for topk_ids
+    [N, k] with N * k > 0 pairs whose codes fit (rows of unit-stride columns: the EP dispatch's unpacked views are read
+    where they lie, as are the slots). settings: (BLOCK_I, NUM_WARPS, BLOCK_J) in place of SETTINGS' (benchmarks)."""
     n, k = topk_ids.shape
     E, p = num_local, n * k
     assert codes_fit(p, E, max_loras), (p, E, max_loras)
@@ -146,21 +162,22 @@ def plan_pairs(topk_ids: torch.Tensor, slots: torch.Tensor | None, expert_start:
     skey = torch.empty(cap, dtype=torch.int32, device=dev)
     ends = torch.empty(E, dtype=torch.int32, device=dev)
     blocks = num_lora_blocks(cap, E, max_loras) if max_loras else 0
-    groups = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
+    # the table: 0 none, 1 a row per sorted pair (ranked pairs write it), 2 compact by the ranking's last program,
+    # 3 compact by a second launch
+    table_chunk = max(16, triton.next_power_of_2(cap))
+    table = 0 if not max_loras else 1 if cap <= min(blocks, CHUNK) else 2 if table_chunk <= CHUNK else 3
+    groups = torch.empty(cap if table == 1 else blocks, 4, dtype=torch.int32, device=dev)
     ids = unit_rows(topk_ids)
     block_i, warps, block_j = settings or next(s[1:] for s in SETTINGS if p <= s[0])
     programs = triton.cdiv(p, block_i)
-    table_chunk = max(16, triton.next_power_of_2(cap))
-    one_table = table_chunk <= CHUNK  # then the last ranking program takes every sorted pair at once
     _rank_kernel[(programs,)](
-        ids, ids if slots is None else slots, token, pos, skey, ends, groups,
-        tickets(dev, 1) if max_loras else ends, p, ids.stride(0), 0 if slots is None else slots.stride(0),
-        expert_start, E, cap, blocks, K=k, PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), SHIFT=code_shift(p),
-        BLOCK_I=block_i, BLOCK_J=block_j, OWN=triton.next_power_of_2(triton.cdiv(E, programs)), ONE_TABLE=one_table,
-        CHUNK=table_chunk if one_table else CHUNK, LORA_BLOCK=LORA_BLOCK, num_warps=warps,
-        **pdl_args(ids, *(() if slots is None else (slots,))))
+        ids, ids if slots is None else slots, token, pos, skey, ends, groups, tickets(dev, 1) if table == 2 else ends,
+        p, ids.stride(0), 0 if slots is None else slots.stride(0), expert_start, E, cap, blocks, K=k,
+        PER_EXPERT=max_loras + 1, HAS_SLOTS=bool(max_loras), SHIFT=code_shift(p), BLOCK_I=block_i, BLOCK_J=block_j,
+        OWN=triton.next_power_of_2(triton.cdiv(E, programs)), TABLE=table, CHUNK=min(table_chunk, CHUNK),
+        LORA_BLOCK=LORA_BLOCK, num_warps=warps, **pdl_args(ids, *(() if slots is None else (slots,))))
     released(token, pos, skey, ends, groups)
-    if max_loras and not one_table:
+    if table == 3:
         _blocks_kernel[(triton.cdiv(cap, CHUNK),)](
             skey, groups, cap, blocks, E * (max_loras + 1), PER_EXPERT=max_loras + 1, CHUNK=CHUNK,
             LORA_BLOCK=LORA_BLOCK, num_warps=4, **pdl_args(skey))
