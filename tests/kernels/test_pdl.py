@@ -119,8 +119,10 @@ def _adapter_layer(x, res, w_norm, w, s, rt, lora_a, lora_b, scales):
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
 def test_a_gemm_beside_a_side_stream_lora_goes_early_and_the_join_ends_the_chain(monkeypatch):
     """The side stream's LoRA leaves the main stream's note: the fp8 GEMM after the norm launches early, eagerly and
-    in a CUDA graph; the norm after the join does not (an early start would not wait for the side's delta); the
-    layer's outputs (fresh inputs each replay) are the bits of plain launches."""
+    in a CUDA graph, and so does the expand after its shrink on the side stream; the norm after the join does not
+    (an early start would not wait for the side's delta); the layer's outputs (fresh inputs each replay) are the
+    bits of plain launches."""
+    from tp_lora.ops.triton import lora_launch
     from tp_lora.lora.layers import LoRARuntime
     from tp_lora.ops import get_backend
     from tp_lora.ops.batch import build_lora_batch
@@ -135,22 +137,23 @@ def test_a_gemm_beside_a_side_stream_lora_goes_early_and_the_join_ends_the_chain
     rt.batch = build_lora_batch([i % (slots + 1) - 1 for i in range(t)], slots, "cuda")
     weights = ((torch.rand(h, generator=gen) + 0.5).bfloat16().cuda(), w, s, rt, lora_a, lora_b, scales)
     inputs = [torch.randn(t, h, generator=gen).bfloat16().cuda() for _ in range(2 * 4)]
-    early = {"gemm": [], "norm": []}
+    early = {"gemm": [], "norm": [], "lora": []}
 
     def args(kind):
-        def note(x):
-            out = pdl.pdl_args(x)
+        def note(*xs):
+            out = pdl.pdl_args(*xs)
             early[kind].append(out["launch_pdl"])
             return out
         return note
     monkeypatch.setattr(fp8_gemm, "pdl_args", args("gemm"))
     monkeypatch.setattr(fused, "pdl_args", args("norm"))
+    monkeypatch.setattr(lora_launch, "pdl_args", args("lora"))
     _early_gives_plain_results(_adapter_layer, weights, inputs, monkeypatch)
     # compiling, capturing, each eager step early; the plain steps after them not; no norm early (the first reads
-    # a fresh input, the second comes after the join)
-    steps = 2 + len(inputs)
-    assert early == {"gemm": [True] * (2 + len(inputs) // 2) + [False] * (len(inputs) // 2),
-                     "norm": [False] * 2 * steps}, early
+    # a fresh input, the second comes after the join); of the LoRA kernels the expand (after its shrink)
+    steps, pdl_steps = 2 + len(inputs), 2 + len(inputs) // 2
+    assert early == {"gemm": [True] * pdl_steps + [False] * (len(inputs) // 2), "norm": [False] * 2 * steps,
+                     "lora": [False, True] * pdl_steps + [False, False] * (len(inputs) // 2)}, early
 
 
 def _moe_adapter_block(x, logits, w13, w2, slots, max_loras, a13, b13, a2, b2, scales):

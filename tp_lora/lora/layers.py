@@ -70,6 +70,7 @@ class LoRARuntime:
         main = torch.cuda.current_stream(device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
+            forget(device)  # the side's first launch starts in full: it waits on the main stream's work
             u = shrink()
         z = base()
         main.wait_stream(self._side)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from tp_lora.ops.triton.dot import mm
+from tp_lora.ops.triton.pdl import release_next, wait_prior
 
 
 @triton.jit
@@ -238,12 +239,14 @@ def shrink_rows_kernel(
     stride_ss, stride_sl,
     stride_os, stride_ot, stride_or,
     NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_A_SCALES: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_A_SCALES: tl.constexpr, PDL: tl.constexpr,
 ):
     """shrink_kernel's result for few tokens, one token per program: out[slice_base + s, t, :] (+)= scale[s, slot_t]
     * x[t] @ A_s[slot_t]^T, a [BLOCK_N, BLOCK_K] tile of A times x's run of K per iteration, reduced on the CUDA
     cores in float32 (no token block padded to a tensor-core tile, no work table). Grid: (T, S x SPLIT_K).
-    SPLIT_K == 1 writes every row (zeros for slot -1); SPLIT_K > 1 adds atomically into a zeroed out."""
+    SPLIT_K == 1 writes every row (zeros for slot -1); SPLIT_K > 1 adds atomically into a zeroed out.
+    PDL (tp_lora.ops.triton.pdl): its expand launches once A's loads are done."""
+    wait_prior(PDL)
     t = tl.program_id(0)
     pid_x = tl.program_id(1)
     pid_k = pid_x % SPLIT_K
@@ -274,6 +277,7 @@ def shrink_rows_kernel(
         acc += av.to(tl.float32) * xv.to(tl.float32)[None, :]
         x_blk += BLOCK_K * SPLIT_K * stride_xk
         a_blk += BLOCK_K * SPLIT_K * stride_ak
+    release_next(PDL)
     res = tl.sum(acc, 1) * scale
     if HAS_A_SCALES:
         as_ptr = pick(s, as0_ptr, as1_ptr, as2_ptr, NUM_SLICES)
@@ -294,12 +298,13 @@ def expand_rows_kernel(
     stride_bsl0, stride_bsl1, stride_bsl2, stride_bsn,
     stride_ot, stride_on,
     NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ADD: tl.constexpr, HAS_B_SCALES: tl.constexpr, CDT: tl.constexpr,
+    ADD: tl.constexpr, HAS_B_SCALES: tl.constexpr, CDT: tl.constexpr, PDL: tl.constexpr,
 ):
     """expand_kernel's result for few tokens, one token per program: out[t, col_s + n] (+)= buf[slice_base + s, t]
     @ B_s[slot_t]^T over one BLOCK_N run of the slices' concatenated columns (as expand_kernel's n-block axis), on
     the CUDA cores in float32 (buf rounded to CDT first, as the dot's operand). Rows of slot -1 are not touched (not
-    ADD: set to 0). Grid: (T, n blocks of all slices)."""
+    ADD: set to 0). Grid: (T, n blocks of all slices). PDL: B's tile (written by no kernel) loads before the wait
+    for buf's shrink."""
     t = tl.program_id(0).to(tl.int64)
     pid_x = tl.program_id(1)
     s, nb, col, width = _n_block(pid_x, col0, width0, width1, width2, nb_end0, nb_end1, NUM_SLICES)
@@ -313,11 +318,12 @@ def expand_rows_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < tl.where(is_lora, R, 0)
     o_ptr = out_ptr + t * stride_ot + (col + offs_n) * stride_on
+    bv = tl.load(b_ptr + slot * stride_bl + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk,
+                 mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    wait_prior(PDL)
     if ADD:
         prev = tl.load(o_ptr, mask=n_mask, other=0.0)
     u = tl.load(buf_ptr + (slice_base + s) * stride_us + t * stride_ut + offs_k * stride_ur, mask=k_mask, other=0.0)
-    bv = tl.load(b_ptr + slot * stride_bl + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk,
-                 mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     acc = tl.sum(bv.to(tl.float32) * u.to(CDT).to(tl.float32)[None, :], 1)
     if HAS_B_SCALES:
         bs_ptr = pick(s, bs0_ptr, bs1_ptr, bs2_ptr, NUM_SLICES)

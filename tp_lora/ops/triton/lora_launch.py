@@ -27,7 +27,7 @@ from tp_lora.ops.triton import configs
 from tp_lora.ops.triton.dot import FP8, compute_types
 from tp_lora.ops.triton.kernels import (embedding_shrink_kernel, expand_kernel, expand_rows_kernel,
                                         lora_epilogue_kernel, shrink_kernel, shrink_rows_kernel)
-from tp_lora.ops.triton.pdl import forget
+from tp_lora.ops.triton.pdl import forget, pdl_args, released
 from tp_lora.ops.triton.schedule import Schedule, prepare
 
 MAX_SLICES_PER_LAUNCH = 3
@@ -72,10 +72,12 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
     """x [T, in], lora_a S x [L, r, in], scales [S, L] float32 -> [S, T, r] float32 = scale * x @ A[slot]^T,
     zero rows for tokens without an adapter. a_scales: S x [L, r] float32 when lora_a is fp8 (per-row scales).
     scheme: "sorted" | "chunked" | None (the module setting)."""
-    forget(x.device)  # its kernels do not release the next one early (tp_lora.ops.triton.pdl)
     n_slices = len(lora_a)
     _, rank, k = lora_a[0].shape
     t = x.shape[0]
+    rows = configs.shrink_rows_config(t, rank, k)
+    if rows is None or t == 0:
+        forget(x.device)  # shrink_kernel does not release the next launch early; shrink_rows_kernel does (its expand)
     if t == 0:
         return torch.zeros(n_slices, 0, rank, dtype=torch.float32, device=x.device)
 
@@ -86,7 +88,6 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
     def solo(i):
         return 1 in (lora_a[i].stride(0),) + ((a_scales[i].stride(0),) if a_scales is not None else ())
 
-    rows = configs.shrink_rows_config(t, rank, k)
     if rows is None:
         sched = prepare(batch, scheme)
         cfg = configs.shrink_config(t, rank, k, sched.scheme)
@@ -109,7 +110,8 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], scales: torch.Tensor
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if rows is not None:
             shrink_rows_kernel[(t, len(idx) * split_k)](x, *a3, *as3, scales, out, batch.token_slot, k, rank, base,
-                                                        *strides, **meta)
+                                                        *strides, **meta, **pdl_args(x))
+            released(out)
             continue
         cdt, dot, prec = compute_types(x.dtype, lora_a[idx[0]].dtype)
         other = len(idx) * n_blocks_r * split_k
@@ -126,14 +128,17 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
     out[:, offset + sum(out_<s) : offset + sum(out_<=s)] (+)= buf[s] @ B_s[slot]^T for tokens with an adapter;
     other rows are not touched (add=False: set to 0). Computed in float32, stored in out.dtype. b_scales: S x [L, out_s]
     float32 when lora_b is fp8 (per output channel). scheme: "sorted" | "chunked" | None (the module setting)."""
-    forget(out.device)  # it writes into out, which the base layer's releasing kernel may have written before
     t = out.shape[0]
-    if t == 0 or not len(lora_b):
-        return
     rank = buf.shape[2]
     widths = [b.shape[1] for b in lora_b]
+    rows = configs.expand_rows_config(t, rank, max(widths, default=0))
+    if rows is None or t == 0 or not widths:
+        # expand_kernel writes into out, which the base layer's releasing kernel may have written before: it starts in
+        # full (expand_rows_kernel waits for it, launched early after its shrink)
+        forget(out.device)
+    if t == 0 or not widths:
+        return
     cols = list(itertools.accumulate([offset] + widths))  # first output column of each slice
-    rows = configs.expand_rows_config(t, rank, max(widths))
     if rows is None:
         sched = prepare(batch, scheme)
         cfg = configs.expand_config(t, rank, max(widths), sched.scheme)
@@ -169,7 +174,8 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], batch: LoRABatch, 
         meta = dict(NUM_SLICES=len(idx), BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"], ADD=bool(add), HAS_B_SCALES=has_bs,
                     CDT=cdt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if rows is not None:
-            expand_rows_kernel[(t, nb_ends[len(idx) - 1])](buf, *b3, *bs3, out, batch.token_slot, rank, *tail, **meta)
+            expand_rows_kernel[(t, nb_ends[len(idx) - 1])](buf, *b3, *bs3, out, batch.token_slot, rank, *tail, **meta,
+                                                           **pdl_args(buf, out))
             continue
         grid = (sched.entries, nb_ends[len(idx) - 1], _m_programs(sched, t, block_m, nb_ends[len(idx) - 1],
                                                                     out.device))

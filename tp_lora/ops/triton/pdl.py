@@ -1,6 +1,6 @@
 """Programmatic dependent launch (Hopper and later) in the decode chain (norms, fp8 GEMMs, attention, act_mul; a MoE
-block's top-k, routing plan, expert GEMMs, fused LoRA and combine): a kernel launches while the one before it
-finishes, so the launch gap overlaps that kernel's tail.
+block's top-k, routing plan, expert GEMMs, fused LoRA and combine; a few tokens' dense LoRA shrink and its expand):
+a kernel launches while the one before it finishes, so the launch gap overlaps that kernel's tail.
 
 Every such kernel takes PDL (on for compiled kernels on Hopper and later) and calls wait_prior(PDL) in every program,
 before it reads what the kernel just before it writes or writes anything an earlier kernel reads or writes, and
@@ -9,9 +9,9 @@ the kernel just before it has finished by then (that one released after its own 
 come first (the fused MoE LoRA's shrink). Once its main loads or loop are done, or at once, it calls
 release_next(PDL), and its launcher notes the outputs (released()). A launch asks for PDL only where an input was
 written by the launch just before it on the same stream that released it (pdl_args): launched early after a kernel
-that does not release (cuBLAS, torch, the dense LoRA kernels), a kernel waits longer than a plain launch would. The
-notes are kept per stream, so a kernel on a side stream (the LoRA shrink beside a base GEMM) leaves the main stream's
-chain as it was. Off the GPU (CPU, the interpreter, older GPUs) both calls compile out and launches are plain.
+that does not release (cuBLAS, torch, the dense LoRA expand), a kernel waits longer than a plain launch would. The
+notes are kept per stream, so kernels on a side stream (the LoRA shrink and expand beside a base GEMM) leave the main
+stream's chain as it was. Off the GPU (CPU, the interpreter, older GPUs) both calls compile out and launches are plain.
 """
 from __future__ import annotations
 
