@@ -29,7 +29,9 @@ wait between them (the engine's run-ahead overlaps a step's host preparation wit
 step. Floor: the bytes one rank must read in the step (its attention, norm and LM-head weights, the weights of its
 experts that the step's tokens are actually routed to, measured on one eager step over its EP group, and the K/V its
 sequences attend over) over the measured device copy bandwidth (a copy's read + written bytes per second); "% of
-floor" is floor / step. Adapters' bytes are not in the floor. The lockstep floor (JSON) counts each layer's busiest
+floor" is floor / step. Adapters' bytes are not in the floor; an adapter row gives beside its adapters (floor + the
+A and B bytes its tokens' adapters and (expert, adapter) groups read) / floor, the least ratio of its step to the step
+without adapters. The lockstep floor (JSON) counts each layer's busiest
 rank's experts, as a step whose every MoE layer ends in a collective must wait for them. --prefill N also times a
 mixed step (batch - 1 decodes + one N-token prompt chunk) replayed from its graph (EP over DP replicas: every replica
 the same mix, replaying the group's agreed size) and run eagerly. --hf (one process) also times transformers + PEFT
@@ -125,18 +127,25 @@ def execute(runner: ModelRunner, model: MoECausalLM, step: StepBatch, cache) -> 
     return draw_shard(logits, runner.vocab_shard[0], greedy, None, runner.vocab_shard[1])
 
 
-def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> tuple[int, list[int]]:
-    """(bytes this rank reads in one decode step of `step`, its experts' share of them layer by layer): every
-    non-expert, non-LoRA weight except the embedding table (one row per token), plus its experts that the step's
-    tokens are routed to (one eager step, every rank's routing over its EP group gathered: the tokens dispatched to
-    its experts)."""
+def routing(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, cache, ps) -> tuple[list, torch.Tensor]:
+    """(per MoE layer the expert of every (token, choice) pair, the pairs' adapter slots): one eager step, every
+    rank's pairs over its EP group gathered in rank order (the pairs dispatched to its experts)."""
     routed: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: routed.append(out[0].flatten().cpu()))
+    hooks = [m.register_forward_hook(lambda mod, inp, out: routed.append(out[0].cpu()))
              for m in model.modules() if isinstance(m, Router)]
     execute(runner_eager, model, step, cache)
     for h in hooks:
         h.remove()
-    ids = [torch.cat(layer) for layer in zip(*comm.all_gather_object(routed, ps.ep))]  # per layer, the EP group
+    k = routed[0].shape[-1] if routed else 1
+    gathered = comm.all_gather_object(([r.flatten() for r in routed], torch.tensor(step.slots).repeat_interleave(k)),
+                                      ps.ep)
+    return [torch.cat(layer) for layer in zip(*(g[0] for g in gathered))], torch.cat([g[1] for g in gathered])
+
+
+def floor_bytes(model: MoECausalLM, ids: list[torch.Tensor]) -> tuple[int, list[int]]:
+    """(bytes this rank reads in one decode step, its experts' share of them layer by layer): every non-expert,
+    non-LoRA weight except the embedding table (one row per token), plus its experts that the step's pairs (ids,
+    from routing()) are routed to."""
     total = 0
     for name, p in model.named_parameters():
         if "lora_" in name or "embed_tokens" in name or ".experts." in name:
@@ -149,6 +158,25 @@ def floor_bytes(model: MoECausalLM, runner_eager: ModelRunner, step: StepBatch, 
         hit = layer_ids[(layer_ids >= ex.e0) & (layer_ids < ex.e1)].unique().numel()
         layers.append(hit * (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size())
     return total + sum(layers), layers
+
+
+def adapter_bytes(model: MoECausalLM, step: StepBatch, ids: list[torch.Tensor], slots: torch.Tensor) -> int:
+    """Bytes of LoRA weights this rank reads in the step: of each adapter its tokens use, its A and B of the
+    attention projections; of each (local expert, adapter) group of the routed pairs (ids and slots from routing()),
+    that expert's A and B of the adapter."""
+    used = len({s for s in step.slots if s >= 0})
+    moe = iter(ids)
+    total = 0
+    for layer in model.layers:
+        total += sum(used * p[0].numel() * p.element_size() for name, p in layer.named_parameters()
+                     if "lora_" in name and ".experts." not in name)  # [L, ...]: a slot's share
+        if isinstance(layer.mlp, SparseMoE):
+            ex, layer_ids = layer.mlp.base_experts, next(moe)
+            live = (layer_ids >= ex.e0) & (layer_ids < ex.e1) & (slots >= 0)
+            groups = torch.unique(torch.stack([layer_ids[live], slots[live]]), dim=1).shape[1]
+            total += groups * sum(p[0, 0].numel() * p.element_size()  # [L, E, ...]: one (slot, expert)'s share
+                                  for name, p in layer.mlp.experts.named_parameters() if "lora_" in name)
+    return total
 
 
 def kernel_times(run, steps: int = 3) -> dict[str, list[float]]:
@@ -200,8 +228,10 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
     step = StepBatch()
     for i, tok in enumerate(torch.randint(0, hf["vocab_size"], (args.batch,), generator=gen).tolist()):
         step.add([tok], list(range(i * per_seq, (i + 1) * per_seq)), args.context, i % n_adapters if n_adapters else -1)
-    nbytes, layer_bytes = floor_bytes(model, eager, step, cache, ps)
+    ids, slots = routing(model, eager, step, cache, ps)
+    nbytes, layer_bytes = floor_bytes(model, ids)
     nbytes += int(kv_bytes(model, args.batch, args.context + 1))
+    lora_bytes = adapter_bytes(model, step, ids, slots) if n_adapters else 0
     floor = nbytes / bandwidth * 1e3 if bandwidth else 0.0
     # Lockstep: every layer waits for its busiest rank's experts (EP layouts), not the step for the busiest rank's.
     ranks = comm.all_gather_object((nbytes - sum(layer_bytes), layer_bytes), ps.world)
@@ -242,7 +272,8 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
 
     ms, replayed = timed(runner, step)
     ahead_ms = back_to_back(runner, step)
-    floor, nbytes, lock_floor = max(comm.all_gather_object((floor, nbytes, lock_floor), ps.world))
+    floor, nbytes, lock_floor, lora_bytes = max(comm.all_gather_object((floor, nbytes, lock_floor, lora_bytes),
+                                                                       ps.world))
     mixed = {}
     if args.prefill:  # batch - 1 decodes + one prefill chunk from position 0, graphed (where the layout allows) / eager
         m = StepBatch()
@@ -265,7 +296,8 @@ def run_case(hf, layout: str, n_adapters: int, args, device, dtype, ops, bandwid
                 global_tokens=tokens, graphs=bool(replayed), ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3, 1),
                 back_to_back_ms=round(ahead_ms, 3),
                 pct_of_floor_back_to_back=round(100 * floor / ahead_ms, 1) if floor else None,
-                floor_mb=round(nbytes / 2**20, 3), floor_ms=round(floor, 3),
+                floor_mb=round(nbytes / 2**20, 3), floor_ms=round(floor, 3), adapter_mb=round(lora_bytes / 2**20, 3),
+                adapter_floor_ratio=round((nbytes + lora_bytes) / nbytes, 4) if nbytes else None,
                 pct_of_floor=round(100 * floor / ms, 1) if floor else None, lockstep_floor_ms=round(lock_floor, 3),
                 pct_of_lockstep_floor_back_to_back=round(100 * lock_floor / ahead_ms, 1) if floor else None,
                 peak_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else 0, **mixed,
@@ -486,6 +518,8 @@ def table(rows: list[dict]) -> str:
         pct = "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.1f}%"
         layout = r["layout"] + ("" if r["collectives"] == "auto" else f" ({r['collectives']})")
         adapters = f"{r['adapters']} x r{r['rank']}" + (" fully sharded" if r["fully_sharded"] else "")
+        if r["adapters"] and r.get("adapter_floor_ratio"):
+            adapters += f" (floor {r['adapter_floor_ratio']:.3f}x)"
         lines.append(f"| {r['model']} | {r['layers']} | {layout} | {r['weights']} | {adapters} | "
                      f"{'yes' if r['graphs'] else 'no'} | {r['batch_per_replica']} | {r['ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['floor_mb']:.1f} | {r['floor_ms']:.3f} | {pct} | "

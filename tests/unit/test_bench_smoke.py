@@ -94,6 +94,10 @@ def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights, modes):
     floor = {(r["weights"], r["adapters"]): r["floor_mb"] for r in rows}
     assert all(floor[("fp8", n)] < floor[("fp8_experts", n)] < floor[("none", n)] for n in (0, 2)
                if ("fp8", n) in floor), floor
+    # the adapters' own bytes: none without them; fully sharded, each rank reads its share of every A
+    assert all((r["adapter_mb"] > 0) == (r["adapters"] > 0) and r["adapter_floor_ratio"] >= 1 for r in rows), rows
+    lora = {(r["layout"], r["weights"], r["fully_sharded"]): r["adapter_mb"] for r in rows if r["adapters"]}
+    assert all(mb < lora[(layout, w, False)] for (layout, w, fully), mb in lora.items() if fully), lora
 
 
 def test_bench_moe_engine_smoke(tmp_path):
