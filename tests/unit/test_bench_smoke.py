@@ -98,6 +98,10 @@ def test_bench_moe_decode_smoke(tmp_path, ranks, layouts, weights, modes):
     assert all((r["adapter_mb"] > 0) == (r["adapters"] > 0) and r["adapter_floor_ratio"] >= 1 for r in rows), rows
     lora = {(r["layout"], r["weights"], r["fully_sharded"]): r["adapter_mb"] for r in rows if r["adapters"]}
     assert all(mb < lora[(layout, w, False)] for (layout, w, fully), mb in lora.items() if fully), lora
+    # the experts' groups: tp2's ranks read every routed (expert, adapter) group (a share of each), tp2_ep2's about
+    # half of them (each whole: less than twice tp2's share); both read the same attention LoRA
+    if ("tp2", "none", False) in lora and ("tp2_ep2", "none", False) in lora:
+        assert lora[("tp2", "none", False)] > lora[("tp2_ep2", "none", False)], lora
 
 
 def test_bench_moe_engine_smoke(tmp_path):
